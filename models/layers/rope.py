@@ -1,0 +1,78 @@
+"""Rotary position embeddings with a precomputed cos/sin table indexed by position.
+
+Frequencies come from transformers' own `ROPE_INIT_FUNCTIONS` (default, linear,
+dynamic-NTK, YaRN, llama3, ...), so every scaling variant matches the reference
+bit for bit instead of being re-derived here.
+
+Dynamic NTK: transformers rescales `inv_freq` from the longest position in the
+current batch, which a paged cache cannot follow (cached keys were rotated at
+older scales).  Up to `max_position_embeddings` both use the unscaled
+frequencies; beyond it we use the frequencies for the table's full length, a
+fixed scale like vLLM's.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+
+def _default_inv_freq(config) -> tuple[torch.Tensor, float]:
+    params = config.rope_parameters
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dim = int(dim * params.get("partial_rotary_factor", 1.0))
+    inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    return inv_freq, 1.0
+
+
+def rope_frequencies(config, max_positions: int) -> tuple[torch.Tensor, float]:
+    """(inv_freq (rotary_dim // 2,), attention_scaling) for an HF config."""
+    config.standardize_rope_params()
+    rope_type = config.rope_parameters.get("rope_type", "default")
+    if rope_type == "default":
+        return _default_inv_freq(config)
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"unsupported rope_type {rope_type!r}")
+    if rope_type == "dynamic" and max_positions > config.max_position_embeddings:
+        return ROPE_INIT_FUNCTIONS[rope_type](config, None, seq_len=max_positions)
+    return ROPE_INIT_FUNCTIONS[rope_type](config, None)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to q and k of shape (num_tokens, num_heads, rotary_dim).
+
+    `interleaved=True` rotates adjacent pairs (x0, x1), (x2, x3), ... as DeepSeek's
+    checkpoints expect; otherwise the two halves of the head are paired (Llama).
+    """
+
+    def __init__(self, config, max_positions: int, interleaved: bool = False):
+        super().__init__()
+        inv_freq, attention_scaling = rope_frequencies(config, max_positions)
+        self.rotary_dim = 2 * inv_freq.numel()
+        self.interleaved = interleaved
+        # Same float ops as transformers' forward: position * inv_freq, then cos/sin, then scale.
+        freqs = torch.arange(max_positions, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)  # (max_positions, rotary_dim)
+        # Plain attributes, not buffers: the table stays float32 whatever dtype the model is cast to.
+        self.cos = emb.cos() * attention_scaling
+        self.sin = emb.sin() * attention_scaling
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cos.device != positions.device:
+            self.cos, self.sin = self.cos.to(positions.device), self.sin.to(positions.device)
+        cos = self.cos[positions].to(q.dtype)[:, None, :]  # (num_tokens, 1, rotary_dim)
+        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if not self.interleaved:
+            return x * cos + rotate_half(x) * sin
+        # (x0, x1, x2, x3, ...) -> (x0, x2, ..., x1, x3, ...): pairs become halves.
+        shape = x.shape
+        x = x.unflatten(-1, (-1, 2)).transpose(-1, -2).reshape(shape)
+        return x * cos + rotate_half(x) * sin
