@@ -1,0 +1,82 @@
+"""Engine configuration: built once, frozen, validated with clear errors.
+
+The KV pool size is derived here (pure arithmetic, no torch) from the memory
+budget and the model's bytes per token, so an MLA model, which stores one small
+latent per token, gets many more blocks from the same budget than a GQA model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_KV_CACHE_MEMORY_GIB = 1.0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int | None = None  # pool size in blocks; overrides kv_cache_memory_gib
+    kv_cache_memory_gib: float | None = None  # pool size as a memory budget
+    max_num_seqs: int = 64  # requests in one step at most
+    max_num_batched_tokens: int = 2048  # tokens in one step at most (prefill chunks + decodes)
+    max_model_len: int | None = None  # None: the model's own context length
+    enable_prefix_caching: bool = True
+    max_waiting: int | None = None  # queued requests beyond this are refused; None: no limit
+    audit_interval_steps: int = 100  # reconcile the block pool every N steps; 0 disables
+
+    def __post_init__(self):
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
+        if self.kv_cache_memory_gib is not None and not self.kv_cache_memory_gib > 0:
+            raise ValueError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
+        if self.num_kv_blocks is not None and self.kv_cache_memory_gib is not None:
+            raise ValueError("give num_kv_blocks or kv_cache_memory_gib, not both")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        # Every running request decodes one token per step; the budget must cover them all
+        # or a full batch of decodes could never be scheduled together.
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                f"max_num_seqs ({self.max_num_seqs})"
+            )
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.max_waiting is not None and self.max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        if self.audit_interval_steps < 0:
+            raise ValueError(f"audit_interval_steps must be >= 0, got {self.audit_interval_steps}")
+
+    def resolve_max_model_len(self, model_max_len: int) -> int:
+        """The context length the engine serves: ours if set (never above the model's)."""
+        if self.max_model_len is None:
+            return model_max_len
+        if self.max_model_len > model_max_len:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's context length {model_max_len}"
+            )
+        return self.max_model_len
+
+    def resolve_num_blocks(self, bytes_per_token: int, max_model_len: int) -> int:
+        """Blocks in the KV pool for a model storing `bytes_per_token` bytes per token.
+
+        With neither size given the pool gets the default budget, capped at what
+        max_num_seqs full-length requests could ever use (no point holding more).
+        """
+        if bytes_per_token < 1:
+            raise ValueError(f"bytes_per_token must be at least 1, got {bytes_per_token}")
+        if self.num_kv_blocks is not None:
+            return self.num_kv_blocks
+        bytes_per_block = self.block_size * bytes_per_token
+        gib = self.kv_cache_memory_gib if self.kv_cache_memory_gib is not None else DEFAULT_KV_CACHE_MEMORY_GIB
+        num_blocks = int(gib * 2**30) // bytes_per_block
+        if self.kv_cache_memory_gib is None:
+            blocks_per_seq = -(-max_model_len // self.block_size)
+            num_blocks = min(num_blocks, self.max_num_seqs * blocks_per_seq)
+        if num_blocks < 1:
+            raise ValueError(
+                f"a KV cache budget of {gib} GiB holds no block of {bytes_per_block} bytes "
+                f"({self.block_size} tokens x {bytes_per_token} bytes per token)"
+            )
+        return num_blocks

@@ -1,0 +1,147 @@
+"""The block pool on its own: ref counts, prefix hashes, LRU eviction, audit. No torch."""
+import pytest
+
+from engine.block_manager import BlockManager, hash_block
+from engine.request import SamplingParams
+from engine.scheduler import Request
+
+BS = 4
+
+
+def make_request(rid, tokens):
+    return Request(rid, list(tokens), SamplingParams(max_tokens=4))
+
+
+def compute_all(bm, request, num_tokens=None):
+    """Allocate with prefix hits, then mark everything computed (what a step would do)."""
+    num_tokens = request.num_tokens if num_tokens is None else num_tokens
+    hits = bm.get_computed_blocks(request)
+    table = bm.allocate(request, hits, num_tokens)
+    assert table is not None
+    bm.cache_blocks(request, num_tokens)
+    assert bm.audit() == []
+    return hits, table
+
+
+def test_allocate_and_free_return_every_block():
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    a, b = make_request("a", range(10)), make_request("b", range(100, 105))
+    assert bm.allocate(a, [], 10) is not None and len(bm.block_table("a")) == 3
+    assert bm.allocate(b, [], 5) is not None
+    assert bm.num_free_blocks == 3 and bm.audit() == []
+    assert bm.append_slots(b, 9) == bm.block_table("b") and len(bm.block_table("b")) == 3
+    bm.free(a)
+    bm.free(b)
+    bm.free(b)  # freeing twice is a no-op
+    assert bm.num_free_blocks == 8 and bm.num_used_blocks == 0 and bm.audit() == []
+
+
+def test_allocation_failure_is_none_and_changes_nothing():
+    bm = BlockManager(num_blocks=3, block_size=BS)
+    a = make_request("a", range(8))
+    assert bm.allocate(a, [], 8) is not None
+    b = make_request("b", range(50, 58))
+    assert not bm.can_allocate(b, 8)
+    assert bm.allocate(b, [], 8) is None
+    assert bm.append_slots(a, 20) is None
+    assert len(bm.block_table("a")) == 2 and bm.num_free_blocks == 1 and bm.audit() == []
+
+
+def test_chained_hash_depends_on_everything_before():
+    h0 = hash_block(None, [1, 2, 3, 4])
+    assert hash_block(None, [1, 2, 3, 4]) == h0
+    assert hash_block(h0, [5, 6, 7, 8]) != hash_block(hash_block(None, [9, 2, 3, 4]), [5, 6, 7, 8])
+    assert hash_block(None, [1, 2, 3, 5]) != h0
+
+
+def test_prefix_hit_reuses_blocks_and_counts_tokens():
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    a = make_request("a", range(14))  # 3 full blocks + 2 tokens
+    compute_all(bm, a)
+    b = make_request("b", list(range(12)) + [99, 98, 97])
+    hits, table = compute_all(bm, b)
+    assert hits == bm.block_table("a")[:3] and table[:3] == hits
+    assert [bm.ref_counts[x] for x in hits] == [2, 2, 2]
+    assert bm.num_prefix_queries == 14 + 15 and bm.num_prefix_hits == 12
+    bm.free(a)
+    bm.free(b)
+    assert bm.num_free_blocks == 16 and bm.audit() == []
+
+
+def test_last_token_is_never_served_from_cache():
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    compute_all(bm, make_request("a", range(8)))
+    # Same 8 tokens: only the first block may hit, the last token must be computed.
+    assert len(bm.get_computed_blocks(make_request("b", range(8)))) == 1
+    assert len(bm.get_computed_blocks(make_request("c", range(9)))) == 2
+
+
+def test_freed_cached_blocks_stay_reusable_until_evicted_lru():
+    bm = BlockManager(num_blocks=4, block_size=BS)
+    old = make_request("old", range(0, 5))
+    compute_all(bm, old)
+    bm.free(old)
+    new = make_request("new", range(100, 105))
+    compute_all(bm, new)
+    bm.free(new)
+    assert bm.num_free_blocks == 4 and bm.num_cached_blocks == 2
+    # Plain free blocks go first; then the least recently freed cached block ("old").
+    x = make_request("x", range(200, 208))
+    assert bm.allocate(x, [], 8) is not None
+    assert bm.num_cached_blocks == 2
+    y = make_request("y", range(300, 304))
+    assert bm.allocate(y, [], 4) is not None
+    assert bm.num_cached_blocks == 1
+    assert bm.get_computed_blocks(make_request("old2", range(0, 5))) == []
+    assert len(bm.get_computed_blocks(make_request("new2", range(100, 105)))) == 1
+    assert bm.audit() == []
+
+
+def test_hit_on_evictable_block_takes_it_out_of_the_free_pool():
+    bm = BlockManager(num_blocks=3, block_size=BS)
+    a = make_request("a", range(9))
+    compute_all(bm, a)
+    bm.free(a)
+    b = make_request("b", range(9))
+    hits = bm.get_computed_blocks(b)
+    assert len(hits) == 2
+    # b needs 3 blocks: 2 hits + 1 new; the pool (all 3 allocatable) covers it.
+    assert bm.can_allocate(b, 9, hits)
+    assert bm.allocate(b, hits, 9) is not None
+    assert bm.num_free_blocks == 0 and bm.audit() == []
+
+
+def test_same_prefix_computed_twice_is_registered_once():
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    a, b = make_request("a", range(6)), make_request("b", range(6))
+    bm.allocate(a, [], 6)
+    bm.allocate(b, [], 6)
+    bm.cache_blocks(a, 6)
+    bm.cache_blocks(b, 6)
+    assert bm.num_cached_blocks == 1 and bm.audit() == []
+    bm.free(a)
+    bm.free(b)
+    assert bm.num_free_blocks == 8 and bm.audit() == []
+
+
+def test_prefix_caching_off_never_hits():
+    bm = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=False)
+    compute_all(bm, make_request("a", range(9)))
+    assert bm.get_computed_blocks(make_request("b", range(9))) == []
+    assert bm.num_cached_blocks == 0 and bm.num_prefix_queries == 0
+
+
+def test_audit_reports_discrepancies():
+    bm = BlockManager(num_blocks=4, block_size=BS)
+    a = make_request("a", range(6))
+    bm.allocate(a, [], 6)
+    bm.ref_counts[bm.block_table("a")[0]] += 1
+    assert any("ref count 2 but 1 holders" in issue for issue in bm.audit())
+    bm.ref_counts[bm.block_table("a")[0]] -= 1
+    bm._free.pop()  # a lost block
+    assert any("!= total" in issue for issue in bm.audit())
+
+
+def test_invalid_pool_is_rejected():
+    with pytest.raises(ValueError):
+        BlockManager(num_blocks=0, block_size=BS)
