@@ -1,0 +1,200 @@
+"""The sampler against hand-computed distributions on a 5-token vocabulary."""
+import math
+
+import pytest
+import torch
+
+from engine.request import SamplingParams
+from engine.sampler import (SamplingBatch, make_generator, process_logits, sample,
+                            sampling_probs)
+
+# A 5-token distribution with no ties: p = [0.1, 0.3, 0.05, 0.4, 0.15].
+PROBS = [0.1, 0.3, 0.05, 0.4, 0.15]
+LOGITS = torch.tensor([PROBS]).log()
+
+
+def batch_of(params, outputs=None, prompts=None, generators=None, vocab_size=5, **kwargs):
+    n = len(params)
+    return SamplingBatch.from_params(
+        params, prompts or [[] for _ in range(n)], outputs or [[] for _ in range(n)],
+        generators or [None] * n, vocab_size, "cpu", **kwargs)
+
+
+def probs_for(params, logits=LOGITS, **kwargs):
+    batch = batch_of([params], **kwargs)
+    return sampling_probs(process_logits(logits, batch), batch)[0]
+
+
+def expected(weights):  # dict token -> unnormalised weight -> 5-vector of probabilities
+    total = sum(weights.values())
+    return torch.tensor([weights.get(t, 0.0) / total for t in range(5)])
+
+
+def test_greedy_rows_take_argmax_even_beside_random_rows():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.5, top_k=40)] * 3
+    out = sample(logits, batch_of(params, vocab_size=50))
+    assert out.token_ids[0::2] == logits[0::2].argmax(-1).tolist()
+    assert out.logprobs == [None] * 6
+
+
+def test_sample_leaves_the_callers_logits_untouched():
+    logits = torch.randn(2, 5)
+    before = logits.clone()
+    params = [SamplingParams(repetition_penalty=1.3, logit_bias={1: 2.0}, top_p=0.5), SamplingParams(min_p=0.2)]
+    sample(logits, batch_of(params, outputs=[[1, 2], [3]]))
+    assert torch.equal(logits, before)
+
+
+def test_top_k_keeps_exactly_the_k_best_renormalised():
+    assert torch.allclose(probs_for(SamplingParams(top_k=2)), expected({3: 0.4, 1: 0.3}), atol=1e-6)
+    assert torch.allclose(probs_for(SamplingParams(top_k=0)), torch.tensor(PROBS), atol=1e-6)
+    assert torch.allclose(probs_for(SamplingParams(top_k=-1)), torch.tensor(PROBS), atol=1e-6)
+    assert torch.allclose(probs_for(SamplingParams(top_k=99)), torch.tensor(PROBS), atol=1e-6)
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p():
+    # Best first: 0.4, 0.3, 0.15, 0.1, 0.05; mass before each: 0, 0.4, 0.7, 0.85, 0.95.
+    assert torch.allclose(probs_for(SamplingParams(top_p=0.75)), expected({3: 0.4, 1: 0.3, 4: 0.15}), atol=1e-6)
+    assert torch.allclose(probs_for(SamplingParams(top_p=0.6)), expected({3: 0.4, 1: 0.3}), atol=1e-6)
+    assert torch.allclose(probs_for(SamplingParams(top_p=0.01)), expected({3: 1.0}), atol=1e-6)
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_best():
+    # Threshold = min_p * 0.4.
+    assert torch.allclose(probs_for(SamplingParams(min_p=0.5)), expected({3: 0.4, 1: 0.3}), atol=1e-6)
+    assert torch.allclose(probs_for(SamplingParams(min_p=0.3)), expected({3: 0.4, 1: 0.3, 4: 0.15}), atol=1e-6)
+
+
+def test_temperature_then_top_k_then_top_p():
+    # T = 0.5 squares the probabilities: 0.01, 0.09, 0.0025, 0.16, 0.0225 (sum 0.285).
+    assert torch.allclose(probs_for(SamplingParams(temperature=0.5)),
+                          expected({0: .01, 1: .09, 2: .0025, 3: .16, 4: .0225}), atol=1e-6)
+    # top_k=3 keeps .16, .09, .0225 -> .587, .330, .083; top_p=0.9: mass before 0, .587, .917 -> two stay.
+    params = SamplingParams(temperature=0.5, top_k=3, top_p=0.9)
+    assert torch.allclose(probs_for(params), expected({3: .16, 1: .09}), atol=1e-6)
+
+
+def test_draws_follow_the_processed_distribution():
+    rows = 20000
+    params = [SamplingParams(temperature=0.5, top_k=3)] * rows
+    gen = torch.Generator().manual_seed(1234)
+    out = sample(LOGITS.expand(rows, 5), batch_of(params, default_generator=gen))
+    freq = torch.bincount(torch.tensor(out.token_ids), minlength=5) / rows
+    want = expected({3: .16, 1: .09, 4: .0225})
+    assert freq[0] == freq[2] == 0
+    assert torch.allclose(freq, want, atol=0.015), (freq, want)
+
+
+def run_seeded(seed, step_logits, companions):
+    """Tokens of one seeded request over the steps, batched each step with `companions(step)`."""
+    target = SamplingParams(temperature=0.8, top_p=0.9, presence_penalty=0.5, seed=seed)
+    gen = make_generator(seed, "cpu")
+    outputs: list[int] = []
+    for step, row_logits in enumerate(step_logits):
+        others = companions(step)
+        position = step % (len(others) + 1)
+        params = [p for p, _, _ in others]
+        params.insert(position, target)
+        logits = [lg for _, lg, _ in others]
+        logits.insert(position, row_logits)
+        gens = [g for _, _, g in others]
+        gens.insert(position, gen)
+        outs = [[1, 2, 3]] * len(others)
+        outs.insert(position, list(outputs))
+        batch = SamplingBatch.from_params(params, [[0, 1]] * len(params), outs, gens, row_logits.numel(), "cpu")
+        outputs.append(sample(torch.stack(logits), batch).token_ids[position])
+    return outputs
+
+
+def test_seeded_request_is_reproducible_whatever_its_batch():
+    vocab = 64
+    torch.manual_seed(7)
+    step_logits = [torch.randn(vocab) * 2 for _ in range(40)]
+    alone = run_seeded(42, step_logits, lambda step: [])
+    rng = torch.Generator().manual_seed(99)
+
+    def crowd(step):
+        kinds = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.3, top_k=5, seed=3),
+                 SamplingParams(temperature=0.7, min_p=0.1), SamplingParams(repetition_penalty=1.5, logprobs=3)]
+        count = int(torch.randint(1, 6, (1,), generator=rng))
+        picks = torch.randint(0, len(kinds), (count,), generator=rng).tolist()
+        return [(kinds[k], torch.randn(vocab, generator=rng) * 3,
+                 make_generator(kinds[k].seed, "cpu")) for k in picks]
+
+    assert run_seeded(42, step_logits, crowd) == alone
+    assert run_seeded(43, step_logits, lambda step: []) != alone  # the seed does matter
+
+
+def test_repetition_penalty_covers_prompt_and_output():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]])
+    batch = batch_of([SamplingParams(repetition_penalty=2.0)], prompts=[[0]], outputs=[[1, 3, 3]])
+    assert process_logits(logits, batch).tolist() == [[1.0, -2.0, 0.5, 1.5, -2.0]]
+
+
+def test_frequency_and_presence_penalties_count_generated_tokens_only():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]])
+    params = SamplingParams(frequency_penalty=0.5, presence_penalty=0.25)
+    batch = batch_of([params], prompts=[[0, 2]], outputs=[[1, 3, 3]])
+    # token 1: -1 - 0.5 - 0.25; token 3: 3 - 2 * 0.5 - 0.25; prompt tokens 0 and 2 untouched.
+    assert process_logits(logits, batch).tolist() == [[2.0, -1.75, 0.5, 1.75, -2.0]]
+
+
+def test_penalties_compose_with_logit_bias_first():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]])
+    params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25,
+                            logit_bias={2: 5.0, 1: 2.0})
+    batch = batch_of([params], prompts=[[0]], outputs=[[1, 3, 3]])
+    # bias: token 1 -> 1.0, token 2 -> 5.5; repetition on 0, 1, 3: 1.0, 0.5, 1.5; then counts on 1 and 3.
+    assert process_logits(logits, batch).tolist() == [[1.0, -0.25, 5.5, 0.25, -2.0]]
+
+
+def test_neutral_params_build_no_penalty_or_filter_tensors():
+    batch = batch_of([SamplingParams(), SamplingParams(temperature=0.0)], outputs=[[1], [2]])
+    assert batch.seen is None and batch.output_counts is None and batch.logit_bias is None
+    assert batch.top_k is None and batch.top_p is None and batch.min_p is None and batch.banned is None
+    all_greedy = batch_of([SamplingParams(temperature=0.0, top_k=2)])
+    assert all_greedy.all_greedy and all_greedy.temperature is None and all_greedy.top_k is None
+
+
+def test_min_tokens_blocks_eos_and_stop_tokens_until_reached():
+    logits = torch.tensor([[0.0, 0.0, 0.0, 9.0, 8.0]] * 4)  # EOS (3) is the argmax, stop token 4 next
+    params = [SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=(4,))] * 3
+    params.append(SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True))
+    outputs = [[], [1], [1, 1], [1]]
+    out = sample(logits, batch_of(params, outputs=outputs, eos_token_ids=[3]))
+    assert out.token_ids[:3] != [3, 3, 3] and out.token_ids[0] not in (3, 4) and out.token_ids[1] not in (3, 4)
+    assert out.token_ids[2] == 3  # min_tokens reached
+    assert out.token_ids[3] == 3  # ignore_eos: EOS is an ordinary token, nothing to mask
+    per_row = batch_of(params[:2], outputs=outputs[:2], eos_token_ids=[[3], [2]])
+    assert process_logits(logits[:2], per_row)[1].tolist() == [0.0, 0.0, float("-inf"), 9.0, float("-inf")]
+
+
+def test_logprobs_are_log_softmax_after_penalties_before_temperature():
+    torch.manual_seed(3)
+    logits = torch.randn(3, 30)
+    params = [SamplingParams(temperature=0.3, top_k=4, logprobs=5, logit_bias={7: 3.0}),
+              SamplingParams(temperature=0.0, logprobs=0), SamplingParams(temperature=0.9)]
+    out = sample(logits, batch_of(params, vocab_size=30))
+    biased = logits[0].clone()
+    biased[7] += 3.0
+    reference = torch.log_softmax(biased, -1)
+    first = out.logprobs[0]
+    assert first.token_id == out.token_ids[0]
+    assert math.isclose(first.logprob, reference[first.token_id].item(), abs_tol=1e-6)
+    assert [t for t, _ in first.top] == reference.topk(5).indices.tolist()
+    assert all(math.isclose(lp, reference[t].item(), abs_tol=1e-6) for t, lp in first.top)
+    assert [lp for _, lp in first.top] == sorted((lp for _, lp in first.top), reverse=True)
+    assert out.logprobs[1].top == [] and out.logprobs[1].token_id == logits[1].argmax().item()
+    assert math.isclose(out.logprobs[1].logprob, torch.log_softmax(logits[1], -1).max().item(), abs_tol=1e-6)
+    assert out.logprobs[2] is None
+
+
+def test_bad_inputs_raise_value_errors():
+    with pytest.raises(ValueError, match="logit_bias"):
+        batch_of([SamplingParams(logit_bias={5: 1.0})])
+    with pytest.raises(ValueError, match="shape"):
+        sample(torch.zeros(2, 5), batch_of([SamplingParams()]))
+    with pytest.raises(ValueError, match="one entry per row"):
+        SamplingBatch.from_params([SamplingParams()], [], [[]], [None], 5, "cpu")
