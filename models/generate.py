@@ -1,0 +1,97 @@
+"""Greedy generation from the command line, all prompts as one batch through the paged cache.
+
+    python -m models.generate --model PATH --prompt "Hello" --prompt "Hi" --max-tokens 32
+
+Prints one JSON line per prompt: {"prompt": ..., "text": ..., "token_ids": [...]}.
+A smoke test of the model layer; the engine's offline LLM class does the real serving.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from models.layers.attention import AttentionMetadata
+from models.loader import DEFAULT_MODEL, LoadedModel, load_model
+
+
+@torch.inference_mode()
+def generate_greedy(
+    loaded: LoadedModel, prompts: list[list[int]], max_tokens: int, ignore_eos: bool = False, block_size: int = 16
+) -> list[list[int]]:
+    """Greedy token ids for each prompt: one prefill of all prompts, then one decode step for all at a time."""
+    model, config = loaded.model, loaded.config
+    device = next(model.parameters()).device
+    for p in prompts:
+        if not p:
+            raise ValueError("empty prompt: need at least one token")
+        if len(p) + max_tokens > config.max_model_len:
+            raise ValueError(f"prompt of {len(p)} tokens + {max_tokens} new > max_model_len {config.max_model_len}")
+    # Each prompt owns enough consecutive blocks for its prompt and all new tokens.
+    block_tables, num_blocks = [], 0
+    for p in prompts:
+        n = -(-(len(p) + max_tokens) // block_size)
+        block_tables.append(list(range(num_blocks, num_blocks + n)))
+        num_blocks += n
+    kv_caches = model.kv_cache_spec(config.dtype).allocate(num_blocks, block_size, device)
+    tokens = [list(p) for p in prompts]  # prompt + generated so far
+    outputs: list[list[int]] = [[] for _ in prompts]
+    active = list(range(len(prompts))) if max_tokens > 0 else []
+    new_ids = [list(p) for p in prompts]  # tokens each active sequence feeds this step
+    while active:
+        query_lens = [len(new_ids[i]) for i in active]
+        seq_lens = [len(tokens[i]) for i in active]
+        meta = AttentionMetadata.build(query_lens, seq_lens, [block_tables[i] for i in active], block_size, device)
+        input_ids = torch.tensor([t for i in active for t in new_ids[i]], dtype=torch.int64, device=device)
+        positions = torch.tensor(
+            [pos for q, s in zip(query_lens, seq_lens) for pos in range(s - q, s)], dtype=torch.int64, device=device
+        )
+        hidden = model(input_ids, positions, kv_caches, meta)  # (num_tokens, hidden_size)
+        last = torch.tensor(query_lens, device=device).cumsum(0) - 1  # each sequence's last token row
+        next_ids = model.compute_logits(hidden[last]).argmax(dim=-1).tolist()
+        still = []
+        for i, t in zip(active, next_ids):
+            outputs[i].append(t)
+            tokens[i].append(t)
+            new_ids[i] = [t]
+            if len(outputs[i]) < max_tokens and (ignore_eos or t not in config.eos_token_ids):
+                still.append(i)
+        active = still
+    return outputs
+
+
+def _encode(loaded: LoadedModel, prompt: str, chat: bool) -> list[int]:
+    tok = loaded.tokenizer
+    if not chat:
+        return tok(prompt).input_ids  # exactly the checkpoint tokenizer's defaults (BOS etc.)
+    if tok.chat_template is None:
+        raise ValueError(f"{loaded.config.path} has no chat template; drop --chat")
+    text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    return tok(text, add_special_tokens=False).input_ids  # the template already holds the special tokens
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m models.generate", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="checkpoint dir, .gguf file, or the default alias")
+    parser.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--chat", action="store_true", help="apply the chat template (add_generation_prompt)")
+    args = parser.parse_args(argv)
+    if args.max_tokens < 0:
+        parser.error("--max-tokens must be >= 0")
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    prompt_ids = [_encode(loaded, p, args.chat) for p in args.prompt]
+    outputs = generate_greedy(loaded, prompt_ids, args.max_tokens, args.ignore_eos)
+    for prompt, ids in zip(args.prompt, outputs):
+        text = loaded.tokenizer.decode(ids, skip_special_tokens=True)
+        print(json.dumps({"prompt": prompt, "text": text, "token_ids": ids}, ensure_ascii=False))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,24 @@
+"""Gated MLP (SwiGLU for silu): down(act(gate(x)) * up(x)), gate and up in one matmul."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+
+from models.layers.linear import MergedLinear
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu", bias: bool = False):
+        super().__init__()
+        if hidden_act not in ACT2FN:
+            raise ValueError(f"unsupported hidden_act {hidden_act!r}")
+        self.gate_up_proj = MergedLinear(
+            hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}, bias=bias
+        )
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.act_fn = ACT2FN[hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))  # each (num_tokens, intermediate_size)
+        return self.down_proj(self.act_fn(gate) * up)

@@ -1,0 +1,144 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache.
+
+One class serves all four; their differences are a few config switches:
+
+    Qwen2   q/k/v projections carry a bias (o_proj does not)
+    Qwen3   RMSNorm over each q and k head before RoPE; explicit head_dim
+    Llama   `attention_bias` / `mlp_bias` flags; RoPE scaling via rope_parameters
+    Mistral sliding window: ModelConfig caps max_model_len to it (see models/config.py)
+
+Parameter names follow the HF checkpoints, except q/k/v -> `qkv_proj` and
+gate/up -> `gate_up_proj`, each one matmul (see models/layers/linear.py).
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.layers.attention import AttentionMetadata, KVCacheSpec, paged_attention
+from models.layers.linear import MergedLinear, load_hf_weights
+from models.layers.mlp import GatedMLP
+from models.layers.norm import RMSNorm
+from models.layers.rope import RotaryEmbedding
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, rotary_emb: RotaryEmbedding):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_attention_heads {self.num_heads} not a multiple of num_key_value_heads {self.num_kv_heads}")
+        self.head_dim = _head_dim(config)
+        self.scale = self.head_dim**-0.5
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        is_qwen2 = config.model_type == "qwen2"
+        self.qkv_proj = MergedLinear(
+            config.hidden_size,
+            {
+                "q_proj": self.num_heads * self.head_dim,
+                "k_proj": self.num_kv_heads * self.head_dim,
+                "v_proj": self.num_kv_heads * self.head_dim,
+            },
+            bias=attention_bias or is_qwen2,
+        )
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=attention_bias and not is_qwen2)
+        self.qk_norm = config.model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        if rotary_emb.rotary_dim != self.head_dim:
+            raise ValueError(f"partial rotary embeddings are not supported (rotary dim {rotary_emb.rotary_dim}, head_dim {self.head_dim})")
+        self.rotary_emb = rotary_emb  # shared by all layers; holds no parameters
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # (num_tokens, num_heads, head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # (num_tokens, num_kv_heads, head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        out = paged_attention(q, k, v, kv_cache, attn_metadata, self.scale)  # (num_tokens, num_heads, head_dim)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, rotary_emb: RotaryEmbedding):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, rotary_emb)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = GatedMLP(
+            config.hidden_size, config.intermediate_size, config.hidden_act, bias=bool(getattr(config, "mlp_bias", False))
+        )
+
+    def forward(self, positions, x, kv_cache, attn_metadata) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, attn_metadata)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, max_model_len: int):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # The loader builds the model on the meta device; the cos/sin table is a plain
+        # attribute (not a parameter it would fill in), so build it on a real device.
+        with torch.device("cpu"):
+            rotary_emb = RotaryEmbedding(config, max_model_len)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary_emb) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, kv_caches, attn_metadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # (num_tokens, hidden_size)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(positions, x, kv_cache, attn_metadata)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, hf_config, max_model_len: int):
+        super().__init__()
+        self.config = hf_config
+        self.model = LlamaModel(hf_config, max_model_len)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        # Tied: logits reuse the embedding matrix directly; a second Parameter object
+        # sharing it would come apart when the loader moves the model off the meta device.
+        self.lm_head = None if self.tie_word_embeddings else nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+
+    def kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec:
+        attn = self.model.layers[0].self_attn
+        return KVCacheSpec(len(self.model.layers), (2, attn.num_kv_heads, attn.head_dim), dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions: (num_tokens,) -> hidden states (num_tokens, hidden_size)."""
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()  # (num_rows, vocab_size)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors in; returns the parameter names fully loaded."""
+
+        def skip(name: str) -> bool:
+            # Old checkpoints store RoPE inv_freq; tied ones sometimes still carry lm_head.
+            return name.endswith("rotary_emb.inv_freq") or (self.lm_head is None and name == "lm_head.weight")
+
+        return load_hf_weights(self, weights, skip)

@@ -1,0 +1,27 @@
+"""HF architecture name (config.json `architectures`) -> model class.
+
+Entries are (module, class name) and imported only when a checkpoint asks for
+them, so listing an architecture costs nothing and a model file with heavy
+imports is not loaded by a server that never serves it.
+"""
+from __future__ import annotations
+
+import importlib
+
+MODEL_REGISTRY: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("models.llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("models.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("models.llama", "LlamaForCausalLM"),
+    "Qwen3ForCausalLM": ("models.llama", "LlamaForCausalLM"),
+    "DeepseekV2ForCausalLM": ("models.deepseek", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("models.deepseek", "DeepseekV3ForCausalLM"),
+}
+
+
+def get_model_class(architecture: str) -> type:
+    if architecture not in MODEL_REGISTRY:
+        raise ValueError(
+            f"unsupported architecture {architecture!r}; supported: {', '.join(sorted(MODEL_REGISTRY))}"
+        )
+    module_name, class_name = MODEL_REGISTRY[architecture]
+    return getattr(importlib.import_module(module_name), class_name)
