@@ -43,7 +43,7 @@ def load_model(
     max_model_len: int | None = None,
 ) -> LoadedModel:
     """`model`: a checkpoint directory, a .gguf file, or the default alias ("SmolLM2-135M-Instruct"/"smollm2")."""
-    if str(model).lower() in _DEFAULT_ALIASES:
+    if str(model).strip().lower() in _DEFAULT_ALIASES:
         from models.fetch import default_model_path  # lazy: downloads only when asked for
 
         model = default_model_path()
