@@ -1,0 +1,182 @@
+"""DeepSeek V2 / V3: multi-head latent attention (models/layers/mla.py) and a
+mixture of experts (models/layers/moe.py) in a pre-norm decoder.
+
+    embed -> [ x += MLA(norm(x)) ; x += FFN(norm(x)) ] * num_layers -> norm -> lm_head
+    FFN = dense SwiGLU in the first `first_k_dense_replace` layers, MoE after
+          (every `moe_layer_freq`-th layer when the config sets it)
+
+V2 and V3 differ only in routing (softmax vs sigmoid + correction bias, see moe.py) and
+in V3's `rope_interleave` switch; V2 checkpoints always store rope dims in interleaved
+pairs. Unlike transformers 5.23's V2 router, which ignores `norm_topk_prob`, both
+renormalise when it is set (as V3 does); released V2 checkpoints leave it False.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.layers.attention import AttentionMetadata, KVCacheSpec
+from models.layers.linear import load_hf_weights
+from models.layers.mla import MLAttention
+from models.layers.mlp import GatedMLP
+from models.layers.moe import MoE, RouterConfig
+from models.layers.norm import RMSNorm
+from models.layers.rope import RotaryEmbedding
+
+# Per-expert checkpoint names (save_pretrained and DeepSeek's releases):
+#   model.layers.3.mlp.experts.17.gate_proj.weight -> ("model.layers.3.mlp.experts", "17", "gate_proj")
+_EXPERT_WEIGHT = re.compile(r"(.+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def is_moe_layer(hf_config, layer_idx: int) -> bool:
+    freq = getattr(hf_config, "moe_layer_freq", 1) or 1
+    return bool(hf_config.n_routed_experts) and layer_idx >= hf_config.first_k_dense_replace and layer_idx % freq == 0
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, hf_config, layer_idx: int, rotary_emb: RotaryEmbedding, router_config: RouterConfig | None):
+        super().__init__()
+        c = hf_config
+        self.self_attn = MLAttention(c, rotary_emb)
+        if router_config is not None and is_moe_layer(c, layer_idx):
+            self.mlp = MoE(c, router_config)
+        else:
+            self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, bias=getattr(c, "mlp_bias", False))
+        self.input_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DeepseekModel(nn.Module):
+    def __init__(self, hf_config, rotary_emb: RotaryEmbedding, router_config: RouterConfig | None):
+        super().__init__()
+        c = hf_config
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(c, i, rotary_emb, router_config) for i in range(c.num_hidden_layers)
+        )
+        self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+
+
+class _DeepseekForCausalLM(nn.Module):
+    # (scoring, topk_method) when config.json does not name them; see moe.py.
+    router_defaults: tuple[str, str]
+
+    def __init__(self, hf_config, max_model_len: int):
+        super().__init__()
+        c = hf_config
+        if c.q_lora_rank is not None and c.q_lora_rank < 1:
+            raise ValueError(f"q_lora_rank must be None or >= 1, got {c.q_lora_rank}")
+        if min(c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim) < 1:
+            raise ValueError("kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim and v_head_dim must be >= 1")
+        self.hf_config = c
+        router_config = RouterConfig.from_hf(c, *self.router_defaults) if c.n_routed_experts else None
+        # The loader builds the model on the meta device; the cos/sin table is a plain
+        # attribute it would not fill in, so it is built on a real device.
+        with torch.device("cpu"):
+            rotary_emb = RotaryEmbedding(c, max_model_len, interleaved=self.rope_interleaved(c))
+        self.model = DeepseekModel(c, rotary_emb, router_config)
+        self.tie_word_embeddings = bool(getattr(c, "tie_word_embeddings", False))
+        # Tied: logits reuse the embedding matrix; a second Parameter sharing it would
+        # come apart when the loader moves the model off the meta device.
+        self.lm_head = None if self.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+
+    @staticmethod
+    def rope_interleaved(hf_config) -> bool:
+        raise NotImplementedError
+
+    def kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec:
+        # One compressed latent + rotated k_pe per token, shared by all heads.
+        entry = self.hf_config.kv_lora_rank + self.hf_config.qk_rope_head_dim
+        return KVCacheSpec(num_layers=len(self.model.layers), entry_shape=(entry,), dtype=dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)  # (T, hidden)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(positions, x, kv_cache, attn_metadata)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()  # (num_rows, vocab_size)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors in; returns the parameter names fully loaded.
+
+        Routed experts come per expert (`experts.N.gate_proj.weight`: what save_pretrained
+        and DeepSeek's releases write) or fused (`experts.gate_up_proj`, `experts.down_proj`);
+        each `kv_b_proj.weight` is split into the attention's W_UK / W_UV. Everything else
+        is a plain or merged (gate/up) parameter: see models/layers/linear.py.
+        """
+        loaded: set[str] = set()
+        expert_pieces: dict[str, int] = {}
+        num_experts = self.hf_config.n_routed_experts or 0
+
+        def load_special(name: str, tensor: torch.Tensor) -> bool:
+            if m := _EXPERT_WEIGHT.match(name):
+                prefix, expert, proj = m[1], int(m[2]), m[3]
+                if not 0 <= expert < num_experts:
+                    raise ValueError(f"tensor {name!r}: expert index out of range (n_routed_experts={num_experts})")
+                self._submodule(prefix, name).load_expert(expert, proj, tensor)
+                fused = f"{prefix}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"
+                expert_pieces[fused] = expert_pieces.get(fused, 0) + 1
+                if expert_pieces[fused] == (num_experts if proj == "down_proj" else 2 * num_experts):
+                    loaded.add(fused)
+                return True
+            if name.endswith(".kv_b_proj.weight"):
+                prefix = name.removesuffix(".kv_b_proj.weight")
+                self._submodule(prefix, name).load_kv_b_proj(tensor)
+                loaded.update((f"{prefix}.w_uk", f"{prefix}.w_uv"))
+                return True
+            return False
+
+        plain = ((n, t) for n, t in weights if not self._ignored(n) and not load_special(n, t))
+        loaded |= load_hf_weights(self, plain)
+        return loaded
+
+    def _submodule(self, prefix: str, name: str) -> nn.Module:
+        try:
+            return self.get_submodule(prefix)
+        except AttributeError:
+            raise ValueError(f"tensor {name!r} does not belong to this model") from None
+
+    def _ignored(self, name: str) -> bool:
+        if name.endswith("rotary_emb.inv_freq"):
+            return True
+        if name == "lm_head.weight" and self.lm_head is None:
+            return True  # tied: the embedding is the head
+        # V3 checkpoints append multi-token-prediction layers after the last decoder layer.
+        m = _LAYER_INDEX.match(name)
+        return m is not None and int(m[1]) >= len(self.model.layers)
+
+
+class DeepseekV2ForCausalLM(_DeepseekForCausalLM):
+    router_defaults = ("softmax", "greedy")
+
+    @staticmethod
+    def rope_interleaved(hf_config) -> bool:
+        return True  # transformers rotates V2's rope dims as complex pairs (x0 + i x1), ...
+
+
+class DeepseekV3ForCausalLM(_DeepseekForCausalLM):
+    router_defaults = ("sigmoid", "noaux_tc")
+
+    @staticmethod
+    def rope_interleaved(hf_config) -> bool:
+        return bool(getattr(hf_config, "rope_interleave", True))

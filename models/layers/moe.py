@@ -1,0 +1,218 @@
+"""DeepSeek mixture of experts: a router sends each token to its top-k routed experts,
+and shared experts see every token.
+
+Routing, computed in float32 like the reference:
+
+    V2  scores = softmax(logits)
+        "greedy":               top-k over all experts
+        "group_limited_greedy": keep the topk_group groups with the best single score,
+                                then top-k among their experts
+    V3  scores = sigmoid(logits); choice = scores + e_score_correction_bias
+        ("noaux_tc"): keep the topk_group groups with the best sum of their top-2
+        choice values, then top-k of choice among their experts. The bias only steers
+        selection (load balancing); the weights are the unbiased scores.
+
+The chosen weights are optionally renormalised to sum to 1 (norm_topk_prob) and then
+multiplied by routed_scaling_factor.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+
+from models.layers.mlp import GatedMLP
+
+_TOPK_METHODS = {"softmax": ("greedy", "group_limited_greedy"), "sigmoid": ("noaux_tc",)}
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    num_experts: int
+    top_k: int
+    scoring: str  # "softmax" (V2) | "sigmoid" (V3)
+    topk_method: str  # "greedy" | "group_limited_greedy" (softmax) | "noaux_tc" (sigmoid)
+    num_groups: int
+    topk_groups: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+
+    def __post_init__(self):
+        if self.scoring not in _TOPK_METHODS:
+            raise ValueError(f"unsupported scoring function {self.scoring!r}")
+        if self.topk_method not in _TOPK_METHODS[self.scoring]:
+            raise ValueError(f"topk_method {self.topk_method!r} does not go with {self.scoring} scoring")
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
+        if self.num_groups < 1 or self.num_experts % self.num_groups:
+            raise ValueError(f"n_group={self.num_groups} must divide n_routed_experts={self.num_experts}")
+        if not 0 < self.topk_groups <= self.num_groups:
+            raise ValueError(f"topk_group={self.topk_groups} must be in [1, n_group={self.num_groups}]")
+
+    @property
+    def group_limited(self) -> bool:
+        return self.topk_method != "greedy"
+
+    @classmethod
+    def from_hf(cls, hf_config, scoring: str, topk_method: str) -> "RouterConfig":
+        """scoring/topk_method: the architecture's defaults, overridden by the config when it names them."""
+        method = getattr(hf_config, "topk_method", None) or topk_method
+        grouped = method != "greedy"
+        return cls(
+            num_experts=hf_config.n_routed_experts,
+            top_k=hf_config.num_experts_per_tok,
+            scoring=getattr(hf_config, "scoring_func", None) or scoring,
+            topk_method=method,
+            num_groups=(hf_config.n_group or 1) if grouped else 1,
+            topk_groups=(hf_config.topk_group or 1) if grouped else 1,
+            norm_topk_prob=bool(hf_config.norm_topk_prob),
+            routed_scaling_factor=float(hf_config.routed_scaling_factor),
+        )
+
+
+class Router(nn.Module):
+    def __init__(self, config: RouterConfig, hidden_size: int):
+        super().__init__()
+        self.config = config
+        self.weight = nn.Parameter(torch.empty(config.num_experts, hidden_size))
+        # A (frozen) parameter rather than a buffer so that the loader's every-parameter-
+        # filled check covers it.
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.zeros(config.num_experts, dtype=torch.float32), requires_grad=False)
+            if config.scoring == "sigmoid"
+            else None
+        )
+
+    def _apply(self, fn, recurse=True):
+        # The correction bias stays float32 whatever dtype the model is cast to (HF keeps
+        # it in fp32 too): bf16 cannot resolve the small bias differences between experts
+        # near the sigmoid scores they are added to, and rounding them changes which
+        # experts win. Device moves (and the loader's meta -> to_empty) still apply.
+        bias = self._parameters.pop("e_score_correction_bias", None)
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            if bias is not None:
+                moved = fn(bias.detach())
+                if moved.dtype != torch.float32:
+                    moved = moved.float() if bias.is_meta else bias.detach().to(moved.device)
+                self._parameters["e_score_correction_bias"] = nn.Parameter(moved, requires_grad=False)
+        return self
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (T, hidden) -> (weights (T, top_k) float32, expert ids (T, top_k) int64)."""
+        cfg = self.config
+        logits = F.linear(x.float(), self.weight.float())  # (T, num_experts)
+        if cfg.scoring == "softmax":
+            scores = logits.softmax(dim=-1)
+            choice = scores
+        else:
+            scores = logits.sigmoid()
+            choice = scores + self.e_score_correction_bias
+        if cfg.group_limited:
+            choice = self._mask_groups(choice)
+        expert_ids = torch.topk(choice, k=cfg.top_k, dim=-1, sorted=False)[1]  # (T, top_k)
+        weights = scores.gather(1, expert_ids)
+        if cfg.norm_topk_prob and cfg.top_k > 1:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * cfg.routed_scaling_factor, expert_ids
+
+    def _mask_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """Hide the experts of every group outside the topk_groups best groups of each token."""
+        cfg = self.config
+        grouped = choice.view(-1, cfg.num_groups, cfg.num_experts // cfg.num_groups)  # (T, groups, per_group)
+        if cfg.scoring == "softmax":
+            group_scores = grouped.max(dim=-1).values  # (T, groups)
+            hidden = 0.0  # softmax scores are positive, so 0 never beats a real expert
+        else:
+            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+            hidden = float("-inf")  # biased sigmoid scores may be negative
+        best = torch.topk(group_scores, k=cfg.topk_groups, dim=-1, sorted=False)[1]  # (T, topk_groups)
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)  # (T, groups)
+        keep = keep.unsqueeze(-1).expand_as(grouped).reshape_as(choice)  # (T, num_experts)
+        return choice.masked_fill(~keep, hidden)
+
+
+class Experts(nn.Module):
+    """All routed experts' SwiGLU weights in two stacked tensors (HF's fused layout).
+
+    gate_up_proj (E, 2 * inter, hidden): rows [0, inter) gate, [inter, 2 * inter) up.
+    down_proj    (E, hidden, inter).
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, hidden_act: str):
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.act_fn = ACT2FN[hidden_act]
+
+    @torch.no_grad()
+    def load_expert(self, expert: int, proj: str, weight: torch.Tensor) -> None:
+        """One expert's weight from a per-expert checkpoint (`experts.N.{gate,up,down}_proj.weight`)."""
+        inter = self.intermediate_size
+        if proj == "gate_proj":
+            dst = self.gate_up_proj[expert, :inter]
+        elif proj == "up_proj":
+            dst = self.gate_up_proj[expert, inter:]
+        elif proj == "down_proj":
+            dst = self.down_proj[expert]
+        else:
+            raise ValueError(f"unknown expert projection {proj!r}")
+        if dst.shape != weight.shape:
+            raise ValueError(f"expert {expert} {proj}: checkpoint shape {tuple(weight.shape)} != {tuple(dst.shape)}")
+        dst.copy_(weight)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        """x (T, hidden), weights/expert_ids (T, top_k) -> weighted sum of the chosen experts (T, hidden).
+
+        The T * top_k (token, expert) pairs are sorted by expert so that each expert runs
+        one matmul over a contiguous slice, and only experts that got tokens run at all:
+
+            expert_ids  [[3, 0], [0, 2]]  -> flat [3, 0, 0, 2] -> sorted by expert: [0, 0, 2, 3]
+            token of each sorted pair:  [0, 1, 1, 0]       counts per expert: [2, 0, 1, 1]
+        """
+        top_k = expert_ids.shape[1]
+        flat_ids = expert_ids.flatten()  # (T * top_k,)
+        order = flat_ids.argsort(stable=True)  # pair index, grouped by expert
+        token_of_pair = order // top_k  # (T * top_k,)
+        counts = torch.bincount(flat_ids, minlength=self.gate_up_proj.shape[0]).tolist()
+        pairs_in = x[token_of_pair]  # (T * top_k, hidden)
+        pairs_out = torch.empty_like(pairs_in)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = slice(start, start + count)
+            gate, up = F.linear(pairs_in[rows], self.gate_up_proj[expert]).chunk(2, dim=-1)  # (count, inter) each
+            pairs_out[rows] = F.linear(self.act_fn(gate) * up, self.down_proj[expert])
+            start += count
+        pairs_out *= weights.flatten()[order, None].to(pairs_out.dtype)
+        return torch.zeros_like(x).index_add_(0, token_of_pair, pairs_out)
+
+
+class MoE(nn.Module):
+    """Routed experts plus (optionally) always-on shared experts, fed the same tokens."""
+
+    def __init__(self, hf_config, router_config: RouterConfig):
+        super().__init__()
+        hidden, inter = hf_config.hidden_size, hf_config.moe_intermediate_size
+        self.gate = Router(router_config, hidden)
+        self.experts = Experts(router_config.num_experts, hidden, inter, hf_config.hidden_act)
+        num_shared = hf_config.n_shared_experts or 0
+        # The shared experts are stored as one MLP whose intermediate size is their sum.
+        self.shared_experts = (
+            GatedMLP(hidden, inter * num_shared, hf_config.hidden_act, bias=getattr(hf_config, "mlp_bias", False))
+            if num_shared
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, expert_ids = self.gate(x)
+        out = self.experts(x, weights, expert_ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
