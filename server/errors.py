@@ -1,0 +1,105 @@
+"""OpenAI-style errors: one exception type, one body shape, every failure mapped to it.
+
+Every error the server sends looks like OpenAI's:
+
+    {"error": {"message": "...", "type": "invalid_request_error", "param": "top_p", "code": null}}
+
+Handlers raise `APIError` (or one of the helpers below); the exception
+handlers registered by `install_error_handlers` turn it, and anything
+FastAPI/Starlette would otherwise render in its own format, into that body.
+An unexpected exception becomes a 500 in the same shape, and the server serves on.
+"""
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger("pagedserve.server")
+
+# OpenAI's `type` for each status we send.
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """An error the client should see, with OpenAI's fields."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return error_body(self.status, self.message, param=self.param, code=self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict:
+    error_type = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    """400: the request is well-formed JSON but a value is wrong."""
+    return APIError(400, message, param=param, code=code)
+
+
+def not_supported(param: str, detail: str = "") -> APIError:
+    """400 for a field OpenAI defines that this server does not implement (yet)."""
+    message = f"'{param}' is not supported by this server" + (f": {detail}" if detail else "")
+    return APIError(400, message, param=param, code="unsupported_parameter")
+
+
+def model_not_found(model: str, served: str) -> APIError:
+    return APIError(404, f"The model '{model}' does not exist; this server serves '{served}'.",
+                    param="model", code="model_not_found")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every error path through the OpenAI body."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Unknown routes (404), wrong methods (405) and the like.
+        phrase = HTTPStatus(exc.status_code).phrase if exc.status_code in HTTPStatus._value2member_map_ else ""
+        message = exc.detail if isinstance(exc.detail, str) else phrase
+        return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        # Only reached for query/path parameters: bodies are parsed by protocol.parse_body.
+        first = exc.errors()[0] if exc.errors() else {}
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        return JSONResponse(error_body(400, first.get("msg", "invalid request"), param=param), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error serving %s %s", request.method, request.url.path)
+        return JSONResponse(error_body(500, f"internal server error: {type(exc).__name__}: {exc}"),
+                            status_code=500)

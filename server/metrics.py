@@ -1,0 +1,119 @@
+"""Prometheus metrics, one registry per app (several apps in one process never collide).
+
+Two kinds of numbers:
+- what the server sees per request (latencies, token counts, finish reasons),
+  recorded as outputs stream through `RequestTimer`;
+- what only the engine knows (running/waiting requests, KV blocks, prefix-cache
+  hits, preemptions), read from `engine.stats()` at scrape time by a collector,
+  so a scrape always shows the engine's state now, never a stale copy.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from engine.request import RequestOutput
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4,
+                0.5, 0.75, 1.0, 2.5, 5.0)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class ServerMetrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.request_success = Counter(
+            "pagedserve:request_success", "Finished engine requests (one per choice) by finish reason.",
+            ["finish_reason"], registry=r)
+        self.requests_rejected = Counter(
+            "pagedserve:requests_rejected", "HTTP requests refused before reaching the engine, by reason.",
+            ["reason"], registry=r)
+        self.prompt_tokens = Counter("pagedserve:prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.generation_tokens = Counter("pagedserve:generation_tokens", "Generated tokens.", registry=r)
+        self.ttft = Histogram("pagedserve:time_to_first_token_seconds",
+                              "Arrival at the server to the first generated token.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("pagedserve:inter_token_latency_seconds",
+                             "Time between consecutive generated tokens of a request.",
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("pagedserve:e2e_request_latency_seconds",
+                             "Arrival at the server to the request's last output.", buckets=_E2E_BUCKETS, registry=r)
+        self.queue_time = Histogram("pagedserve:request_queue_time_seconds",
+                                    "Time a request waited in the engine's queue before first being scheduled.",
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+
+    def watch_engine(self, stats: Callable[[], object]) -> None:
+        """Expose the engine's own gauges and counters, read at every scrape."""
+        self.registry.register(_EngineCollector(stats))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def timer(self) -> RequestTimer:
+        return RequestTimer(self)
+
+
+class RequestTimer:
+    """Follows one engine request's outputs and records its latencies once."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+        self.arrival = time.monotonic()
+        self.last_token_time: float | None = None
+
+    def on_output(self, output: RequestOutput) -> None:
+        now = time.monotonic()
+        m = self.metrics
+        num_new = len(output.token_ids)
+        if num_new:
+            m.generation_tokens.inc(num_new)
+            if self.last_token_time is None:
+                m.ttft.observe(now - self.arrival)
+            else:
+                # Tokens that arrive in one increment share the gap since the previous one.
+                gap = (now - self.last_token_time) / num_new
+                for _ in range(num_new):
+                    m.itl.observe(gap)
+            self.last_token_time = now
+        if output.finished:
+            self.on_finished(output.finish_reason or "error", output.num_prompt_tokens, output.queue_time)
+
+    def on_finished(self, finish_reason: str, num_prompt_tokens: int = 0, queue_time: float = 0.0) -> None:
+        m = self.metrics
+        m.request_success.labels(finish_reason=finish_reason).inc()
+        m.prompt_tokens.inc(num_prompt_tokens)
+        m.e2e.observe(time.monotonic() - self.arrival)
+        if queue_time > 0:
+            m.queue_time.observe(queue_time)
+
+
+class _EngineCollector:
+    def __init__(self, stats: Callable[[], object]):
+        self._stats = stats
+
+    def collect(self):
+        s = self._stats()
+        if s is None:
+            return
+        yield GaugeMetricFamily("pagedserve:num_requests_running", "Requests in the running batch.",
+                                value=s.num_running)
+        yield GaugeMetricFamily("pagedserve:num_requests_waiting", "Requests queued for the engine.",
+                                value=s.num_waiting)
+        yield GaugeMetricFamily("pagedserve:kv_blocks_used", "KV-cache blocks held by requests.",
+                                value=s.num_kv_blocks_used)
+        yield GaugeMetricFamily("pagedserve:kv_blocks_total", "KV-cache blocks in the pool.",
+                                value=s.num_kv_blocks_total)
+        queries = s.prefix_cache_queries
+        yield GaugeMetricFamily("pagedserve:prefix_cache_hit_rate",
+                                "Prompt tokens served from the prefix cache / prompt tokens looked up, since start.",
+                                value=s.prefix_cache_hits / queries if queries else 0.0)
+        yield CounterMetricFamily("pagedserve:num_preemptions", "Requests preempted to free KV blocks.",
+                                  value=s.num_preemptions)

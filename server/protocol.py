@@ -1,0 +1,272 @@
+"""The OpenAI wire format for requests: strict pydantic models and the body parser.
+
+Strict on purpose: a field is either honoured exactly as OpenAI defines it
+or rejected with a 400 that names it. Types are not coerced ("5" is not an
+integer), unknown fields are rejected, and fields OpenAI defines that this
+server does not implement get a 400 saying so rather than being ignored.
+(vLLM's extensions top_k, min_p, repetition_penalty, ignore_eos, min_tokens and
+stop_token_ids are accepted too; they mean what they mean in vLLM.)
+
+Responses are plain dicts built next to their handlers (serving_*.py).
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from server.errors import APIError, invalid, not_supported
+
+_INT64 = 2**63
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions (null = OpenAI's default)."""
+
+    model: str
+    n: int | None = Field(None, ge=1, le=128)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = Field(None, ge=-_INT64, lt=2 * _INT64)
+    stop: Any = None  # str | list[str] (up to 4); checked in stop_strings() for a clear message
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM extensions.
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0, le=100)
+    ignore_eos: bool | None = None
+    min_tokens: int | None = Field(None, ge=0)
+    stop_token_ids: list[int] | None = None
+
+    def stop_strings(self) -> tuple[str, ...]:
+        stop = self.stop
+        if stop is None:
+            return ()
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise invalid("'stop' must be a string or a list of strings", param="stop")
+        if len(stop) > 4:
+            raise invalid(f"'stop' takes up to 4 sequences, got {len(stop)}", param="stop")
+        if any(s == "" for s in stop):
+            raise invalid("'stop' sequences must be non-empty strings", param="stop")
+        return tuple(stop)
+
+    def check_common(self, vocab_size: int) -> None:
+        """Cross-field checks pydantic cannot express; raise a 400 naming the field."""
+        if self.stream_options is not None and not self.stream:
+            raise invalid("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+        for key, value in (self.logit_bias or {}).items():
+            if not key.lstrip("-").isdigit() or not 0 <= int(key) < vocab_size:
+                raise invalid(f"'logit_bias' keys must be token ids in [0, {vocab_size}), got {key!r}",
+                              param="logit_bias")
+            if not -100 <= value <= 100:
+                raise invalid(f"'logit_bias' values must be in [-100, 100], got {value} for token {key}",
+                              param="logit_bias")
+        for token_id in self.stop_token_ids or ():
+            if not 0 <= token_id < vocab_size:
+                raise invalid(f"'stop_token_ids' must be token ids in [0, {vocab_size}), got {token_id}",
+                              param="stop_token_ids")
+
+    @property
+    def num_choices(self) -> int:
+        return 1 if self.n is None else self.n
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Any  # str | list[str] | list[int] | list[list[int]]; checked in prompts()
+    max_tokens: int | None = Field(None, ge=1)  # OpenAI: null means the default, 16
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool | None = None
+
+    def prompts(self, vocab_size: int) -> list[str | list[int]]:
+        """The prompts of the request, each a non-empty string or token-id list."""
+        p = self.prompt
+        shape_error = invalid("'prompt' must be a string, a list of strings, a list of token ids, "
+                              "or a list of lists of token ids", param="prompt")
+        if isinstance(p, str):
+            prompts: list = [p]
+        elif isinstance(p, list) and p and all(_is_int(t) for t in p):
+            prompts = [p]
+        elif isinstance(p, list) and p and (all(isinstance(s, str) for s in p)
+                                            or all(isinstance(s, list) and all(_is_int(t) for t in s) for s in p)):
+            prompts = p
+        elif isinstance(p, list) and not p:
+            raise invalid("'prompt' must not be empty", param="prompt")
+        else:
+            raise shape_error
+        for prompt in prompts:
+            if len(prompt) == 0:
+                raise invalid("'prompt' must not be empty", param="prompt")
+            if isinstance(prompt, list):
+                check_token_ids(prompt, vocab_size, "prompt")
+        return prompts
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI; max_completion_tokens wins
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def template_messages(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+class TokenizeRequest(_Strict):
+    model: str | None = None
+    prompt: str | None = None
+    add_special_tokens: bool = True  # for prompt
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_generation_prompt: bool = True  # for messages
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+# Fields OpenAI defines that this server does not implement, with the values
+# that mean "off" (OpenAI's own defaults), which are honoured exactly and so accepted.
+_UNSUPPORTED_COMPLETION = {"best_of": (None, 1), "suffix": (None,)}
+_UNSUPPORTED_CHAT = {
+    "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None,),
+    "functions": (None, []), "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}), "modalities": (None, ["text"]),
+    "audio": (None,), "prediction": (None,), "reasoning_effort": (None,), "verbosity": (None,),
+    "service_tier": (None, "auto", "default"), "store": (None, False), "metadata": (None,),
+    "web_search_options": (None,), "prompt_cache_key": (None,), "safety_identifier": (None,),
+}
+_UNSUPPORTED_MESSAGE_KEYS = ("name", "tool_calls", "tool_call_id", "function_call", "audio", "refusal")
+
+
+def parse_body(raw: bytes, model_cls: type[BaseModel]) -> BaseModel:
+    """JSON bytes -> a validated request, or an APIError naming what is wrong."""
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise invalid(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise invalid("The request body must be a JSON object")
+    if model_cls is CompletionRequest:
+        data = _reject_unsupported(data, _UNSUPPORTED_COMPLETION)
+        if data.get("echo") and data.get("logprobs") is not None:
+            raise not_supported("echo", "echo together with logprobs needs prompt logprobs, "
+                                        "which this server does not compute")
+    if model_cls is ChatCompletionRequest:
+        data = _reject_unsupported(data, _UNSUPPORTED_CHAT)
+    if model_cls in (ChatCompletionRequest, TokenizeRequest):
+        _reject_unsupported_messages(data.get("messages"))
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as exc:
+        raise _from_validation_error(exc) from None
+
+
+def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
+    for token_id in token_ids:
+        if not 0 <= token_id < vocab_size:
+            raise invalid(f"'{param}' has token id {token_id}, outside the vocabulary [0, {vocab_size})",
+                          param=param)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _reject_unsupported(data: dict, unsupported: dict[str, tuple]) -> dict:
+    """400 for an unsupported field set to anything but "off"; the "off" ones are dropped."""
+    for key, allowed in unsupported.items():
+        if key in data and data[key] not in allowed:
+            raise not_supported(key)
+    return {key: value for key, value in data.items() if key not in unsupported}
+
+
+def _reject_unsupported_messages(messages: Any) -> None:
+    if not isinstance(messages, list):
+        return  # pydantic reports the type error
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            continue
+        if message.get("role") in ("tool", "function"):
+            raise not_supported(f"messages[{i}].role", f"role '{message['role']}' (tool calling)")
+        for key in _UNSUPPORTED_MESSAGE_KEYS:
+            if message.get(key) is not None:
+                raise not_supported(f"messages[{i}].{key}")
+        content = message.get("content")
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if isinstance(part, dict) and part.get("type") not in (None, "text"):
+                    raise not_supported(f"messages[{i}].content[{j}].type",
+                                        f"content parts of type '{part.get('type')}' (only 'text')")
+
+
+def _param_name(loc: tuple) -> str | None:
+    """('messages', 0, 'content') -> "messages[0].content", skipping pydantic's union tags."""
+    name = ""
+    for part in loc:
+        if isinstance(part, int):
+            name += f"[{part}]"
+        elif "[" in part or part in ("str", "int", "float", "bool"):
+            continue  # a union member's tag, e.g. 'list[TextPart]'
+        else:
+            name += f".{part}" if name else part
+    return name or None
+
+
+def _from_validation_error(exc: ValidationError) -> APIError:
+    error = exc.errors(include_url=False)[0]
+    param = _param_name(error["loc"])
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        return invalid(f"Unrecognized request argument supplied: {param}", param=param,
+                       code="unrecognized_argument")
+    if kind == "missing":
+        return invalid(f"Missing required parameter: '{param}'", param=param, code="missing_required_parameter")
+    if kind in _JSON_TYPES:
+        got = _JSON_TYPE_OF.get(type(error.get("input")), "another type")
+        return invalid(f"Invalid type for '{param}': expected {_JSON_TYPES[kind]}, but got {got} instead.",
+                       param=param, code="invalid_type")
+    return invalid(f"Invalid value for '{param}': {error['msg']}", param=param, code="invalid_value")
+
+
+# pydantic's error type -> OpenAI's wording of the JSON type expected and given.
+_JSON_TYPES = {"int_type": "an integer", "int_from_float": "an integer", "float_type": "a number",
+               "string_type": "a string", "bool_type": "a boolean", "list_type": "an array",
+               "dict_type": "an object", "model_type": "an object"}
+_JSON_TYPE_OF = {str: "a string", int: "an integer", float: "a number", bool: "a boolean", list: "an array",
+                 dict: "an object", type(None): "null"}

@@ -1,0 +1,297 @@
+"""What completions and chat share: server state, admission, request -> engine -> choices.
+
+One HTTP request becomes several engine requests ("choices"): n samples of
+each prompt, with ids `<http id>-<index>` and choice index
+`prompt_index * n + sample_index` (as OpenAI and vLLM number them).
+
+    HTTP request ──► validate, tokenize ──► admit (429 if full) ──► stream_choices()
+                                                                    ├─ pump(choice 0) ─┐
+                                                                    ├─ pump(choice 1) ─┼─► one queue ─► (choice, output)
+                                                                    └─ ...            ─┘
+Leaving `stream_choices` early (client gone, error, cancel) aborts every
+engine request that has not finished, so its KV blocks go back to the pool.
+"""
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import anyio
+from fastapi import Request
+
+from engine.request import RequestOutput, SamplingParams, TokenLogprob
+from server.errors import APIError, invalid, model_not_found
+from server.metrics import ServerMetrics
+from server.serving_logprobs import LogprobFormatter
+
+_END = object()  # a pump's last item: its engine stream is over
+_SEED_LIMIT = 2**64
+
+
+@dataclass
+class ServerState:
+    """Everything a route needs, on app.state.server; `engine` is None while the model loads."""
+
+    served_model_name: str
+    metrics: ServerMetrics
+    max_waiting: int | None  # queue bound beyond the running batch; None: unbounded
+    max_body_bytes: int
+    api_key: str | None = None
+    engine: Any = None
+    load_error: str | None = None
+    # Filled by attach() from the engine:
+    max_model_len: int = 0
+    max_tokens_in_cache: int = 0  # the whole KV pool, in tokens: no request can be longer
+    max_in_flight: int | None = None  # engine requests admitted at once (running + queued)
+    num_in_flight: int = 0
+    logprobs: LogprobFormatter | None = None
+
+    def attach(self, engine) -> None:
+        stats = engine.stats()
+        self.max_model_len = engine.max_model_len
+        self.max_tokens_in_cache = stats.num_kv_blocks_total * stats.kv_block_size
+        if self.max_waiting is not None:
+            self.max_in_flight = engine.config.max_num_seqs + self.max_waiting
+        self.logprobs = LogprobFormatter(engine.tokenizer)
+        self.metrics.watch_engine(engine.stats)
+        self.engine = engine
+
+    def require_engine(self):
+        if self.engine is None:
+            raise APIError(503, "The model is still loading; retry shortly.", code="model_loading",
+                           headers={"Retry-After": "5"})
+        return self.engine
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise model_not_found(model, self.served_model_name)
+
+    def admit(self, num_requests: int) -> None:
+        """Reserve room for `num_requests` engine requests, or refuse with 429 (400 if they never fit)."""
+        limit = self.max_in_flight
+        if limit is not None:
+            if num_requests > limit:
+                raise invalid(f"this request needs {num_requests} sequences (prompts x n) but the server "
+                              f"holds at most {limit} at once", param="n")
+            if self.num_in_flight + num_requests > limit:
+                self.metrics.requests_rejected.labels(reason="queue_full").inc()
+                raise APIError(429, f"The server is at capacity ({self.num_in_flight} requests in flight); "
+                               "retry shortly.", code="queue_full", headers={"Retry-After": "1"})
+        self.num_in_flight += num_requests
+
+
+@dataclass
+class Choice:
+    """One engine request and what it has produced so far."""
+
+    index: int
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    text_parts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    final: RequestOutput | None = None  # the last output, once finished
+    num_outputs: int = 0
+
+    def add(self, output: RequestOutput) -> None:
+        self.num_outputs += 1
+        self.text_parts.append(output.text)
+        self.token_ids.extend(output.token_ids)
+        self.logprobs.extend(output.logprobs or ())
+        if output.finished:
+            self.final = output
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def make_choices(request_id: str, prompts: list[list[int]], params: list[SamplingParams]) -> list[Choice]:
+    """n = len(params) samples per prompt."""
+    n = len(params)
+    return [Choice(index=p * n + i, request_id=f"{request_id}-{p * n + i}", prompt_token_ids=ids, params=params[i])
+            for p, ids in enumerate(prompts) for i in range(n)]
+
+
+def sampling_params(body, *, max_tokens: int, logprobs: int | None) -> list[SamplingParams]:
+    """One SamplingParams per sample (n of them): a seeded request seeds sample i with seed + i,
+    so the n samples differ and the whole response is still reproducible."""
+    if body.min_tokens is not None and body.min_tokens > max_tokens:
+        raise invalid(f"'min_tokens' ({body.min_tokens}) must not exceed the maximum number of tokens "
+                      f"({max_tokens})", param="min_tokens")
+    common = dict(
+        max_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=0 if body.top_k is None else body.top_k,
+        min_p=body.min_p or 0.0,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        logprobs=logprobs,
+        logit_bias={int(k): float(v) for k, v in (body.logit_bias or {}).items()},
+        stop=body.stop_strings(),
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=bool(body.ignore_eos),
+        min_tokens=body.min_tokens or 0,
+    )
+    seeds = [None] * body.num_choices
+    if body.seed is not None:
+        seeds = [(body.seed + i) if body.seed + i < _SEED_LIMIT else body.seed - i for i in range(body.num_choices)]
+    try:
+        return [SamplingParams(seed=seed, **common) for seed in seeds]
+    except ValueError as exc:  # the pydantic models check ranges first; this is a backstop
+        raise invalid(str(exc)) from None
+
+
+def check_context(state: ServerState, num_prompt_tokens: int, max_tokens: int, param: str,
+                  max_tokens_param: str = "max_tokens") -> None:
+    """400 for a request longer than the context or than the whole KV cache, before the engine sees it."""
+    total = num_prompt_tokens + max_tokens
+    longest = min(state.max_model_len, state.max_tokens_in_cache) - 1  # with a one-token prompt
+    if max_tokens > longest:
+        raise invalid(f"{max_tokens_param} is too large: {max_tokens}. This model supports at most {longest} "
+                      "completion tokens.", param=max_tokens_param, code="invalid_value")
+    if total > state.max_model_len:
+        raise invalid(
+            f"This model's maximum context length is {state.max_model_len} tokens. However, you requested "
+            f"{total} tokens ({num_prompt_tokens} in the {param}, {max_tokens} in the completion). "
+            f"Please reduce the length of the {param} or completion.",
+            param=param, code="context_length_exceeded")
+    if total > state.max_tokens_in_cache:
+        raise invalid(
+            f"This request needs {total} tokens of KV cache ({num_prompt_tokens} in the {param}, {max_tokens} "
+            f"in the completion) but the server's whole cache holds {state.max_tokens_in_cache}. "
+            f"Please reduce the length of the {param} or completion.",
+            param=param, code="context_length_exceeded")
+
+
+def default_max_tokens(state: ServerState, num_prompt_tokens: int, param: str) -> int:
+    """OpenAI chat's default: as many tokens as fit after the prompt (in the context and the cache)."""
+    room = min(state.max_model_len, state.max_tokens_in_cache) - num_prompt_tokens
+    if room < 1:
+        check_context(state, num_prompt_tokens, 1, param)
+    return room
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The raw body, refusing (413) anything over `limit` bytes without reading it all."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"The request body is {declared} bytes; the limit is {limit}.", code="body_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"The request body exceeds the limit of {limit} bytes.", code="body_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def stream_choices(state: ServerState, choices: list[Choice]) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+    """Run every choice on the engine; yield (choice, output) as outputs arrive.
+
+    Admission is taken when iteration starts and given back when it ends, however
+    it ends. Raises APIError for a request that is refused (429 at capacity,
+    400 when the engine says it can never fit).
+    """
+    engine = state.engine
+    state.admit(len(choices))
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(choice: Choice) -> None:
+        timer = state.metrics.timer()
+        finished = False
+        try:
+            async for output in engine.generate(choice.prompt_token_ids, choice.params, choice.request_id):
+                timer.on_output(output)
+                finished = output.finished
+                queue.put_nowait((choice, output))
+        except asyncio.CancelledError:
+            if not finished:
+                timer.on_finished("abort", len(choice.prompt_token_ids))
+            raise
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which decides
+            if not isinstance(exc, ValueError) and type(exc).__name__ != "QueueFullError":
+                timer.on_finished("error", len(choice.prompt_token_ids))
+            queue.put_nowait((choice, exc))
+        queue.put_nowait((choice, _END))
+
+    tasks = [asyncio.ensure_future(pump(choice)) for choice in choices]
+    remaining = len(choices)
+    try:
+        while remaining:
+            choice, item = await queue.get()
+            if item is _END:
+                remaining -= 1
+                if choice.final is None:
+                    raise RuntimeError(f"the engine stream of {choice.request_id} ended without a final output")
+            elif isinstance(item, Exception):
+                raise _engine_error(item)
+            else:
+                choice.add(item)
+                yield choice, item
+    finally:
+        unfinished = [c for c in choices if c.final is None]
+        for task in tasks:
+            task.cancel()
+        # Shielded: this runs when the client has gone and our task is being cancelled,
+        # which is exactly when the engine must hear about it.
+        with anyio.CancelScope(shield=True):
+            for choice in unfinished:
+                await engine.abort(choice.request_id)
+            await asyncio.gather(*tasks, return_exceptions=True)
+        state.num_in_flight -= len(choices)
+
+
+def _engine_error(exc: Exception) -> Exception:
+    """The engine refuses before any output with ValueError (never fits) or QueueFullError."""
+    if type(exc).__name__ == "QueueFullError":
+        return APIError(429, f"The server's queue is full ({exc}); retry shortly.", code="queue_full",
+                        headers={"Retry-After": "1"})
+    if isinstance(exc, ValueError):
+        return invalid(str(exc))
+    return exc
+
+
+def usage(choices: list[Choice], n: int) -> dict[str, Any]:
+    """OpenAI usage: each prompt counted once (not n times), plus where the time went."""
+    finals = [c.final for c in choices if c.final is not None]
+    per_prompt = [choices[i:i + n] for i in range(0, len(choices), n)]
+    prompt_tokens = sum(len(group[0].prompt_token_ids) for group in per_prompt)
+    # The prompt tokens every sample of a prompt got from the prefix cache.
+    cached = sum(min((c.final.num_cached_tokens if c.final else 0) for c in group) for group in per_prompt)
+    completion_tokens = sum(len(c.token_ids) for c in choices)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached},
+        "timings": timings_ms(finals),
+    }
+
+
+def timings_ms(finals: list[RequestOutput]) -> dict[str, float]:
+    """Queue, prefill and decode milliseconds; with several choices, the slowest of each."""
+    def slowest(attr: str) -> float:
+        return round(1000 * max((getattr(f, attr) for f in finals), default=0.0), 3)
+
+    return {"queue_ms": slowest("queue_time"), "prefill_ms": slowest("prefill_time"),
+            "decode_ms": slowest("decode_time")}
+
+
+def timing_headers(timings: dict[str, float]) -> dict[str, str]:
+    """The same numbers as response headers (Server-Timing is the standard spelling)."""
+    return {
+        "Server-Timing": ", ".join(f"{k.removesuffix('_ms')};dur={v}" for k, v in timings.items()),
+        "X-Queue-Ms": str(timings["queue_ms"]),
+        "X-Prefill-Ms": str(timings["prefill_ms"]),
+        "X-Decode-Ms": str(timings["decode_ms"]),
+    }

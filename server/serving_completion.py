@@ -1,0 +1,125 @@
+"""POST /v1/completions: prompts in, text completions out (whole, or streamed as SSE)."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, AsyncIterator
+
+import anyio
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from engine.core import tokenize_prompt
+from server.errors import APIError, error_body
+from server.protocol import CompletionRequest, parse_body
+from server.serving_common import (Choice, ServerState, check_context, make_choices, new_request_id, read_body,
+                                   sampling_params, stream_choices, timing_headers, usage)
+from server.serving_logprobs import LogprobFormatter
+from server.streaming import (SSE_DONE, ClientDisconnected, disconnected_response, prepend, run_unless_disconnected,
+                              sse_event, sse_response)
+
+logger = logging.getLogger("pagedserve.server")
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+async def create_completion(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    raw = await read_body(request, state.max_body_bytes)
+    engine = state.require_engine()
+    body: CompletionRequest = parse_body(raw, CompletionRequest)
+    state.check_model(body.model)
+    vocab_size = engine.model_config.vocab_size
+    body.check_common(vocab_size)
+    tokenizer = engine.tokenizer
+    prompts = body.prompts(vocab_size)
+    prompt_ids = [tokenize_prompt(tokenizer, p) for p in prompts]
+    max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+    for ids in prompt_ids:
+        check_context(state, len(ids), max_tokens, "prompt")
+    params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs)
+    request_id = new_request_id("cmpl")
+    choices = make_choices(request_id, prompt_ids, params)
+    echo = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts] if body.echo else None
+    view = _CompletionView(request_id, int(time.time()), state.served_model_name, state.logprobs, body, echo)
+
+    events = stream_choices(state, choices)
+    try:
+        # Wait for the first output before answering, so a refusal (429, or a 400 from the
+        # engine) is still a plain error response rather than an event in a 200 stream.
+        first = await run_unless_disconnected(request, anext(events))
+        if not body.stream:
+            await run_unless_disconnected(request, _drain(events))
+    except ClientDisconnected:
+        return disconnected_response()
+    if body.stream:
+        return sse_response(view.sse(first, events), headers={"X-Request-Id": request_id})
+    failed = next((c.final for c in choices if c.final.finish_reason not in ("stop", "length")), None)
+    if failed is not None:
+        raise APIError(500, f"The request failed in the engine: {failed.error or failed.finish_reason}",
+                       code="engine_error")
+    result = view.response(choices)
+    headers = {"X-Request-Id": request_id, **timing_headers(result["usage"]["timings"])}
+    return JSONResponse(result, headers=headers)
+
+
+async def _drain(events: AsyncIterator) -> None:
+    async for _ in events:
+        pass
+
+
+class _CompletionView:
+    """Renders choices as OpenAI completion objects and chunks."""
+
+    def __init__(self, request_id: str, created: int, model: str, logprobs: LogprobFormatter,
+                 body: CompletionRequest, echo: list[str] | None):
+        self.request_id, self.created, self.model = request_id, created, model
+        self.logprobs, self.body, self.echo = logprobs, body, echo
+        self.n = body.num_choices
+        self.text_offsets: dict[int, int] = {}  # choice index -> characters sent so far
+
+    def _envelope(self, choices: list[dict], **extra: Any) -> dict[str, Any]:
+        return {"id": self.request_id, "object": "text_completion", "created": self.created,
+                "model": self.model, "choices": choices, **extra}
+
+    def _prefix(self, choice: Choice) -> str:
+        return self.echo[choice.index // self.n] if self.echo else ""
+
+    def response(self, choices: list[Choice]) -> dict[str, Any]:
+        rendered = []
+        for c in choices:
+            prefix = self._prefix(c)
+            logprobs = self.logprobs.completion(c.logprobs, len(prefix)) if self.body.logprobs is not None else None
+            rendered.append({"index": c.index, "text": prefix + c.text, "logprobs": logprobs,
+                             "finish_reason": c.final.finish_reason})
+        return self._envelope(rendered, usage=usage(choices, self.n))
+
+    async def sse(self, first, events: AsyncIterator) -> AsyncIterator[str]:
+        extra = {"usage": None} if self.body.include_usage else {}
+        choices: dict[int, Choice] = {}
+        try:
+            async for choice, output in prepend(first, events):
+                choices[choice.index] = choice
+                if output.finished and output.finish_reason not in ("stop", "length"):
+                    raise RuntimeError(f"request {choice.request_id} failed: {output.error or output.finish_reason}")
+                text = output.text
+                if choice.index not in self.text_offsets:
+                    text = self._prefix(choice) + text
+                    self.text_offsets[choice.index] = 0
+                logprobs = None
+                if self.body.logprobs is not None:
+                    logprobs = self.logprobs.completion(output.logprobs or [], self.text_offsets[choice.index])
+                self.text_offsets[choice.index] += len(text)
+                if text or output.finished or logprobs:
+                    yield sse_event(self._envelope([{"index": choice.index, "text": text, "logprobs": logprobs,
+                                                     "finish_reason": output.finish_reason}], **extra))
+            if self.body.include_usage:
+                ordered = [choices[i] for i in sorted(choices)]
+                yield sse_event(self._envelope([], usage=usage(ordered, self.n)))
+        except Exception as exc:  # noqa: BLE001 - the stream has started: report it in-band
+            logger.warning("completion stream %s failed: %s", self.request_id, exc)
+            status = exc.status if isinstance(exc, APIError) else 500
+            yield sse_event(error_body(status, str(exc), code="engine_error" if status == 500 else None))
+        finally:
+            with anyio.CancelScope(shield=True):
+                await events.aclose()
+        yield SSE_DONE

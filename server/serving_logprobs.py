@@ -1,0 +1,80 @@
+"""Token logprobs in OpenAI's two formats (legacy completions, chat), with each token's real bytes.
+
+A byte-level BPE token can hold part of a UTF-8 character: decoded alone it is
+"\\ufffd", but its bytes are exact. Chat logprobs carry those bytes (OpenAI's
+`bytes` field exists for this), recovered from the token's vocabulary string:
+GPT-2 byte-to-unicode mapping for byte-level BPE, <0xNN> for SentencePiece byte
+fallback, else the UTF-8 of the decoded text.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from engine.request import TokenLogprob
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _gpt2_unicode_to_byte() -> dict[str, int]:
+    """Inverse of GPT-2's bytes_to_unicode: printable stand-in character -> byte."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    mapping, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            mapping[chr(b)] = b
+        else:
+            mapping[chr(256 + extra)] = b
+            extra += 1
+    return mapping
+
+
+class LogprobFormatter:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        self._byte_level = "ByteLevel" in repr(decoder)
+        self._unicode_to_byte = _gpt2_unicode_to_byte()
+        self._text: dict[int, str] = {}
+        self._bytes: dict[int, bytes] = {}
+
+    def text(self, token_id: int) -> str:
+        if token_id not in self._text:
+            self._text[token_id] = self.tokenizer.decode([token_id])
+        return self._text[token_id]
+
+    def bytes(self, token_id: int) -> bytes:
+        if token_id not in self._bytes:
+            self._bytes[token_id] = self._token_bytes(token_id)
+        return self._bytes[token_id]
+
+    def _token_bytes(self, token_id: int) -> bytes:
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str):
+            if match := _BYTE_FALLBACK.fullmatch(piece):
+                return bytes([int(match.group(1), 16)])
+            if self._byte_level and all(ch in self._unicode_to_byte for ch in piece):
+                return bytes(self._unicode_to_byte[ch] for ch in piece)
+        return self.text(token_id).encode("utf-8")
+
+    def completion(self, logprobs: list[TokenLogprob], offset: int) -> dict[str, list]:
+        """Legacy completions format; top_logprobs holds the top k and the sampled token (up to k + 1)."""
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        for lp in logprobs:
+            token = self.text(lp.token_id)
+            tokens.append(token)
+            token_logprobs.append(lp.logprob)
+            alternatives = {self.text(t): v for t, v in lp.top}
+            alternatives.setdefault(token, lp.logprob)
+            top.append(alternatives)
+            offsets.append(offset)
+            offset += len(token)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+    def chat(self, logprobs: list[TokenLogprob], num_top: int) -> dict[str, list]:
+        """Chat format: every sampled token with its bytes and exactly `num_top` alternatives."""
+        def entry(token_id: int, logprob: float) -> dict[str, Any]:
+            return {"token": self.text(token_id), "logprob": logprob, "bytes": list(self.bytes(token_id))}
+
+        return {"content": [{**entry(lp.token_id, lp.logprob),
+                             "top_logprobs": [entry(t, v) for t, v in lp.top[:num_top]]} for lp in logprobs]}

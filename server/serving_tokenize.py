@@ -1,0 +1,41 @@
+"""POST /tokenize and POST /detokenize, with vLLM's request and response bodies.
+
+    {"prompt": "Hello"}                      -> {"tokens": [...], "count": n, "max_model_len": m}
+    {"messages": [{"role": ..., ...}]}       -> the same, through the chat template
+    {"tokens": [1, 2, 3]}                    -> {"prompt": "..."}
+"""
+from __future__ import annotations
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from server.errors import invalid
+from server.protocol import DetokenizeRequest, TokenizeRequest, check_token_ids, parse_body
+from server.serving_chat import encode_chat
+from server.serving_common import ServerState, read_body
+
+
+async def tokenize(request: Request) -> JSONResponse:
+    state: ServerState = request.app.state.server
+    raw = await read_body(request, state.max_body_bytes)
+    engine = state.require_engine()
+    body: TokenizeRequest = parse_body(raw, TokenizeRequest)
+    state.check_model(body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise invalid("Give exactly one of 'prompt' or 'messages'", param="prompt")
+    if body.prompt is not None:
+        tokens = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    else:
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        tokens = encode_chat(engine.tokenizer, messages, body.add_generation_prompt)
+    return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": state.max_model_len})
+
+
+async def detokenize(request: Request) -> JSONResponse:
+    state: ServerState = request.app.state.server
+    raw = await read_body(request, state.max_body_bytes)
+    engine = state.require_engine()
+    body: DetokenizeRequest = parse_body(raw, DetokenizeRequest)
+    state.check_model(body.model)
+    check_token_ids(body.tokens, engine.model_config.vocab_size, "tokens")
+    return JSONResponse({"prompt": engine.tokenizer.decode(body.tokens)})

@@ -1,0 +1,119 @@
+"""Live servers for the server tests: a real engine on a tiny float32 Llama, real uvicorn, real sockets.
+
+    live = start_server(engine_kwargs={...}, app_kwargs={...})   # -> LiveServer
+    live.url, live.engine, live.client() (openai), live.http (httpx)
+
+Each server binds 127.0.0.1 on a free port in a thread of the test process and
+is stopped through its own handle (never by a signal to the test process).
+"""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from models.loader import load_model
+from server.app import create_app
+from tests.models.conftest import make_hf_model, save_checkpoint
+
+MODEL_NAME = "tiny-llama"
+# Small enough that pool, context and queue limits are reachable in a test.
+ENGINE_DEFAULTS = dict(num_kv_blocks=128, block_size=8, max_num_seqs=16, max_num_batched_tokens=256)
+
+
+class LiveServer:
+    def __init__(self, app, engine=None):
+        self.app, self.engine = app, engine
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.bind(("127.0.0.1", 0))
+        self.port = self._socket.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._socket]}, daemon=True)
+        self.http = httpx.Client(base_url=self.url, timeout=60)
+
+    def start(self) -> LiveServer:
+        self._thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.http.close()
+        self.server.should_exit = True
+        self._thread.join(30)
+        self._socket.close()
+
+    def client(self, **kwargs) -> openai.OpenAI:
+        kwargs.setdefault("api_key", "unused")
+        return openai.OpenAI(base_url=f"{self.url}/v1", max_retries=0, timeout=60, **kwargs)
+
+    def async_client(self, **kwargs) -> openai.AsyncOpenAI:
+        kwargs.setdefault("api_key", "unused")
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", max_retries=0, timeout=120, **kwargs)
+
+    def metric(self, name: str, labels: str = "") -> float:
+        """The value of one sample in /metrics, e.g. metric("pagedserve:request_success_total", 'finish_reason="abort"')."""
+        key = f"{name}{{{labels}}}" if labels else name
+        for line in self.http.get("/metrics").text.splitlines():
+            if line.startswith(key + " "):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    def wait_idle(self, timeout: float = 30.0) -> None:
+        """Until the engine holds no request and no KV block (aborts are asynchronous)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            s = self.engine.stats()
+            if s.num_running == 0 and s.num_waiting == 0 and s.num_kv_blocks_used == 0:
+                return
+            time.sleep(0.02)
+        raise AssertionError(f"engine not idle after {timeout}s: {self.engine.stats()}")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return save_checkpoint(make_hf_model("llama"), tmp_path_factory.mktemp("server-tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_loaded(tiny_model_dir):
+    # Weights are only read, so one loaded model can back several engines (each has its own KV pool).
+    return load_model(tiny_model_dir, dtype="float32", device="cpu")
+
+
+@pytest.fixture
+def start_server(tiny_loaded):
+    started: list[LiveServer] = []
+
+    def start(engine_kwargs: dict | None = None, app_kwargs: dict | None = None) -> LiveServer:
+        engine = AsyncEngine(tiny_loaded, EngineConfig(**{**ENGINE_DEFAULTS, **(engine_kwargs or {})}))
+        app = create_app(engine, **{"served_model_name": MODEL_NAME, **(app_kwargs or {})})
+        live = LiveServer(app, engine).start()
+        started.append(live)
+        return live
+
+    yield start
+    for live in started:
+        live.stop()
+
+
+@pytest.fixture(scope="module")
+def live(tiny_loaded):
+    """One shared server for tests that do not change its configuration."""
+    engine = AsyncEngine(tiny_loaded, EngineConfig(**ENGINE_DEFAULTS))
+    server = LiveServer(create_app(engine, served_model_name=MODEL_NAME, max_waiting=64), engine).start()
+    yield server
+    server.stop()

@@ -1,0 +1,161 @@
+"""Every kind of bad input gets its status and an OpenAI error body, never a 500, and never reaches the engine."""
+from __future__ import annotations
+
+import pytest
+
+from tests.server.conftest import MODEL_NAME
+
+M = MODEL_NAME
+CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
+USER = [{"role": "user", "content": "hi"}]
+
+# (path, JSON body, expected status, expected param (None: no param), text the message must contain)
+BAD_REQUESTS = [
+    # unknown, unsupported and missing fields
+    (CMPL, {"model": M, "prompt": "hi", "foo": 1}, 400, "foo", "Unrecognized request argument"),
+    (CHAT, {"model": M, "messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]},
+     400, "tools", "not supported"),
+    (CHAT, {"model": M, "messages": USER, "response_format": {"type": "json_object"}}, 400, "response_format",
+     "not supported"),
+    (CMPL, {"model": M, "prompt": "hi", "best_of": 2}, 400, "best_of", "not supported"),
+    (CMPL, {"model": M, "prompt": "hi", "suffix": "x"}, 400, "suffix", "not supported"),
+    (CMPL, {"model": M, "prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo", "not supported"),
+    (CHAT, {"model": M, "messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, 400,
+     "messages[0].role", "not supported"),
+    (CHAT, {"model": M, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400, "messages[0].content[0].type",
+     "not supported"),
+    (CHAT, {"model": M, "messages": [{"role": "user", "content": "hi", "name": "bob"}]}, 400, "messages[0].name",
+     "not supported"),
+    (CMPL, {"prompt": "hi"}, 400, "model", "Missing required parameter"),
+    (CHAT, {"model": M}, 400, "messages", "Missing required parameter"),
+    # bad types (no coercion: OpenAI rejects "5" for an integer)
+    (CMPL, {"model": M, "prompt": "hi", "max_tokens": "5"}, 400, "max_tokens", "expected an integer, but got a string"),
+    (CMPL, {"model": M, "prompt": "hi", "n": True}, 400, "n", "integer"),
+    (CMPL, {"model": M, "prompt": "hi", "temperature": "hot"}, 400, "temperature", "expected a number"),
+    (CMPL, {"model": M, "prompt": 5}, 400, "prompt", "must be a string"),
+    (CMPL, {"model": M, "prompt": ["a", 1]}, 400, "prompt", "must be a string"),
+    (CMPL, {"model": M, "prompt": "hi", "seed": "x"}, 400, "seed", "integer"),
+    (CHAT, {"model": M, "messages": "hi"}, 400, "messages", "expected an array, but got a string"),
+    (CHAT, {"model": M, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role", "Input should be"),
+    # values out of range
+    (CMPL, {"model": M, "prompt": "hi", "max_tokens": -1}, 400, "max_tokens", "greater than or equal to 1"),
+    (CMPL, {"model": M, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "greater than or equal to 1"),
+    (CMPL, {"model": M, "prompt": "hi", "max_tokens": 10**9}, 400, "max_tokens", "too large"),
+    (CHAT, {"model": M, "messages": USER, "max_completion_tokens": 10**9}, 400, "max_completion_tokens", "too large"),
+    (CMPL, {"model": M, "prompt": "hi", "temperature": -0.5}, 400, "temperature", "greater than or equal to 0"),
+    (CMPL, {"model": M, "prompt": "hi", "temperature": 2.5}, 400, "temperature", "less than or equal to 2"),
+    (CMPL, {"model": M, "prompt": "hi", "top_p": 0}, 400, "top_p", "greater than 0"),
+    (CMPL, {"model": M, "prompt": "hi", "top_p": 1.5}, 400, "top_p", "less than or equal to 1"),
+    (CMPL, {"model": M, "prompt": "hi", "top_k": -2}, 400, "top_k", "greater than or equal to -1"),
+    (CMPL, {"model": M, "prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty", "less than or equal to 2"),
+    (CMPL, {"model": M, "prompt": "hi", "n": 0}, 400, "n", "greater than or equal to 1"),
+    (CMPL, {"model": M, "prompt": "hi", "n": 1000}, 400, "n", "less than or equal to 128"),
+    (CMPL, {"model": M, "prompt": "hi", "logprobs": 6}, 400, "logprobs", "less than or equal to 5"),
+    (CHAT, {"model": M, "messages": USER, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs",
+     "less than or equal to 20"),
+    (CHAT, {"model": M, "messages": USER, "top_logprobs": 2}, 400, "top_logprobs", "requires 'logprobs'"),
+    (CMPL, {"model": M, "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "up to 4"),
+    (CMPL, {"model": M, "prompt": "hi", "stop": [1]}, 400, "stop", "string"),
+    (CMPL, {"model": M, "prompt": "hi", "stop": ""}, 400, "stop", "non-empty"),
+    (CMPL, {"model": M, "prompt": "hi", "logit_bias": {"abc": 1}}, 400, "logit_bias", "token ids"),
+    (CMPL, {"model": M, "prompt": "hi", "logit_bias": {"5": 200}}, 400, "logit_bias", "[-100, 100]"),
+    (CMPL, {"model": M, "prompt": "hi", "logit_bias": {"99999": 1}}, 400, "logit_bias", "token ids"),
+    (CMPL, {"model": M, "prompt": "hi", "stop_token_ids": [99999]}, 400, "stop_token_ids", "token ids"),
+    (CMPL, {"model": M, "prompt": "hi", "min_tokens": 20, "max_tokens": 5}, 400, "min_tokens", "must not exceed"),
+    (CMPL, {"model": M, "prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options",
+     "only allowed when 'stream' is true"),
+    (CMPL, {"model": M, "prompt": "hi", "stream": True, "stream_options": {"bogus": 1}}, 400,
+     "stream_options.bogus", "Unrecognized"),
+    # empty and over-long prompts
+    (CMPL, {"model": M, "prompt": ""}, 400, "prompt", "must not be empty"),
+    (CMPL, {"model": M, "prompt": []}, 400, "prompt", "must not be empty"),
+    (CMPL, {"model": M, "prompt": [[]]}, 400, "prompt", "must not be empty"),
+    (CMPL, {"model": M, "prompt": ["ok", ""]}, 400, "prompt", "must not be empty"),
+    (CMPL, {"model": M, "prompt": [99999]}, 400, "prompt", "outside the vocabulary"),
+    (CMPL, {"model": M, "prompt": [-1]}, 400, "prompt", "outside the vocabulary"),
+    (CMPL, {"model": M, "prompt": "word " * 400}, 400, "prompt", "maximum context length"),
+    (CMPL, {"model": M, "prompt": [5] * 120, "max_tokens": 16}, 400, "prompt", "maximum context length"),
+    (CHAT, {"model": M, "messages": [{"role": "user", "content": "word " * 400}]}, 400, "messages",
+     "maximum context length"),
+    (CHAT, {"model": M, "messages": []}, 400, "messages", "at least 1"),
+    # unknown model
+    (CMPL, {"model": "gpt-4", "prompt": "hi"}, 404, "model", "does not exist"),
+    (CHAT, {"model": "gpt-4", "messages": USER}, 404, "model", "does not exist"),
+    # tokenizer endpoints
+    ("/tokenize", {"prompt": "hi", "messages": USER}, 400, "prompt", "exactly one"),
+    ("/tokenize", {}, 400, "prompt", "exactly one"),
+    ("/detokenize", {"tokens": [99999]}, 400, "tokens", "outside the vocabulary"),
+    ("/detokenize", {"tokens": "abc"}, 400, "tokens", "expected an array"),
+]
+
+
+def assert_openai_error(response, status: int, param=None, contains: str = "") -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+    assert contains in error["message"], error
+    return error
+
+
+@pytest.mark.parametrize("path,body,status,param,contains", BAD_REQUESTS,
+                         ids=[f"{i}-{case[3]}" for i, case in enumerate(BAD_REQUESTS)])
+def test_bad_request_gets_status_and_openai_error_body(live, path, body, status, param, contains):
+    before = live.engine.stats()
+    assert_openai_error(live.http.post(path, json=body), status, param, contains)
+    after = live.engine.stats()
+    assert after.num_prompt_tokens == before.num_prompt_tokens, "a rejected request reached the engine"
+
+
+@pytest.mark.parametrize("raw,contains", [
+    (b"{bad json", "not valid JSON"),
+    (b"", "not valid JSON"),
+    (b"[1, 2]", "must be a JSON object"),
+    (b"\xff\xfe", "not valid JSON"),
+])
+def test_malformed_json_is_400(live, raw, contains):
+    response = live.http.post(CMPL, content=raw, headers={"content-type": "application/json"})
+    assert_openai_error(response, 400, None, contains)
+
+
+def test_oversize_body_is_413(live):
+    huge = b'{"model": "x", "prompt": "' + b"a" * (9 * 2**20) + b'"}'
+    assert_openai_error(live.http.post(CMPL, content=huge), 413, None, "limit")
+
+    def chunked():  # no Content-Length: the limit is enforced while reading
+        yield b'{"model": "x", "prompt": "'
+        for _ in range(9):
+            yield b"a" * 2**20
+        yield b'"}'
+
+    assert_openai_error(live.http.post(CMPL, content=chunked()), 413, None, "limit")
+
+
+def test_unknown_route_and_wrong_method_use_openai_body(live):
+    assert_openai_error(live.http.post("/v1/nope", json={}), 404)
+    assert_openai_error(live.http.get(CMPL), 405)
+    assert_openai_error(live.http.get("/v1/models/gpt-4"), 404, "model", "does not exist")
+
+
+def test_off_values_of_unsupported_fields_are_accepted(live):
+    body = {"model": M, "messages": USER, "max_tokens": 2, "response_format": {"type": "text"}, "tools": [],
+            "store": False, "best_of": None}
+    body.pop("best_of")
+    assert live.http.post(CHAT, json=body).status_code == 200
+    assert live.http.post(CMPL, json={"model": M, "prompt": "hi", "max_tokens": 2, "best_of": 1}).status_code == 200
+
+
+def test_server_still_serves_after_a_burst_of_bad_requests(live):
+    for path, body, status, _, _ in BAD_REQUESTS * 3:
+        assert live.http.post(path, json=body).status_code == status
+    for _ in range(20):
+        assert live.http.post(CMPL, content=b"{nope").status_code == 400
+    good = live.http.post(CMPL, json={"model": M, "prompt": "Hello", "max_tokens": 4, "temperature": 0})
+    assert good.status_code == 200
+    assert good.json()["usage"]["completion_tokens"] == 4
+    chat = live.client().chat.completions.create(model=M, messages=USER, max_tokens=3)
+    assert chat.choices[0].finish_reason in ("stop", "length")
+    live.wait_idle()
