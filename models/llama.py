@@ -35,7 +35,9 @@ class LlamaAttention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_attention_heads {self.num_heads} not a multiple of num_key_value_heads {self.num_kv_heads}")
+            raise ValueError(
+                f"num_attention_heads {self.num_heads} not a multiple of num_key_value_heads {self.num_kv_heads}"
+            )
         self.head_dim = _head_dim(config)
         self.scale = self.head_dim**-0.5
         attention_bias = bool(getattr(config, "attention_bias", False))
@@ -49,13 +51,17 @@ class LlamaAttention(nn.Module):
             },
             bias=attention_bias or is_qwen2,
         )
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=attention_bias and not is_qwen2)
+        o_bias = attention_bias and not is_qwen2  # Qwen2: biases on q/k/v only
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=o_bias)
         self.qk_norm = config.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         if rotary_emb.rotary_dim != self.head_dim:
-            raise ValueError(f"partial rotary embeddings are not supported (rotary dim {rotary_emb.rotary_dim}, head_dim {self.head_dim})")
+            raise ValueError(
+                f"partial rotary embeddings are not supported (rotary dim {rotary_emb.rotary_dim}, "
+                f"head_dim {self.head_dim})"
+            )
         self.rotary_emb = rotary_emb  # shared by all layers; holds no parameters
 
     def forward(
@@ -79,9 +85,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, rotary_emb)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.mlp = GatedMLP(
-            config.hidden_size, config.intermediate_size, config.hidden_act, bias=bool(getattr(config, "mlp_bias", False))
-        )
+        mlp_bias = bool(getattr(config, "mlp_bias", False))
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, bias=mlp_bias)
 
     def forward(self, positions, x, kv_cache, attn_metadata) -> torch.Tensor:
         x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, attn_metadata)
@@ -114,7 +119,9 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         # Tied: logits reuse the embedding matrix directly; a second Parameter object
         # sharing it would come apart when the loader moves the model off the meta device.
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+        self.lm_head = None
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
 
     def kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec:
         attn = self.model.layers[0].self_attn
