@@ -1,0 +1,168 @@
+"""Incremental detokenization with stop strings: token ids in, text safe to stream out.
+
+Decoding one token at a time does not work: a byte-level BPE token can hold half
+of a UTF-8 character, and SentencePiece drops the leading space of whichever token
+comes first in a decode. So, as vLLM and TGI do, we decode a short window of
+recent tokens twice, with and without the new ones, and stream the difference:
+
+    ids:        ... | t5  t6 | t7  t8 |
+                      ^prefix  ^read   ^len(ids)
+    prefix_text = decode(ids[prefix:read])   (already streamed)
+    window_text = decode(ids[prefix:])       (starts with prefix_text)
+    new text    = window_text[len(prefix_text):]
+
+Both decodes start at the same token, so whatever the tokenizer does at the start
+of a decode cancels out. While the window's text ends in U+FFFD (an incomplete
+UTF-8 sequence, or byte-fallback tokens not yet forming a character) that tail is
+held back; once it ends cleanly the window slides (prefix <- read <- len(ids)), so
+each step decodes O(window) tokens, not the whole output. Concatenated pieces equal
+`tokenizer.decode(output_ids, skip_special_tokens=..., clean_up_tokenization_spaces=False)`
+for any tokenizer whose decode never rewrites text already decoded when tokens are
+appended (byte-level BPE, SentencePiece/Metaspace); the clean-up step is off because
+it does rewrite across token boundaries (" ." -> "."). One exception, for invalid
+output only: a byte-fallback decoder (Llama-2 style <0xXX> tokens) turns a whole run
+of byte tokens into one U+FFFD per byte once the run stops being valid UTF-8, even
+characters of it we already streamed; valid output streams exactly.
+
+Stop strings are matched on the decoded text, across token boundaries. Only the
+longest suffix of the text that is a proper prefix of some stop string is held
+back; everything before it streams at once. When several stop strings could
+match, the one that is complete first in the text wins (on a tie, the longer one),
+which is also what a client reading the stream character by character would see.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from engine.request import SamplingParams
+
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """One request's output text. The engine calls `append` for every generated token
+    and, when the request ends for a reason other than a stop string (EOS, stop token,
+    max_tokens, abort), must call `flush()` to get the text still held back.
+
+    The prompt is not decoded: the output alone decodes exactly as
+    `tokenizer.decode(output_ids)` would (vLLM instead primes the window with the
+    prompt's tail, which keeps a SentencePiece leading space on the first word but
+    makes the stream differ from that decode). A token that ends the request through
+    EOS or `stop_token_ids` should not be appended if its text is to stay out.
+    """
+
+    def __init__(self, tokenizer, prompt_token_ids: Sequence[int], params: SamplingParams):
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = params.skip_special_tokens
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self._stops = tuple(params.stop)
+        # Every proper prefix of a stop string: the only text that may be held back.
+        self._stop_prefixes = frozenset(s[:i] for s in self._stops for i in range(1, len(s)))
+        self._max_held = max((len(s) for s in self._stops), default=1) - 1
+        self.token_ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+        # Characters of the window past prefix_text already streamed: the text in front of
+        # a trailing U+FFFD run is final even while that run is held back.
+        self._num_streamed_past_read = 0
+        self._pending = ""  # decoded text held back as a possible stop-string start
+        self._parts: list[str] = []  # text released so far, joined on demand
+        self.stop_matched: str | None = None
+        self.finished = False
+
+    @property
+    def text(self) -> str:
+        """All output text decoded so far: released plus held back, the stop string and
+        anything after it excluded once matched. O(length): call it sparingly."""
+        if len(self._parts) > 1:
+            self._parts = ["".join(self._parts)]
+        return (self._parts[0] if self._parts else "") + self._pending
+
+    @property
+    def held_back(self) -> str:
+        """Decoded text not yet released because it could start a stop string."""
+        return self._pending
+
+    def append(self, token_id: int) -> tuple[str, str | None]:
+        """Add one generated token; return (text safe to stream now, the stop string if one
+        just matched). After a match or `flush()` the request is over and this returns ("", None)."""
+        if self.finished:
+            return "", None
+        self.token_ids.append(token_id)
+        return self._release(self._decode_new(final=False))
+
+    def flush(self) -> str:
+        """The request ended without a stop string: release everything still held back
+        (a partial stop string, a trailing U+FFFD that will now never be completed)."""
+        if self.finished:
+            return ""
+        text, _ = self._release(self._decode_new(final=True))
+        if not self.finished:
+            text += self._pending
+            self._parts.append(self._pending)
+            self._pending = ""
+        self.finished = True
+        return text
+
+    def _decode_new(self, final: bool) -> str:
+        """Text of the tokens since the last call that is final (see the module map)."""
+        ids = self.token_ids
+        prefix_text = self._decode(ids[self._prefix_offset:self._read_offset])
+        window_text = self._decode(ids[self._prefix_offset:])
+        start = len(prefix_text) + self._num_streamed_past_read
+        stable = len(window_text) if final else len(window_text.rstrip(_REPLACEMENT_CHAR))
+        if stable == len(window_text):
+            # Ends on a whole character: nothing in the window can change any more. The
+            # window only starts at the new tokens if they decode to something: after
+            # tokens that decode to nothing (skipped special tokens), the next token would
+            # otherwise be first in the decode and lose its leading space.
+            if len(window_text) > len(prefix_text):
+                self._prefix_offset = self._read_offset
+            self._read_offset = len(ids)
+            self._num_streamed_past_read = 0
+        elif stable > start:
+            self._num_streamed_past_read = stable - len(prefix_text)
+        return window_text[start:stable]
+
+    def _decode(self, ids: list[int]) -> str:
+        if not ids:
+            return ""
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens,
+                                      clean_up_tokenization_spaces=False)
+
+    def _release(self, new_text: str) -> tuple[str, str | None]:
+        if not self._stops:
+            self._parts.append(new_text)
+            return new_text, None
+        text = self._pending + new_text
+        match = _first_stop(text, self._stops)
+        if match is not None:
+            start, stop = match
+            released, self._pending = text[:start], ""
+            self.stop_matched, self.finished = stop, True
+        else:
+            num_held = self._num_held(text)
+            released, self._pending = text[:len(text) - num_held], text[len(text) - num_held:]
+        self._parts.append(released)
+        return released, match[1] if match is not None else None
+
+    def _num_held(self, text: str) -> int:
+        """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
+        for length in range(min(len(text), self._max_held), 0, -1):
+            if text[-length:] in self._stop_prefixes:
+                return length
+        return 0
+
+
+def _first_stop(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
+    """(start, stop) of the stop string occurrence that ends first in `text` (longest on a tie).
+
+    `text` starts at the held-back text, so any occurrence completed by new text lies
+    inside it: a match starting earlier would have been a longer held-back prefix.
+    """
+    best: tuple[int, int, str] | None = None  # (end, start, stop)
+    for stop in stops:
+        start = text.find(stop)
+        if start >= 0 and (best is None or (start + len(stop), start) < best[:2]):
+            best = (start + len(stop), start, stop)
+    return None if best is None else (best[1], best[2])
