@@ -53,14 +53,19 @@ class GGUFError(ValueError):
     """A GGUF file this reader cannot turn into an HF Llama checkpoint."""
 
 
-def load_gguf(path: str | os.PathLike, cache: Path | None = None):
+def load_gguf(
+    path: str | os.PathLike, cache: Path | None = None
+) -> tuple[LlamaConfig, GGUFWeights, PreTrainedTokenizerBase, tuple[int, ...]]:
     """-> (hf_config, weights, tokenizer, eos_token_ids) for a llama-architecture GGUF.
 
     `weights` is re-iterable and yields (HF name, float32 or float16 tensor) one tensor at
     a time. `cache` is where the converted tokenizer is kept (default: models.fetch.cache_dir()).
     """
     path = Path(path)
-    reader = GGUFReader(path)
+    try:
+        reader = GGUFReader(path)
+    except ValueError as exc:  # the package's messages ("GGUF magic invalid") name no file
+        raise GGUFError(f"{path}: not a readable GGUF file: {exc}") from exc
     config = read_config(reader, path)
     weights = GGUFWeights(reader, config, path)
     tokenizer = load_tokenizer(path, cache)

@@ -244,3 +244,10 @@ def test_unknown_tensor_is_an_error(tmp_path):
     write_gguf(path, tiny_llama(), extra_tensors=[("rope_freqs.weight", np.ones(8, np.float32), None)])
     with pytest.raises(GGUFError, match="rope_freqs"):
         load_gguf(path, cache=tmp_path / "cache")
+
+
+def test_non_gguf_file_is_named_in_the_error(tmp_path):
+    path = tmp_path / "model.safetensors.gguf"
+    path.write_bytes(b"not a gguf file at all" * 4)
+    with pytest.raises(GGUFError, match=r"model\.safetensors\.gguf: not a readable GGUF file"):
+        load_gguf(path, cache=tmp_path / "cache")
