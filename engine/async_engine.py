@@ -1,0 +1,169 @@
+"""AsyncEngine: EngineCore in its own thread, per-request asyncio queues in front.
+
+    event loop                              engine thread
+    generate() --("add", ...)--> inbox --> core.add_request
+    abort()    --("abort", id)-> inbox --> core.abort_request
+    async for out in queue  <-- call_soon_threadsafe(queue.put_nowait) <-- core.step()
+
+The engine thread owns the core and the map of request id -> (loop, queue); the
+loop side only puts commands in the inbox, so no state is shared but the inbox
+and the stats snapshot (replaced whole after every step). The asyncio loop never
+waits on a forward pass.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from typing import AsyncIterator, Sequence
+
+from engine.config import EngineConfig
+from engine.core import EngineCore, tokenize_prompt
+from engine.request import RequestOutput, SamplingParams
+from engine.stats import EngineStats
+
+logger = logging.getLogger(__name__)
+
+_STOP = ("stop",)
+
+
+class AsyncEngine:
+    def __init__(self, loaded, config: EngineConfig | None = None, start: bool = True):
+        self.core = EngineCore(loaded, config)
+        self.config = self.core.config
+        self.tokenizer = loaded.tokenizer
+        self.model_config = loaded.config
+        self.max_model_len = self.core.max_model_len
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}  # engine thread only
+        self._open: set[str] = set()  # ids with a live generate(); event loop side only
+        self._stats = self.core.stats()
+        self._thread: threading.Thread | None = None
+        if start:
+            self.start()
+
+    @classmethod
+    def from_config(cls, loaded, config: EngineConfig | None = None) -> AsyncEngine:
+        return cls(loaded, config)
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Abort what is left (streams get their final "abort" output) and join the thread."""
+        if self._thread is None:
+            return
+        self._inbox.put(_STOP)
+        self._thread.join(timeout)
+        self._thread = None
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    # ----------------------------------------------------------------- API
+    async def generate(
+        self, prompt: str | Sequence[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs; the last has `finished` set.
+
+        Raises ValueError before any output for a request that can never fit (or a
+        request id already streaming), QueueFullError when the queue is full.
+        Leaving the iteration early (break, cancellation) aborts the request.
+        """
+        if not self.is_running:
+            raise RuntimeError("the engine is not running")
+        prompt_token_ids = tokenize_prompt(self.tokenizer, prompt)
+        self.core.check_request(prompt_token_ids, params)
+        if request_id in self._open:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        stream: asyncio.Queue = asyncio.Queue()
+        self._open.add(request_id)
+        finished = False
+        try:
+            self._inbox.put(("add", request_id, prompt_token_ids, params, asyncio.get_running_loop(), stream))
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):  # refused by the engine thread
+                    finished = True
+                    raise item
+                if item.finished:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            self._open.discard(request_id)
+            if not finished:
+                self._inbox.put(("abort", request_id))
+
+    async def abort(self, request_id: str) -> None:
+        """End a request; its stream (if still read) gets a final output with finish_reason "abort"."""
+        self._inbox.put(("abort", request_id))
+
+    # -------------------------------------------------------- engine thread
+    def _run(self) -> None:
+        while True:
+            commands = [self._inbox.get()] if not self.core.has_unfinished else []
+            try:
+                while True:
+                    commands.append(self._inbox.get_nowait())
+            except queue.Empty:
+                pass
+            for command in commands:
+                if command is _STOP:
+                    self._deliver(self.core.abort_all())
+                    self._stats = self.core.stats()
+                    return
+                self._handle(command)
+            if self.core.has_unfinished:
+                try:
+                    outputs = self.core.step()
+                except Exception as e:  # noqa: BLE001 - the core contains failures; this is a last resort
+                    logger.exception("engine step raised; ending every request")
+                    outputs = self.core.fail_all(f"engine step failed: {type(e).__name__}: {e}")
+                self._deliver(outputs)
+            self._stats = self.core.stats()
+
+    def _handle(self, command: tuple) -> None:
+        kind, request_id = command[0], command[1]
+        if kind == "add":
+            _, _, prompt_token_ids, params, loop, stream = command
+            try:
+                self.core.add_request(request_id, prompt_token_ids, params)
+            except Exception as e:  # noqa: BLE001 - handed to the caller of generate()
+                self._send(loop, stream, e)
+                return
+            self._sinks[request_id] = (loop, stream)
+        elif kind == "abort":
+            output = self.core.abort_request(request_id)
+            if output is not None:
+                self._deliver([output])
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            sink = self._sinks.get(output.request_id)
+            if sink is None:
+                continue
+            if output.finished:
+                del self._sinks[output.request_id]
+            if not self._send(*sink, output) and not output.finished:
+                # The consumer's loop is gone: nobody will read this request.
+                del self._sinks[output.request_id]
+                self.core.abort_request(output.request_id)
+
+    @staticmethod
+    def _send(loop: asyncio.AbstractEventLoop, stream: asyncio.Queue, item) -> bool:
+        try:
+            loop.call_soon_threadsafe(stream.put_nowait, item)
+            return True
+        except RuntimeError:  # the loop is closed
+            return False

@@ -1,0 +1,89 @@
+"""Offline batch generation: the EngineCore stepped in the caller's thread, no server.
+
+    llm = LLM("path/to/checkpoint", dtype="float32", num_kv_blocks=256)
+    results = llm.generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0, max_tokens=8))
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from engine.config import EngineConfig
+from engine.core import EngineCore, tokenize_prompt
+from engine.request import RequestOutput, SamplingParams, TokenLogprob
+
+
+@dataclass
+class CompletionResult:
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+    queue_time: float = 0.0
+    prefill_time: float = 0.0
+    decode_time: float = 0.0
+
+    def add(self, output: RequestOutput) -> None:
+        self.text += output.text
+        self.token_ids.extend(output.token_ids)
+        if output.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + output.logprobs
+        if output.finished:
+            self.finish_reason, self.stop_reason, self.error = output.finish_reason, output.stop_reason, output.error
+            self.num_cached_tokens = output.num_cached_tokens
+            self.queue_time, self.prefill_time = output.queue_time, output.prefill_time
+            self.decode_time = output.decode_time
+
+
+class LLM:
+    def __init__(self, model: str, dtype: str = "auto", device: str = "cpu", **engine_kwargs):
+        from models.loader import load_model  # lazy: the engine package does not need the loader
+
+        config = EngineConfig(**engine_kwargs)
+        loaded = load_model(model, dtype=dtype, device=device, max_model_len=config.max_model_len)
+        self.engine = EngineCore(loaded, config)
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_loaded(cls, loaded, **engine_kwargs) -> LLM:
+        """Wrap an already loaded model (LoadedModel) instead of loading one."""
+        llm = cls.__new__(cls)
+        llm.engine = EngineCore(loaded, EngineConfig(**engine_kwargs))
+        llm._ids = itertools.count()
+        return llm
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[CompletionResult]:
+        """Run every prompt to completion, in one continuous batch; results in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = SamplingParams() if params is None else params
+        params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts")
+        token_ids = [tokenize_prompt(self.engine.tokenizer, p) for p in prompts]
+        for ids, p in zip(token_ids, params_list):  # refuse the batch before running any of it
+            self.engine.check_request(ids, p)
+        results = {}
+        for ids, p in zip(token_ids, params_list):
+            request_id = f"llm-{next(self._ids)}"
+            results[request_id] = CompletionResult(request_id, ids)
+            self.engine.add_request(request_id, ids, p)
+        while self.engine.has_unfinished:
+            for output in self.engine.step():
+                if output.request_id in results:
+                    results[output.request_id].add(output)
+        return list(results.values())

@@ -1,0 +1,126 @@
+"""SchedulerOutput -> flat tensors -> one model forward -> logits of sampling rows -> tokens.
+
+All scheduled requests go through the model together, prefill chunks and
+decodes alike, laid out flat, request after request:
+
+    scheduled   A: 5 prompt tokens (samples)   B: decode   C: chunk of 4 (does not sample)
+    input_ids   [a0 a1 a2 a3 a4 | b9 | c0 c1 c2 c3]
+    positions   [ 0  1  2  3  4 |  9 |  0  1  2  3]
+    rows that produce a token:  4 (A's last), 5 (B's)      -> compute_logits on 2 rows only
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.config import EngineConfig
+from engine.request import TokenLogprob
+from engine.sampler import SamplingBatch, make_generator, sample
+from engine.scheduler import ScheduledRequest, SchedulerOutput
+from models.layers.attention import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)  # request id -> new token
+    logprobs: dict[str, TokenLogprob | None] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)  # request id -> why its sampling failed
+
+
+class ModelRunner:
+    def __init__(self, loaded, config: EngineConfig):
+        self.model = loaded.model
+        self.model_config = loaded.config
+        self.block_size = config.block_size
+        self.device = next(self.model.parameters()).device
+        self.max_model_len = config.resolve_max_model_len(loaded.config.max_model_len)
+        self.kv_cache_spec = self.model.kv_cache_spec(loaded.config.dtype)
+        bytes_per_token = self.kv_cache_spec.bytes_per_token
+        self.num_blocks = config.resolve_num_blocks(bytes_per_token, self.max_model_len)
+        self.kv_caches = self.kv_cache_spec.allocate(self.num_blocks, self.block_size, self.device)
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens, %d bytes per token, %.3f GiB (%s, %s)",
+            self.num_blocks, self.block_size, self.num_tokens_capacity, bytes_per_token,
+            self.num_tokens_capacity * bytes_per_token / 2**30, self.kv_cache_spec.dtype, self.device,
+        )
+
+    @property
+    def num_tokens_capacity(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def make_generator(self, seed: int | None) -> torch.Generator | None:
+        return make_generator(seed, self.device)
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> RunnerOutput:
+        """Run one step. A failure of the forward pass raises (the whole batch is lost);
+        a failure while sampling one request is reported in RunnerOutput.errors."""
+        scheduled = output.scheduled
+        if not scheduled:
+            return RunnerOutput()
+        hidden = self._forward(scheduled)  # (num_tokens, hidden_size)
+        ends, offset = [], 0
+        for s in scheduled:
+            offset += len(s.token_ids)
+            ends.append(offset - 1)
+        samplers = [(s, end) for s, end in zip(scheduled, ends) if s.samples]
+        if not samplers:
+            return RunnerOutput()
+        rows = torch.tensor([end for _, end in samplers], dtype=torch.int64, device=hidden.device)
+        logits = self.model.compute_logits(hidden[rows])  # (num_samplers, vocab) float32
+        return self._sample(logits, [s for s, _ in samplers])
+
+    def _forward(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
+        query_lens = [len(s.token_ids) for s in scheduled]
+        seq_lens = [s.start_position + len(s.token_ids) for s in scheduled]
+        input_ids = [t for s in scheduled for t in s.token_ids]
+        positions = [p for s in scheduled for p in range(s.start_position, s.start_position + len(s.token_ids))]
+        meta = AttentionMetadata.build(
+            query_lens, seq_lens, [s.block_table for s in scheduled], self.block_size, self.device
+        )
+        return self.model(
+            torch.tensor(input_ids, dtype=torch.int64, device=self.device),
+            torch.tensor(positions, dtype=torch.int64, device=self.device),
+            self.kv_caches,
+            meta,
+        )
+
+    def _sample(self, logits: torch.Tensor, requests: list[ScheduledRequest]) -> RunnerOutput:
+        try:
+            return self._sample_rows(logits, requests)
+        except Exception:
+            if len(requests) == 1:
+                raise
+            logger.exception("sampling failed for a batch of %d; retrying row by row", len(requests))
+        # One bad request must not cost the others their token: sample each row alone.
+        result = RunnerOutput()
+        for i, request in enumerate(requests):
+            try:
+                one = self._sample_rows(logits[i : i + 1], [request])
+            except Exception as e:  # noqa: BLE001 - reported as this request's error
+                logger.exception("sampling failed for request %s", request.request_id)
+                result.errors[request.request_id] = f"sampling failed: {type(e).__name__}: {e}"
+                continue
+            result.sampled.update(one.sampled)
+            result.logprobs.update(one.logprobs)
+        return result
+
+    def _sample_rows(self, logits: torch.Tensor, requests: list[ScheduledRequest]) -> RunnerOutput:
+        batch = SamplingBatch.from_params(
+            [s.params for s in requests],
+            [s.prompt_token_ids for s in requests],
+            [s.output_token_ids for s in requests],
+            [s.generator for s in requests],
+            vocab_size=logits.shape[-1],
+            device=logits.device,
+            eos_token_ids=self.model_config.eos_token_ids,
+        )
+        out = sample(logits, batch)
+        return RunnerOutput(
+            sampled={s.request_id: t for s, t in zip(requests, out.token_ids)},
+            logprobs={s.request_id: lp for s, lp in zip(requests, out.logprobs)},
+        )

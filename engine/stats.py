@@ -1,0 +1,37 @@
+"""A snapshot of the engine's state and counters, taken by the engine thread after each step.
+
+Per-request latencies travel with the outputs themselves (RequestOutput.queue_time,
+prefill_time, decode_time; time to first token = queue_time + prefill_time, known
+from the first output on), so the server builds its histograms from the stream.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    num_kv_blocks_total: int = 0
+    num_kv_blocks_used: int = 0  # held by requests
+    num_kv_blocks_cached: int = 0  # holding a reusable prefix (held or evictable)
+    kv_block_size: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up, since start
+    prefix_cache_hits: int = 0  # prompt tokens served from the cache, since start
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0  # prompt tokens of accepted requests
+    num_generation_tokens: int = 0  # tokens sampled
+    num_computed_tokens: int = 0  # tokens run through the model (prefill, recompute, decode)
+    num_steps: int = 0
+    num_failed_steps: int = 0  # forward passes that raised (their requests ended with "error")
+    num_audit_discrepancies: int = 0  # block-pool audit findings, since start
+    num_finished: dict[str, int] = field(default_factory=dict)  # finish_reason -> requests
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.num_kv_blocks_used / self.num_kv_blocks_total if self.num_kv_blocks_total else 0.0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
