@@ -52,12 +52,14 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config, max_positions: int, interleaved: bool = False):
         super().__init__()
-        inv_freq, attention_scaling = rope_frequencies(config, max_positions)
+        # Real CPU tensors even when the model is being built on the meta device.
+        with torch.device("cpu"):
+            inv_freq, attention_scaling = rope_frequencies(config, max_positions)
+            # Same float ops as transformers' forward: position * inv_freq, then cos/sin, then scale.
+            freqs = torch.arange(max_positions, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)  # (max_positions, rotary_dim)
         self.rotary_dim = 2 * inv_freq.numel()
         self.interleaved = interleaved
-        # Same float ops as transformers' forward: position * inv_freq, then cos/sin, then scale.
-        freqs = torch.arange(max_positions, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)  # (max_positions, rotary_dim)
         # Plain attributes, not buffers: the table stays float32 whatever dtype the model is cast to.
         self.cos = emb.cos() * attention_scaling
         self.sin = emb.sin() * attention_scaling
