@@ -118,22 +118,30 @@ class AsyncEngine:
                     commands.append(self._inbox.get_nowait())
             except queue.Empty:
                 pass
+            outputs: list[RequestOutput] = []
             for command in commands:
                 if command is _STOP:
-                    self._deliver(self.core.abort_all())
-                    self._stats = self.core.stats()
+                    outputs += self.core.abort_all()
+                    self._publish(outputs)
                     return
-                self._handle(command)
+                try:
+                    outputs += self._handle(command)
+                except Exception:  # noqa: BLE001 - one bad command must not end the thread
+                    logger.exception("engine command %s failed", command[:2])
             if self.core.has_unfinished:
                 try:
-                    outputs = self.core.step()
+                    outputs += self.core.step()
                 except Exception as e:  # noqa: BLE001 - the core contains failures; this is a last resort
                     logger.exception("engine step raised; ending every request")
-                    outputs = self.core.fail_all(f"engine step failed: {type(e).__name__}: {e}")
-                self._deliver(outputs)
-            self._stats = self.core.stats()
+                    outputs += self.core.fail_all(f"engine step failed: {type(e).__name__}: {e}")
+            self._publish(outputs)
 
-    def _handle(self, command: tuple) -> None:
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        # Stats first: whoever has seen an output then never reads an older snapshot.
+        self._stats = self.core.stats()
+        self._deliver(outputs)
+
+    def _handle(self, command: tuple) -> list[RequestOutput]:
         kind, request_id = command[0], command[1]
         if kind == "add":
             _, _, prompt_token_ids, params, loop, stream = command
@@ -141,12 +149,13 @@ class AsyncEngine:
                 self.core.add_request(request_id, prompt_token_ids, params)
             except Exception as e:  # noqa: BLE001 - handed to the caller of generate()
                 self._send(loop, stream, e)
-                return
+                return []
             self._sinks[request_id] = (loop, stream)
         elif kind == "abort":
             output = self.core.abort_request(request_id)
             if output is not None:
-                self._deliver([output])
+                return [output]
+        return []
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:

@@ -27,8 +27,6 @@ def random_prompt(rng, n):
 
 def run_core(core: EngineCore, requests, on_step=None):
     """requests: [(id, prompt ids, params)], added together; returns id -> result, auditing every step."""
-    llm = LLM.__new__(LLM)
-    llm.engine = core
     results = {}
     for rid, prompt, params in requests:
         core.add_request(rid, prompt, params)
@@ -112,7 +110,13 @@ def test_32_concurrent_greedy_requests_match_solo_runs_and_transformers(loaded, 
 
 def test_pool_too_small_preempts_and_outputs_are_unchanged(loaded):
     rng = random.Random(1)
-    requests = [(f"p{i}", random_prompt(rng, rng.randint(4, 20)), greedy(rng.randint(10, 30))) for i in range(12)]
+    requests = [(f"p{i}", random_prompt(rng, rng.randint(4, 20)), greedy(rng.randint(10, 30))) for i in range(9)]
+    # Seeded random sampling: each request draws from its own generator, so neither the
+    # batch around it nor a recompute after preemption may change its tokens.
+    requests += [
+        (f"s{i}", random_prompt(rng, 12), SamplingParams(temperature=1.0, top_k=20, seed=i, max_tokens=25, ignore_eos=True))
+        for i in range(3)
+    ]
     config = dict(block_size=4, num_kv_blocks=24, max_num_seqs=12, max_num_batched_tokens=64)
     core = EngineCore(loaded, EngineConfig(**config))
     results = run_core(core, requests)
@@ -122,7 +126,7 @@ def test_pool_too_small_preempts_and_outputs_are_unchanged(loaded):
     for rid, _, params in requests:
         assert results[rid]["token_ids"] == solo[rid]
         assert len(solo[rid]) == params.max_tokens
-    print(f"\nsmall pool: {core.stats().num_preemptions} preemptions, 12/12 outputs equal to solo runs")
+    print(f"\nsmall pool: {core.stats().num_preemptions} preemptions, 12/12 outputs (3 seeded random) equal to solo runs")
 
 
 def test_prefix_cache_computes_only_uncached_tokens(loaded):
@@ -292,3 +296,13 @@ def test_pool_size_comes_from_memory_and_the_models_kv_spec(loaded):
     assert config.resolve_num_blocks(mla.bytes_per_token, 64) > config.resolve_num_blocks(gqa.bytes_per_token, 64)
     # With no size given: 1 GiB, capped at what max_num_seqs full-length requests can use.
     assert EngineConfig(max_num_seqs=4).resolve_num_blocks(gqa.bytes_per_token, 256) == 4 * 256 // 16
+
+
+def test_logprobs_follow_each_token(loaded):
+    llm = LLM.from_loaded(loaded, num_kv_blocks=64)
+    r = llm.generate([[3, 4, 5]], greedy(6, logprobs=2))[0]
+    assert len(r.logprobs) == 6
+    for token_id, lp in zip(r.token_ids, r.logprobs):
+        assert lp.token_id == token_id and len(lp.top) == 2
+        assert lp.top[0][0] == token_id and lp.logprob == pytest.approx(lp.top[0][1]) and lp.logprob <= 0
+    assert llm.generate([[3, 4, 5]], greedy(6))[0].logprobs is None

@@ -1,0 +1,165 @@
+"""AsyncEngine from asyncio: concurrent streams, aborts in every form, failures, refusals."""
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.llm import LLM
+from engine.request import SamplingParams
+from engine.scheduler import QueueFullError
+
+CONFIG = dict(block_size=8, num_kv_blocks=128, max_num_batched_tokens=64, audit_interval_steps=1)
+
+
+def greedy(max_tokens, **kw):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+@pytest.fixture
+def engine(loaded):
+    engine = AsyncEngine(loaded, EngineConfig(**CONFIG))
+    yield engine
+    engine.shutdown()
+
+
+async def collect(engine, prompt, params, request_id):
+    return [out async for out in engine.generate(prompt, params, request_id)]
+
+
+async def wait_idle(engine, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        s = engine.stats()
+        if s.num_running == 0 and s.num_waiting == 0 and s.num_kv_blocks_used == 0:
+            return s
+        assert time.monotonic() < deadline, f"engine never went idle: {s}"
+        await asyncio.sleep(0.01)
+
+
+def test_concurrent_streams_match_offline_generation(engine, loaded):
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(1, 40))] for _ in range(8)] + ["Hello world"]
+    params = [greedy(rng.randint(1, 20)) for _ in prompts]
+
+    async def main():
+        ticks = 0
+
+        async def ticker():  # the loop keeps running while the engine computes
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.001)
+
+        tick_task = asyncio.create_task(ticker())
+        streams = await asyncio.gather(*(collect(engine, p, sp, f"c{i}") for i, (p, sp) in enumerate(zip(prompts, params))))
+        tick_task.cancel()
+        return streams, ticks
+
+    streams, ticks = asyncio.run(main())
+    expected = LLM.from_loaded(loaded, **CONFIG).generate(prompts, params)
+    for outs, want, sp in zip(streams, expected, params):
+        assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+        assert [t for o in outs for t in o.token_ids] == want.token_ids
+        assert "".join(o.text for o in outs) == want.text
+        final = outs[-1]
+        assert final.finish_reason == "length" and final.num_output_tokens == sp.max_tokens
+        assert final.queue_time >= 0 and final.prefill_time > 0 and final.decode_time >= 0
+    assert ticks > 10
+    s = engine.stats()
+    assert s.num_generation_tokens == sum(sp.max_tokens for sp in params)
+    assert s.num_finished == {"length": len(prompts)} and s.num_audit_discrepancies == 0
+
+
+def test_abort_break_and_cancel_free_blocks(engine):
+    async def main():
+        # 1. The consumer stops iterating: the generator is finalized and aborts.
+        async for out in engine.generate([5, 6, 7], greedy(200), "quitter"):
+            if out.num_output_tokens == 3:
+                break
+        # 2. abort() while the consumer keeps reading: a final "abort" output arrives.
+        outs = []
+        async for out in engine.generate([8, 9], greedy(200), "aborted"):
+            outs.append(out)
+            if len(outs) == 2:
+                await engine.abort("aborted")
+        assert outs[-1].finished and outs[-1].finish_reason == "abort" and len(outs) < 200
+        # 3. The consuming task is cancelled.
+        first = asyncio.Event()
+
+        async def consume():
+            async for _ in engine.generate([1, 2, 3, 4], greedy(200), "cancelled"):
+                first.set()
+
+        task = asyncio.create_task(consume())
+        await first.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return await wait_idle(engine)
+
+    stats = asyncio.run(main())
+    assert stats.num_finished.get("abort") == 3 and stats.num_generation_tokens < 300
+    engine.shutdown()
+    assert engine.core.audit() == []
+
+
+def test_a_failing_request_does_not_stop_the_others(engine):
+    async def main():
+        return await asyncio.gather(
+            collect(engine, [5, 6, 7], greedy(12), "ok-1"),
+            collect(engine, [4, 5], greedy(12, logit_bias={10**6: 1.0}), "bad"),
+            collect(engine, [9, 8, 7, 6], greedy(12), "ok-2"),
+        )
+
+    ok1, bad, ok2 = asyncio.run(main())
+    assert bad[-1].finish_reason == "error" and "logit_bias" in bad[-1].error
+    for outs in (ok1, ok2):
+        assert outs[-1].finish_reason == "length" and outs[-1].num_output_tokens == 12
+
+
+def test_refusals_come_before_any_output(engine):
+    async def main():
+        with pytest.raises(ValueError, match="context length"):
+            await collect(engine, list(range(3, 253)), greedy(10), "too-long")
+        with pytest.raises(ValueError, match="vocabulary"):
+            await collect(engine, [5, 100_000], greedy(10), "bad-token")
+        stream = engine.generate([5, 6], greedy(50), "dup")
+        first = await stream.__anext__()
+        with pytest.raises(ValueError, match="already in use"):
+            await collect(engine, [5, 6], greedy(5), "dup")
+        await stream.aclose()
+        assert not first.finished
+        return await wait_idle(engine)
+
+    asyncio.run(main())
+
+
+def test_queue_full_is_its_own_error(loaded):
+    engine = AsyncEngine(loaded, EngineConfig(**CONFIG, max_waiting=0))
+    try:
+        with pytest.raises(QueueFullError):
+            asyncio.run(collect(engine, [5, 6], greedy(5), "q"))
+    finally:
+        engine.shutdown()
+
+
+def test_shutdown_ends_open_streams_and_joins(loaded):
+    engine = AsyncEngine(loaded, EngineConfig(**CONFIG))
+
+    async def main():
+        outs = []
+        async for out in engine.generate([5, 6, 7], greedy(200), "long"):
+            outs.append(out)
+            if len(outs) == 1:
+                await asyncio.to_thread(engine.shutdown)
+        return outs
+
+    outs = asyncio.run(main())
+    assert outs[-1].finish_reason == "abort" and not engine.is_running
+    with pytest.raises(RuntimeError, match="not running"):
+        asyncio.run(collect(engine, [5], greedy(2), "late"))
