@@ -70,7 +70,9 @@ def engine_config(args: argparse.Namespace):
         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gib=args.kv_cache_memory,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
-        max_waiting=None if args.max_waiting < 0 else args.max_waiting)
+        # The server enforces --max-waiting itself, before answering (a 429 rather than an
+        # error event inside a 200 stream), so the engine's own bound stays off.
+        max_waiting=None)
 
 
 def served_name(model: str) -> str:
@@ -115,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
 
     app = create_app(engine_factory=load_engine, on_load_error=on_load_error,
                      served_model_name=args.served_model_name or served_name(args.model),
-                     api_key=api_key, max_waiting=config.max_waiting)
+                     api_key=api_key, max_waiting=None if args.max_waiting < 0 else args.max_waiting)
     server = uvicorn.Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level,
         timeout_graceful_shutdown=args.shutdown_timeout))

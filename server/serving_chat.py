@@ -15,7 +15,7 @@ from server.protocol import ChatCompletionRequest, parse_body
 from server.serving_common import (Choice, ServerState, check_context, default_max_tokens, make_choices,
                                    new_request_id, read_body, sampling_params, stream_choices, timing_headers, usage)
 from server.serving_logprobs import LogprobFormatter
-from server.streaming import (SSE_DONE, ClientDisconnected, disconnected_response, prepend, run_unless_disconnected,
+from server.streaming import (SSE_DONE, ClientDisconnected, disconnected_response, run_unless_disconnected,
                               sse_event, sse_response)
 
 logger = logging.getLogger("pagedserve.server")
@@ -57,15 +57,13 @@ async def create_chat_completion(request: Request) -> Response:
     view = _ChatView(request_id, int(time.time()), state.served_model_name, state.logprobs, body)
 
     events = stream_choices(state, choices)
+    await anext(events)  # admitted and accepted by the engine, or an APIError (429, 400)
+    if body.stream:
+        return sse_response(view.sse(events, len(choices)), headers={"X-Request-Id": request_id})
     try:
-        # Wait for the first output before answering (see serving_completion).
-        first = await run_unless_disconnected(request, anext(events))
-        if not body.stream:
-            await run_unless_disconnected(request, _drain(events))
+        await run_unless_disconnected(request, _drain(events))
     except ClientDisconnected:
         return disconnected_response()
-    if body.stream:
-        return sse_response(view.sse(first, events, len(choices)), headers={"X-Request-Id": request_id})
     failed = next((c.final for c in choices if c.final.finish_reason not in ("stop", "length")), None)
     if failed is not None:
         raise APIError(500, f"The request failed in the engine: {failed.error or failed.finish_reason}",
@@ -103,13 +101,13 @@ class _ChatView:
         return sse_event(self._envelope("chat.completion.chunk", [
             {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}], **extra))
 
-    async def sse(self, first, events: AsyncIterator, num_choices: int) -> AsyncIterator[str]:
+    async def sse(self, events: AsyncIterator, num_choices: int) -> AsyncIterator[str]:
         choices: dict[int, Choice] = {}
         try:
             # OpenAI's first chunk of each choice carries the role and no text.
             for index in range(num_choices):
                 yield self._chunk(index, {"role": "assistant", "content": ""})
-            async for choice, output in prepend(first, events):
+            async for choice, output in events:
                 choices[choice.index] = choice
                 if output.finished and output.finish_reason not in ("stop", "length"):
                     raise RuntimeError(f"request {choice.request_id} failed: {output.error or output.finish_reason}")

@@ -195,12 +195,14 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def stream_choices(state: ServerState, choices: list[Choice]) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+async def stream_choices(state: ServerState, choices: list[Choice]) -> AsyncIterator[tuple[Choice, RequestOutput] | None]:
     """Run every choice on the engine; yield (choice, output) as outputs arrive.
 
-    Admission is taken when iteration starts and given back when it ends, however
-    it ends. Raises APIError for a request that is refused (429 at capacity,
-    400 when the engine says it can never fit).
+    The first item is None and marks "accepted": by then admission is taken (429
+    if full) and every choice has passed the engine's own checks, which it makes
+    synchronously in generate() (ValueError -> 400). So a caller can await the
+    first item, then still answer with a plain error or start a 200 stream.
+    Admission is given back when iteration ends, however it ends.
     """
     engine = state.engine
     state.admit(len(choices))
@@ -227,6 +229,16 @@ async def stream_choices(state: ServerState, choices: list[Choice]) -> AsyncIter
     tasks = [asyncio.ensure_future(pump(choice)) for choice in choices]
     remaining = len(choices)
     try:
+        # One turn of the loop runs every pump up to its first real wait: a refusal raised
+        # synchronously by generate() is in the queue by then.
+        await asyncio.sleep(0)
+        early = [queue.get_nowait() for _ in range(queue.qsize())]
+        refusal = next((item for _, item in early if isinstance(item, Exception)), None)
+        if refusal is not None:
+            raise _engine_error(refusal)
+        for entry in early:
+            queue.put_nowait(entry)
+        yield None
         while remaining:
             choice, item = await queue.get()
             if item is _END:

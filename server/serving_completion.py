@@ -15,7 +15,7 @@ from server.protocol import CompletionRequest, parse_body
 from server.serving_common import (Choice, ServerState, check_context, make_choices, new_request_id, read_body,
                                    sampling_params, stream_choices, timing_headers, usage)
 from server.serving_logprobs import LogprobFormatter
-from server.streaming import (SSE_DONE, ClientDisconnected, disconnected_response, prepend, run_unless_disconnected,
+from server.streaming import (SSE_DONE, ClientDisconnected, disconnected_response, run_unless_disconnected,
                               sse_event, sse_response)
 
 logger = logging.getLogger("pagedserve.server")
@@ -43,16 +43,13 @@ async def create_completion(request: Request) -> Response:
     view = _CompletionView(request_id, int(time.time()), state.served_model_name, state.logprobs, body, echo)
 
     events = stream_choices(state, choices)
+    await anext(events)  # admitted and accepted by the engine, or an APIError (429, 400)
+    if body.stream:
+        return sse_response(view.sse(events), headers={"X-Request-Id": request_id})
     try:
-        # Wait for the first output before answering, so a refusal (429, or a 400 from the
-        # engine) is still a plain error response rather than an event in a 200 stream.
-        first = await run_unless_disconnected(request, anext(events))
-        if not body.stream:
-            await run_unless_disconnected(request, _drain(events))
+        await run_unless_disconnected(request, _drain(events))
     except ClientDisconnected:
         return disconnected_response()
-    if body.stream:
-        return sse_response(view.sse(first, events), headers={"X-Request-Id": request_id})
     failed = next((c.final for c in choices if c.final.finish_reason not in ("stop", "length")), None)
     if failed is not None:
         raise APIError(500, f"The request failed in the engine: {failed.error or failed.finish_reason}",
@@ -93,11 +90,11 @@ class _CompletionView:
                              "finish_reason": c.final.finish_reason})
         return self._envelope(rendered, usage=usage(choices, self.n))
 
-    async def sse(self, first, events: AsyncIterator) -> AsyncIterator[str]:
+    async def sse(self, events: AsyncIterator) -> AsyncIterator[str]:
         extra = {"usage": None} if self.body.include_usage else {}
         choices: dict[int, Choice] = {}
         try:
-            async for choice, output in prepend(first, events):
+            async for choice, output in events:
                 choices[choice.index] = choice
                 if output.finished and output.finish_reason not in ("stop", "length"):
                     raise RuntimeError(f"request {choice.request_id} failed: {output.error or output.finish_reason}")

@@ -64,7 +64,11 @@ class LogprobFormatter:
             token = self.text(lp.token_id)
             tokens.append(token)
             token_logprobs.append(lp.logprob)
-            alternatives = {self.text(t): v for t, v in lp.top}
+            # Keyed by text, so distinct tokens can collide (two partial UTF-8 bytes both read
+            # "\ufffd"): keep the likelier one, as the list is best first.
+            alternatives: dict[str, float] = {}
+            for top_id, top_logprob in lp.top:
+                alternatives.setdefault(self.text(top_id), top_logprob)
             alternatives.setdefault(token, lp.logprob)
             top.append(alternatives)
             offsets.append(offset)

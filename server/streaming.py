@@ -32,13 +32,6 @@ def sse_response(events: AsyncIterator[str], headers: dict[str, str] | None = No
     return StreamingResponse(events, media_type="text/event-stream", headers={**SSE_HEADERS, **(headers or {})})
 
 
-async def prepend(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    """`first`, then everything `rest` yields."""
-    yield first
-    async for item in rest:
-        yield item
-
-
 class ClientDisconnected(Exception):
     """The client closed the connection before the response was ready."""
 

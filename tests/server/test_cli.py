@@ -1,0 +1,100 @@
+"""`python -m server` as a real process: --help, the API key from the environment, SIGTERM drains and exits 0."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from server.__main__ import build_parser
+
+REPO = Path(__file__).resolve().parents[2]
+FLAGS = ["--model", "--host", "--port", "--dtype", "--served-model-name", "--max-model-len", "--max-num-seqs",
+         "--max-num-batched-tokens", "--block-size", "--kv-cache-memory", "--num-kv-blocks", "--max-waiting",
+         "--api-key", "--log-level", "--shutdown-timeout"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_help_explains_every_flag():
+    out = subprocess.run([sys.executable, "-m", "server", "--help"], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    for flag in FLAGS:
+        assert flag in out.stdout, flag
+    assert "PAGEDSERVE_API_KEY" in out.stdout
+
+
+def test_bad_flag_values_exit_with_usage_error():
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["--dtype", "int3"])
+    assert exc.value.code == 2
+    out = subprocess.run([sys.executable, "-m", "server", "--max-num-seqs", "0"], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2 and "max_num_seqs" in out.stderr
+
+
+@pytest.fixture
+def served_process(tiny_model_dir):
+    port = free_port()
+    env = {**os.environ, "PAGEDSERVE_API_KEY": "env-key"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "server", "--model", str(tiny_model_dir), "--port", str(port), "--dtype", "float32",
+         "--served-model-name", "tiny", "--num-kv-blocks", "64", "--block-size", "8", "--shutdown-timeout", "20",
+         "--log-level", "warning"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not become healthy"
+            time.sleep(0.1)
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(30)
+
+
+def test_sigterm_lets_in_flight_requests_finish_then_exits_0(served_process):
+    proc, url = served_process
+    headers = {"Authorization": "Bearer env-key"}
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 60, "ignore_eos": True, "stream": True}
+    assert httpx.post(f"{url}/v1/completions", json=body).status_code == 401  # key read from the environment
+    lines: list[str] = []
+    first_chunk = threading.Event()
+
+    def stream() -> None:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=120) as response:
+            for line in response.iter_lines():
+                if line:
+                    lines.append(line)
+                    first_chunk.set()
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert first_chunk.wait(60)
+    os.kill(proc.pid, signal.SIGTERM)  # the server process's own pid
+    reader.join(120)
+    assert proc.wait(60) == 0, proc.stdout.read()
+    assert lines[-1] == "data: [DONE]"
+    assert '"finish_reason":"length"' in lines[-2]
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{url}/health", timeout=5)
