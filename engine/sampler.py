@@ -10,16 +10,21 @@ The order follows vLLM:
       -> frequency, presence penalties  output tokens only (OpenAI semantics)
       == logprobs are read here         log_softmax of these logits
       -> temperature -> top-k -> top-p -> min-p -> probs
-      -> greedy rows: argmax; other rows: exponential race with the row's own generator
+      -> greedy rows: argmax; other rows: inverse-CDF draw of one uniform from the row's generator
 
 Logprobs are those of the model's distribution *after* logit_bias, min_tokens
 and the penalties but *before* temperature, top-k, top-p and min-p. vLLM returns
 the raw model's by default; we include the request's hard edits to the logits
 (so a banned token shows up as -inf) but not the sampling knobs, so the numbers
 do not change when a client only changes its temperature, as with OpenAI.
+
+Penalties touch only the (row, token) pairs that occurred, so they cost
+O(tokens seen), not O(N * V). A seeded row's token depends only on its own
+logits and generator, whatever else is in the batch.
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,6 +34,9 @@ from engine.request import SamplingParams, TokenLogprob
 
 # Temperatures below this are greedy: dividing by them would overflow float32.
 _GREEDY_TEMPERATURE = 1e-5
+# Top-p rows look for their nucleus among this many best tokens first, then 16x as
+# many; only a row whose nucleus is wider still pays for a full sort of the vocabulary.
+_TOP_P_CANDIDATES = 256
 
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
@@ -47,27 +55,54 @@ class SamplerOutput:
 
 
 @dataclass(frozen=True)
+class TopKTopP:
+    """The M rows of a batch that use top-k and/or top-p."""
+
+    rows: torch.Tensor  # (M,) int64 row indices into the batch
+    top_k: torch.Tensor  # (M, 1) int64, vocab_size where the row has no top-k
+    top_p: torch.Tensor | None  # (M, 1) float32, 1.0 where the row has no top-p; None if no row has
+    has_top_k: torch.Tensor  # (M, 1) bool
+    any_top_k: bool
+    width: int  # candidates looked at first: the largest top-k, or _TOP_P_CANDIDATES for top-p-only rows
+
+    @classmethod
+    def build(cls, params, greedy, vocab_size, device) -> TopKTopP | None:
+        rows, ks, ps = [], [], []
+        for row, (p, is_greedy) in enumerate(zip(params, greedy)):
+            k = min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size
+            if not is_greedy and (k < vocab_size or p.top_p < 1.0):
+                rows.append(row), ks.append(k), ps.append(p.top_p)
+        if not rows:
+            return None
+        top_k = torch.tensor(ks, dtype=torch.int64, device=device).unsqueeze(1)
+        return cls(rows=torch.tensor(rows, dtype=torch.int64, device=device), top_k=top_k,
+                   top_p=torch.tensor(ps, device=device).unsqueeze(1) if min(ps) < 1.0 else None,
+                   has_top_k=top_k < vocab_size, any_top_k=min(ks) < vocab_size,
+                   width=max(k if k < vocab_size else min(_TOP_P_CANDIDATES, vocab_size) for k in ks))
+
+
+@dataclass(frozen=True)
 class SamplingBatch:
-    """Per-row sampling tensors for one step; anything no row needs is None (and skipped)."""
+    """Per-row sampling tensors for one step; anything no row needs is None (and skipped).
+
+    Sparse edits address the logits flattened: index = row * vocab_size + token_id.
+    """
 
     num_rows: int
     vocab_size: int
-    greedy: torch.Tensor  # (N,) bool
+    greedy: torch.Tensor | None  # (N,) bool, only when greedy and random rows are mixed
     all_greedy: bool
-    temperature: torch.Tensor | None  # (N, 1) float32, 1.0 on greedy rows; None if all greedy
-    top_k: torch.Tensor | None  # (N, 1) int64, vocab_size where disabled
-    top_p: torch.Tensor | None  # (N, 1) float32, 1.0 where disabled
+    temperature: torch.Tensor | None  # (N, 1) float32, 1.0 on greedy rows; None if all are 1 or greedy
+    top_k_top_p: TopKTopP | None
     min_p: torch.Tensor | None  # (N, 1) float32, 0.0 where disabled
-    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows, token ids, values
-    banned: tuple[torch.Tensor, torch.Tensor] | None  # rows, token ids masked by min_tokens
-    repetition_penalty: torch.Tensor | None  # (N, 1) float32, 1.0 where neutral
-    seen: torch.Tensor | None  # (N, V) bool: token occurs in prompt or output
-    frequency_penalty: torch.Tensor | None  # (N, 1) float32
-    presence_penalty: torch.Tensor | None  # (N, 1) float32
-    output_counts: torch.Tensor | None  # (N, V) float32: occurrences among generated tokens
+    logit_bias: tuple[torch.Tensor, torch.Tensor] | None  # flat index, value to add
+    banned: torch.Tensor | None  # flat index of tokens min_tokens masks
+    repetition: tuple[torch.Tensor, torch.Tensor] | None  # flat index of each prompt/output token, penalty
+    counts: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # output tokens: flat index, frequency, presence
     num_logprobs: tuple[int | None, ...]  # per row: None = no logprobs, k = chosen + top-k
+    max_logprobs: int | None  # None when no row wants logprobs
     seeded_rows: tuple[tuple[int, torch.Generator], ...]  # random rows with their own generator
-    unseeded_rows: torch.Tensor | None  # (M,) int64 random rows drawing from default_generator
+    unseeded_rows: torch.Tensor | None  # (R,) int64 random rows drawing from default_generator
     default_generator: torch.Generator | None  # None: torch's default generator
 
     @classmethod
@@ -82,9 +117,8 @@ class SamplingBatch:
         eos_token_ids: Sequence[int] | Sequence[Sequence[int]] = (),
         default_generator: torch.Generator | None = None,
     ) -> SamplingBatch:
-        """Build the batch. `eos_token_ids` is either the model's EOS ids (shared by every
-        row) or one list per row; rows with `ignore_eos` do not have EOS masked by min_tokens.
-        """
+        """`eos_token_ids` is either the model's EOS ids (shared by every row) or one list
+        per row; rows with `ignore_eos` do not have EOS masked by min_tokens."""
         num_rows = len(params)
         if not len(prompt_token_ids) == len(output_token_ids) == len(generators) == num_rows:
             raise ValueError(
@@ -92,71 +126,54 @@ class SamplingBatch:
                 f"row; got {num_rows}, {len(prompt_token_ids)}, {len(output_token_ids)}, {len(generators)}")
         eos_per_row = _eos_per_row(eos_token_ids, num_rows)
 
-        def column(values, dtype):  # (N, 1)
-            return torch.tensor(values, dtype=dtype, device=device).unsqueeze(1)
+        def tensor(values, dtype=torch.int64):
+            return torch.tensor(values, dtype=dtype, device=device)
 
         greedy = [p.temperature < _GREEDY_TEMPERATURE for p in params]
         all_greedy = all(greedy)
-        temperature = top_k = top_p = min_p = None
-        if not all_greedy:
-            temperature = column([1.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32)
-            # Greedy rows keep neutral values: they never read the sampling distribution.
-            ks = [vocab_size if g or p.top_k <= 0 else min(p.top_k, vocab_size) for p, g in zip(params, greedy)]
-            ps = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
+        temperature = top_k_top_p = min_p = None
+        if not all_greedy:  # greedy rows never read the sampling distribution: neutral values
+            temps = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
             mins = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
-            top_k = column(ks, torch.int64) if min(ks) < vocab_size else None
-            top_p = column(ps, torch.float32) if min(ps) < 1.0 else None
-            min_p = column(mins, torch.float32) if max(mins) > 0.0 else None
+            temperature = tensor(temps, torch.float32).unsqueeze(1) if any(t != 1.0 for t in temps) else None
+            min_p = tensor(mins, torch.float32).unsqueeze(1) if max(mins) > 0.0 else None
+            top_k_top_p = TopKTopP.build(params, greedy, vocab_size, device)
 
-        bias_rows, bias_ids, bias_values = [], [], []
-        banned_rows, banned_ids = [], []
+        bias_index, bias_values, banned = [], [], []
         for row, p in enumerate(params):
             for token_id, value in p.logit_bias.items():
                 if not 0 <= token_id < vocab_size:
                     raise ValueError(f"logit_bias token id {token_id} is outside the vocabulary (size {vocab_size})")
-                bias_rows.append(row), bias_ids.append(token_id), bias_values.append(value)
+                bias_index.append(row * vocab_size + token_id), bias_values.append(value)
             if len(output_token_ids[row]) < p.min_tokens:
                 stops = set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids) | set(eos_per_row[row])
-                # An id the model cannot produce needs no masking.
-                stops = sorted(t for t in stops if 0 <= t < vocab_size)
-                banned_rows += [row] * len(stops)
-                banned_ids += stops
-        logit_bias = banned = None
-        if bias_rows:
-            logit_bias = (torch.tensor(bias_rows, device=device), torch.tensor(bias_ids, device=device),
-                          torch.tensor(bias_values, dtype=torch.float32, device=device))
-        if banned_rows:
-            banned = (torch.tensor(banned_rows, device=device), torch.tensor(banned_ids, device=device))
+                banned += [row * vocab_size + t for t in stops if 0 <= t < vocab_size]  # others cannot occur
 
-        repetition_penalty = seen = None
-        repeat_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
-        if repeat_rows:
-            repetition_penalty = column([p.repetition_penalty for p in params], torch.float32)
-            seen = _occurrences(
-                repeat_rows, [list(prompt_token_ids[i]) + list(output_token_ids[i]) for i in repeat_rows],
-                num_rows, vocab_size, device) > 0
-        frequency_penalty = presence_penalty = output_counts = None
-        count_rows = [i for i, p in enumerate(params) if p.frequency_penalty != 0 or p.presence_penalty != 0]
-        if count_rows:
-            frequency_penalty = column([p.frequency_penalty for p in params], torch.float32)
-            presence_penalty = column([p.presence_penalty for p in params], torch.float32)
-            output_counts = _occurrences(
-                count_rows, [output_token_ids[i] for i in count_rows], num_rows, vocab_size, device)
+        repetition = counts = None
+        rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+        if rows:
+            index, row_of = _flat_index([i for i in rows for _ in range(2)], [
+                t for i in rows for t in (prompt_token_ids[i], output_token_ids[i])], vocab_size, device)
+            repetition = (index, tensor([p.repetition_penalty for p in params], torch.float32)[row_of])
+        rows = [i for i, p in enumerate(params) if p.frequency_penalty != 0 or p.presence_penalty != 0]
+        if rows:
+            index, row_of = _flat_index(rows, [output_token_ids[i] for i in rows], vocab_size, device)
+            counts = (index, tensor([p.frequency_penalty for p in params], torch.float32)[row_of],
+                      tensor([p.presence_penalty for p in params], torch.float32)[row_of])
 
         seeded_rows = tuple((i, gen) for i, gen in enumerate(generators) if gen is not None and not greedy[i])
         seeded = {i for i, _ in seeded_rows}
         unseeded = [i for i in range(num_rows) if not greedy[i] and i not in seeded]
         return cls(
-            num_rows=num_rows, vocab_size=vocab_size,
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device), all_greedy=all_greedy,
-            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-            logit_bias=logit_bias, banned=banned,
-            repetition_penalty=repetition_penalty, seen=seen,
-            frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, output_counts=output_counts,
+            num_rows=num_rows, vocab_size=vocab_size, all_greedy=all_greedy,
+            greedy=tensor(greedy, torch.bool) if any(greedy) and not all_greedy else None,
+            temperature=temperature, top_k_top_p=top_k_top_p, min_p=min_p,
+            logit_bias=(tensor(bias_index), tensor(bias_values, torch.float32)) if bias_index else None,
+            banned=tensor(banned) if banned else None, repetition=repetition, counts=counts,
             num_logprobs=tuple(p.logprobs for p in params),
+            max_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
             seeded_rows=seeded_rows,
-            unseeded_rows=torch.tensor(unseeded, dtype=torch.int64, device=device) if unseeded else None,
-            default_generator=default_generator,
+            unseeded_rows=tensor(unseeded) if unseeded else None, default_generator=default_generator,
         )
 
 
@@ -166,31 +183,35 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         raise ValueError(f"logits have shape {tuple(logits.shape)}, batch expects "
                          f"({batch.num_rows}, {batch.vocab_size})")
     logits = process_logits(logits, batch)
-    logprobs = torch.log_softmax(logits, dim=-1) if _max_logprobs(batch) is not None else None
+    logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs is not None else None
     if batch.all_greedy:
         token_ids = logits.argmax(dim=-1)
     else:
-        sampled = _exponential_race(sampling_probs(logits, batch), batch)
-        token_ids = torch.where(batch.greedy, logits.argmax(dim=-1), sampled)
+        token_ids = _draw(sampling_probs(logits, batch), batch)
+        if batch.greedy is not None:
+            token_ids = torch.where(batch.greedy, logits.argmax(dim=-1), token_ids)
     return SamplerOutput(token_ids.tolist(), _token_logprobs(logprobs, token_ids, batch))
 
 
 def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """logit_bias, min_tokens masking and penalties, on a float32 copy of `logits`."""
-    logits = logits.to(torch.float32, copy=True)
+    logits = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+    flat = logits.view(-1)  # (N * V,) shares storage with logits
     if batch.logit_bias is not None:
-        rows, ids, values = batch.logit_bias
-        logits.index_put_((rows, ids), values, accumulate=True)
+        flat.index_add_(0, *batch.logit_bias)
     if batch.banned is not None:
-        logits[batch.banned] = float("-inf")
-    if batch.seen is not None:
-        penalty = batch.repetition_penalty
-        # Shrink a seen token's logit toward "less likely" whatever its sign.
-        penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
-        logits = torch.where(batch.seen, penalised, logits)
-    if batch.output_counts is not None:
-        counts = batch.output_counts
-        logits -= batch.frequency_penalty * counts + batch.presence_penalty * (counts > 0)
+        flat[batch.banned] = float("-inf")
+    # Indices repeat once per occurrence. A plain (non-accumulating) write of the same
+    # value from every copy applies a per-token edit once; index_add_ applies it per copy.
+    if batch.repetition is not None:
+        index, penalty = batch.repetition
+        seen = flat[index]
+        # Make a seen token less likely whatever the sign of its logit.
+        flat[index] = torch.where(seen > 0, seen / penalty, seen * penalty)
+    if batch.counts is not None:
+        index, frequency, presence = batch.counts
+        flat[index] = flat[index] - presence
+        flat.index_add_(0, index, -frequency)
     return logits
 
 
@@ -199,8 +220,8 @@ def sampling_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     processed logits (N, V) -> probs (N, V). Greedy rows get a plain softmax."""
     if batch.temperature is not None:
         logits = logits / batch.temperature
-    if batch.top_k is not None or batch.top_p is not None:
-        logits = _top_k_top_p(logits, batch.top_k, batch.top_p)
+    if batch.top_k_top_p is not None:
+        logits = _top_k_top_p(logits, batch.top_k_top_p)
     probs = logits.softmax(dim=-1)
     if batch.min_p is not None:
         # Relative to the most likely token, which renormalising by top-k/top-p does not change.
@@ -209,43 +230,76 @@ def sampling_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return probs
 
 
-def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-    """Keep each row's k best tokens (exactly k: ties go to the lower id), then the
-    smallest best-first prefix whose probability reaches top_p."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # (N, V)
-    if top_k is not None:
-        rank = torch.arange(logits.shape[-1], device=logits.device)
-        sorted_logits.masked_fill_(rank >= top_k, float("-inf"))
-    if top_p is not None:
-        probs = sorted_logits.softmax(dim=-1)
-        # Mass strictly before each token: the best token always stays (top_p > 0).
-        mass_before = torch.cumsum(probs, dim=-1) - probs
-        mass_before[:, 0] = 0.0
-        sorted_logits.masked_fill_((mass_before >= top_p) & (top_p < 1.0), float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+def _top_k_top_p(logits: torch.Tensor, f: TopKTopP) -> torch.Tensor:
+    """Keep the k best tokens, then the smallest best-first prefix of those whose
+    probability reaches top_p. Both cut at a logit value, so tokens tied with the last
+    one kept stay too (as in vLLM) and the result does not depend on how ties sort.
+
+    Sorting the vocabulary is the slow part. Top-k needs only the k best; top-p alone
+    usually finds its nucleus among a few hundred best tokens, and only rows where it
+    does not look further. A row's threshold is the same whichever width decided it.
+    """
+    all_rows = f.rows.numel() == logits.shape[0]
+    sub = logits if all_rows else logits[f.rows]  # (M, V)
+    vocab_size = sub.shape[1]
+    values, ids = sub.topk(f.width, dim=-1)  # (M, W) best first
+    kth = values.gather(1, f.top_k.clamp(max=f.width) - 1).masked_fill(~f.has_top_k, float("-inf"))  # (M, 1)
+    if f.top_p is None:
+        threshold = kth
+    else:
+        probs = sub.softmax(dim=-1)  # (M, V)
+        kept_mass = torch.ones_like(kth)  # top-p renormalises over what top-k kept, ties included
+        if f.any_top_k:
+            kept_mass = torch.where(f.has_top_k, probs.masked_fill(sub < kth, 0.0).sum(-1, keepdim=True), 1.0)
+        threshold = torch.empty_like(kth)
+        todo = torch.arange(sub.shape[0], device=sub.device)  # (M',) rows not decided yet
+        sorted_probs, width = probs.gather(1, ids), f.width
+        while True:
+            done, found = _top_p_threshold(values, sorted_probs, f.top_k[todo], f.top_p[todo], kept_mass[todo],
+                                           exhaustive=width == vocab_size)
+            threshold[todo[done]] = torch.maximum(found[done], kth[todo[done]])
+            todo, width = todo[~done], min(width * 16, vocab_size)
+            if not todo.numel():
+                break
+            if width == vocab_size:
+                values, ids = sub[todo].sort(dim=-1, descending=True)  # (M', V)
+            else:
+                values, ids = sub[todo].topk(width, dim=-1)  # (M', W)
+            sorted_probs = probs[todo].gather(1, ids)
+    sub = sub.masked_fill(sub < threshold, float("-inf"))
+    return sub if all_rows else logits.index_copy(0, f.rows, sub)
 
 
-def _exponential_race(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """argmax(p / q) with q ~ Exp(1) i.i.d. is a draw from p (the Gumbel-max trick in
-    another guise). A seeded row fills its q from its own generator, one vocab-sized draw
-    per step, so its tokens depend only on its logits and its seed."""
-    q = torch.ones_like(probs)  # (N, V); rows left at 1 are greedy and discarded
+def _top_p_threshold(values, sorted_probs, top_k, top_p, kept_mass, exhaustive):
+    """From a row's W best tokens (values, probs: (M, W), best first): which rows these
+    decide, and the lowest logit each keeps."""
+    width = values.shape[1]
+    inclusive = sorted_probs.cumsum(dim=-1)  # (M, W)
+    mass_before = inclusive - sorted_probs
+    mass_before[:, 0] = 0.0  # the best token always stays
+    rank = torch.arange(width, device=values.device)
+    keep = (rank < top_k) & ((mass_before < top_p * kept_mass) | (top_p >= 1.0))  # a best-first prefix
+    num_kept = keep.sum(dim=-1, keepdim=True)  # (M, 1), >= 1
+    # Undecided: all W kept without reaching top_p, so the nucleus may go on past them.
+    done = (num_kept < width) | (top_k <= width) | (inclusive[:, -1:] >= top_p * kept_mass)
+    return (done | exhaustive).squeeze(1), values.gather(1, num_kept - 1)
+
+
+def _draw(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """One uniform u per row and the first token whose cumulative probability exceeds
+    u * total (what torch.multinomial does for one sample). A seeded row takes its u
+    from its own generator, one number per step."""
+    u = torch.zeros((probs.shape[0], 1), device=probs.device)  # (N, 1); greedy rows' draws are discarded
     if batch.unseeded_rows is not None:
-        if batch.unseeded_rows.numel() == batch.num_rows:
-            q.exponential_(generator=batch.default_generator)
-        else:
-            fresh = torch.empty((batch.unseeded_rows.numel(), probs.shape[1]), device=probs.device)
-            q[batch.unseeded_rows] = fresh.exponential_(generator=batch.default_generator)
+        u[batch.unseeded_rows] = torch.rand((batch.unseeded_rows.numel(), 1), device=probs.device,
+                                            generator=batch.default_generator)
     for row, generator in batch.seeded_rows:
-        q[row].exponential_(generator=generator)
-    # q == 0 has probability ~0 but would turn 0/0 into NaN, which argmax would pick.
-    q.clamp_(min=torch.finfo(torch.float32).tiny)
-    return probs.div_(q).argmax(dim=-1)
-
-
-def _max_logprobs(batch: SamplingBatch) -> int | None:
-    wanted = [k for k in batch.num_logprobs if k is not None]
-    return max(wanted) if wanted else None
+        u[row] = torch.rand((1,), device=probs.device, generator=generator)
+    cdf = probs.cumsum(dim=-1)  # (N, V), non-decreasing
+    total = cdf[:, -1:].contiguous()  # (N, 1)
+    token_ids = torch.searchsorted(cdf, u * total, right=True)
+    # u * total can round up to total; never step past the last token with probability.
+    return torch.minimum(token_ids, torch.searchsorted(cdf, total)).squeeze(1)
 
 
 def _token_logprobs(logprobs: torch.Tensor | None, token_ids: torch.Tensor,
@@ -253,30 +307,23 @@ def _token_logprobs(logprobs: torch.Tensor | None, token_ids: torch.Tensor,
     if logprobs is None:
         return [None] * batch.num_rows
     chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
-    max_k = _max_logprobs(batch)
+    max_k = batch.max_logprobs
     top_values, top_ids = ([], []) if max_k == 0 else (t.tolist() for t in logprobs.topk(max_k, dim=-1))
     ids = token_ids.tolist()
     out: list[TokenLogprob | None] = []
     for row, k in enumerate(batch.num_logprobs):
-        if k is None:
-            out.append(None)
-            continue
         top = list(zip(top_ids[row][:k], top_values[row][:k])) if k else []
-        out.append(TokenLogprob(token_id=ids[row], logprob=chosen[row], top=top))
+        out.append(None if k is None else TokenLogprob(token_id=ids[row], logprob=chosen[row], top=top))
     return out
 
 
-def _occurrences(rows: list[int], token_lists: Sequence[Sequence[int]], num_rows: int, vocab_size: int,
-                 device: torch.device | str) -> torch.Tensor:
-    """(num_rows, vocab) float32 counts of each row's tokens; rows not listed stay zero."""
-    counts = torch.zeros((num_rows, vocab_size), dtype=torch.float32, device=device)
-    lengths = [len(tokens) for tokens in token_lists]
-    if sum(lengths):
-        row_index = torch.repeat_interleave(torch.tensor(rows, device=device), torch.tensor(lengths, device=device))
-        token_index = torch.tensor([t for tokens in token_lists for t in tokens], device=device)
-        counts.index_put_((row_index, token_index), torch.ones_like(token_index, dtype=torch.float32),
-                          accumulate=True)
-    return counts
+def _flat_index(rows: list[int], token_lists: Sequence[Sequence[int]], vocab_size: int,
+                device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every (row, token) occurrence as flat index row * vocab_size + token, and its row."""
+    lengths = torch.tensor([len(tokens) for tokens in token_lists], device=device)
+    row_of = torch.repeat_interleave(torch.tensor(rows, device=device), lengths)
+    token_ids = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.int64, device=device)
+    return row_of * vocab_size + token_ids, row_of
 
 
 def _eos_per_row(eos_token_ids: Sequence[int] | Sequence[Sequence[int]], num_rows: int) -> list[Sequence[int]]:

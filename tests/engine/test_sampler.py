@@ -47,7 +47,7 @@ def test_sample_leaves_the_callers_logits_untouched():
     assert torch.equal(logits, before)
 
 
-def test_top_k_keeps_exactly_the_k_best_renormalised():
+def test_top_k_keeps_the_k_best_renormalised():
     assert torch.allclose(probs_for(SamplingParams(top_k=2)), expected({3: 0.4, 1: 0.3}), atol=1e-6)
     assert torch.allclose(probs_for(SamplingParams(top_k=0)), torch.tensor(PROBS), atol=1e-6)
     assert torch.allclose(probs_for(SamplingParams(top_k=-1)), torch.tensor(PROBS), atol=1e-6)
@@ -109,15 +109,17 @@ def run_seeded(seed, step_logits, companions):
 
 
 def test_seeded_request_is_reproducible_whatever_its_batch():
-    vocab = 64
+    vocab = 700
     torch.manual_seed(7)
-    step_logits = [torch.randn(vocab) * 2 for _ in range(40)]
+    # Peaked steps find the top-p nucleus among the candidates, flat ones need the full sort.
+    step_logits = [torch.randn(vocab) * (4.0 if step % 2 else 0.3) for step in range(40)]
     alone = run_seeded(42, step_logits, lambda step: [])
     rng = torch.Generator().manual_seed(99)
 
     def crowd(step):
         kinds = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.3, top_k=5, seed=3),
-                 SamplingParams(temperature=0.7, min_p=0.1), SamplingParams(repetition_penalty=1.5, logprobs=3)]
+                 SamplingParams(temperature=0.7, min_p=0.1), SamplingParams(repetition_penalty=1.5, logprobs=3),
+                 SamplingParams(top_k=400, top_p=0.5)]  # widens the candidate set of the whole batch
         count = int(torch.randint(1, 6, (1,), generator=rng))
         picks = torch.randint(0, len(kinds), (count,), generator=rng).tolist()
         return [(kinds[k], torch.randn(vocab, generator=rng) * 3,
@@ -125,6 +127,49 @@ def test_seeded_request_is_reproducible_whatever_its_batch():
 
     assert run_seeded(42, step_logits, crowd) == alone
     assert run_seeded(43, step_logits, lambda step: []) != alone  # the seed does matter
+
+
+def reference_probs(logits, temperature, top_k, top_p, min_p):
+    """Straightforward float64 version: full sort, top-k, then top-p on the renormalised rest."""
+    probs = torch.softmax(logits.double() / temperature, -1)
+    order = probs.argsort(descending=True)
+    keep = torch.zeros_like(probs, dtype=torch.bool)
+    k = top_k if top_k > 0 else len(probs)
+    kept = order[:k]
+    cum = torch.cumsum(probs[kept] / probs[kept].sum(), 0)
+    num = int((cum - probs[kept] / probs[kept].sum() < top_p).sum())
+    keep[kept[:num]] = True
+    filtered = torch.where(keep, probs, 0.0)
+    filtered = torch.where(filtered >= filtered.max() * min_p, filtered, 0.0)
+    return filtered / filtered.sum()
+
+
+def test_filters_match_a_full_sort_reference_on_every_path():
+    torch.manual_seed(11)
+    vocab = 5000
+    cases = [(1.0, 0, 0.9, 0.0), (1.0, 0, 0.3, 0.0), (0.7, 50, 0.8, 0.0), (1.2, 600, 0.95, 0.0),
+             (1.0, 0, 0.99, 0.05), (0.5, 3, 1.0, 0.0), (2.0, 0, 0.5, 0.0), (1.0, 300, 1.0, 0.2)]
+    scales = [0.2, 3.0]  # flat rows: nucleus wider than the candidates; peaked: inside them
+    params, logits, refs = [], [], []
+    for (t, k, p, m) in cases:
+        for scale in scales:
+            row = torch.randn(vocab) * scale
+            params.append(SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m))
+            logits.append(row)
+            refs.append(reference_probs(row, t, k, p, m))
+    batch = batch_of(params, vocab_size=vocab)
+    got = sampling_probs(process_logits(torch.stack(logits), batch), batch)
+    for i, ref in enumerate(refs):
+        assert torch.equal(got[i] > 0, ref > 0), (params[i], int((got[i] > 0).sum()), int((ref > 0).sum()))
+        assert torch.allclose(got[i].double(), ref, atol=1e-6)
+    # Flat top-p rows: one nucleus needed the 4096 best, the other the full sort.
+    assert 256 < int((got[2] > 0).sum()) < 4096 and int((got[0] > 0).sum()) > 4096
+
+
+def test_top_k_and_top_p_keep_tokens_tied_with_the_last_kept():
+    logits = torch.tensor([[1.0, 2.0, 2.0, 0.0, 2.0]])
+    assert torch.allclose(probs_for(SamplingParams(top_k=2), logits), expected({1: 1, 2: 1, 4: 1}), atol=1e-6)
+    assert torch.allclose(probs_for(SamplingParams(top_p=0.1), logits), expected({1: 1, 2: 1, 4: 1}), atol=1e-6)
 
 
 def test_repetition_penalty_covers_prompt_and_output():
@@ -152,10 +197,10 @@ def test_penalties_compose_with_logit_bias_first():
 
 def test_neutral_params_build_no_penalty_or_filter_tensors():
     batch = batch_of([SamplingParams(), SamplingParams(temperature=0.0)], outputs=[[1], [2]])
-    assert batch.seen is None and batch.output_counts is None and batch.logit_bias is None
-    assert batch.top_k is None and batch.top_p is None and batch.min_p is None and batch.banned is None
+    assert batch.repetition is None and batch.counts is None and batch.logit_bias is None
+    assert batch.temperature is None and batch.top_k_top_p is None and batch.min_p is None and batch.banned is None
     all_greedy = batch_of([SamplingParams(temperature=0.0, top_k=2)])
-    assert all_greedy.all_greedy and all_greedy.temperature is None and all_greedy.top_k is None
+    assert all_greedy.all_greedy and all_greedy.temperature is None and all_greedy.top_k_top_p is None
 
 
 def test_min_tokens_blocks_eos_and_stop_tokens_until_reached():
