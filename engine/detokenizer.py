@@ -54,12 +54,14 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: Sequence[int], params: SamplingParams):
         self._tokenizer = tokenizer
         self._skip_special_tokens = params.skip_special_tokens
+        # Tokens decode() would skip never enter the window, so a run of them cannot grow it.
+        self._skipped_ids = _special_ids(tokenizer) if params.skip_special_tokens else frozenset()
         self.num_prompt_tokens = len(prompt_token_ids)
         self._stops = tuple(params.stop)
         # Every proper prefix of a stop string: the only text that may be held back.
         self._stop_prefixes = frozenset(s[:i] for s in self._stops for i in range(1, len(s)))
         self._max_held = max((len(s) for s in self._stops), default=1) - 1
-        self.token_ids: list[int] = []
+        self.token_ids: list[int] = []  # the tokens decode() sees (skipped special tokens left out)
         self._prefix_offset = 0
         self._read_offset = 0
         # Characters of the window past prefix_text already streamed: the text in front of
@@ -87,6 +89,8 @@ class IncrementalDetokenizer:
         """Add one generated token; return (text safe to stream now, the stop string if one
         just matched). After a match or `flush()` the request is over and this returns ("", None)."""
         if self.finished:
+            return "", None
+        if token_id in self._skipped_ids:
             return "", None
         self.token_ids.append(token_id)
         return self._release(self._decode_new(final=False))
@@ -152,6 +156,15 @@ class IncrementalDetokenizer:
             if text[-length:] in self._stop_prefixes:
                 return length
         return 0
+
+
+def _special_ids(tokenizer) -> frozenset[int]:
+    """Ids that decode(skip_special_tokens=True) drops: the added tokens marked special
+    (what a fast tokenizer's backend skips), else the tokenizer's special ids."""
+    added = getattr(tokenizer, "added_tokens_decoder", None)
+    if added:
+        return frozenset(i for i, token in added.items() if getattr(token, "special", False))
+    return frozenset(getattr(tokenizer, "all_special_ids", ()))
 
 
 def _first_stop(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
