@@ -95,6 +95,8 @@ def create_app(
         if state.engine is None:
             message = f"loading the model failed: {state.load_error}" if state.load_error else "model is loading"
             return JSONResponse(error_body(503, message), status_code=503)
+        if not state.engine.is_running:
+            return JSONResponse(error_body(503, "the engine has stopped"), status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")

@@ -12,8 +12,9 @@ from fastapi.responses import JSONResponse, Response
 from engine.request import TokenLogprob
 from server.errors import APIError, error_body, invalid
 from server.protocol import ChatCompletionRequest, parse_body
-from server.serving_common import (Choice, ServerState, check_context, default_max_tokens, make_choices,
-                                   new_request_id, read_body, sampling_params, stream_choices, timing_headers, usage)
+from server.serving_common import (Choice, ServerState, check_context, default_max_tokens, log_request,
+                                   make_choices, new_request_id, read_body, sampling_params, stream_choices,
+                                   timing_headers, usage)
 from server.serving_logprobs import LogprobFormatter
 from server.streaming import (SSE_DONE, ClientDisconnected, disconnected_response, run_unless_disconnected,
                               sse_event, sse_response)
@@ -56,6 +57,7 @@ async def create_chat_completion(request: Request) -> Response:
     choices = make_choices(request_id, [prompt_ids], params)
     view = _ChatView(request_id, int(time.time()), state.served_model_name, state.logprobs, body)
 
+    log_request(request_id, choices, body.user, bool(body.stream))
     events = stream_choices(state, choices)
     await anext(events)  # admitted and accepted by the engine, or an APIError (429, 400)
     if body.stream:

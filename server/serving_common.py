@@ -4,16 +4,17 @@ One HTTP request becomes several engine requests ("choices"): n samples of
 each prompt, with ids `<http id>-<index>` and choice index
 `prompt_index * n + sample_index` (as OpenAI and vLLM number them).
 
-    HTTP request ──► validate, tokenize ──► admit (429 if full) ──► stream_choices()
-                                                                    ├─ pump(choice 0) ─┐
-                                                                    ├─ pump(choice 1) ─┼─► one queue ─► (choice, output)
-                                                                    └─ ...            ─┘
+    HTTP request ─► validate, tokenize ─► stream_choices(): admit (429 if full)
+                                            ├─ pump(choice 0) ─┐
+                                            ├─ pump(choice 1) ─┼─► one queue ─► (choice, output)
+                                            └─ ...            ─┘
 Leaving `stream_choices` early (client gone, error, cancel) aborts every
 engine request that has not finished, so its KV blocks go back to the pool.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
@@ -26,6 +27,7 @@ from server.errors import APIError, invalid, model_not_found
 from server.metrics import ServerMetrics
 from server.serving_logprobs import LogprobFormatter
 
+logger = logging.getLogger("pagedserve.server")
 _END = object()  # a pump's last item: its engine stream is over
 _SEED_LIMIT = 2**64
 
@@ -120,6 +122,12 @@ def make_choices(request_id: str, prompts: list[list[int]], params: list[Samplin
             for p, ids in enumerate(prompts) for i in range(n)]
 
 
+def log_request(request_id: str, choices: list[Choice], user: str | None, stream: bool) -> None:
+    """One line per request; OpenAI's `user` is there for tracing abuse, so it goes in the log."""
+    logger.info("%s: %d choice(s), %d prompt tokens, max_tokens %d, stream %s, user %r", request_id, len(choices),
+                len(choices[0].prompt_token_ids), choices[0].params.max_tokens, stream, user)
+
+
 def sampling_params(body, *, max_tokens: int, logprobs: int | None) -> list[SamplingParams]:
     """One SamplingParams per sample (n of them): a seeded request seeds sample i with seed + i,
     so the n samples differ and the whole response is still reproducible."""
@@ -195,7 +203,8 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def stream_choices(state: ServerState, choices: list[Choice]) -> AsyncIterator[tuple[Choice, RequestOutput] | None]:
+async def stream_choices(state: ServerState,
+                         choices: list[Choice]) -> AsyncIterator[tuple[Choice, RequestOutput] | None]:
     """Run every choice on the engine; yield (choice, output) as outputs arrive.
 
     The first item is None and marks "accepted": by then admission is taken (429

@@ -12,8 +12,8 @@ from fastapi.responses import JSONResponse, Response
 from engine.core import tokenize_prompt
 from server.errors import APIError, error_body
 from server.protocol import CompletionRequest, parse_body
-from server.serving_common import (Choice, ServerState, check_context, make_choices, new_request_id, read_body,
-                                   sampling_params, stream_choices, timing_headers, usage)
+from server.serving_common import (Choice, ServerState, check_context, log_request, make_choices, new_request_id,
+                                   read_body, sampling_params, stream_choices, timing_headers, usage)
 from server.serving_logprobs import LogprobFormatter
 from server.streaming import (SSE_DONE, ClientDisconnected, disconnected_response, run_unless_disconnected,
                               sse_event, sse_response)
@@ -42,6 +42,7 @@ async def create_completion(request: Request) -> Response:
     echo = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts] if body.echo else None
     view = _CompletionView(request_id, int(time.time()), state.served_model_name, state.logprobs, body, echo)
 
+    log_request(request_id, choices, body.user, bool(body.stream))
     events = stream_choices(state, choices)
     await anext(events)  # admitted and accepted by the engine, or an APIError (429, 400)
     if body.stream:

@@ -65,7 +65,7 @@ class LiveServer:
         return openai.AsyncOpenAI(base_url=f"{self.url}/v1", max_retries=0, timeout=120, **kwargs)
 
     def metric(self, name: str, labels: str = "") -> float:
-        """The value of one sample in /metrics, e.g. metric("pagedserve:request_success_total", 'finish_reason="abort"')."""
+        """One sample's value in /metrics: metric("pagedserve:request_success_total", 'finish_reason="abort"')."""
         key = f"{name}{{{labels}}}" if labels else name
         for line in self.http.get("/metrics").text.splitlines():
             if line.startswith(key + " "):
