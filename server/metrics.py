@@ -57,16 +57,17 @@ class ServerMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def timer(self) -> RequestTimer:
-        return RequestTimer(self)
+    def timer(self, arrival: float | None = None) -> RequestTimer:
+        """`arrival`: time.monotonic() when the HTTP request arrived (default: now)."""
+        return RequestTimer(self, arrival)
 
 
 class RequestTimer:
     """Follows one engine request's outputs and records its latencies once."""
 
-    def __init__(self, metrics: ServerMetrics):
+    def __init__(self, metrics: ServerMetrics, arrival: float | None = None):
         self.metrics = metrics
-        self.arrival = time.monotonic()
+        self.arrival = time.monotonic() if arrival is None else arrival
         self.last_token_time: float | None = None
 
     def on_output(self, output: RequestOutput) -> None:

@@ -35,6 +35,7 @@ def encode_chat(tokenizer, messages: list[dict[str, str]], add_generation_prompt
 
 
 async def create_chat_completion(request: Request) -> Response:
+    arrival = time.monotonic()
     state: ServerState = request.app.state.server
     raw = await read_body(request, state.max_body_bytes)
     engine = state.require_engine()
@@ -58,7 +59,7 @@ async def create_chat_completion(request: Request) -> Response:
     view = _ChatView(request_id, int(time.time()), state.served_model_name, state.logprobs, body)
 
     log_request(request_id, choices, body.user, bool(body.stream))
-    events = stream_choices(state, choices)
+    events = stream_choices(state, choices, arrival)
     await anext(events)  # admitted and accepted by the engine, or an APIError (429, 400)
     if body.stream:
         return sse_response(view.sse(events, len(choices)), headers={"X-Request-Id": request_id})

@@ -203,22 +203,23 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def stream_choices(state: ServerState,
-                         choices: list[Choice]) -> AsyncIterator[tuple[Choice, RequestOutput] | None]:
+async def stream_choices(state: ServerState, choices: list[Choice],
+                         arrival: float) -> AsyncIterator[tuple[Choice, RequestOutput] | None]:
     """Run every choice on the engine; yield (choice, output) as outputs arrive.
 
     The first item is None and marks "accepted": by then admission is taken (429
     if full) and every choice has passed the engine's own checks, which it makes
     synchronously in generate() (ValueError -> 400). So a caller can await the
     first item, then still answer with a plain error or start a 200 stream.
-    Admission is given back when iteration ends, however it ends.
+    Admission is given back when iteration ends, however it ends. `arrival`
+    (time.monotonic() when the HTTP request came in) starts the latency clocks.
     """
     engine = state.engine
     state.admit(len(choices))
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(choice: Choice) -> None:
-        timer = state.metrics.timer()
+        timer = state.metrics.timer(arrival)
         finished = False
         try:
             async for output in engine.generate(choice.prompt_token_ids, choice.params, choice.request_id):

@@ -23,6 +23,7 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 async def create_completion(request: Request) -> Response:
+    arrival = time.monotonic()
     state: ServerState = request.app.state.server
     raw = await read_body(request, state.max_body_bytes)
     engine = state.require_engine()
@@ -43,7 +44,7 @@ async def create_completion(request: Request) -> Response:
     view = _CompletionView(request_id, int(time.time()), state.served_model_name, state.logprobs, body, echo)
 
     log_request(request_id, choices, body.user, bool(body.stream))
-    events = stream_choices(state, choices)
+    events = stream_choices(state, choices, arrival)
     await anext(events)  # admitted and accepted by the engine, or an APIError (429, 400)
     if body.stream:
         return sse_response(view.sse(events), headers={"X-Request-Id": request_id})
