@@ -92,11 +92,17 @@ def test_completion_stream_matches_and_stop_and_logprobs(client):
 
 def test_sampling_with_seed_and_n(client):
     kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Write a short poem about the sea."}],
-                  max_tokens=20, temperature=0.9, top_p=0.95, n=2, seed=42)
-    first, again = client.chat.completions.create(**kwargs), client.chat.completions.create(**kwargs)
-    assert [c.message.content for c in first.choices] == [c.message.content for c in again.choices]
-    assert [c.index for c in first.choices] == [0, 1]
-    assert first.choices[0].message.content != first.choices[1].message.content
+                  max_tokens=20, temperature=0.9, top_p=0.95, seed=42)
+    # In bfloat16 the logits depend slightly on how a step is batched (a prefix-cache hit or a
+    # full prefill, alone or beside other requests), and a sampled token can flip on that. So
+    # compare runs made under the same conditions: warm the cache, then one request at a time.
+    # (The float32 tests in tests/server pin exact reproducibility, n > 1 included.)
+    client.chat.completions.create(**kwargs)
+    first, again = (client.chat.completions.create(**kwargs).choices[0].message.content for _ in range(2))
+    assert first == again
+    both = client.chat.completions.create(n=2, **kwargs)
+    assert [c.index for c in both.choices] == [0, 1]
+    assert both.choices[0].message.content != both.choices[1].message.content
 
 
 def test_chat_logprobs_and_cached_prompt(client):
