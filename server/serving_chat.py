@@ -1,25 +1,21 @@
 """POST /v1/chat/completions: messages through the model's chat template, replies whole or as delta chunks."""
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any, AsyncIterator
 
-import anyio
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from engine.request import TokenLogprob
-from server.errors import APIError, error_body, invalid
+from server.errors import invalid
 from server.protocol import ChatCompletionRequest, parse_body
-from server.serving_common import (Choice, ServerState, check_context, default_max_tokens, log_request,
-                                   make_choices, new_request_id, read_body, sampling_params, stream_choices,
-                                   timing_headers, usage)
+from server.respond import check_succeeded, respond
+from server.serving_common import (Choice, ServerState, check_context, default_max_tokens, make_choices,
+                                   new_request_id, read_body, sampling_params, usage)
 from server.serving_logprobs import LogprobFormatter
-from server.streaming import (SSE_DONE, ClientDisconnected, disconnected_response, run_unless_disconnected,
-                              sse_event, sse_response)
+from server.streaming import sse_event
 
-logger = logging.getLogger("pagedserve.server")
 
 
 def encode_chat(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
@@ -58,27 +54,7 @@ async def create_chat_completion(request: Request) -> Response:
     choices = make_choices(request_id, [prompt_ids], params)
     view = _ChatView(request_id, int(time.time()), state.served_model_name, state.logprobs, body)
 
-    log_request(request_id, choices, body.user, bool(body.stream))
-    events = stream_choices(state, choices, arrival)
-    await anext(events)  # admitted and accepted by the engine, or an APIError (429, 400)
-    if body.stream:
-        return sse_response(view.sse(events, len(choices)), headers={"X-Request-Id": request_id})
-    try:
-        await run_unless_disconnected(request, _drain(events))
-    except ClientDisconnected:
-        return disconnected_response()
-    failed = next((c.final for c in choices if c.final.finish_reason not in ("stop", "length")), None)
-    if failed is not None:
-        raise APIError(500, f"The request failed in the engine: {failed.error or failed.finish_reason}",
-                       code="engine_error")
-    result = view.response(choices)
-    headers = {"X-Request-Id": request_id, **timing_headers(result["usage"]["timings"])}
-    return JSONResponse(result, headers=headers)
-
-
-async def _drain(events: AsyncIterator) -> None:
-    async for _ in events:
-        pass
+    return await respond(request, state, choices, view, arrival, request_id, body.user, bool(body.stream))
 
 
 class _ChatView:
@@ -104,33 +80,23 @@ class _ChatView:
         return sse_event(self._envelope("chat.completion.chunk", [
             {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}], **extra))
 
-    async def sse(self, events: AsyncIterator, num_choices: int) -> AsyncIterator[str]:
+    async def chunks(self, events: AsyncIterator) -> AsyncIterator[str]:
         choices: dict[int, Choice] = {}
-        try:
-            # OpenAI's first chunk of each choice carries the role and no text.
-            for index in range(num_choices):
-                yield self._chunk(index, {"role": "assistant", "content": ""})
-            async for choice, output in events:
-                choices[choice.index] = choice
-                if output.finished and output.finish_reason not in ("stop", "length"):
-                    raise RuntimeError(f"request {choice.request_id} failed: {output.error or output.finish_reason}")
-                logprobs = self._logprobs(output.logprobs or [])
-                if output.text or logprobs:
-                    yield self._chunk(choice.index, {"content": output.text}, logprobs=logprobs)
-                if output.finished:
-                    yield self._chunk(choice.index, {}, finish_reason=output.finish_reason)
-            if self.body.include_usage:
-                ordered = [choices[i] for i in sorted(choices)]
-                yield sse_event(self._envelope("chat.completion.chunk", [],
-                                               usage=usage(ordered, self.body.num_choices)))
-        except Exception as exc:  # noqa: BLE001 - the stream has started: report it in-band
-            logger.warning("chat stream %s failed: %s", self.request_id, exc)
-            status = exc.status if isinstance(exc, APIError) else 500
-            yield sse_event(error_body(status, str(exc), code="engine_error" if status == 500 else None))
-        finally:
-            with anyio.CancelScope(shield=True):
-                await events.aclose()
-        yield SSE_DONE
+        # OpenAI's first chunk of each choice carries the role and no text.
+        for index in range(self.body.num_choices):
+            yield self._chunk(index, {"role": "assistant", "content": ""})
+        async for choice, output in events:
+            choices[choice.index] = choice
+            check_succeeded(choice, output)
+            logprobs = self._logprobs(output.logprobs or [])
+            if output.text or logprobs:
+                yield self._chunk(choice.index, {"content": output.text}, logprobs=logprobs)
+            if output.finished:
+                yield self._chunk(choice.index, {}, finish_reason=output.finish_reason)
+        if self.body.include_usage:
+            ordered = [choices[i] for i in sorted(choices)]
+            yield sse_event(self._envelope("chat.completion.chunk", [],
+                                           usage=usage(ordered, self.body.num_choices)))
 
     def _logprobs(self, logprobs: list[TokenLogprob]) -> dict[str, list] | None:
         if not self.body.logprobs or not logprobs:

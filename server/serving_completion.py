@@ -1,24 +1,20 @@
 """POST /v1/completions: prompts in, text completions out (whole, or streamed as SSE)."""
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any, AsyncIterator
 
-import anyio
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from engine.core import tokenize_prompt
-from server.errors import APIError, error_body
 from server.protocol import CompletionRequest, parse_body
-from server.serving_common import (Choice, ServerState, check_context, log_request, make_choices, new_request_id,
-                                   read_body, sampling_params, stream_choices, timing_headers, usage)
+from server.respond import check_succeeded, respond
+from server.serving_common import (Choice, ServerState, check_context, make_choices, new_request_id, read_body,
+                                   sampling_params, usage)
 from server.serving_logprobs import LogprobFormatter
-from server.streaming import (SSE_DONE, ClientDisconnected, disconnected_response, run_unless_disconnected,
-                              sse_event, sse_response)
+from server.streaming import sse_event
 
-logger = logging.getLogger("pagedserve.server")
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
@@ -43,27 +39,7 @@ async def create_completion(request: Request) -> Response:
     echo = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts] if body.echo else None
     view = _CompletionView(request_id, int(time.time()), state.served_model_name, state.logprobs, body, echo)
 
-    log_request(request_id, choices, body.user, bool(body.stream))
-    events = stream_choices(state, choices, arrival)
-    await anext(events)  # admitted and accepted by the engine, or an APIError (429, 400)
-    if body.stream:
-        return sse_response(view.sse(events), headers={"X-Request-Id": request_id})
-    try:
-        await run_unless_disconnected(request, _drain(events))
-    except ClientDisconnected:
-        return disconnected_response()
-    failed = next((c.final for c in choices if c.final.finish_reason not in ("stop", "length")), None)
-    if failed is not None:
-        raise APIError(500, f"The request failed in the engine: {failed.error or failed.finish_reason}",
-                       code="engine_error")
-    result = view.response(choices)
-    headers = {"X-Request-Id": request_id, **timing_headers(result["usage"]["timings"])}
-    return JSONResponse(result, headers=headers)
-
-
-async def _drain(events: AsyncIterator) -> None:
-    async for _ in events:
-        pass
+    return await respond(request, state, choices, view, arrival, request_id, body.user, bool(body.stream))
 
 
 class _CompletionView:
@@ -92,33 +68,23 @@ class _CompletionView:
                              "finish_reason": c.final.finish_reason})
         return self._envelope(rendered, usage=usage(choices, self.n))
 
-    async def sse(self, events: AsyncIterator) -> AsyncIterator[str]:
+    async def chunks(self, events: AsyncIterator) -> AsyncIterator[str]:
         extra = {"usage": None} if self.body.include_usage else {}
         choices: dict[int, Choice] = {}
-        try:
-            async for choice, output in events:
-                choices[choice.index] = choice
-                if output.finished and output.finish_reason not in ("stop", "length"):
-                    raise RuntimeError(f"request {choice.request_id} failed: {output.error or output.finish_reason}")
-                text = output.text
-                if choice.index not in self.text_offsets:
-                    text = self._prefix(choice) + text
-                    self.text_offsets[choice.index] = 0
-                logprobs = None
-                if self.body.logprobs is not None:
-                    logprobs = self.logprobs.completion(output.logprobs or [], self.text_offsets[choice.index])
-                self.text_offsets[choice.index] += len(text)
-                if text or output.finished or logprobs:
-                    yield sse_event(self._envelope([{"index": choice.index, "text": text, "logprobs": logprobs,
-                                                     "finish_reason": output.finish_reason}], **extra))
-            if self.body.include_usage:
-                ordered = [choices[i] for i in sorted(choices)]
-                yield sse_event(self._envelope([], usage=usage(ordered, self.n)))
-        except Exception as exc:  # noqa: BLE001 - the stream has started: report it in-band
-            logger.warning("completion stream %s failed: %s", self.request_id, exc)
-            status = exc.status if isinstance(exc, APIError) else 500
-            yield sse_event(error_body(status, str(exc), code="engine_error" if status == 500 else None))
-        finally:
-            with anyio.CancelScope(shield=True):
-                await events.aclose()
-        yield SSE_DONE
+        async for choice, output in events:
+            choices[choice.index] = choice
+            check_succeeded(choice, output)
+            text = output.text
+            if choice.index not in self.text_offsets:
+                text = self._prefix(choice) + text
+                self.text_offsets[choice.index] = 0
+            logprobs = None
+            if self.body.logprobs is not None:
+                logprobs = self.logprobs.completion(output.logprobs or [], self.text_offsets[choice.index])
+            self.text_offsets[choice.index] += len(text)
+            if text or output.finished or logprobs:
+                yield sse_event(self._envelope([{"index": choice.index, "text": text, "logprobs": logprobs,
+                                                 "finish_reason": output.finish_reason}], **extra))
+        if self.body.include_usage:
+            ordered = [choices[i] for i in sorted(choices)]
+            yield sse_event(self._envelope([], usage=usage(ordered, self.n)))
