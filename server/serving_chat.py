@@ -9,10 +9,10 @@ from fastapi.responses import Response
 
 from engine.request import TokenLogprob
 from server.errors import invalid
-from server.protocol import ChatCompletionRequest, parse_body
+from server.protocol import ChatCompletionRequest
 from server.respond import check_succeeded, respond
-from server.serving_common import (Choice, ServerState, check_context, default_max_tokens, make_choices,
-                                   new_request_id, read_body, sampling_params, usage)
+from server.serving_common import (Choice, check_context, default_max_tokens, make_choices, new_request_id,
+                                   parse_request, sampling_params, usage)
 from server.serving_logprobs import LogprobFormatter
 from server.streaming import sse_event
 
@@ -32,11 +32,7 @@ def encode_chat(tokenizer, messages: list[dict[str, str]], add_generation_prompt
 
 async def create_chat_completion(request: Request) -> Response:
     arrival = time.monotonic()
-    state: ServerState = request.app.state.server
-    raw = await read_body(request, state.max_body_bytes)
-    engine = state.require_engine()
-    body: ChatCompletionRequest = parse_body(raw, ChatCompletionRequest)
-    state.check_model(body.model)
+    state, engine, body = await parse_request(request, ChatCompletionRequest)
     body.check_common(engine.model_config.vocab_size)
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid("'top_logprobs' requires 'logprobs' to be true", param="top_logprobs")

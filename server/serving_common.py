@@ -17,15 +17,18 @@ import asyncio
 import logging
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, TypeVar
 
 import anyio
 from fastapi import Request
 
 from engine.request import RequestOutput, SamplingParams, TokenLogprob
 from server.errors import APIError, invalid, model_not_found
+from server.protocol import parse_body
 from server.metrics import ServerMetrics
 from server.serving_logprobs import LogprobFormatter
+
+M = TypeVar("M")
 
 logger = logging.getLogger("pagedserve.server")
 _END = object()  # a pump's last item: its engine stream is over
@@ -201,6 +204,16 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise APIError(413, f"The request body exceeds the limit of {limit} bytes.", code="body_too_large")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+async def parse_request(request: Request, model_cls: type[M]) -> tuple[ServerState, Any, M]:
+    """(state, engine, validated body) for a JSON endpoint, or the APIError that answers it."""
+    state: ServerState = request.app.state.server
+    raw = await read_body(request, state.max_body_bytes)
+    engine = state.require_engine()
+    body = parse_body(raw, model_cls)
+    state.check_model(body.model)
+    return state, engine, body
 
 
 async def stream_choices(state: ServerState, choices: list[Choice],

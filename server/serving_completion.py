@@ -8,9 +8,9 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from engine.core import tokenize_prompt
-from server.protocol import CompletionRequest, parse_body
+from server.protocol import CompletionRequest
 from server.respond import check_succeeded, respond
-from server.serving_common import (Choice, ServerState, check_context, make_choices, new_request_id, read_body,
+from server.serving_common import (Choice, check_context, make_choices, new_request_id, parse_request,
                                    sampling_params, usage)
 from server.serving_logprobs import LogprobFormatter
 from server.streaming import sse_event
@@ -20,11 +20,7 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 async def create_completion(request: Request) -> Response:
     arrival = time.monotonic()
-    state: ServerState = request.app.state.server
-    raw = await read_body(request, state.max_body_bytes)
-    engine = state.require_engine()
-    body: CompletionRequest = parse_body(raw, CompletionRequest)
-    state.check_model(body.model)
+    state, engine, body = await parse_request(request, CompletionRequest)
     vocab_size = engine.model_config.vocab_size
     body.check_common(vocab_size)
     tokenizer = engine.tokenizer

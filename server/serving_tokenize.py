@@ -10,17 +10,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from server.errors import invalid
-from server.protocol import DetokenizeRequest, TokenizeRequest, check_token_ids, parse_body
+from server.protocol import DetokenizeRequest, TokenizeRequest, check_token_ids
 from server.serving_chat import encode_chat
-from server.serving_common import ServerState, read_body
+from server.serving_common import parse_request
 
 
 async def tokenize(request: Request) -> JSONResponse:
-    state: ServerState = request.app.state.server
-    raw = await read_body(request, state.max_body_bytes)
-    engine = state.require_engine()
-    body: TokenizeRequest = parse_body(raw, TokenizeRequest)
-    state.check_model(body.model)
+    state, engine, body = await parse_request(request, TokenizeRequest)
     if (body.prompt is None) == (body.messages is None):
         raise invalid("Give exactly one of 'prompt' or 'messages'", param="prompt")
     if body.prompt is not None:
@@ -32,10 +28,6 @@ async def tokenize(request: Request) -> JSONResponse:
 
 
 async def detokenize(request: Request) -> JSONResponse:
-    state: ServerState = request.app.state.server
-    raw = await read_body(request, state.max_body_bytes)
-    engine = state.require_engine()
-    body: DetokenizeRequest = parse_body(raw, DetokenizeRequest)
-    state.check_model(body.model)
+    state, engine, body = await parse_request(request, DetokenizeRequest)
     check_token_ids(body.tokens, engine.model_config.vocab_size, "tokens")
     return JSONResponse({"prompt": engine.tokenizer.decode(body.tokens)})
