@@ -1,0 +1,153 @@
+"""Per-phase timings of one model step, without the engine around it.
+
+    python -m loadtest.bench_step [--model SmolLM2-135M-Instruct] [--dtype bfloat16] [--threads 2]
+
+Phases: AttentionMetadata.build for 64 decodes, forward passes for batches of
+1/16/64 decodes (contexts 128-256) and for one 128-token prefill, and
+compute_logits for 1 and 64 rows.  Each phase is repeated and reported as
+median and p10 (the machine is shared: p10 is what the code costs when nobody
+else holds the cores, the median what it costs today).
+
+On a busy machine, `--threads 1 --clock cpu` measures this process's CPU time,
+which other processes' load does not inflate (with 2 threads, one descheduled
+thread stalls the other at every parallel region, and wall time swings 5x).
+
+The baseline column is the time of the same phase's matmuls alone (every
+F.linear of the forward with the model's own weights and the phase's row count),
+so `x base` says how much of a phase is overhead around the arithmetic.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from models.layers.attention import AttentionMetadata
+
+BLOCK_SIZE = 16
+
+
+def timeit(
+    fn: Callable[[], object], repeats: int, warmup: int = 3, clock: Callable[[], float] = time.perf_counter
+) -> tuple[float, float]:
+    """(median, p10) seconds of `fn()` over `repeats` runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = clock()
+        fn()
+        times.append(clock() - start)
+    times.sort()
+    return statistics.median(times), times[len(times) // 10]
+
+
+class Batch:
+    """Decodes (or one prefill) over random contexts in a paged cache, as the runner would build them."""
+
+    def __init__(self, query_lens: list[int], seq_lens: list[int], num_blocks: int, device, seed: int = 0):
+        rng = random.Random(seed)
+        free = list(range(num_blocks))
+        rng.shuffle(free)  # scattered blocks, like a cache that has been in use for a while
+        self.block_tables = []
+        for s in seq_lens:
+            need = (s + BLOCK_SIZE - 1) // BLOCK_SIZE
+            self.block_tables.append([free.pop() for _ in range(need)])
+        self.query_lens, self.seq_lens, self.device = query_lens, seq_lens, device
+        positions = [p for q, s in zip(query_lens, seq_lens) for p in range(s - q, s)]
+        self.positions = torch.tensor(positions, dtype=torch.int64, device=device)
+        self.input_ids = torch.randint(100, 10_000, (len(positions),), generator=torch.Generator().manual_seed(seed))
+        self.input_ids = self.input_ids.to(device)
+
+    def build(self) -> AttentionMetadata:
+        return AttentionMetadata.build(self.query_lens, self.seq_lens, self.block_tables, BLOCK_SIZE, self.device)
+
+
+def linear_shapes(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Weights of every nn.Linear the forward runs, in order (the logits matrix excluded)."""
+    return [m.weight for m in model.model.modules() if isinstance(m, torch.nn.Linear)]
+
+
+def matmul_baseline(weights: list[torch.Tensor], rows: int, repeats: int, clock) -> tuple[float, float]:
+    x_by_in = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype, device=w.device) for w in weights}
+
+    def run():
+        for w in weights:
+            F.linear(x_by_in[w.shape[1]], w)
+
+    return timeit(run, repeats, clock=clock)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="SmolLM2-135M-Instruct")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (0 = leave as is)")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="cpu: process CPU time")
+    parser.add_argument("--phases", default="all", help="comma list of: build,decode,prefill,logits")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
+    from models.loader import load_model  # after set_num_threads: loading spins up the thread pool
+
+    loaded = load_model(args.model, dtype=args.dtype)
+    model, device = loaded.model, next(loaded.model.parameters()).device
+    phases = set(args.phases.split(",")) if args.phases != "all" else {"build", "decode", "prefill", "logits"}
+    rng = random.Random(0)
+    max_seqs, max_len = 64, 257
+    num_blocks = max_seqs * ((max_len + BLOCK_SIZE - 1) // BLOCK_SIZE) + 1
+    kv_caches = model.kv_cache_spec(loaded.config.dtype).allocate(num_blocks, BLOCK_SIZE, device)
+    for cache in kv_caches:
+        cache.normal_()  # real-looking values: zeros could take faster paths in exp/softmax
+    weights = linear_shapes(model)
+    logits_weight = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    print(f"model {args.model} {loaded.config.dtype}, threads {torch.get_num_threads()}, repeats {args.repeats}, "
+          f"{args.clock} clock")
+    print(f"{'phase':<34}{'median ms':>10}{'p10 ms':>9}{'base ms':>9}{'x base':>8}")
+
+    def report(name: str, timing: tuple[float, float], base: tuple[float, float] | None = None) -> None:
+        med, p10 = timing
+        cols = f"{name:<34}{med * 1e3:>10.2f}{p10 * 1e3:>9.2f}"
+        if base is not None:
+            cols += f"{base[0] * 1e3:>9.2f}{med / base[0]:>8.2f}"
+        print(cols, flush=True)
+
+    def decode_batch(n: int) -> Batch:
+        return Batch([1] * n, [rng.randint(128, 256) for _ in range(n)], num_blocks, device, seed=n)
+
+    with torch.inference_mode():
+        if "build" in phases:
+            for n in (1, 64):
+                batch = decode_batch(n)
+                report(f"AttentionMetadata.build decode b{n}", timeit(batch.build, args.repeats * 10, clock=clock))
+        if "decode" in phases:
+            for n in (1, 16, 64):
+                batch = decode_batch(n)
+                meta = batch.build()
+                fwd = timeit(lambda: model(batch.input_ids, batch.positions, kv_caches, meta), args.repeats, 3, clock)
+                report(f"forward decode b{n} ctx128-256", fwd, matmul_baseline(weights, n, args.repeats, clock))
+        if "prefill" in phases:
+            batch = Batch([128], [128], num_blocks, device)
+            meta = batch.build()
+            repeats = max(5, args.repeats // 3)
+            fwd = timeit(lambda: model(batch.input_ids, batch.positions, kv_caches, meta), repeats, clock=clock)
+            report("forward prefill 128 tokens", fwd, matmul_baseline(weights, 128, repeats, clock))
+        if "logits" in phases:
+            for n in (1, 64):
+                hidden = torch.randn(n, logits_weight.shape[1], dtype=logits_weight.dtype, device=device)
+                report(
+                    f"compute_logits {n} rows",
+                    timeit(lambda: model.compute_logits(hidden), args.repeats, clock=clock),
+                    matmul_baseline([logits_weight], n, args.repeats, clock),
+                )
+
+
+if __name__ == "__main__":
+    main()
