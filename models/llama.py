@@ -65,18 +65,21 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = rotary_emb  # shared by all layers; holds no parameters
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata
+        self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
+        """rope: (cos, sin) of the step's positions from RotaryEmbedding.cos_sin, shared by all layers."""
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        q = q.view(num_tokens, self.num_heads, self.head_dim)  # (num_tokens, num_heads, head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # (num_tokens, num_kv_heads, head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        H, Hk = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(num_tokens, H + 2 * Hk, self.head_dim)  # (num_tokens, H + 2 Hk, head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        out = paged_attention(q, k, v, kv_cache, attn_metadata, self.scale)  # (num_tokens, num_heads, head_dim)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+            qk = torch.cat((self.q_norm(qkv[:, :H]), self.k_norm(qkv[:, H : H + Hk])), dim=1)
+        else:
+            qk = qkv[:, : H + Hk]
+        # q and k heads are adjacent in the qkv output: rotate them in one pass.
+        qk = self.rotary_emb.rotate(qk, *rope)  # (num_tokens, H + Hk, head_dim)
+        out = paged_attention(qk[:, :H], qk[:, H:], qkv[:, H + Hk :], kv_cache, attn_metadata, self.scale)
+        return self.o_proj(out.reshape(num_tokens, H * self.head_dim))  # (num_tokens, H * head_dim)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -88,8 +91,8 @@ class LlamaDecoderLayer(nn.Module):
         mlp_bias = bool(getattr(config, "mlp_bias", False))
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, bias=mlp_bias)
 
-    def forward(self, positions, x, kv_cache, attn_metadata) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, attn_metadata)
+    def forward(self, rope, x, kv_cache, attn_metadata) -> torch.Tensor:
+        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, attn_metadata)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -100,14 +103,17 @@ class LlamaModel(nn.Module):
         # The loader builds the model on the meta device; the cos/sin table is a plain
         # attribute (not a parameter it would fill in), so build it on a real device.
         with torch.device("cpu"):
-            rotary_emb = RotaryEmbedding(config, max_model_len)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary_emb) for _ in range(config.num_hidden_layers))
+            self.rotary_emb = RotaryEmbedding(config, max_model_len)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, self.rotary_emb) for _ in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids, positions, kv_caches, attn_metadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # (num_tokens, hidden_size)
+        rope = self.rotary_emb.cos_sin(positions, x.dtype)  # once per step, not once per layer
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(positions, x, kv_cache, attn_metadata)
+            x = layer(rope, x, kv_cache, attn_metadata)
         return self.norm(x)
 
 

@@ -8,15 +8,31 @@ flattened, slot `s = block_id * block_size + offset` holds one token's entry.
     its token t lives at slot:  block_table[t // 4] * 4 + t % 4
     token 5 -> block 2, offset 1 -> slot 9
 
+`write_kv` / `gather_kv` store entries in that token-major order (MLA's latent cache).
+`paged_attention` (GQA) keeps the allocation shape but lays the memory out plane-major,
+one plane per (k or v, kv head):
+
+    kv_cache.view(2, num_kv_heads, num_blocks, block_size, head_dim)   see `kv_planes`
+
+so that gathering a sequence's blocks (2 KiB runs) directly yields the
+(kv head, sequence, position, head_dim) operands of a batched matmul; token-major
+entries would need a second, transposing copy of every gathered key and value.
+Block ids mean the same in both layouts, which is all the block manager sees.
+
 Sequences with one query token (decodes) and sequences with several (prefill
 chunks) go into separate `AttentionGroup`s so that a long prompt does not pad
-every decode up to its length.  Each group is attended with one batched call:
-keys are gathered through the block table into (num_seqs, max_kv_len, ...) and a
-boolean mask hides padding and future tokens.
+every decode up to its length.  Each group is attended with one batched call over
+its sequences' blocks, gathered whole (num_blocks * block_size keys per sequence):
+
+    decodes          one query per sequence: two bmm's and a softmax (SDPA's CPU
+                     kernel is ~10x slower for a single query row)
+    fresh prefills   nothing cached yet: the keys are this step's own k/v, so no
+                     gather and no mask, just causal SDPA
+    other prefills   gathered context + boolean mask (chunks after cached tokens)
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -46,14 +62,27 @@ class KVCacheSpec:
 
 @dataclass
 class AttentionGroup:
-    """Sequences attended together in one padded batched call."""
+    """Sequences attended together in one padded batched call.
+
+    Keys are gathered block by block, so max_kv_len = num_blocks * block_size
+    (at least the longest sequence); `mask` hides the padding.
+    """
 
     token_index: torch.Tensor  # (num_group_tokens,) rows of the flat token batch in this group
     padded_index: torch.Tensor  # (num_group_tokens,) where each row goes in (num_seqs * max_query_len)
     num_seqs: int
     max_query_len: int
-    kv_slots: torch.Tensor  # (num_seqs, max_kv_len) flat cache slots to gather (padding -> slot 0)
+    block_table: torch.Tensor  # (num_seqs, num_blocks) int64 cache blocks of each sequence, padding -> block 0
     mask: torch.Tensor  # (num_seqs, 1, max_query_len, max_kv_len) True = may attend
+    # Decodes only: the mask as an additive float32 bias (0 / -inf), (num_seqs, 1, max_kv_len).
+    bias: torch.Tensor | None
+    # The group's padded layout is the whole flat batch (a single group without padding):
+    # pad/unpad are views, no copies.
+    is_whole_batch: bool
+    # Every sequence starts at position 0 this step: its keys are exactly this step's k/v.
+    is_fresh: bool
+    # Rows of the gathered blocks in a cache of N blocks (see _gather_planes), keyed by N.
+    plane_rows: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -79,58 +108,66 @@ class AttentionMetadata:
         """
         if not (len(query_lens) == len(seq_lens) == len(block_tables)):
             raise ValueError("query_lens, seq_lens and block_tables must have one entry per sequence")
-        starts, offset = [], 0
-        for q in query_lens:
-            starts.append(offset)
-            offset += q
-        slot_mapping = []
-        for q, s, table in zip(query_lens, seq_lens, block_tables):
-            for pos in range(s - q, s):
-                slot_mapping.append(table[pos // block_size] * block_size + pos % block_size)
-        decode = [i for i, q in enumerate(query_lens) if q == 1]
-        prefill = [i for i, q in enumerate(query_lens) if q > 1]
+        # The one Python pass: cut each table to the blocks its sequence uses, pad to a rectangle.
+        used = [(s + block_size - 1) // block_size for s in seq_lens]
+        width = max(used, default=0)
+        rows = []
+        for table, n in zip(block_tables, used):
+            if len(table) < n:
+                raise ValueError(f"block table of {len(table)} blocks is too short for {n * block_size} tokens")
+            rows.append(table[:n] + [0] * (width - n))
+        tables = torch.tensor(rows, dtype=torch.int64).view(len(rows), width)  # (num_seqs, width)
+        q_lens = torch.tensor(query_lens, dtype=torch.int64)
+        s_lens = torch.tensor(seq_lens, dtype=torch.int64)
+        num_tokens = sum(query_lens)
+        # Flat token t belongs to sequence seq[t] and is query number t - start[seq[t]] of it:
+        #   query_lens [3, 1, 2] -> seq [0 0 0 1 2 2], start [0 3 4], query number [0 1 2 0 0 1]
+        seq = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)  # (num_tokens,)
+        start = torch.cumsum(q_lens, 0) - q_lens  # (num_seqs,)
+        query_no = torch.arange(num_tokens) - start[seq]
+        pos = (s_lens - q_lens)[seq] + query_no  # absolute position of each new token
+        slot_mapping = tables[seq, pos // block_size] * block_size + pos % block_size
+        is_decode = q_lens == 1
+        kinds = [k for k in (is_decode, ~is_decode) if bool(k.any())]
         groups = [
-            _build_group(idx, starts, query_lens, seq_lens, block_tables, block_size, device)
-            for idx in (decode, prefill)
-            if idx
+            _build_group(k.nonzero().squeeze(1), k[seq], seq, query_no, q_lens, s_lens, tables, block_size,
+                         len(kinds) == 1, device)
+            for k in kinds
         ]
-        return cls(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
-            groups=groups,
-            num_tokens=offset,
-        )
+        return cls(slot_mapping=slot_mapping.to(device), groups=groups, num_tokens=num_tokens)
 
 
-def _build_group(seq_idx, starts, query_lens, seq_lens, block_tables, block_size, device) -> AttentionGroup:
-    max_q = max(query_lens[i] for i in seq_idx)
-    max_kv = max(seq_lens[i] for i in seq_idx)
-    n = len(seq_idx)
-    token_index, padded_index = [], []
-    for row, i in enumerate(seq_idx):
-        token_index.extend(range(starts[i], starts[i] + query_lens[i]))
-        padded_index.extend(range(row * max_q, row * max_q + query_lens[i]))
-    pos = torch.arange(max_kv)
-    num_blocks = (max_kv + block_size - 1) // block_size
-    tables = torch.zeros((n, num_blocks), dtype=torch.int64)
-    for row, i in enumerate(seq_idx):
-        used = (seq_lens[i] + block_size - 1) // block_size
-        tables[row, :used] = torch.tensor(block_tables[i][:used], dtype=torch.int64)
-    kv_slots = tables[:, pos // block_size] * block_size + pos % block_size  # (n, max_kv)
-    seq_len_t = torch.tensor([seq_lens[i] for i in seq_idx])
-    q_len_t = torch.tensor([query_lens[i] for i in seq_idx])
+def _build_group(idx, token_in_group, seq, query_no, q_lens, s_lens, tables, block_size, only_group, device):
+    """idx: (n,) sequences of the group; token_in_group: (num_tokens,) bool."""
+    n = idx.numel()
+    q_lens, s_lens = q_lens[idx], s_lens[idx]
+    max_q = int(q_lens.max())
+    num_blocks = int(((s_lens + block_size - 1) // block_size).max())
+    table = tables[idx, :num_blocks]  # (n, num_blocks)
+    token_index = token_in_group.nonzero().squeeze(1)
+    # Row of each sequence inside the group: position of its index in idx.
+    row_of_seq = torch.zeros(tables.shape[0], dtype=torch.int64)
+    row_of_seq[idx] = torch.arange(n)
+    padded_index = row_of_seq[seq[token_index]] * max_q + query_no[token_index]
+    pos = torch.arange(num_blocks * block_size)
     # Query j of a sequence sits at absolute position seq_len - q_len + j; it sees keys at <= that.
-    q_pos = (seq_len_t - q_len_t)[:, None] + torch.arange(max_q)[None, :]  # (n, max_q)
-    mask = (pos[None, None, :] <= q_pos[:, :, None]) & (pos[None, None, :] < seq_len_t[:, None, None])
+    q_pos = (s_lens - q_lens)[:, None] + torch.arange(max_q)[None, :]  # (n, max_q)
+    mask = (pos[None, None, :] <= q_pos[:, :, None]) & (pos[None, None, :] < s_lens[:, None, None])
     # Padding query rows must see at least one key or softmax yields NaN; their output is dropped.
     mask[:, :, 0] = True
-    kv_slots = kv_slots.masked_fill(pos[None, :] >= seq_len_t[:, None], 0)
+    bias = None
+    if max_q == 1:
+        bias = torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, float("-inf"))
     return AttentionGroup(
-        token_index=torch.tensor(token_index, dtype=torch.int64, device=device),
-        padded_index=torch.tensor(padded_index, dtype=torch.int64, device=device),
+        token_index=token_index.to(device),
+        padded_index=padded_index.to(device),
         num_seqs=n,
         max_query_len=max_q,
-        kv_slots=kv_slots.to(device),
+        block_table=table.to(device),
         mask=mask[:, None].to(device),  # (n, 1, max_q, max_kv)
+        bias=None if bias is None else bias.to(device),  # (n, 1, max_kv)
+        is_whole_batch=only_group and n * max_q == seq.numel(),
+        is_fresh=bool((q_lens == s_lens).all()),
     )
 
 
@@ -142,12 +179,14 @@ def write_kv(kv_cache: torch.Tensor, entries: torch.Tensor, slot_mapping: torch.
 
 def gather_kv(kv_cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
     """(num_seqs, max_kv_len, *entry_shape) entries of the group's sequences, in position order."""
-    flat = kv_cache.view(-1, *kv_cache.shape[2:])
-    return flat[group.kv_slots]
+    blocks = kv_cache.index_select(0, group.block_table.view(-1))  # (n * num_blocks, block_size, *entry_shape)
+    return blocks.view(group.num_seqs, -1, *kv_cache.shape[2:])
 
 
 def pad_queries(x: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
     """Rows of the flat batch (num_tokens, ...) -> (num_seqs, max_query_len, ...) for this group."""
+    if group.is_whole_batch:
+        return x.view(group.num_seqs, group.max_query_len, *x.shape[1:])
     padded = x.new_zeros((group.num_seqs * group.max_query_len, *x.shape[1:]))
     padded[group.padded_index] = x[group.token_index]
     return padded.view(group.num_seqs, group.max_query_len, *x.shape[1:])
@@ -156,7 +195,16 @@ def pad_queries(x: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
 def unpad_into(out: torch.Tensor, padded: torch.Tensor, group: AttentionGroup) -> None:
     """Inverse of pad_queries: scatter the group's real rows back into the flat output."""
     flat = padded.reshape(group.num_seqs * group.max_query_len, *padded.shape[2:])
-    out[group.token_index] = flat[group.padded_index]
+    if group.is_whole_batch:
+        out.copy_(flat)
+    else:
+        out[group.token_index] = flat[group.padded_index]
+
+
+def kv_planes(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The plane-major view of a GQA cache (num_blocks, block_size, 2, Hk, D): (2, Hk, num_blocks, block_size, D)."""
+    num_blocks, block_size, _, num_kv_heads, head_dim = kv_cache.shape
+    return kv_cache.view(2, num_kv_heads, num_blocks, block_size, head_dim)
 
 
 def paged_attention(
@@ -170,17 +218,63 @@ def paged_attention(
     """Causal attention of the step's queries over each sequence's cached context.
 
     q: (num_tokens, num_heads, head_dim); k, v: (num_tokens, num_kv_heads, head_dim).
-    kv_cache: (num_blocks, block_size, 2, num_kv_heads, head_dim). Returns (num_tokens, num_heads, head_dim).
+    kv_cache: (num_blocks, block_size, 2, num_kv_heads, head_dim), used plane-major (see
+    `kv_planes`). Returns (num_tokens, num_heads, head_dim).
     """
-    write_kv(kv_cache, torch.stack((k, v), dim=1), meta.slot_mapping)
-    out = torch.empty_like(q)
+    planes = kv_planes(kv_cache).flatten(2, 3)  # (2, Hk, num_slots, D)
+    new = torch.stack((k, v)).transpose(1, 2)  # (2, Hk, num_tokens, D)
+    planes.index_copy_(2, meta.slot_mapping, new.to(kv_cache.dtype))
+    if len(meta.groups) == 1 and meta.groups[0].is_whole_batch:
+        return _attend(q, k, v, kv_cache, meta.groups[0], scale).reshape(q.shape)
+    out = q.new_empty(q.shape)
     for group in meta.groups:
-        kv = gather_kv(kv_cache, group).to(q.dtype)  # (n, max_kv, 2, num_kv_heads, head_dim)
-        keys = kv[:, :, 0].transpose(1, 2)  # (n, num_kv_heads, max_kv, head_dim)
-        values = kv[:, :, 1].transpose(1, 2)
-        queries = pad_queries(q, group).transpose(1, 2)  # (n, num_heads, max_q, head_dim)
-        attn = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=group.mask, scale=scale, enable_gqa=True
-        )  # (n, num_heads, max_q, head_dim)
-        unpad_into(out, attn.transpose(1, 2), group)
+        unpad_into(out, _attend(q, k, v, kv_cache, group, scale), group)
     return out
+
+
+def _gather_planes(kv_cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+    """(2, Hk, n, max_kv, D): the group's keys and values, one copy straight out of the planes."""
+    _, num_kv_heads, num_blocks, block_size, head_dim = kv_planes(kv_cache).shape
+    rows = group.plane_rows.get(num_blocks)
+    if rows is None:  # same for every layer of the step: computed once
+        # Row of block b in plane p of the (2 * Hk * num_blocks, block_size * D) view: p * num_blocks + b.
+        planes = torch.arange(2 * num_kv_heads, device=kv_cache.device)[:, None] * num_blocks
+        rows = group.plane_rows[num_blocks] = (planes + group.block_table.view(1, -1)).view(-1)
+    flat = kv_cache.view(2 * num_kv_heads * num_blocks, block_size * head_dim)
+    kv = flat.index_select(0, rows)  # (2 * Hk * n * blocks per seq, block_size * D)
+    return kv.view(2, num_kv_heads, group.num_seqs, -1, head_dim)
+
+
+def _attend(q, k, v, kv_cache, group: AttentionGroup, scale: float) -> torch.Tensor:
+    """-> (num_seqs, max_query_len, num_heads, head_dim) for the group's padded queries."""
+    if group.max_query_len == 1:
+        return _decode(pad_queries(q, group), kv_cache, group, scale)
+    queries = pad_queries(q, group).transpose(1, 2)  # (n, num_heads, max_q, head_dim)
+    if group.is_fresh:
+        keys = pad_queries(k, group).transpose(1, 2)  # (n, num_kv_heads, max_q, head_dim)
+        values = pad_queries(v, group).transpose(1, 2)
+        # Padding keys sit after every real query of their sequence: causal hides them.
+        out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        kv = _gather_planes(kv_cache, group).to(q.dtype).transpose(1, 2)  # (2, n, Hk, max_kv, D)
+        out = F.scaled_dot_product_attention(
+            queries, kv[0], kv[1], attn_mask=group.mask, scale=scale, enable_gqa=True
+        )  # (n, num_heads, max_q, head_dim)
+    return out.transpose(1, 2)
+
+
+def _decode(queries: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup, scale: float) -> torch.Tensor:
+    """queries (n, 1, num_heads, head_dim) -> (n, 1, num_heads, head_dim).
+
+    The query heads sharing a KV head become the rows of one small matmul per
+    (KV head, sequence), so GQA needs no repeated keys.
+    """
+    n, _, num_heads, head_dim = queries.shape
+    kv = _gather_planes(kv_cache, group).to(queries.dtype)  # (2, Hk, n, max_kv, D)
+    num_kv_heads = kv.shape[1]
+    rows = queries.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)  # (Hk, n, G, D)
+    scores = torch.matmul(rows, kv[0].transpose(-1, -2))  # (Hk, n, G, max_kv)
+    # bias + scale * scores in float32: masked keys get exactly zero weight.
+    probs = torch.add(group.bias, scores, alpha=scale).softmax(dim=-1).to(queries.dtype)
+    out = torch.matmul(probs, kv[1])  # (Hk, n, G, D)
+    return out.transpose(0, 1).reshape(n, 1, num_heads, head_dim)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -12,12 +13,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Same op order as the reference (normalize in float32, cast, then scale) so
-        # bfloat16 rounding matches too, not just float32.
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # Same rounding as the reference (normalize in float32, cast, then scale) so
+        # bfloat16 matches bit for bit, not just float32: F.rms_norm without a weight
+        # normalizes in float32 and rounds once; the weight is applied after, in x's dtype.
+        return self.weight * F.rms_norm(x, self.weight.shape, eps=self.eps)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"

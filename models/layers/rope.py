@@ -38,16 +38,14 @@ def rope_frequencies(config, max_positions: int) -> tuple[torch.Tensor, float]:
     return ROPE_INIT_FUNCTIONS[rope_type](config, None)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to q and k of shape (num_tokens, num_heads, rotary_dim).
 
     `interleaved=True` rotates adjacent pairs (x0, x1), (x2, x3), ... as DeepSeek's
     checkpoints expect; otherwise the two halves of the head are paired (Llama).
+
+    A model with many layers gathers `cos_sin(positions)` once per step and calls
+    `rotate` in each layer, instead of indexing the table 2 * num_layers times.
     """
 
     def __init__(self, config, max_positions: int, interleaved: bool = False):
@@ -62,19 +60,29 @@ class RotaryEmbedding(nn.Module):
         self.interleaved = interleaved
         # Plain attributes, not buffers: the table stays float32 whatever dtype the model is cast to.
         self.cos = emb.cos() * attention_scaling
-        self.sin = emb.sin() * attention_scaling
+        # rotate_half(x) * sin == roll(x, half) * [-sin_lo, sin_hi] exactly (a sign flip is
+        # exact), and one roll is cheaper than chunk + neg + cat.
+        sin = emb.sin() * attention_scaling
+        half = self.rotary_dim // 2
+        self.signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed sin) for these positions, each (num_tokens, 1, rotary_dim) in `dtype`."""
+        if self.cos.device != positions.device:
+            self.cos, self.signed_sin = self.cos.to(positions.device), self.signed_sin.to(positions.device)
+        cos = self.cos[positions].to(dtype)[:, None, :]  # (num_tokens, 1, rotary_dim)
+        sin = self.signed_sin[positions].to(dtype)[:, None, :]
+        return cos, sin
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.cos.device != positions.device:
-            self.cos, self.sin = self.cos.to(positions.device), self.sin.to(positions.device)
-        cos = self.cos[positions].to(q.dtype)[:, None, :]  # (num_tokens, 1, rotary_dim)
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        cos, sin = self.cos_sin(positions, q.dtype)
+        return self.rotate(q, cos, sin), self.rotate(k, cos, sin)
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if not self.interleaved:
-            return x * cos + rotate_half(x) * sin
-        # (x0, x1, x2, x3, ...) -> (x0, x2, ..., x1, x3, ...): pairs become halves.
-        shape = x.shape
-        x = x.unflatten(-1, (-1, 2)).transpose(-1, -2).reshape(shape)
-        return x * cos + rotate_half(x) * sin
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x (num_tokens, num_heads, rotary_dim) with cos/sin from `cos_sin`."""
+        if self.interleaved:
+            # (x0, x1, x2, x3, ...) -> (x0, x2, ..., x1, x3, ...): pairs become halves.
+            shape = x.shape
+            x = x.unflatten(-1, (-1, 2)).transpose(-1, -2).reshape(shape)
+        # Same op order as transformers (x * cos + rotate_half(x) * sin) for bit-equal bf16.
+        return x * cos + x.roll(self.rotary_dim // 2, dims=-1) * sin
