@@ -3,8 +3,10 @@
     python -m loadtest.bench_step [--model SmolLM2-135M-Instruct] [--dtype bfloat16] [--threads 2]
 
 Phases: AttentionMetadata.build for 64 decodes, forward passes for batches of
-1/16/64 decodes (contexts 128-256) and for one 128-token prefill, and
-compute_logits for 1 and 64 rows.  Each phase is repeated and reported as
+1/16/64 decodes (contexts 128-256), for one 128-token prefill and for a mixed
+step as the scheduler makes them under load (32 decodes, 14 fresh 128-token
+prompts, one 128-token chunk after 128 cached tokens), and compute_logits for
+1 and 64 rows.  Each phase is repeated and reported as
 median and p10 (the machine is shared: p10 is what the code costs when nobody
 else holds the cores, the median what it costs today).
 
@@ -90,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (0 = leave as is)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="cpu: process CPU time")
-    parser.add_argument("--phases", default="all", help="comma list of: build,decode,prefill,logits")
+    parser.add_argument("--phases", default="all", help="comma list of: build,decode,prefill,mixed,logits")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -99,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
 
     loaded = load_model(args.model, dtype=args.dtype)
     model, device = loaded.model, next(loaded.model.parameters()).device
-    phases = set(args.phases.split(",")) if args.phases != "all" else {"build", "decode", "prefill", "logits"}
+    phases = set(args.phases.split(",")) if args.phases != "all" else {"build", "decode", "prefill", "mixed", "logits"}
     rng = random.Random(0)
     max_seqs, max_len = 64, 257
     num_blocks = max_seqs * ((max_len + BLOCK_SIZE - 1) // BLOCK_SIZE) + 1
@@ -139,6 +141,15 @@ def main(argv: list[str] | None = None) -> None:
             repeats = max(5, args.repeats // 3)
             fwd = timeit(lambda: model(batch.input_ids, batch.positions, kv_caches, meta), repeats, clock=clock)
             report("forward prefill 128 tokens", fwd, matmul_baseline(weights, 128, repeats, clock))
+        if "mixed" in phases:
+            query_lens = [1] * 32 + [128] * 15
+            seq_lens = [rng.randint(128, 256) for _ in range(32)] + [128] * 14 + [256]
+            batch = Batch(query_lens, seq_lens, num_blocks, device, seed=2)
+            meta = batch.build()
+            repeats = max(3, args.repeats // 5)
+            fwd = timeit(lambda: model(batch.input_ids, batch.positions, kv_caches, meta), repeats, 1, clock)
+            report(f"forward mixed step {sum(query_lens)} tokens", fwd,
+                   matmul_baseline(weights, sum(query_lens), repeats, clock))
         if "logits" in phases:
             for n in (1, 64):
                 hidden = torch.randn(n, logits_weight.shape[1], dtype=logits_weight.dtype, device=device)
