@@ -3,7 +3,7 @@
     event loop                              engine thread
     generate() --("add", ...)--> inbox --> core.add_request
     abort()    --("abort", id)-> inbox --> core.abort_request
-    async for out in queue  <-- call_soon_threadsafe(queue.put_nowait) <-- core.step()
+    async for out in queue  <-- call_soon_threadsafe(_put_all) <-- core.step()   one call per loop per step
 
 The engine thread owns the core and the map of request id -> (loop, queue); the
 loop side only puts commands in the inbox, so no state is shared but the inbox
@@ -158,21 +158,40 @@ class AsyncEngine:
         return []
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        # One call_soon_threadsafe per event loop per step, not one per output: each call
+        # takes the loop's lock and writes its wake-up pipe, and at 64 running requests
+        # that per-output cost landed on the event loop thread 64 times a step.
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         for output in outputs:
             sink = self._sinks.get(output.request_id)
             if sink is None:
                 continue
             if output.finished:
                 del self._sinks[output.request_id]
-            if not self._send(*sink, output) and not output.finished:
-                # The consumer's loop is gone: nobody will read this request.
-                del self._sinks[output.request_id]
-                self.core.abort_request(output.request_id)
+            loop, stream = sink
+            batches.setdefault(loop, []).append((stream, output))
+        for loop, batch in batches.items():
+            if self._send_all(loop, batch):
+                continue
+            for _, output in batch:  # the consumer's loop is gone: nobody will read these requests
+                if not output.finished:
+                    self._sinks.pop(output.request_id, None)
+                    self.core.abort_request(output.request_id)
 
     @staticmethod
     def _send(loop: asyncio.AbstractEventLoop, stream: asyncio.Queue, item) -> bool:
+        return AsyncEngine._send_all(loop, [(stream, item)])
+
+    @staticmethod
+    def _send_all(loop: asyncio.AbstractEventLoop, batch: list[tuple[asyncio.Queue, object]]) -> bool:
         try:
-            loop.call_soon_threadsafe(stream.put_nowait, item)
+            loop.call_soon_threadsafe(_put_all, batch)
             return True
         except RuntimeError:  # the loop is closed
             return False
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, object]]) -> None:
+    """Runs on the event loop: hand each item to its stream."""
+    for stream, item in batch:
+        stream.put_nowait(item)

@@ -70,24 +70,24 @@ class ModelRunner:
         samplers = [(s, end) for s, end in zip(scheduled, ends) if s.samples]
         if not samplers:
             return RunnerOutput()
-        rows = torch.tensor([end for _, end in samplers], dtype=torch.int64, device=hidden.device)
-        logits = self.model.compute_logits(hidden[rows])  # (num_samplers, vocab) float32
+        if len(samplers) < hidden.shape[0]:  # prefill chunks: only their last rows sample
+            rows = torch.tensor([end for _, end in samplers], dtype=torch.int64, device=hidden.device)
+            hidden = hidden[rows]  # (num_samplers, hidden_size)
+        logits = self.model.compute_logits(hidden)  # (num_samplers, vocab) float32
         return self._sample(logits, [s for s, _ in samplers])
 
     def _forward(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
         query_lens = [len(s.token_ids) for s in scheduled]
         seq_lens = [s.start_position + len(s.token_ids) for s in scheduled]
-        input_ids = [t for s in scheduled for t in s.token_ids]
         positions = [p for s in scheduled for p in range(s.start_position, s.start_position + len(s.token_ids))]
+        # One host tensor for both inputs: a step of decodes is small, so per-call overhead counts.
+        inputs = torch.tensor(
+            [[t for s in scheduled for t in s.token_ids], positions], dtype=torch.int64, device=self.device
+        )  # (2, num_tokens): input ids, positions
         meta = AttentionMetadata.build(
             query_lens, seq_lens, [s.block_table for s in scheduled], self.block_size, self.device
         )
-        return self.model(
-            torch.tensor(input_ids, dtype=torch.int64, device=self.device),
-            torch.tensor(positions, dtype=torch.int64, device=self.device),
-            self.kv_caches,
-            meta,
-        )
+        return self.model(inputs[0], inputs[1], self.kv_caches, meta)
 
     def _sample(self, logits: torch.Tensor, requests: list[ScheduledRequest]) -> RunnerOutput:
         try:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from engine.request import SamplingParams
-from engine.sampler import (SamplingBatch, make_generator, process_logits, sample,
+from engine.sampler import (SamplingBatch, greedy_argmax, make_generator, process_logits, sample,
                             sampling_probs)
 
 # A 5-token distribution with no ties: p = [0.1, 0.3, 0.05, 0.4, 0.15].
@@ -37,6 +37,25 @@ def test_greedy_rows_take_argmax_even_beside_random_rows():
     out = sample(logits, batch_of(params, vocab_size=50))
     assert out.token_ids[0::2] == logits[0::2].argmax(-1).tolist()
     assert out.logprobs == [None] * 6
+
+
+@pytest.mark.parametrize("vocab_size", [49152, 1000, 200])  # blocked, not a multiple of the block, too small
+def test_greedy_argmax_is_torch_argmax_with_ties_infinities_and_nan(vocab_size):
+    torch.manual_seed(0)
+    cases = [torch.randn(8, vocab_size), torch.randint(-3, 3, (8, vocab_size)).float(),  # many ties
+             torch.full((8, vocab_size), 1.0), torch.full((8, vocab_size), float("-inf"))]
+    cases[3][2, vocab_size - 1] = 0.0
+    nan = torch.randn(8, vocab_size)
+    nan[1, vocab_size // 2], nan[1, 3] = float("nan"), float("nan")
+    for logits in cases + [nan]:
+        assert torch.equal(greedy_argmax(logits), logits.argmax(dim=-1))
+
+
+def test_all_greedy_batch_without_edits_samples_without_copying_logits():
+    logits = torch.randn(4, 256)
+    batch = batch_of([SamplingParams(temperature=0.0)] * 4, vocab_size=256)
+    assert process_logits(logits, batch).data_ptr() == logits.data_ptr()
+    assert sample(logits, batch).token_ids == logits.argmax(-1).tolist()
 
 
 def test_sample_leaves_the_callers_logits_untouched():
