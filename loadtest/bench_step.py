@@ -6,9 +6,9 @@ Phases: AttentionMetadata.build for 64 decodes, forward passes for batches of
 1/16/64 decodes (contexts 128-256), for one 128-token prefill and for a mixed
 step as the scheduler makes them under load (32 decodes, 14 fresh 128-token
 prompts, one 128-token chunk after 128 cached tokens), and compute_logits for
-1 and 64 rows.  Each phase is repeated and reported as
-median and p10 (the machine is shared: p10 is what the code costs when nobody
-else holds the cores, the median what it costs today).
+1 and 64 rows.  Each phase is repeated and reported as median and p10 (the
+machine is shared: p10 is what the code costs when nobody else holds the cores,
+the median what it costs today).
 
 On a busy machine, `--threads 1 --clock cpu` measures this process's CPU time,
 which other processes' load does not inflate (with 2 threads, one descheduled
@@ -70,7 +70,7 @@ class Batch:
         return AttentionMetadata.build(self.query_lens, self.seq_lens, self.block_tables, BLOCK_SIZE, self.device)
 
 
-def linear_shapes(model: torch.nn.Module) -> list[torch.Tensor]:
+def linear_weights(model: torch.nn.Module) -> list[torch.Tensor]:
     """Weights of every nn.Linear the forward runs, in order (the logits matrix excluded)."""
     return [m.weight for m in model.model.modules() if isinstance(m, torch.nn.Linear)]
 
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     kv_caches = model.kv_cache_spec(loaded.config.dtype).allocate(num_blocks, BLOCK_SIZE, device)
     for cache in kv_caches:
         cache.normal_()  # real-looking values: zeros could take faster paths in exp/softmax
-    weights = linear_shapes(model)
+    weights = linear_weights(model)
     logits_weight = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     print(f"model {args.model} {loaded.config.dtype}, threads {torch.get_num_threads()}, repeats {args.repeats}, "
           f"{args.clock} clock")

@@ -239,14 +239,17 @@ def paged_attention(
 
 
 def _gather_planes(kv_cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
-    """(2, Hk, n, max_kv, D): the group's keys and values, one copy straight out of the planes."""
+    """(2, Hk, n, max_kv, D): the group's keys and values, one copy straight out of the planes.
+
+        flat rows   [ plane 0: blocks 0..N-1 | plane 1: blocks 0..N-1 | ... | plane 2*Hk-1 ]
+        plane p     = (0 for k, 1 for v) * Hk + kv head;   block b of plane p is row p * N + b
+    """
     _, num_kv_heads, num_blocks, block_size, head_dim = kv_planes(kv_cache).shape
     rows = group.plane_rows.get(num_blocks)
-    if rows is None:  # same for every layer of the step: computed once
-        # Row of block b in plane p of the (2 * Hk * num_blocks, block_size * D) view: p * num_blocks + b.
+    if rows is None:  # the same for every layer of the step: computed once
         planes = torch.arange(2 * num_kv_heads, device=kv_cache.device)[:, None] * num_blocks
         rows = group.plane_rows[num_blocks] = (planes + group.block_table.view(1, -1)).view(-1)
-    flat = kv_cache.view(2 * num_kv_heads * num_blocks, block_size * head_dim)
+    flat = kv_cache.view(2 * num_kv_heads * num_blocks, block_size * head_dim)  # one row per (plane, block)
     kv = flat.index_select(0, rows)  # (2 * Hk * n * blocks per seq, block_size * D)
     return kv.view(2, num_kv_heads, group.num_seqs, -1, head_dim)
 
@@ -279,7 +282,7 @@ def _decode(queries: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup
     kv = _gather_planes(kv_cache, group).to(queries.dtype)  # (2, Hk, n, max_kv, D)
     num_kv_heads = kv.shape[1]
     rows = queries.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)  # (Hk, n, G, D)
-    # Contiguous rows: matmul over non-mergeable batch dims is ~1.5x slower than the copy.
+    # matmul over (Hk, n) batch dims that cannot be merged is ~1.5x slower than copying the rows.
     scores = torch.matmul(rows.contiguous(), kv[0].transpose(-1, -2))  # (Hk, n, G, max_kv)
     # bias + scale * scores in float32: masked keys get exactly zero weight.
     probs = torch.add(group.bias, scores, alpha=scale).softmax(dim=-1).to(queries.dtype)
