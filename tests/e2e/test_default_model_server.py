@@ -7,12 +7,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
+
+from tests.server.conftest import wait_healthy
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "SmolLM2-135M-Instruct"
@@ -33,16 +33,7 @@ def server():
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the default model did not load in time"
-            time.sleep(0.2)
+        wait_healthy(proc, url, timeout=600)
         yield url
     finally:
         os.kill(proc.pid, signal.SIGTERM)

@@ -83,6 +83,20 @@ class LiveServer:
         raise AssertionError(f"engine not idle after {timeout}s: {self.engine.stats()}")
 
 
+def wait_healthy(proc, url: str, timeout: float) -> None:
+    """Until `python -m server` in `proc` answers 200 on /health; fails if it exits first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"server did not become healthy in {timeout}s"
+        time.sleep(0.1)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     return save_checkpoint(make_hf_model("llama"), tmp_path_factory.mktemp("server-tiny-llama"))

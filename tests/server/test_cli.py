@@ -7,13 +7,13 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from server.__main__ import build_parser
+from tests.server.conftest import wait_healthy
 
 REPO = Path(__file__).resolve().parents[2]
 FLAGS = ["--model", "--host", "--port", "--dtype", "--served-model-name", "--max-model-len", "--max-num-seqs",
@@ -56,16 +56,7 @@ def served_process(tiny_model_dir):
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not become healthy"
-            time.sleep(0.1)
+        wait_healthy(proc, url, timeout=180)
         yield proc, url
     finally:
         if proc.poll() is None:
