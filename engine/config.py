@@ -22,6 +22,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_waiting: int | None = None  # queued requests beyond this are refused; None: no limit
     audit_interval_steps: int = 100  # reconcile the block pool every N steps; 0 disables
+    # CPU intra-op threads of the thread that runs the model. None: torch's count or one
+    # fewer, whichever runs steps faster now (engine/threads.py).
+    num_threads: int | None = None
 
     def __post_init__(self):
         if self.block_size < 1:
@@ -45,6 +48,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.max_waiting is not None and self.max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
         if self.audit_interval_steps < 0:
             raise ValueError(f"audit_interval_steps must be >= 0, got {self.audit_interval_steps}")
 
