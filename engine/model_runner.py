@@ -20,7 +20,7 @@ from engine.config import EngineConfig
 from engine.request import TokenLogprob
 from engine.sampler import SamplingBatch, make_generator, sample
 from engine.scheduler import ScheduledRequest, SchedulerOutput
-from engine.threads import ThreadTuner
+from engine.threads import StepTuner, applied, candidate_settings
 from models.layers.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -44,14 +44,13 @@ class ModelRunner:
         bytes_per_token = self.kv_cache_spec.bytes_per_token
         self.num_blocks = config.resolve_num_blocks(bytes_per_token, self.max_model_len)
         self.kv_caches = self.kv_cache_spec.allocate(self.num_blocks, self.block_size, self.device)
-        # CPU intra-op threads, set for each step in whichever thread runs it (OpenMP counts are
-        # per thread) and the caller's count put back after: fixed when configured, else chosen
-        # by timing steps (engine/threads.py).
-        self.num_threads = config.num_threads
-        self.thread_tuner = None
-        cores = torch.get_num_threads()
-        if self.device.type == "cpu" and self.num_threads is None and cores > 1:
-            self.thread_tuner = ThreadTuner((cores, cores - 1))
+        # CPU: intra-op threads and oneDNN on/off, set for each step in whichever thread runs
+        # it and the caller's put back after, chosen by timing steps (engine/threads.py);
+        # a configured thread count is kept fixed.
+        self.step_tuner = None
+        if self.device.type == "cpu":
+            candidates = candidate_settings(torch.get_num_threads(), config.num_threads, loaded.config.dtype)
+            self.step_tuner = StepTuner(candidates)
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens, %d bytes per token, %.3f GiB (%s, %s)",
             self.num_blocks, self.block_size, self.num_tokens_capacity, bytes_per_token,
@@ -73,28 +72,17 @@ class ModelRunner:
         if not scheduled:
             return RunnerOutput()
         num_tokens = output.num_batched_tokens
-        caller_threads = torch.get_num_threads()
-        num_threads = self._num_threads(num_tokens, caller_threads)
-        if num_threads != caller_threads:
-            torch.set_num_threads(num_threads)
-        try:
+        if self.step_tuner is None:
+            return self._execute(scheduled)
+        setting = self.step_tuner.choose(num_tokens)
+        with applied(setting):
             start = time.perf_counter()
             result = self._execute(scheduled)
             seconds = time.perf_counter() - start
-        finally:
-            if num_threads != caller_threads:  # torch's count is also the default of new threads
-                torch.set_num_threads(caller_threads)
-        best = self.thread_tuner.record(num_tokens, num_threads, seconds) if self.thread_tuner is not None else None
+        best = self.step_tuner.record(num_tokens, setting, seconds)
         if best is not None:
-            logger.info("steps of about %d tokens now run with %d intra-op thread(s)", num_tokens, best)
+            logger.debug("steps of about %d tokens now run with %s", num_tokens, best)
         return result
-
-    def _num_threads(self, num_tokens: int, caller_threads: int) -> int:
-        if self.device.type != "cpu":
-            return caller_threads
-        if self.thread_tuner is not None:
-            return self.thread_tuner.choose(num_tokens)
-        return self.num_threads or caller_threads
 
     def _execute(self, scheduled: list[ScheduledRequest]) -> RunnerOutput:
         hidden = self._forward(scheduled)  # (num_tokens, hidden_size)

@@ -1,15 +1,26 @@
-"""The intra-op thread count of the thread that runs the model, chosen by timing steps.
+"""How the thread that runs the model runs a step on CPU, chosen by timing steps.
 
-On a quiet machine a step is fastest with every core in torch's OpenMP team. On a
-busy one (other processes, or our own event loop and a load generator on the same
-box) a team thread is often descheduled, and the others wait for it at the barrier
-that ends every parallel op. On 2 shared cores we measured steps of 64 decodes 3-10x
-slower with 2 threads than with 1, and at a quieter moment 1.5x faster. Which case
-holds changes as neighbours come and go, so the runner measures instead of guessing:
+Two settings are chosen, per step size, by measuring rather than guessing:
+
+  intra-op threads  On a quiet machine a step is fastest with every core in torch's
+                    OpenMP team. On a busy one (other processes, or our own event loop and
+                    a load generator on the same box) a team thread is often descheduled,
+                    and the others wait for it at the barrier that ends every parallel op.
+                    On 2 shared cores we measured steps of 64 decodes 3-10x slower with
+                    2 threads than with 1, and at a quieter moment 1.5x faster.
+  oneDNN            torch sends bf16/fp16 matmuls to oneDNN. For a single row (a step of
+                    one decode: every weight read once for one token) oneDNN's kernel
+                    reached ~10 GB/s on a Zen 4 core pair where torch's own
+                    reduced-precision gemv kernel, used with oneDNN off, ran 2.4x faster
+                    (forward + logits of one decode: 48.7 -> 23.7 ms); from 2 rows on,
+                    oneDNN wins (8 rows: 49 vs 138 ms). So oneDNN-off is a candidate for
+                    single-token steps only, and only where it can matter.
+
+The tuner:
 
     step shape      bucket = number of tokens rounded up to a power of two
-    per (bucket, n) median seconds per token of the last 3 steps run with n threads
-    each step       the n with the lowest median; candidates never timed go first
+    per (bucket, s) median seconds per token of the last 3 steps run with setting s
+    each step       the s with the lowest median; candidates never timed go first
     re-checks       every `recheck_every` steps of a bucket, another candidate runs once,
                     less often the worse it did (its time ratio, at most 4, x recheck_every),
                     and again at once if it now looks faster, so 2 good runs move the median
@@ -18,52 +29,104 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from contextlib import contextmanager
+from typing import Callable, Iterator, NamedTuple
+
+import torch
 
 
-class ThreadTuner:
-    def __init__(self, candidates: tuple[int, ...], recheck_every: int = 50, window: int = 3):
-        if not candidates or min(candidates) < 1:
-            raise ValueError(f"thread candidates must be positive counts, got {candidates}")
+class StepSetting(NamedTuple):
+    num_threads: int
+    onednn: bool = True  # False: reduced-precision matmuls use torch's own kernels
+
+
+def candidate_settings(
+    cores: int, fixed_threads: int | None, dtype: torch.dtype
+) -> Callable[[int], tuple[StepSetting, ...]]:
+    """The settings worth timing for a step of `num_tokens` tokens, most threads first."""
+    counts = (fixed_threads,) if fixed_threads is not None else tuple(sorted({cores, max(cores - 1, 1)}, reverse=True))
+    onednn_matters = dtype in (torch.bfloat16, torch.float16) and torch.backends.mkldnn.is_available()
+
+    def candidates(num_tokens: int) -> tuple[StepSetting, ...]:
+        if num_tokens == 1 and onednn_matters:
+            return tuple(StepSetting(n, onednn) for n in counts for onednn in (True, False))
+        return tuple(StepSetting(n) for n in counts)
+
+    return candidates
+
+
+@contextmanager
+def applied(setting: StepSetting) -> Iterator[None]:
+    """Run the block with `setting`, then put the caller's back. The thread count is per
+    thread; the oneDNN switch is process-wide, which is fine: only this thread runs models."""
+    threads, onednn = torch.get_num_threads(), torch.backends.mkldnn.enabled
+    if setting.num_threads != threads:
+        torch.set_num_threads(setting.num_threads)
+    if setting.onednn != onednn:
+        torch.backends.mkldnn.enabled = setting.onednn
+    try:
+        yield
+    finally:
+        if setting.num_threads != threads:  # torch's count is also the default of new threads
+            torch.set_num_threads(threads)
+        if setting.onednn != onednn:
+            torch.backends.mkldnn.enabled = onednn
+
+
+class StepTuner:
+    def __init__(
+        self,
+        candidates: Callable[[int], tuple[StepSetting, ...]],
+        recheck_every: int = 50,
+        window: int = 3,
+    ):
         if recheck_every < 1 or window < 1:
             raise ValueError(f"recheck_every and window must be at least 1, got {recheck_every}, {window}")
-        self.candidates = tuple(sorted(set(candidates), reverse=True))  # most threads first
+        self.candidates = candidates
         self.recheck_every = recheck_every
         self.window = window
-        self._seconds_per_token: dict[tuple[int, int], deque[float]] = {}
+        self._seconds_per_token: dict[tuple[int, StepSetting], deque[float]] = {}
         self._num_steps: dict[int, int] = {}  # bucket -> steps chosen for it
         self._next_check: dict[int, int] = {}  # bucket -> step count at which to re-check
-        self._best: dict[int, int] = {}  # bucket -> thread count with the lowest median
+        self._best: dict[int, StepSetting] = {}  # bucket -> setting with the lowest median
 
-    def choose(self, num_tokens: int) -> int:
-        """Threads to run a step of `num_tokens` tokens with."""
+    def _bucket_candidates(self, num_tokens: int) -> tuple[StepSetting, ...]:
+        candidates = self.candidates(num_tokens)
+        if not candidates or min(s.num_threads for s in candidates) < 1:
+            raise ValueError(f"step settings must have positive thread counts, got {candidates}")
+        return candidates
+
+    def choose(self, num_tokens: int) -> StepSetting:
+        """The setting to run a step of `num_tokens` tokens with."""
+        candidates = self._bucket_candidates(num_tokens)
         bucket = num_tokens.bit_length()
         step = self._num_steps[bucket] = self._num_steps.get(bucket, 0) + 1
-        untimed = [n for n in self.candidates if (bucket, n) not in self._seconds_per_token]
+        untimed = [s for s in candidates if (bucket, s) not in self._seconds_per_token]
         if untimed:
             return untimed[0]
         best = self._best[bucket]
-        if len(self.candidates) == 1 or step < self._next_check.setdefault(bucket, step + self.recheck_every):
+        if len(candidates) == 1 or step < self._next_check.setdefault(bucket, step + self.recheck_every):
             return best
-        others = [n for n in self.candidates if n != best]
+        others = [s for s in candidates if s != best]
         other = others[step % len(others)]
         ratio = self._median(bucket, other) / self._median(bucket, best)
-        # Capped: a count that did badly while neighbours were busy must get another chance.
+        # Capped: a setting that did badly while neighbours were busy must get another chance.
         self._next_check[bucket] = step + int(self.recheck_every * min(max(1.0, ratio), 4.0))
         return other
 
-    def record(self, num_tokens: int, num_threads: int, seconds: float) -> int | None:
-        """How long a step chosen by `choose(num_tokens)` took with `num_threads` threads;
-        returns the new best count for steps of that size when this changed it."""
+    def record(self, num_tokens: int, setting: StepSetting, seconds: float) -> StepSetting | None:
+        """How long a step chosen by `choose(num_tokens)` took with `setting`; returns the
+        new best setting for steps of that size when this changed it."""
         bucket = num_tokens.bit_length()
-        times = self._seconds_per_token.setdefault((bucket, num_threads), deque(maxlen=self.window))
+        times = self._seconds_per_token.setdefault((bucket, setting), deque(maxlen=self.window))
         times.append(seconds / max(num_tokens, 1))
-        timed = [n for n in self.candidates if (bucket, n) in self._seconds_per_token]
-        best = min(timed, key=lambda n: self._median(bucket, n))
+        timed = [s for s in self.candidates(num_tokens) if (bucket, s) in self._seconds_per_token]
+        best = min(timed, key=lambda s: self._median(bucket, s))
         previous = self._best.get(bucket)
         self._best[bucket] = best
-        if previous is not None and num_threads != previous and times[-1] < self._median(bucket, previous):
+        if previous is not None and setting != previous and times[-1] < self._median(bucket, previous):
             self._next_check[bucket] = 0  # looked faster once: run it again to confirm
         return best if previous is not None and best != previous else None
 
-    def _median(self, bucket: int, num_threads: int) -> float:
-        return statistics.median(self._seconds_per_token[(bucket, num_threads)])
+    def _median(self, bucket: int, setting: StepSetting) -> float:
+        return statistics.median(self._seconds_per_token[(bucket, setting)])
