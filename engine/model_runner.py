@@ -21,6 +21,7 @@ from engine.request import TokenLogprob
 from engine.sampler import SamplingBatch, make_generator, sample
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.threads import StepTuner, applied, candidate_settings
+from models.layers import cpu_kernels
 from models.layers.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class ModelRunner:
         # a configured thread count is kept fixed.
         self.step_tuner = None
         if self.device.type == "cpu":
+            cpu_kernels.available()  # build (or load) them now, not during the first request
             candidates = candidate_settings(torch.get_num_threads(), config.num_threads, loaded.config.dtype)
             self.step_tuner = StepTuner(candidates)
         logger.info(

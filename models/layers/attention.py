@@ -25,8 +25,11 @@ pad every decode up to its length and one chunk does not make every prompt gathe
 Each group is attended with one batched call; cached keys are gathered a block at
 a time (num_blocks * block_size keys per sequence):
 
-    decodes          one query per sequence: two bmm's and a softmax (SDPA's CPU
-                     kernel is ~10x slower for a single query row)
+    decodes          one query per sequence. On CPU, our C++ kernel (cpu_kernels.py)
+                     reads each sequence's keys and values where they lie, in float32,
+                     no gathered copy; elsewhere, or without a compiler: two bmm's and a
+                     softmax over the gathered blocks (SDPA's CPU kernel is ~10x slower
+                     for a single query row)
     fresh prefills   nothing cached yet: the keys are this step's own k/v, so no
                      gather and no mask, just causal SDPA
     other prefills   gathered context + boolean mask (chunks after cached tokens)
@@ -37,6 +40,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from models.layers import cpu_kernels
 
 
 @dataclass(frozen=True)
@@ -82,6 +87,7 @@ class AttentionGroup:
     token_range: tuple[int, int] | None
     # Every sequence starts at position 0 this step: its keys are exactly this step's k/v.
     is_fresh: bool
+    seq_lens: torch.Tensor  # (num_seqs,) int64 tokens of each sequence, this step's included
     # Rows of the gathered blocks in a cache of N blocks (see _gather_planes), keyed by N.
     plane_rows: dict[int, torch.Tensor] = field(default_factory=dict)
 
@@ -174,6 +180,7 @@ def _build_group(idx, token_in_group, seq, query_no, q_lens, s_lens, tables, blo
         bias=None if bias is None else bias.to(device),  # (n, 1, max_kv)
         token_range=token_range,
         is_fresh=bool((q_lens == s_lens).all()),
+        seq_lens=s_lens.to(device),
     )
 
 
@@ -257,7 +264,14 @@ def _gather_planes(kv_cache: torch.Tensor, group: AttentionGroup) -> torch.Tenso
 def _attend(q, k, v, kv_cache, group: AttentionGroup, scale: float) -> torch.Tensor:
     """-> (num_seqs, max_query_len, num_heads, head_dim) for the group's padded queries."""
     if group.max_query_len == 1:
-        return _decode(pad_queries(q, group), kv_cache, group, scale)
+        queries = pad_queries(q, group)  # (n, 1, num_heads, head_dim)
+        if q.device.type == "cpu" and q.dtype == kv_cache.dtype and cpu_kernels.available():
+            n, _, num_heads, head_dim = queries.shape
+            out = cpu_kernels.paged_decode_attention(
+                queries.view(n, num_heads, head_dim), kv_cache, group.block_table, group.seq_lens, scale
+            )
+            return out.view(n, 1, num_heads, head_dim)
+        return _decode(queries, kv_cache, group, scale)
     queries = pad_queries(q, group).transpose(1, 2)  # (n, num_heads, max_q, head_dim)
     if group.is_fresh:
         keys = pad_queries(k, group).transpose(1, 2)  # (n, num_kv_heads, max_q, head_dim)

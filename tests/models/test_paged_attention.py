@@ -7,10 +7,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from models.layers import cpu_kernels
 from models.layers.attention import AttentionMetadata, KVCacheSpec, paged_attention
 from tests.models.conftest import shuffled_block_tables
 
 HEAD_DIM = 8
+
+
+@pytest.fixture(autouse=True, params=["cpu-kernel", "pytorch"])
+def decode_path(request, monkeypatch):
+    """Every test here runs decodes through the C++ kernel and through the PyTorch path."""
+    if request.param == "pytorch":
+        monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    elif not cpu_kernels.available():
+        pytest.skip("CPU kernels unavailable")
+    return request.param
 
 
 def dense_reference(q, k_all, v_all, scale):

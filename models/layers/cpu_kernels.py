@@ -1,0 +1,92 @@
+"""CPU kernels of our own, compiled on first use with torch's C++ extension builder.
+
+Only where PyTorch has nothing that fits: `paged_decode_attention` (csrc/) reads each
+decode's keys and values straight out of the paged cache instead of gathering a padded
+copy first. It needs a C++ compiler (g++ / clang) and ninja; the build takes ~30 s once
+per machine and is cached in torch's extensions directory ($TORCH_EXTENSIONS_DIR,
+default ~/.cache/torch_extensions). Without a compiler, or with PAGEDSERVE_CPU_KERNELS=0,
+the callers keep their pure-PyTorch path, which is also the reference the tests hold
+the kernels to.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "paged_decode_attention.cpp"
+_lock = threading.Lock()
+_state: dict[str, bool] = {}  # "loaded": whether torch.ops.pagedserve is usable
+
+
+def _cflags() -> list[str]:
+    # -fopenmp: at::parallel_for is inlined from ATen's headers as an OpenMP region; without
+    # it the kernel runs on one thread. The runtime is torch's own libgomp (same soname).
+    # -ffast-math (compile only: linking with it would set flush-to-zero for the whole
+    # process) lets the dot products reduce as a tree and the softmax's exp use glibc's
+    # vector expf; every value the kernel sees is finite.
+    flags = ["-O3", "-fopenmp", "-ffast-math"]
+    if platform.machine() in ("x86_64", "AMD64"):
+        # The vector extensions this CPU has, named one by one: not -march=native, since the
+        # flags are part of the cached build's key and an identical "native" string would
+        # let a build made here be loaded on an older CPU.
+        try:
+            cpu_flags = set(Path("/proc/cpuinfo").read_text().split())
+        except OSError:
+            cpu_flags = set()
+        if {"avx2", "fma", "f16c"} <= cpu_flags:
+            flags += ["-mavx2", "-mfma", "-mf16c"]
+            if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_flags:
+                flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mprefer-vector-width=512"]
+    return flags
+
+
+def enabled() -> bool:
+    return os.environ.get("PAGEDSERVE_CPU_KERNELS", "1") != "0"
+
+
+def available() -> bool:
+    """Whether torch.ops.pagedserve.paged_decode_attention can be called (building it if needed)."""
+    if not enabled():
+        return False
+    loaded = _state.get("loaded")
+    if loaded is not None:
+        return loaded
+    with _lock:
+        if "loaded" not in _state:
+            _state["loaded"] = _build()
+    return _state["loaded"]
+
+
+def _build() -> bool:
+    try:
+        from torch.utils.cpp_extension import load
+
+        load(
+            name="pagedserve_cpu_kernels",
+            sources=[str(_SOURCE)],
+            extra_cflags=_cflags(),
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+        torch.ops.pagedserve.paged_decode_attention  # noqa: B018 - raises if registration failed
+        return True
+    except Exception as e:  # noqa: BLE001 - any build failure means: use the PyTorch path
+        logger.warning("CPU kernels unavailable, decode attention stays in PyTorch: %s: %s",
+                       type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        return False
+
+
+def paged_decode_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q (n, H, D), kv_cache (num_blocks, block_size, 2, Hk, D) plane-major (see attention.py),
+    block_table (n, num_blocks_used) int64, seq_lens (n,) int64 -> (n, H, D)."""
+    return torch.ops.pagedserve.paged_decode_attention(q, kv_cache, block_table, seq_lens, scale)
