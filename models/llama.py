@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.layers.attention import AttentionMetadata, KVCacheSpec, paged_attention
-from models.layers.linear import MergedLinear, load_hf_weights
+from models.layers.linear import Linear, MergedLinear, load_hf_weights
 from models.layers.mlp import GatedMLP
 from models.layers.norm import RMSNorm
 from models.layers.rope import RotaryEmbedding
@@ -52,7 +52,7 @@ class LlamaAttention(nn.Module):
             bias=attention_bias or is_qwen2,
         )
         o_bias = attention_bias and not is_qwen2  # Qwen2: biases on q/k/v only
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=o_bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=o_bias)
         self.qk_norm = config.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)

@@ -21,12 +21,16 @@ from torch import nn
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from models.config import ModelConfig, build_model_config, load_hf_config, read_eos_token_ids
+from models.layers.linear import can_pack_weights, linear_weight_bytes, pack_linear_weights
 from models.registry import MODEL_REGISTRY, get_model_class
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DEFAULT_ALIASES = {"smollm2-135m-instruct", "smollm2"}
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# bf16 on CPU, linear weights up to this size are kept twice (plain + oneDNN-packed): the
+# plain copy makes single-token steps faster. Above it, memory matters more.
+KEEP_PLAIN_WEIGHTS_MAX_BYTES = 1 << 30
 
 
 @dataclass
@@ -128,6 +132,10 @@ def build_model(
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise ValueError(f"{config.path}: checkpoint has no tensor for parameter(s) {shown}")
+    if can_pack_weights(config.dtype, device):
+        # bf16 on CPU: oneDNN's own layout, not reordered at every call; small models also
+        # keep the plain weights, for the faster single-row gemv (see pack_linear_weights).
+        pack_linear_weights(model, keep_plain=linear_weight_bytes(model) <= KEEP_PLAIN_WEIGHTS_MAX_BYTES)
     return model.requires_grad_(False).eval()
 
 

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from models.layers.attention import AttentionMetadata, gather_kv, pad_queries, unpad_into, write_kv
+from models.layers.linear import Linear
 from models.layers.norm import RMSNorm
 from models.layers.rope import RotaryEmbedding
 
@@ -63,18 +64,18 @@ class MLAttention(nn.Module):
         qk_head_dim = c.qk_nope_head_dim + c.qk_rope_head_dim
         bias = c.attention_bias
         if c.q_lora_rank is None:
-            self.q_proj = nn.Linear(c.hidden_size, self.num_heads * qk_head_dim, bias=False)
+            self.q_proj = Linear(c.hidden_size, self.num_heads * qk_head_dim, bias=False)
         else:
-            self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=bias)
+            self.q_a_proj = Linear(c.hidden_size, c.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(c.q_lora_rank)
-            self.q_b_proj = nn.Linear(c.q_lora_rank, self.num_heads * qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, bias=bias)
+            self.q_b_proj = Linear(c.q_lora_rank, self.num_heads * qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank)
         # kv_b_proj (num_heads * (nope + v), L) is only ever used split in two, so it is
         # stored split: load_kv_b_proj fills these from the checkpoint's kv_b_proj.weight.
         self.w_uk = nn.Parameter(torch.empty(self.num_heads, c.qk_nope_head_dim, c.kv_lora_rank))
         self.w_uv = nn.Parameter(torch.empty(self.num_heads, c.v_head_dim, c.kv_lora_rank))
-        self.o_proj = nn.Linear(self.num_heads * c.v_head_dim, c.hidden_size, bias=bias)
+        self.o_proj = Linear(self.num_heads * c.v_head_dim, c.hidden_size, bias=bias)
         self.rotary_emb = rotary_emb  # shared by all layers: one cos/sin table
         self.scale = mla_softmax_scale(c)
 

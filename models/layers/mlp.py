@@ -5,7 +5,7 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-from models.layers.linear import MergedLinear
+from models.layers.linear import Linear, MergedLinear
 
 
 class GatedMLP(nn.Module):
@@ -16,7 +16,7 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = MergedLinear(
             hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}, bias=bias
         )
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
         self.act_fn = ACT2FN[hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
