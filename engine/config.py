@@ -23,8 +23,7 @@ class EngineConfig:
     max_waiting: int | None = None  # queued requests beyond this are refused; None: no limit
     audit_interval_steps: int = 100  # reconcile the block pool every N steps; 0 disables
     # CPU intra-op threads of the thread that runs the model. None: torch's count or one
-    # fewer, whichever runs steps faster now (engine/threads.py, which also times oneDNN
-    # on and off for single-token bf16/fp16 steps either way).
+    # fewer, whichever runs steps faster now (engine/threads.py).
     num_threads: int | None = None
 
     def __post_init__(self):

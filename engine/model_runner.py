@@ -45,9 +45,9 @@ class ModelRunner:
         bytes_per_token = self.kv_cache_spec.bytes_per_token
         self.num_blocks = config.resolve_num_blocks(bytes_per_token, self.max_model_len)
         self.kv_caches = self.kv_cache_spec.allocate(self.num_blocks, self.block_size, self.device)
-        # CPU: intra-op threads and oneDNN on/off, set for each step in whichever thread runs
-        # it and the caller's put back after, chosen by timing steps (engine/threads.py);
-        # a configured thread count is kept fixed.
+        # CPU: intra-op threads (chosen by timing steps unless configured) and oneDNN (off
+        # for single-token steps), set for each step in whichever thread runs it and the
+        # caller's put back after (engine/threads.py).
         self.step_tuner = None
         if self.device.type == "cpu":
             cpu_kernels.available()  # build (or load) them now, not during the first request

@@ -1,20 +1,21 @@
-"""How the thread that runs the model runs a step on CPU, chosen by timing steps.
+"""How the thread that runs the model runs a step on CPU: oneDNN by step size, threads by timing.
 
-Two settings are chosen, per step size, by measuring rather than guessing:
-
+  oneDNN            torch sends bf16/fp16 matmuls to oneDNN. For a single row (a step of
+                    one decode: every weight read once for one token) torch's own
+                    reduced-precision gemv, used with oneDNN off, is faster: forward +
+                    logits of one decode 48.7 -> 23.7 ms on a Zen 4 core pair; from 2 rows
+                    on oneDNN wins (8 rows: 49 vs 138 ms). So single-token steps run with
+                    oneDNN off, always: a choice by timing would switch kernels between
+                    steps, and with them the rounding of bf16 results, so that one seeded
+                    request could sample differently from one run to the next.
   intra-op threads  On a quiet machine a step is fastest with every core in torch's
                     OpenMP team. On a busy one (other processes, or our own event loop and
                     a load generator on the same box) a team thread is often descheduled,
                     and the others wait for it at the barrier that ends every parallel op.
                     On 2 shared cores we measured steps of 64 decodes 3-10x slower with
-                    2 threads than with 1, and at a quieter moment 1.5x faster.
-  oneDNN            torch sends bf16/fp16 matmuls to oneDNN. For a single row (a step of
-                    one decode: every weight read once for one token) oneDNN's kernel
-                    reached ~10 GB/s on a Zen 4 core pair where torch's own
-                    reduced-precision gemv kernel, used with oneDNN off, ran 2.4x faster
-                    (forward + logits of one decode: 48.7 -> 23.7 ms); from 2 rows on,
-                    oneDNN wins (8 rows: 49 vs 138 ms). So oneDNN-off is a candidate for
-                    single-token steps only, and only where it can matter.
+                    2 threads than with 1, and at a quieter moment 1.5x faster. This is
+                    chosen by timing (the kernels split work across threads, not sums, so
+                    results do not depend on the count).
 
 The tuner:
 
@@ -48,9 +49,8 @@ def candidate_settings(
     onednn_matters = dtype in (torch.bfloat16, torch.float16) and torch.backends.mkldnn.is_available()
 
     def candidates(num_tokens: int) -> tuple[StepSetting, ...]:
-        if num_tokens == 1 and onednn_matters:
-            return tuple(StepSetting(n, onednn) for n in counts for onednn in (True, False))
-        return tuple(StepSetting(n) for n in counts)
+        onednn = not (num_tokens == 1 and onednn_matters)
+        return tuple(StepSetting(n, onednn) for n in counts)
 
     return candidates
 

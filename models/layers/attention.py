@@ -305,7 +305,7 @@ def _decode(queries: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup
 
 
 def _small_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """torch.matmul with oneDNN on. The runner switches oneDNN off around single-token bf16
+    """torch.matmul with oneDNN on. The runner switches oneDNN off for single-token bf16
     steps on CPU (engine/threads.py), where torch's own gemv reads the weights faster; for
     these many tiny batched products oneDNN stays faster (bf16, 3 x 64 @ 64 x 256 per KV
     head: 32 and 29 us with it, 55 and 91 us without)."""

@@ -1,8 +1,9 @@
 """CPU kernels of our own, compiled on first use with torch's C++ extension builder.
 
-Only where PyTorch has nothing that fits: `paged_decode_attention` (csrc/) reads each
+Only where PyTorch has nothing that fits (csrc/): `paged_decode_attention` reads each
 decode's keys and values straight out of the paged cache instead of gathering a padded
-copy first. It needs a C++ compiler (g++ / clang) and ninja; the build takes ~30 s once
+copy first; `rms_norm` and `silu_and_mul` do in one pass what eager PyTorch does in
+~8 and 2. They need a C++ compiler (g++ / clang) and ninja; the build takes ~30 s once
 per machine and is cached in torch's extensions directory ($TORCH_EXTENSIONS_DIR,
 default ~/.cache/torch_extensions). Without a compiler, or with PAGEDSERVE_CPU_KERNELS=0,
 the callers keep their pure-PyTorch path, which is also the reference the tests hold
@@ -20,7 +21,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_decode_attention.cpp"
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode_attention.cpp", "elementwise.cpp")]
 _lock = threading.Lock()
 _state: dict[str, bool] = {}  # "loaded": whether torch.ops.pagedserve is usable
 
@@ -70,13 +71,14 @@ def _build() -> bool:
 
         load(
             name="pagedserve_cpu_kernels",
-            sources=[str(_SOURCE)],
+            sources=[str(source) for source in _SOURCES],
             extra_cflags=_cflags(),
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,
         )
-        torch.ops.pagedserve.paged_decode_attention  # noqa: B018 - raises if registration failed
+        for op in ("paged_decode_attention", "rms_norm", "silu_and_mul"):
+            getattr(torch.ops.pagedserve, op)  # raises if registration failed
         return True
     except Exception as e:  # noqa: BLE001 - any build failure means: use the PyTorch path
         logger.warning("CPU kernels unavailable, decode attention stays in PyTorch: %s: %s",
@@ -90,3 +92,18 @@ def paged_decode_attention(
     """q (n, H, D), kv_cache (num_blocks, block_size, 2, Hk, D) plane-major (see attention.py),
     block_table (n, num_blocks_used) int64, seq_lens (n,) int64 -> (n, H, D)."""
     return torch.ops.pagedserve.paged_decode_attention(q, kv_cache, block_table, seq_lens, scale)
+
+
+def usable(x: torch.Tensor) -> bool:
+    """Whether the kernels can take this activation tensor (CPU, 2-D)."""
+    return x.device.type == "cpu" and x.dim() == 2 and available()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x (T, N), weight (N,) of x's dtype -> weight * round(x * rsqrt(mean(x^2) + eps))."""
+    return torch.ops.pagedserve.rms_norm(x, weight, eps)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up (T, 2I) = [gate | up] -> (T, I): round(silu(gate)) * up."""
+    return torch.ops.pagedserve.silu_and_mul(gate_up)

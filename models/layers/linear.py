@@ -24,8 +24,8 @@ class Linear(nn.Linear):
         packed = self.packed_weight
         if packed is None and self.weight.is_mkldnn:
             packed = self.weight
-        # One row with oneDNN switched off (engine/threads.py times that for single-token
-        # steps): torch's own gemv over the plain weight, when one is kept.
+        # One row with oneDNN switched off (the runner does that for single-token steps,
+        # engine/threads.py): torch's own gemv over the plain weight, when one is kept.
         if packed is not None and (packed is self.weight or x.shape[0] > 1 or torch.backends.mkldnn.enabled):
             return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

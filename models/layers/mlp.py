@@ -5,6 +5,7 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
+from models.layers import cpu_kernels
 from models.layers.linear import Linear, MergedLinear
 
 
@@ -18,7 +19,10 @@ class GatedMLP(nn.Module):
         )
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
         self.act_fn = ACT2FN[hidden_act]
+        self.is_silu = hidden_act == "silu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_silu and cpu_kernels.usable(x):
+            return self.down_proj(cpu_kernels.silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))  # each (num_tokens, intermediate_size)
         return self.down_proj(self.act_fn(gate) * up)

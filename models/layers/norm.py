@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.layers import cpu_kernels
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6):
@@ -13,6 +15,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.weight.dtype and cpu_kernels.usable(x):
+            return cpu_kernels.rms_norm(x, self.weight, self.eps)  # one pass, same rounding as below
         # Same rounding as the reference (normalize in float32, cast, then scale) so
         # bfloat16 matches bit for bit, not just float32: F.rms_norm without a weight
         # normalizes in float32 and rounds once; the weight is applied after, in x's dtype.

@@ -1,5 +1,5 @@
-"""Step settings: the tuner follows whichever setting runs steps faster; a fixed thread count
-holds; oneDNN is only ever switched off around single-token reduced-precision steps."""
+"""Step settings: the tuner follows whichever thread count runs steps faster; a fixed count
+holds; oneDNN is switched off around single-token reduced-precision steps, always."""
 import pytest
 import torch
 
@@ -39,21 +39,16 @@ def test_tuner_moves_when_the_machine_changes_and_steps_of_other_sizes_are_apart
     assert run(tuner, {TWO: 1.0, ONE: 9.0}, 3, num_tokens=2048)[:2] == [TWO, ONE]  # a new step size is timed anew
 
 
-def test_onednn_off_is_a_candidate_for_single_token_reduced_precision_steps_only():
+def test_single_token_reduced_precision_steps_run_with_onednn_off_and_only_threads_are_tuned():
     bf16 = candidate_settings(2, None, torch.bfloat16)
     if not torch.backends.mkldnn.is_available():
         pytest.skip("this torch build has no oneDNN")
-    assert bf16(1) == (StepSetting(2, True), StepSetting(2, False), StepSetting(1, True), StepSetting(1, False))
+    # Never a choice between kernels: it would change bf16 rounding from one step to the next.
+    assert bf16(1) == (StepSetting(2, False), StepSetting(1, False))
     assert bf16(2) == bf16(64) == (TWO, ONE)
     assert candidate_settings(2, None, torch.float32)(1) == (TWO, ONE)  # fp32 matmuls do not go to oneDNN
-    assert candidate_settings(4, 3, torch.float32)(64) == (StepSetting(3),)  # a fixed count is the only count
+    assert candidate_settings(4, 3, torch.bfloat16)(1) == (StepSetting(3, False),)  # a fixed count is the only count
     assert candidate_settings(1, None, torch.float32)(64) == (ONE,)
-    # A tuner over per-size candidates: single-token steps find the faster oneDNN setting.
-    tuner = StepTuner(bf16, recheck_every=10)
-    single = {StepSetting(2, True): 2.0, StepSetting(2, False): 1.0, StepSetting(1, True): 3.0,
-              StepSetting(1, False): 1.5}
-    assert run(tuner, single, 40, num_tokens=1)[-10:].count(StepSetting(2, False)) >= 9  # one re-check at most
-    assert run(tuner, {TWO: 1.0, ONE: 2.0}, 40, num_tokens=64)[-10:].count(TWO) >= 9
 
 
 def test_applied_sets_and_restores_both():

@@ -74,3 +74,30 @@ def test_kernel_refuses_what_would_read_outside_the_cache():
         cpu_kernels.paged_decode_attention(q, cache, group.block_table, group.seq_lens * 100, 1.0)
     with pytest.raises(RuntimeError, match="one dtype"):
         cpu_kernels.paged_decode_attention(q.double(), cache, group.block_table, group.seq_lens, 1.0)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_rms_norm_and_silu_and_mul_equal_the_pytorch_layers(rows):
+    from transformers.activations import ACT2FN
+
+    needs_kernel()
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=gen) * 3
+    weight = torch.randn(96, generator=gen) * 0.5 + 1
+    gate_up = torch.randn(rows, 2 * 80, generator=gen) * 4
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+        xd, wd, gd = x.to(dtype), weight.to(dtype), gate_up.to(dtype)
+        got = cpu_kernels.rms_norm(xd, wd, 1e-6)
+        expected = wd * torch.nn.functional.rms_norm(xd, (96,), eps=1e-6)  # transformers' Llama rounding
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=tol)
+        gate, up = gd.split(80, dim=-1)
+        got = cpu_kernels.silu_and_mul(gd)
+        torch.testing.assert_close(got.float(), (ACT2FN["silu"](gate) * up).float(), rtol=tol, atol=tol)
+    huge = torch.tensor([[-1e4, 1e4, -50.0, 0.0]])  # exp overflow territory: -0, x, ~0, 0
+    out = cpu_kernels.silu_and_mul(torch.cat([huge, torch.ones_like(huge)], dim=1))
+    torch.testing.assert_close(out, torch.nn.functional.silu(huge), rtol=0, atol=1e-12)
+    with pytest.raises(RuntimeError, match="weight"):
+        cpu_kernels.rms_norm(x, weight[:10], 1e-6)
+    with pytest.raises(RuntimeError, match="gate_up"):
+        cpu_kernels.silu_and_mul(gate_up[:, :-1])
