@@ -53,15 +53,14 @@ def enabled() -> bool:
 
 
 def available() -> bool:
-    """Whether torch.ops.pagedserve.paged_decode_attention can be called (building it if needed)."""
-    if not enabled():
-        return False
+    """Whether the torch.ops.pagedserve kernels can be called (building them if needed).
+    Called for every layer of every step: after the first call, one dict lookup."""
     loaded = _state.get("loaded")
     if loaded is not None:
         return loaded
     with _lock:
         if "loaded" not in _state:
-            _state["loaded"] = _build()
+            _state["loaded"] = enabled() and _build()
     return _state["loaded"]
 
 

@@ -1,8 +1,11 @@
 """The C++ decode-attention kernel equals the PyTorch path it replaces, and is built where it can be."""
 from __future__ import annotations
 
+import os
 import random
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -101,3 +104,10 @@ def test_rms_norm_and_silu_and_mul_equal_the_pytorch_layers(rows):
         cpu_kernels.rms_norm(x, weight[:10], 1e-6)
     with pytest.raises(RuntimeError, match="gate_up"):
         cpu_kernels.silu_and_mul(gate_up[:, :-1])
+
+
+def test_the_kernels_can_be_switched_off():
+    code = "from models.layers import cpu_kernels; print(cpu_kernels.available())"
+    env = {**os.environ, "PAGEDSERVE_CPU_KERNELS": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False"
