@@ -3,7 +3,7 @@
 Only where PyTorch has nothing that fits (csrc/): `paged_decode_attention` reads each
 decode's keys and values straight out of the paged cache instead of gathering a padded
 copy first; `rms_norm` and `silu_and_mul` do in one pass what eager PyTorch does in
-~8 and 2. They need a C++ compiler (g++ / clang) and ninja; the build takes ~30 s once
+~8 and 2. They need a C++ compiler (g++ / clang) and ninja; the build takes ~20 s once
 per machine and is cached in torch's extensions directory ($TORCH_EXTENSIONS_DIR,
 default ~/.cache/torch_extensions). Without a compiler, or with PAGEDSERVE_CPU_KERNELS=0,
 the callers keep their pure-PyTorch path, which is also the reference the tests hold
