@@ -35,6 +35,18 @@ inline float widen(c10::BFloat16 x) {
   return f;
 }
 
+// Calls fn(t, row) for the tokens t = 0 .. len-1 of one sequence, `row` pointing at token t's
+// entry in `plane`: block by block along the block table, with no division per token.
+template <typename scalar_t, typename Fn>
+inline void for_each_token(const scalar_t* plane, const int64_t* table, int64_t len, int64_t block_size,
+                           int64_t D, Fn&& fn) {
+  for (int64_t b = 0, t = 0; t < len; ++b) {
+    const scalar_t* block = plane + table[b] * block_size * D;
+    const int64_t stop = std::min(block_size, len - t);
+    for (int64_t o = 0; o < stop; ++o, ++t) fn(t, block + o * D);
+  }
+}
+
 // kD > 0: the head dim as a compile-time constant (fully unrolled inner loops); 0: runtime `D`.
 template <typename scalar_t, int64_t kD>
 void decode(const scalar_t* q, const scalar_t* cache, const int64_t* tables, const int64_t* lens, scalar_t* out,
@@ -47,7 +59,6 @@ void decode(const scalar_t* q, const scalar_t* cache, const int64_t* tables, con
     std::vector<float> qf(G * D), acc(G * D), scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t i = task / Hk, h = task % Hk, len = lens[i];
-      const int64_t num_used = (len + block_size - 1) / block_size;
       const int64_t* table = tables + i * table_stride;
       const scalar_t* kplane = cache + h * plane;
       const scalar_t* vplane = cache + (Hk + h) * plane;
@@ -55,20 +66,15 @@ void decode(const scalar_t* q, const scalar_t* cache, const int64_t* tables, con
       for (int64_t j = 0; j < G * D; ++j) qf[j] = widen(qi[j]) * scale;
       scores.resize(G * len);
       // scores[g][t] = q_g . k_t, block by block: each key row is read once for all G heads.
-      for (int64_t b = 0, t = 0; b < num_used; ++b) {
-        const scalar_t* block = kplane + table[b] * block_size * D;
-        const int64_t stop = std::min(block_size, len - b * block_size);
-        for (int64_t o = 0; o < stop; ++o, ++t) {
-          const scalar_t* k = block + o * D;
-          for (int64_t g = 0; g < G; ++g) {
-            const float* qg = qf.data() + g * D;
-            float s = 0.f;
+      for_each_token(kplane, table, len, block_size, D, [&](int64_t t, const scalar_t* k) {
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = qf.data() + g * D;
+          float s = 0.f;
 #pragma omp simd reduction(+ : s)
-            for (int64_t d = 0; d < D; ++d) s += qg[d] * widen(k[d]);
-            scores[g * len + t] = s;
-          }
+          for (int64_t d = 0; d < D; ++d) s += qg[d] * widen(k[d]);
+          scores[g * len + t] = s;
         }
-      }
+      });
       for (int64_t g = 0; g < G; ++g) {
         float* sg = scores.data() + g * len;
         const float m = *std::max_element(sg, sg + len);
@@ -79,19 +85,14 @@ void decode(const scalar_t* q, const scalar_t* cache, const int64_t* tables, con
         for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t b = 0, t = 0; b < num_used; ++b) {
-        const scalar_t* block = vplane + table[b] * block_size * D;
-        const int64_t stop = std::min(block_size, len - b * block_size);
-        for (int64_t o = 0; o < stop; ++o, ++t) {
-          const scalar_t* v = block + o * D;
-          for (int64_t g = 0; g < G; ++g) {
-            const float p = scores[g * len + t];
-            float* ag = acc.data() + g * D;
+      for_each_token(vplane, table, len, block_size, D, [&](int64_t t, const scalar_t* v) {
+        for (int64_t g = 0; g < G; ++g) {
+          const float p = scores[g * len + t];
+          float* ag = acc.data() + g * D;
 #pragma omp simd
-            for (int64_t d = 0; d < D; ++d) ag[d] += p * widen(v[d]);
-          }
+          for (int64_t d = 0; d < D; ++d) ag[d] += p * widen(v[d]);
         }
-      }
+      });
       scalar_t* oi = out + (i * H + h * G) * D;
       for (int64_t j = 0; j < G * D; ++j) oi[j] = static_cast<scalar_t>(acc[j]);
     }
