@@ -16,11 +16,11 @@ import re
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from models.layers.attention import AttentionMetadata, KVCacheSpec
-from models.layers.linear import load_hf_weights
+from models.causal_lm import CausalLM
+from models.layers.linear import Embedding, load_hf_weights
 from models.layers.mla import MLAttention
 from models.layers.mlp import GatedMLP
 from models.layers.moe import MoE, RouterConfig
@@ -61,14 +61,14 @@ class DeepseekModel(nn.Module):
     def __init__(self, hf_config, rotary_emb: RotaryEmbedding, router_config: RouterConfig | None):
         super().__init__()
         c = hf_config
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(c, i, rotary_emb, router_config) for i in range(c.num_hidden_layers)
         )
         self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
 
 
-class _DeepseekForCausalLM(nn.Module):
+class _DeepseekForCausalLM(CausalLM):
     # (scoring, topk_method) when config.json does not name them; see moe.py.
     router_defaults: tuple[str, str]
 
@@ -86,10 +86,7 @@ class _DeepseekForCausalLM(nn.Module):
         with torch.device("cpu"):
             rotary_emb = RotaryEmbedding(c, max_model_len, interleaved=self.rope_interleaved(c))
         self.model = DeepseekModel(c, rotary_emb, router_config)
-        self.tie_word_embeddings = bool(getattr(c, "tie_word_embeddings", False))
-        # Tied: logits reuse the embedding matrix; a second Parameter sharing it would
-        # come apart when the loader moves the model off the meta device.
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        self.init_lm_head(c)
 
     @staticmethod
     def rope_interleaved(hf_config) -> bool:
@@ -111,10 +108,6 @@ class _DeepseekForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x = layer(positions, x, kv_cache, attn_metadata)
         return self.model.norm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()  # (num_rows, vocab_size)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors in; returns the parameter names fully loaded.
@@ -157,10 +150,8 @@ class _DeepseekForCausalLM(nn.Module):
             raise ValueError(f"tensor {name!r} does not belong to this model") from None
 
     def _ignored(self, name: str) -> bool:
-        if name.endswith("rotary_emb.inv_freq"):
+        if self.skips_weight(name):
             return True
-        if name == "lm_head.weight" and self.lm_head is None:
-            return True  # tied: the embedding is the head
         # V3 checkpoints append multi-token-prediction layers after the last decoder layer.
         m = _LAYER_INDEX.match(name)
         return m is not None and int(m[1]) >= len(self.model.layers)

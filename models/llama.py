@@ -15,11 +15,11 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from models.layers.attention import AttentionMetadata, KVCacheSpec, paged_attention
-from models.layers.linear import Linear, MergedLinear, load_hf_weights
+from models.causal_lm import CausalLM
+from models.layers.linear import Embedding, Linear, MergedLinear, load_hf_weights
 from models.layers.mlp import GatedMLP
 from models.layers.norm import RMSNorm
 from models.layers.rope import RotaryEmbedding
@@ -99,7 +99,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config, max_model_len: int):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         # The loader builds the model on the meta device; the cos/sin table is a plain
         # attribute (not a parameter it would fill in), so build it on a real device.
         with torch.device("cpu"):
@@ -117,17 +117,12 @@ class LlamaModel(nn.Module):
         return self.norm(x)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     def __init__(self, hf_config, max_model_len: int):
         super().__init__()
         self.config = hf_config
         self.model = LlamaModel(hf_config, max_model_len)
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        # Tied: logits reuse the embedding matrix directly; a second Parameter object
-        # sharing it would come apart when the loader moves the model off the meta device.
-        self.lm_head = None
-        if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+        self.init_lm_head(hf_config)
 
     def kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec:
         attn = self.model.layers[0].self_attn
@@ -143,15 +138,6 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: (num_tokens,) -> hidden states (num_tokens, hidden_size)."""
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()  # (num_rows, vocab_size)
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors in; returns the parameter names fully loaded."""
-
-        def skip(name: str) -> bool:
-            # Old checkpoints store RoPE inv_freq; tied ones sometimes still carry lm_head.
-            return name.endswith("rotary_emb.inv_freq") or (self.lm_head is None and name == "lm_head.weight")
-
-        return load_hf_weights(self, weights, skip)
+        return load_hf_weights(self, weights, self.skips_weight)

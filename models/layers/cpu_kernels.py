@@ -3,7 +3,8 @@
 Only where PyTorch has nothing that fits (csrc/): `paged_decode_attention` reads each
 decode's keys and values straight out of the paged cache instead of gathering a padded
 copy first; `rms_norm` and `silu_and_mul` do in one pass what eager PyTorch does in
-~8 and 2. They need a C++ compiler (g++ / clang) and ninja; the build takes ~20 s once
+~8 and 2; `quant_linear` multiplies by 4- and 8-bit weights with integer dot products
+(models/layers/quantization.py says when it runs). They need a C++ compiler (g++ / clang) and ninja; the build takes ~20 s once
 per machine and is cached in torch's extensions directory ($TORCH_EXTENSIONS_DIR,
 default ~/.cache/torch_extensions). Without a compiler, or with PAGEDSERVE_CPU_KERNELS=0,
 the callers keep their pure-PyTorch path, which is also the reference the tests hold
@@ -21,7 +22,19 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode_attention.cpp", "elementwise.cpp")]
+_SOURCES = [
+    Path(__file__).parent / "csrc" / name
+    for name in ("paged_decode_attention.cpp", "elementwise.cpp", "quant_linear.cpp")
+]
+_OPS = ("paged_decode_attention", "rms_norm", "silu_and_mul", "quant_linear")
+# (name, cpuinfo flags that must all be present, compiler flags they allow), in order.
+_X86_LEVELS = (
+    ("avx2", ("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c")),
+    ("avxvnni", ("avx_vnni",), ("-mavxvnni",)),
+    ("avx512", ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
+     ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mprefer-vector-width=512")),
+    ("avx512vnni", ("avx512_vnni",), ("-mavx512vnni",)),
+)
 _lock = threading.Lock()
 _state: dict[str, bool] = {}  # "loaded": whether torch.ops.pagedserve is usable
 
@@ -33,19 +46,37 @@ def _cflags() -> list[str]:
     # process) lets the dot products reduce as a tree and the softmax's exp use glibc's
     # vector expf; every value the kernel sees is finite.
     flags = ["-O3", "-fopenmp", "-ffast-math"]
-    if platform.machine() in ("x86_64", "AMD64"):
-        # The vector extensions this CPU has, named one by one: not -march=native, since the
-        # flags are part of the cached build's key and an identical "native" string would
-        # let a build made here be loaded on an older CPU.
-        try:
-            cpu_flags = set(Path("/proc/cpuinfo").read_text().split())
-        except OSError:
-            cpu_flags = set()
-        if {"avx2", "fma", "f16c"} <= cpu_flags:
-            flags += ["-mavx2", "-mfma", "-mf16c"]
-            if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_flags:
-                flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mprefer-vector-width=512"]
-    return flags
+    return flags + isa_flags()
+
+
+def isa_levels() -> list[str]:
+    """The vector extensions of this CPU that the kernels are built for (empty: plain C++)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return []
+    try:
+        cpu_flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return []
+    levels: list[str] = []
+    for name, needed, _ in _X86_LEVELS:
+        if set(needed) <= cpu_flags:
+            levels.append(name)
+        elif name in ("avx2", "avx512"):  # the levels after them need them
+            break
+    return levels
+
+
+def isa_flags() -> list[str]:
+    """Compiler flags for `isa_levels()`, named one by one: not -march=native, whose string
+    is the same on every CPU, so that a build made on one CPU could be loaded on another."""
+    levels = set(isa_levels())
+    return [flag for name, _, flags in _X86_LEVELS if name in levels for flag in flags]
+
+
+def build_name() -> str:
+    """The extension's name carries the ISA: builds for different CPUs sit side by side in
+    the extensions directory, and one is never loaded on a CPU it was not built for."""
+    return "pagedserve_cpu_kernels_" + "_".join(isa_levels() or ["generic"])
 
 
 def enabled() -> bool:
@@ -69,14 +100,14 @@ def _build() -> bool:
         from torch.utils.cpp_extension import load
 
         load(
-            name="pagedserve_cpu_kernels",
+            name=build_name(),
             sources=[str(source) for source in _SOURCES],
             extra_cflags=_cflags(),
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,
         )
-        for op in ("paged_decode_attention", "rms_norm", "silu_and_mul"):
+        for op in _OPS:
             getattr(torch.ops.pagedserve, op)  # raises if registration failed
         return True
     except Exception as e:  # noqa: BLE001 - any build failure means: use the PyTorch path
@@ -106,3 +137,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up (T, 2I) = [gate | up] -> (T, I): round(silu(gate)) * up."""
     return torch.ops.pagedserve.silu_and_mul(gate_up)
+
+
+def quant_linear(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+    bias: torch.Tensor | None, bits: int, group_size: int,
+) -> torch.Tensor:
+    """x (M, K) -> (M, N) in x's dtype, W as in models/layers/quantization.py."""
+    return torch.ops.pagedserve.quant_linear(x, qweight, scales, mins, bias, bits, group_size)

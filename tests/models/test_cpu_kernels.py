@@ -88,7 +88,9 @@ def test_rms_norm_and_silu_and_mul_equal_the_pytorch_layers(rows):
     x = torch.randn(rows, 96, generator=gen) * 3
     weight = torch.randn(96, generator=gen) * 0.5 + 1
     gate_up = torch.randn(rows, 2 * 80, generator=gen) * 4
-    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+    for dtype in (torch.float32, torch.bfloat16):
+        # A few ulps: the vectorized exp/rsqrt differ by ISA (AVX2 vs AVX-512) in the last bits.
+        tol = 8 * torch.finfo(dtype).eps
         xd, wd, gd = x.to(dtype), weight.to(dtype), gate_up.to(dtype)
         got = cpu_kernels.rms_norm(xd, wd, 1e-6)
         expected = wd * torch.nn.functional.rms_norm(xd, (96,), eps=1e-6)  # transformers' Llama rounding
@@ -99,7 +101,10 @@ def test_rms_norm_and_silu_and_mul_equal_the_pytorch_layers(rows):
         torch.testing.assert_close(got.float(), (ACT2FN["silu"](gate) * up).float(), rtol=tol, atol=tol)
     huge = torch.tensor([[-1e4, 1e4, -50.0, 0.0]])  # exp overflow territory: -0, x, ~0, 0
     out = cpu_kernels.silu_and_mul(torch.cat([huge, torch.ones_like(huge)], dim=1))
-    torch.testing.assert_close(out, torch.nn.functional.silu(huge), rtol=0, atol=1e-12)
+    assert torch.isfinite(out).all()
+    # x * sigmoid(x) within an ulp or two of x (AVX2's expf leaves 1 ulp at 1e4), exactly 0 below.
+    eps = torch.finfo(torch.float32).eps
+    torch.testing.assert_close(out, torch.nn.functional.silu(huge), rtol=2 * eps, atol=1e-12)
     with pytest.raises(RuntimeError, match="weight"):
         cpu_kernels.rms_norm(x, weight[:10], 1e-6)
     with pytest.raises(RuntimeError, match="gate_up"):

@@ -1,0 +1,238 @@
+// Weight-only quantized linear layers: y = x W^T (+ bias) with W stored in 4 or 8 bits.
+//
+// Weights come in groups of 32 along K (a GGUF Q4_0/Q4_1/Q4_K/Q8_0 block, or what
+// models/layers/quantization.py makes from a dense checkpoint), each with a float scale and,
+// for asymmetric 4-bit, a float min:
+//
+//     w[n, k] = scale[n, k / G] * q[n, k] + min[n, k / G]      q in [0, 15] (4 bits)
+//     w[n, k] = scale[n, k / G] * q[n, k]                      q in [-127, 127] (8 bits)
+//
+// with G a multiple of 32. 4-bit rows are packed as GGUF packs a block: byte j of a 32-wide
+// group holds element j in its low nibble and element j + 16 in its high nibble.
+//
+// As llama.cpp does on x86, the activations are quantized too, per row and per 32 values
+// (symmetric int8, one float scale, plus the exact float sum of the 32 values for the
+// min term), so the inner product of a group is an integer dot product:
+//
+//     sum_k w x = scale * xscale * sum_k q xq  +  min * sum_k x
+//
+// AVX2 computes 32 such products in two instructions (maddubs: u8 x s8 -> s16 pairs,
+// madd: -> s32), AVX-VNNI / AVX512-VNNI in one (dpbusd). Without them the plain loops
+// below are the same arithmetic, integer sums included, so every ISA gives the same
+// result up to float summation order.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 32;  // values per quantization block of weights and activations
+
+// x (M, K) float -> xq (M, K) int8, xscale (M, K/32), xsum (M, K/32).
+void quantize_activations(const float* x, int64_t M, int64_t K, int8_t* xq, float* xscale, float* xsum) {
+  const int64_t nb = K / kBlock;
+  at::parallel_for(0, M * nb, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* src = x + i * kBlock;  // block i of the flattened (M, K): rows are K apart, K % 32 == 0
+      float amax = 0.f, sum = 0.f;
+      for (int j = 0; j < kBlock; ++j) {
+        amax = std::max(amax, std::fabs(src[j]));
+        sum += src[j];
+      }
+      const float d = amax / 127.f;
+      const float inv = d > 0.f ? 1.f / d : 0.f;
+      int8_t* dst = xq + i * kBlock;
+      for (int j = 0; j < kBlock; ++j) dst[j] = static_cast<int8_t>(std::nearbyint(src[j] * inv));
+      xscale[i] = d;
+      xsum[i] = sum;
+    }
+  });
+}
+
+#if defined(__AVX2__)
+inline __m256i unpack_nibbles(const uint8_t* qs) {  // 16 bytes -> 32 values in [0, 15], GGUF order
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m256i both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
+  return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+}
+
+inline __m256 dot_u8_s8(__m256i u, __m256i s) {  // 32 products summed in 8 int32 lanes, as float
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s));
+#elif defined(__AVXVNNI__)
+  return _mm256_cvtepi32_ps(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s));
+#else
+  const __m256i pairs = _mm256_maddubs_epi16(u, s);  // |15 * 127 * 2| and |127 * 127 * 2| fit in int16
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#endif
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+// Integer dot product of weight group g of row `w` with one activation block.
+template <int Bits>
+inline int32_t group_dot(const uint8_t* w, int64_t g, const int8_t* xq) {
+  int32_t acc = 0;
+  if constexpr (Bits == 4) {
+    const uint8_t* qs = w + g * (kBlock / 2);
+    for (int j = 0; j < kBlock / 2; ++j) {
+      acc += static_cast<int32_t>(qs[j] & 0x0F) * xq[j];
+      acc += static_cast<int32_t>(qs[j] >> 4) * xq[j + kBlock / 2];
+    }
+  } else {
+    const int8_t* qs = reinterpret_cast<const int8_t*>(w) + g * kBlock;
+    for (int j = 0; j < kBlock; ++j) acc += static_cast<int32_t>(qs[j]) * xq[j];
+  }
+  return acc;
+}
+
+// Rows m0 .. m0+MB of the output for output column n. Each weight group is unpacked once
+// and used for all MB activation rows.
+template <int Bits, int MB>
+inline void rows_of_column(
+    const uint8_t* w, const float* scale, const float* min, int64_t groups_per_scale, int64_t nb,
+    const int8_t* xq, const float* xscale, const float* xsum, int64_t m0, int64_t K, float* acc_out) {
+#if defined(__AVX2__)
+  __m256 acc[MB];
+  for (int r = 0; r < MB; ++r) acc[r] = _mm256_setzero_ps();
+#else
+  float acc[MB] = {};
+#endif
+  float min_acc[MB] = {};
+  for (int64_t g = 0; g < nb; ++g) {
+    const float s = scale[g / groups_per_scale];
+#if defined(__AVX2__)
+    __m256i u;
+    __m256i wq;
+    if constexpr (Bits == 4) {
+      u = unpack_nibbles(w + g * (kBlock / 2));
+    } else {
+      wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * kBlock));
+      u = _mm256_sign_epi8(wq, wq);  // |w|: maddubs needs its first operand unsigned
+    }
+#endif
+    for (int r = 0; r < MB; ++r) {
+      const int64_t row = m0 + r;
+      const int8_t* xb = xq + row * K + g * kBlock;
+      const float xs = xscale[row * nb + g];
+#if defined(__AVX2__)
+      __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb));
+      if constexpr (Bits == 8) y = _mm256_sign_epi8(y, wq);  // moves w's sign onto x
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(s * xs), dot_u8_s8(u, y), acc[r]);
+#else
+      acc[r] += s * xs * static_cast<float>(group_dot<Bits>(w, g, xb));
+#endif
+      if constexpr (Bits == 4) {
+        if (min != nullptr) min_acc[r] += min[g / groups_per_scale] * xsum[row * nb + g];
+      }
+    }
+  }
+  for (int r = 0; r < MB; ++r) {
+#if defined(__AVX2__)
+    acc_out[r] = hsum(acc[r]) + min_acc[r];
+#else
+    acc_out[r] = acc[r] + min_acc[r];
+#endif
+  }
+}
+
+template <int Bits>
+void qlinear_impl(
+    const int8_t* xq, const float* xscale, const float* xsum, int64_t M, int64_t K,
+    const uint8_t* qweight, const float* scales, const float* mins, int64_t N, int64_t group_size,
+    const float* bias, float* out) {
+  const int64_t nb = K / kBlock;
+  const int64_t groups_per_scale = group_size / kBlock;
+  const int64_t scales_per_row = K / group_size;
+  const int64_t row_bytes = Bits == 4 ? K / 2 : K;
+  constexpr int MB = 4;
+  // Output columns split across threads; each thread streams its slice of the weights once
+  // per block of MB activation rows.
+  const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(64, N / (4 * at::get_num_threads())));
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    float acc[MB];
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* w = qweight + n * row_bytes;
+      const float* s = scales + n * scales_per_row;
+      const float* mn = mins != nullptr ? mins + n * scales_per_row : nullptr;
+      const float b = bias != nullptr ? bias[n] : 0.f;
+      int64_t m0 = 0;
+      for (; m0 + MB <= M; m0 += MB) {
+        rows_of_column<Bits, MB>(w, s, mn, groups_per_scale, nb, xq, xscale, xsum, m0, K, acc);
+        for (int r = 0; r < MB; ++r) out[(m0 + r) * N + n] = acc[r] + b;
+      }
+      for (; m0 < M; ++m0) {
+        rows_of_column<Bits, 1>(w, s, mn, groups_per_scale, nb, xq, xscale, xsum, m0, K, acc);
+        out[m0 * N + n] = acc[0] + b;
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// x (M, K) float32 or bfloat16; qweight (N, K/2) uint8 (4 bits) or (N, K) int8 (8 bits);
+// scales, mins (N, K/group_size) float32 (mins only for asymmetric 4 bits); bias (N,)
+// -> (M, N) in x's dtype.
+at::Tensor quant_linear(
+    const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+    const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& bias, int64_t bits,
+    int64_t group_size) {
+  TORCH_CHECK(bits == 4 || bits == 8, "quant_linear: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(x.dim() == 2 && qweight.dim() == 2 && scales.dim() == 2, "quant_linear: 2-D tensors expected");
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
+  TORCH_CHECK(K % kBlock == 0 && group_size % kBlock == 0 && K % group_size == 0,
+              "quant_linear: K and group_size must be multiples of 32 (K=", K, ", group_size=", group_size, ")");
+  TORCH_CHECK(qweight.size(1) == (bits == 4 ? K / 2 : K), "quant_linear: qweight has ", qweight.size(1),
+              " columns for K=", K);
+  TORCH_CHECK(scales.size(0) == N && scales.size(1) == K / group_size && scales.scalar_type() == at::kFloat,
+              "quant_linear: scales must be float32 (N, K/group_size)");
+  TORCH_CHECK(qweight.is_contiguous() && scales.is_contiguous(), "quant_linear: contiguous weights expected");
+  const float* mins_ptr = nullptr;
+  if (mins.has_value()) {
+    TORCH_CHECK(bits == 4 && mins->sizes() == scales.sizes() && mins->scalar_type() == at::kFloat &&
+                mins->is_contiguous(), "quant_linear: mins must be float32 like scales (4 bits only)");
+    mins_ptr = mins->data_ptr<float>();
+  }
+  at::Tensor bias_f;
+  if (bias.has_value()) bias_f = bias->to(at::kFloat).contiguous();
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kChar));
+  at::Tensor xscale = at::empty({M, K / kBlock}, x.options().dtype(at::kFloat));
+  at::Tensor xsum = at::empty({M, K / kBlock}, x.options().dtype(at::kFloat));
+  quantize_activations(xf.data_ptr<float>(), M, K, xq.data_ptr<int8_t>(), xscale.data_ptr<float>(),
+                       xsum.data_ptr<float>());
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  const float* bias_ptr = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
+  const auto* w = reinterpret_cast<const uint8_t*>(qweight.data_ptr());
+  if (bits == 4) {
+    qlinear_impl<4>(xq.data_ptr<int8_t>(), xscale.data_ptr<float>(), xsum.data_ptr<float>(), M, K, w,
+                    scales.data_ptr<float>(), mins_ptr, N, group_size, bias_ptr, out.data_ptr<float>());
+  } else {
+    qlinear_impl<8>(xq.data_ptr<int8_t>(), xscale.data_ptr<float>(), xsum.data_ptr<float>(), M, K, w,
+                    scales.data_ptr<float>(), nullptr, N, group_size, bias_ptr, out.data_ptr<float>());
+  }
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
+  m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? bias, int bits, "
+        "int group_size) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
+  m.impl("quant_linear", &quant_linear);
+}

@@ -1,0 +1,270 @@
+"""Weight-only quantization: how a linear (or embedding) layer stores and multiplies its weight.
+
+Each `Linear` holds a `LinearMethod`, chosen at load time (as vLLM's `quant_method`), so the
+model files never branch on it:
+
+    DenseMethod   weight (N, K) in the model's dtype; F.linear (oneDNN-packed for bf16 CPU)
+    Int8Method    qweight (N, K) int8, scales (N, K/G) float32            w = s q
+    Int4Method    qweight (N, K/2) uint8 (two per byte), scales and mins  w = s q + m
+                  (N, K/G) float32, q in [0, 15]
+
+G is the group size along K, a multiple of 32. The layouts hold GGUF's blocks exactly
+(models/gguf.py): Q8_0 is int8 with G = 32; Q4_0 (w = d (q - 8)), Q4_1 (w = d q + m) and
+Q4_K (w = d sc q - dmin mn, 32-wide sub-blocks) are int4 with G = 32; their fp16 and 6-bit
+factors multiply exactly in float32. A dense checkpoint is quantized at load by rounding to
+nearest (`quantize_int8`, `quantize_int4`): int8 per output channel (G = K), int4 with
+G = 32 (asymmetric, the min at the group's minimum).
+
+    4-bit row layout (K = 64, two groups):  byte j of group g = q[g*32 + j] | q[g*32 + j + 16] << 4
+        qweight[n] = [ group 0: 16 bytes | group 1: 16 bytes ]
+
+On CPU the products run in models/layers/csrc/quant_linear.cpp (integer dot products, the
+activations quantized per 32 values as llama.cpp does); `dequantize` + F.linear is the
+reference that the kernel is tested against and the path where it is not built or where K
+is not a multiple of 32.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.layers import cpu_kernels
+
+BLOCK = 32  # the quantized kernels' unit along K
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
+
+
+@dataclass
+class QuantizedWeight:
+    """A quantized weight as a checkpoint stores it, before it is copied into a layer.
+
+    Rows may be split (merged projections) or permuted (GGUF's Q/K order) like a dense
+    weight: quantization groups run along K, within a row.
+    """
+
+    bits: int  # 4 or 8
+    qweight: torch.Tensor  # (N, K/2) uint8 | (N, K) int8
+    scales: torch.Tensor  # (N, K/G) float32
+    mins: torch.Tensor | None  # (N, K/G) float32, 4 bits only
+    in_features: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.qweight.shape[0], self.in_features)
+
+    @property
+    def group_size(self) -> int:
+        return self.in_features // self.scales.shape[1]
+
+    def rows(self, index: torch.Tensor | slice) -> QuantizedWeight:
+        mins = None if self.mins is None else self.mins[index]
+        return QuantizedWeight(self.bits, self.qweight[index], self.scales[index], mins, self.in_features)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize(self.bits, self.qweight, self.scales, self.mins, self.in_features).to(dtype)
+
+
+def unpack_int4(qweight: torch.Tensor, in_features: int) -> torch.Tensor:
+    """(N, K/2) uint8 -> (N, K) uint8 values in [0, 15], GGUF's order within each group of 32."""
+    n = qweight.shape[0]
+    groups = qweight.view(n, in_features // BLOCK, BLOCK // 2)  # (N, K/32, 16)
+    return torch.cat((groups & 0x0F, groups >> 4), dim=-1).view(n, in_features)  # (N, K)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """(N, K) values in [0, 15] -> (N, K/2) uint8, the inverse of unpack_int4."""
+    n, k = q.shape
+    groups = q.to(torch.uint8).view(n, k // BLOCK, BLOCK)  # (N, K/32, 32)
+    return (groups[..., : BLOCK // 2] | (groups[..., BLOCK // 2 :] << 4)).reshape(n, k // 2)
+
+
+def dequantize(
+    bits: int, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, in_features: int
+) -> torch.Tensor:
+    """The reference: the float32 weight (N, K) that a quantized weight stands for."""
+    q = unpack_int4(qweight, in_features) if bits == 4 else qweight
+    n, groups = scales.shape
+    w = q.float().view(n, groups, -1) * scales.unsqueeze(-1)  # (N, K/G, G)
+    if mins is not None:
+        w += mins.unsqueeze(-1)
+    return w.view(n, in_features)
+
+
+def quantize_int8(weight: torch.Tensor, group_size: int | None = None) -> QuantizedWeight:
+    """Round to nearest, symmetric, one scale per output channel (or per `group_size` values)."""
+    n, k = weight.shape
+    g = group_size or k
+    w = weight.detach().float().view(n, k // g, g)  # (N, K/G, G)
+    scales = w.abs().amax(dim=-1) / 127.0  # (N, K/G)
+    q = torch.round(w / scales.clamp(min=torch.finfo(torch.float32).tiny).unsqueeze(-1)).clamp(-127, 127)
+    return QuantizedWeight(8, q.to(torch.int8).view(n, k).contiguous(), scales.contiguous(), None, k)
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int = BLOCK) -> QuantizedWeight:
+    """Round to nearest, asymmetric: each group maps [min, max] onto 0..15."""
+    n, k = weight.shape
+    w = weight.detach().float().view(n, k // group_size, group_size)  # (N, K/G, G)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)  # (N, K/G)
+    scales = (hi - lo) / 15.0
+    q = torch.round((w - lo.unsqueeze(-1)) / scales.clamp(min=torch.finfo(torch.float32).tiny).unsqueeze(-1))
+    q = q.clamp(0, 15).view(n, k)
+    return QuantizedWeight(4, pack_int4(q), scales.contiguous(), lo.contiguous(), k)
+
+
+# ---- per-layer methods ------------------------------------------------------------------
+
+
+class LinearMethod:
+    """How a layer stores its weight and computes x W^T. One instance may serve many layers."""
+
+    name = "dense"
+
+    def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None:
+        raise NotImplementedError
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def load(self, layer: nn.Module, rows: slice, weight: torch.Tensor | QuantizedWeight, name: str) -> None:
+        """Copy (a row range of) a checkpoint weight, quantizing or dequantizing as needed."""
+        raise NotImplementedError
+
+    def dense_weight(self, layer: nn.Module) -> torch.Tensor:
+        """The weight as a float tensor (N, K): the reference, and the embedding lookup's rows."""
+        raise NotImplementedError
+
+    def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def compute_dtype(self, layer: nn.Module) -> torch.dtype:
+        """The dtype of the layer's activations (its dense weight's, or the model's)."""
+        return layer.compute_dtype
+
+    def weight_names(self) -> tuple[str, ...]:
+        raise NotImplementedError
+
+
+class DenseMethod(LinearMethod):
+    name = "dense"
+
+    def create_weights(self, layer, out_features, in_features):
+        layer.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+
+    def apply(self, layer, x, bias):
+        packed = layer.packed_weight
+        if packed is None and layer.weight.is_mkldnn:
+            packed = layer.weight
+        # One row with oneDNN switched off (the runner does that for single-token steps,
+        # engine/threads.py): torch's own gemv over the plain weight, when one is kept.
+        if packed is not None and (packed is layer.weight or x.shape[0] > 1 or torch.backends.mkldnn.enabled):
+            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return F.linear(x, layer.weight, bias)
+
+    def load(self, layer, rows, weight, name):
+        dst = layer.weight[rows]
+        if isinstance(weight, QuantizedWeight):
+            weight = weight.dequantize()
+        _check_shape(dst, weight.shape, name)
+        with torch.no_grad():
+            dst.copy_(weight)
+
+    def dense_weight(self, layer):
+        return layer.weight
+
+    def embedding(self, layer, ids):
+        return F.embedding(ids, layer.weight)
+
+    def compute_dtype(self, layer):
+        return layer.weight.dtype
+
+    def weight_names(self):
+        return ("weight",)
+
+
+class QuantMethod(LinearMethod):
+    """Int8 (`bits=8`, symmetric) or int4 (`bits=4`, scale + min) weights in groups along K."""
+
+    def __init__(self, bits: int, group_size: int | None):
+        if bits not in (4, 8):
+            raise ValueError(f"bits must be 4 or 8, got {bits}")
+        self.bits = bits
+        self.group_size = group_size  # None: one group per row (int8 per channel)
+        self.name = f"int{bits}"
+
+    def _groups(self, in_features: int) -> int:
+        return in_features // (self.group_size or in_features)
+
+    def create_weights(self, layer, out_features, in_features):
+        cols = in_features // 2 if self.bits == 4 else in_features
+        qdtype = torch.uint8 if self.bits == 4 else torch.int8
+        layer.qweight = nn.Parameter(torch.empty(out_features, cols, dtype=qdtype), requires_grad=False)
+        groups = self._groups(in_features)
+        layer.scales = nn.Parameter(torch.empty(out_features, groups, dtype=torch.float32), requires_grad=False)
+        if self.bits == 4:
+            layer.mins = nn.Parameter(torch.empty(out_features, groups, dtype=torch.float32), requires_grad=False)
+
+    def _stored(self, layer) -> QuantizedWeight:
+        return QuantizedWeight(self.bits, layer.qweight, layer.scales, getattr(layer, "mins", None), layer.in_features)
+
+    def apply(self, layer, x, bias):
+        if x.device.type == "cpu" and cpu_kernels.available() and x.dim() == 2:
+            return cpu_kernels.quant_linear(
+                x, layer.qweight, layer.scales, getattr(layer, "mins", None), bias, self.bits,
+                layer.in_features // layer.scales.shape[1],
+            )
+        return F.linear(x, self.dense_weight(layer).to(x.dtype), bias)
+
+    def load(self, layer, rows, weight, name):
+        if not isinstance(weight, QuantizedWeight) or not self._compatible(weight, layer.in_features):
+            dense = weight.dequantize() if isinstance(weight, QuantizedWeight) else weight
+            _check_shape(layer.qweight[rows], (dense.shape[0], layer.in_features), name, dense.shape)
+            weight = self.quantize(dense)
+        _check_shape(layer.qweight[rows], weight.qweight.shape, name, weight.shape)
+        with torch.no_grad():
+            layer.qweight[rows].copy_(weight.qweight)
+            layer.scales[rows].copy_(weight.scales)
+            if self.bits == 4:
+                layer.mins[rows].copy_(weight.mins if weight.mins is not None else torch.zeros_like(weight.scales))
+
+    def _compatible(self, weight: QuantizedWeight, in_features: int) -> bool:
+        return (
+            weight.bits == self.bits
+            and weight.in_features == in_features
+            and weight.scales.shape[1] == self._groups(in_features)
+        )
+
+    def quantize(self, weight: torch.Tensor) -> QuantizedWeight:
+        if self.bits == 8:
+            return quantize_int8(weight, self.group_size)
+        return quantize_int4(weight, self.group_size or BLOCK)
+
+    def dense_weight(self, layer):
+        return self._stored(layer).dequantize()
+
+    def embedding(self, layer, ids):
+        rows = self._stored(layer).rows(ids.reshape(-1))
+        return rows.dequantize(layer.compute_dtype).view(*ids.shape, layer.in_features)
+
+    def weight_names(self):
+        return ("qweight", "scales", "mins") if self.bits == 4 else ("qweight", "scales")
+
+
+def _check_shape(dst: torch.Tensor, shape, name: str, shown=None) -> None:
+    if tuple(dst.shape) != tuple(shape):
+        raise ValueError(f"tensor {name!r}: checkpoint shape {tuple(shown or shape)} != model shape {tuple(dst.shape)}")
+
+
+DENSE = DenseMethod()
+
+
+def method_for(bits: int | None, group_size: int | None, in_features: int) -> LinearMethod:
+    """The method for a layer of `in_features` inputs: quantized when the format fits, else dense."""
+    if bits is None:
+        return DENSE
+    g = group_size if group_size is not None else (None if bits == 8 else BLOCK)
+    if in_features % BLOCK or (g is not None and (g % BLOCK or in_features % g)):
+        return DENSE
+    return QuantMethod(bits, g)
