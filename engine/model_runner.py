@@ -118,10 +118,9 @@ class ModelRunner:
         try:
             return self._sample_rows(logits, requests)
         except Exception:
-            if len(requests) == 1:
-                raise
             logger.exception("sampling failed for a batch of %d; retrying row by row", len(requests))
-        # One bad request must not cost the others their token: sample each row alone.
+        # One bad request must not cost the others their token: sample each row alone. A
+        # failure is that request's error, never the step's (which would end the whole batch).
         result = RunnerOutput()
         for i, request in enumerate(requests):
             try:
@@ -145,6 +144,10 @@ class ModelRunner:
             eos_token_ids=self.model_config.eos_token_ids,
         )
         out = sample(logits, batch)
+        vocab_size = logits.shape[-1]
+        bad = [(s.request_id, t) for s, t in zip(requests, out.token_ids) if not 0 <= t < vocab_size]
+        if bad:  # fed back into the next forward, it would fail the whole batch there
+            raise ValueError(f"sampled token ids {bad} are outside the vocabulary (size {vocab_size})")
         return RunnerOutput(
             sampled={s.request_id: t for s, t in zip(requests, out.token_ids)},
             logprobs={s.request_id: lp for s, lp in zip(requests, out.logprobs)},

@@ -37,6 +37,9 @@ _GREEDY_TEMPERATURE = 1e-5
 # Top-p rows look for their nucleus among this many best tokens first, then 16x as
 # many; only a row whose nucleus is wider still pays for a full sort of the vocabulary.
 _TOP_P_CANDIDATES = 256
+# Edited logits are clamped below this, so that dividing by the smallest temperature
+# stays finite in float32 (max ~3.4e38); NaN from an edit (e.g. -inf * 0) becomes -inf.
+_MAX_LOGIT = 1e30
 
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
@@ -219,8 +222,11 @@ def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         return logits.to(torch.float32)  # (N, V); greedy batches skip a 12 MB copy at 64 x 49k
     logits = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
     flat = logits.view(-1)  # (N * V,) shares storage with logits
+    # Every edit is sparse and its results pass through _finite, so that whatever the
+    # parameters no edited logit is NaN or +inf (which would make the probabilities NaN).
     if batch.logit_bias is not None:
-        flat.index_add_(0, *batch.logit_bias)
+        index, bias = batch.logit_bias  # one entry per (row, token): keys of a dict
+        flat[index] = _finite(flat[index] + bias)
     if batch.banned is not None:
         flat[batch.banned] = float("-inf")
     # Indices repeat once per occurrence. A plain (non-accumulating) write of the same
@@ -229,12 +235,18 @@ def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         index, penalty = batch.repetition
         seen = flat[index]
         # Make a seen token less likely whatever the sign of its logit.
-        flat[index] = torch.where(seen > 0, seen / penalty, seen * penalty)
+        flat[index] = _finite(torch.where(seen > 0, seen / penalty, seen * penalty))
     if batch.counts is not None:
         index, frequency, presence = batch.counts
         flat[index] = flat[index] - presence
         flat.index_add_(0, index, -frequency)
+        flat[index] = _finite(flat[index])
     return logits
+
+
+def _finite(values: torch.Tensor) -> torch.Tensor:
+    """Edited logits made safe to sample from: NaN -> -inf, anything above _MAX_LOGIT -> _MAX_LOGIT."""
+    return values.nan_to_num(nan=float("-inf")).clamp_(max=_MAX_LOGIT)
 
 
 def sampling_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -301,6 +313,7 @@ def _top_p_threshold(values, sorted_probs, top_k, top_p, kept_mass, exhaustive):
     mass_before[:, 0] = 0.0  # the best token always stays
     rank = torch.arange(width, device=values.device)
     keep = (rank < top_k) & ((mass_before < top_p * kept_mass) | (top_p >= 1.0))  # a best-first prefix
+    keep[:, 0] = True  # even when top_p * kept_mass underflows to 0
     num_kept = keep.sum(dim=-1, keepdim=True)  # (M, 1), >= 1
     # Undecided: all W kept without reaching top_p, so the nucleus may go on past them.
     done = (num_kept < width) | (top_k <= width) | (inclusive[:, -1:] >= top_p * kept_mass)
@@ -321,7 +334,12 @@ def _draw(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     total = cdf[:, -1:].contiguous()  # (N, 1)
     token_ids = torch.searchsorted(cdf, u * total, right=True)
     # u * total can round up to total; never step past the last token with probability.
-    return torch.minimum(token_ids, torch.searchsorted(cdf, total)).squeeze(1)
+    token_ids = torch.minimum(token_ids, torch.searchsorted(cdf, total)).squeeze(1)
+    # A row with no probability left (every token -inf) or NaN ones has no distribution to
+    # draw from: it takes its most probable token, and an id in the vocabulary whatever happens.
+    drawable = (torch.isfinite(total) & (total > 0)).squeeze(1)  # (N,)
+    token_ids = torch.where(drawable, token_ids, probs.nan_to_num(nan=0.0).argmax(dim=-1))
+    return token_ids.clamp_(0, probs.shape[1] - 1)
 
 
 def _token_logprobs(logprobs: torch.Tensor | None, token_ids: torch.Tensor,

@@ -19,6 +19,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from server.errors import APIError, invalid, not_supported
 
 _INT64 = 2**63
+# The smallest top_p served: below it the nucleus is the best token alone anyway, and
+# values such as 1e-300 underflow to 0 in float32.
+MIN_TOP_P = 1e-8
+# repetition_penalty divides positive logits and multiplies negative ones (HF / vLLM):
+# 1 is off, above 1 discourages repeats, below 1 encourages them. Outside these bounds it
+# only pushes logits towards 0 or infinity (1e-88 is 0 in float32).
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 2.0
 
 
 class _Strict(BaseModel):
@@ -35,7 +42,7 @@ class _SamplingFields(_Strict):
     model: str
     n: int | None = Field(None, ge=1, le=128)
     temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
+    top_p: float | None = Field(None, ge=MIN_TOP_P, le=1)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
@@ -47,7 +54,7 @@ class _SamplingFields(_Strict):
     # vLLM extensions.
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0, le=1)
-    repetition_penalty: float | None = Field(None, gt=0, le=100)
+    repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     ignore_eos: bool | None = None
     min_tokens: int | None = Field(None, ge=0)
     stop_token_ids: list[int] | None = None

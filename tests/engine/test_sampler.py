@@ -262,3 +262,28 @@ def test_bad_inputs_raise_value_errors():
         sample(torch.zeros(2, 5), batch_of([SamplingParams()]))
     with pytest.raises(ValueError, match="one entry per row"):
         SamplingBatch.from_params([SamplingParams()], [], [[]], [None], 5, "cpu")
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(repetition_penalty=1e-88),  # 0 in float32: seen / 0 = inf, -inf * 0 = nan
+    SamplingParams(repetition_penalty=1e-88, top_p=0.5, top_k=3),
+    SamplingParams(repetition_penalty=1e-88, temperature=0.0),
+    SamplingParams(repetition_penalty=1e30, min_p=0.5),
+    SamplingParams(top_p=1e-300),  # 0 in float32: no token reaches it
+    SamplingParams(top_p=1e-300, top_k=2),
+    SamplingParams(logit_bias={0: float("inf"), 1: float("nan")}),
+    SamplingParams(logit_bias={t: float("-inf") for t in range(5)}),  # nothing left to sample
+    SamplingParams(temperature=1e-4, repetition_penalty=1e-30),
+])
+def test_hostile_params_never_give_a_token_outside_the_vocabulary(params):
+    torch.manual_seed(0)
+    logits = LOGITS.repeat(3, 1)
+    logits[1, 4] = float("-inf")
+    for _ in range(20):
+        batch = batch_of([params] * 3, prompts=[[0, 1, 4]] * 3, outputs=[[3, 3]] * 3, eos_token_ids=[4])
+        assert all(0 <= t < 5 for t in sample(logits, batch).token_ids)
+
+
+def test_tiny_top_p_keeps_the_best_token():
+    out = sample(LOGITS.repeat(4, 1), batch_of([SamplingParams(top_p=1e-300)] * 4))
+    assert out.token_ids == [3] * 4
