@@ -189,6 +189,7 @@ def parse_body(raw: bytes, model_cls: type[BaseModel]) -> BaseModel:
         raise invalid(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise invalid("The request body must be a JSON object")
+    _check_strings(data)
     if model_cls is CompletionRequest:
         data = _reject_unsupported(data, _UNSUPPORTED_COMPLETION)
         if data.get("echo") and data.get("logprobs") is not None:
@@ -202,6 +203,36 @@ def parse_body(raw: bytes, model_cls: type[BaseModel]) -> BaseModel:
         return model_cls.model_validate(data)
     except ValidationError as exc:
         raise _from_validation_error(exc) from None
+
+
+def _check_strings(data: dict) -> None:
+    """400 for a string no UTF-8 can encode: JSON's \\uXXXX escapes can spell a lone
+    surrogate ("\\ud800"), which json.loads accepts and a tokenizer then fails on."""
+    stack: list[tuple[Any, str]] = [(data, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if not _encodes(value):
+                raise invalid(f"Invalid value for '{path}': the string is not valid Unicode "
+                              "(it holds a lone surrogate)", param=path, code="invalid_value")
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if not _encodes(key):
+                    raise invalid(f"Invalid value for '{path or 'body'}': a key is not valid Unicode "
+                                  "(it holds a lone surrogate)", param=path or None, code="invalid_value")
+                stack.append((item, f"{path}.{key}" if path else key))
+        elif isinstance(value, list):
+            stack.extend((item, f"{path}[{i}]") for i, item in enumerate(value))
+
+
+def _encodes(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:

@@ -167,3 +167,31 @@ def test_server_still_serves_after_a_burst_of_bad_requests(live):
     chat = live.client().chat.completions.create(model=M, messages=USER, max_tokens=3)
     assert chat.choices[0].finish_reason in ("stop", "length")
     live.wait_idle()
+
+
+LONE_SURROGATE = rb'"a\ud800b"'  # a JSON escape that decodes to a str no UTF-8 can encode
+
+
+@pytest.mark.parametrize("path,raw,param", [
+    (CMPL, b'{"model": "%s", "prompt": %s}' % (M.encode(), LONE_SURROGATE), "prompt"),
+    (CMPL, b'{"model": "%s", "prompt": ["ok", %s]}' % (M.encode(), LONE_SURROGATE), "prompt[1]"),
+    (CMPL, b'{"model": "%s", "prompt": "hi", "stop": [%s]}' % (M.encode(), LONE_SURROGATE), "stop[0]"),
+    (CMPL, b'{"model": "%s", "prompt": "hi", "logit_bias": {%s: 1}}' % (M.encode(), LONE_SURROGATE), "logit_bias"),
+    (CHAT, b'{"model": "%s", "messages": [{"role": "user", "content": %s}]}' % (M.encode(), LONE_SURROGATE),
+     "messages[0].content"),
+    (CHAT, b'{"model": "%s", "messages": [{"role": "user", "content": [{"type": "text", "text": %s}]}]}'
+     % (M.encode(), LONE_SURROGATE), "messages[0].content[0].text"),
+    ("/tokenize", b'{"prompt": %s}' % LONE_SURROGATE, "prompt"),
+    ("/tokenize", b'{"messages": [{"role": "user", "content": "\\udfff"}]}', "messages[0].content"),
+])
+def test_invalid_unicode_is_400_before_the_tokenizer(live, path, raw, param):
+    before = live.engine.stats()
+    response = live.http.post(path, content=raw, headers={"content-type": "application/json"})
+    assert_openai_error(response, 400, param, "Unicode")
+    assert live.engine.stats().num_prompt_tokens == before.num_prompt_tokens
+
+
+def test_escaped_surrogate_pairs_are_valid_unicode(live):
+    raw = b'{"model": "%s", "prompt": "\\ud83d\\ude00 hi", "max_tokens": 1}' % M.encode()  # U+1F600
+    response = live.http.post(CMPL, content=raw, headers={"content-type": "application/json"})
+    assert response.status_code == 200, response.text
