@@ -12,6 +12,7 @@ Responses are plain dicts built next to their handlers (serving_*.py).
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -26,6 +27,9 @@ MIN_TOP_P = 1e-8
 # 1 is off, above 1 discourages repeats, below 1 encourages them. Outside these bounds it
 # only pushes logits towards 0 or infinity (1e-88 is 0 in float32).
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 2.0
+# A logit_bias key: a token id in ASCII decimal. Not str.isdigit(), which is true of "²"
+# (int() refuses it) and of "١٢" (int() reads 12); ten digits exceed any vocabulary.
+_TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")
 
 
 class _Strict(BaseModel):
@@ -78,7 +82,7 @@ class _SamplingFields(_Strict):
         if self.stream_options is not None and not self.stream:
             raise invalid("'stream_options' is only allowed when 'stream' is true", param="stream_options")
         for key, value in (self.logit_bias or {}).items():
-            if not key.lstrip("-").isdigit() or not 0 <= int(key) < vocab_size:
+            if not _TOKEN_ID_KEY.fullmatch(key) or not int(key) < vocab_size:
                 raise invalid(f"'logit_bias' keys must be token ids in [0, {vocab_size}), got {key!r}",
                               param="logit_bias")
             if not -100 <= value <= 100:

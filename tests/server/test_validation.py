@@ -69,6 +69,15 @@ BAD_REQUESTS = [
     (CMPL, {"model": M, "prompt": "hi", "logit_bias": {"abc": 1}}, 400, "logit_bias", "token ids"),
     (CMPL, {"model": M, "prompt": "hi", "logit_bias": {"5": 200}}, 400, "logit_bias", "[-100, 100]"),
     (CMPL, {"model": M, "prompt": "hi", "logit_bias": {"99999": 1}}, 400, "logit_bias", "token ids"),
+    (CMPL, {"model": M, "prompt": "hi", "logit_bias": {"\u00b2": 1}}, 400, "logit_bias", "token ids"),  # "²".isdigit()
+    (CMPL, {"model": M, "prompt": "hi", "logit_bias": {"\u0661\u0662": 1}}, 400, "logit_bias", "token ids"),  # Arabic-Indic 12
+    (CMPL, {"model": M, "prompt": "hi", "logit_bias": {"\uff11": 1}}, 400, "logit_bias", "token ids"),  # fullwidth 1
+    (CMPL, {"model": M, "prompt": "hi", "logit_bias": {"1" * 5000: 1}}, 400, "logit_bias", "token ids"),
+    (CMPL, {"model": M, "prompt": "hi", "logit_bias": {" 12": 1}}, 400, "logit_bias", "token ids"),
+    (CMPL, {"model": M, "prompt": "hi", "logit_bias": {"+12": 1}}, 400, "logit_bias", "token ids"),
+    (CMPL, {"model": M, "prompt": "hi", "logit_bias": {"1_2": 1}}, 400, "logit_bias", "token ids"),
+    (CMPL, {"model": M, "prompt": "hi", "logit_bias": {"-1": 1}}, 400, "logit_bias", "token ids"),
+    (CHAT, {"model": M, "messages": USER, "logit_bias": {"\u00b2": 1}}, 400, "logit_bias", "token ids"),
     (CMPL, {"model": M, "prompt": "hi", "stop_token_ids": [99999]}, 400, "stop_token_ids", "token ids"),
     (CMPL, {"model": M, "prompt": "hi", "min_tokens": 20, "max_tokens": 5}, 400, "min_tokens", "must not exceed"),
     (CMPL, {"model": M, "prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options",
