@@ -30,6 +30,9 @@ MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 2.0
 # A logit_bias key: a token id in ASCII decimal. Not str.isdigit(), which is true of "²"
 # (int() refuses it) and of "١٢" (int() reads 12); ten digits exceed any vocabulary.
 _TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")
+# Bodies nest a few levels (messages[0].content[0].text); deeper is refused, and so is
+# anything json.loads itself cannot hold (recursion, integers over Python's 4,300 digits).
+MAX_JSON_DEPTH = 32
 
 
 class _Strict(BaseModel):
@@ -187,13 +190,10 @@ _UNSUPPORTED_MESSAGE_KEYS = ("name", "tool_calls", "tool_call_id", "function_cal
 
 def parse_body(raw: bytes, model_cls: type[BaseModel]) -> BaseModel:
     """JSON bytes -> a validated request, or an APIError naming what is wrong."""
-    try:
-        data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise invalid(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
+    data = _load_json(raw)
     if not isinstance(data, dict):
         raise invalid("The request body must be a JSON object")
-    _check_strings(data)
+    _check_values(data)
     if model_cls is CompletionRequest:
         data = _reject_unsupported(data, _UNSUPPORTED_COMPLETION)
         if data.get("echo") and data.get("logprobs") is not None:
@@ -209,24 +209,53 @@ def parse_body(raw: bytes, model_cls: type[BaseModel]) -> BaseModel:
         raise _from_validation_error(exc) from None
 
 
-def _check_strings(data: dict) -> None:
-    """400 for a string no UTF-8 can encode: JSON's \\uXXXX escapes can spell a lone
-    surrogate ("\\ud800"), which json.loads accepts and a tokenizer then fails on."""
-    stack: list[tuple[Any, str]] = [(data, "")]
+def _load_json(raw: bytes) -> Any:
+    """json.loads, with every way it can fail on hostile input turned into a 400."""
+    try:
+        return json.loads(raw, parse_constant=_reject_constant)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise invalid(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise invalid(f"The request body is nested too deeply (at most {MAX_JSON_DEPTH} levels)",
+                      code="invalid_json") from None
+    except ValueError as exc:  # an integer literal over sys.get_int_max_str_digits() digits
+        raise invalid(f"The request body has a number too long to parse: {exc}", code="invalid_json") from None
+
+
+def _reject_constant(name: str) -> None:
+    raise invalid(f"The request body is not valid JSON: {name} is not a JSON number", code="invalid_json")
+
+
+def _check_values(data: dict) -> None:
+    """400 for nesting deeper than MAX_JSON_DEPTH, and for a string no UTF-8 can encode:
+    JSON's \\uXXXX escapes can spell a lone surrogate ("\\ud800"), which json.loads
+    accepts and a tokenizer then fails on. Iterative, so the depth is checked, not recursed;
+    numbers (a long token-id prompt) are skipped without building their paths."""
+    stack: list[tuple[Any, tuple]] = [(data, ())]  # (value, its path as keys and indices)
     while stack:
         value, path = stack.pop()
+        if len(path) >= MAX_JSON_DEPTH:
+            raise invalid(f"The request body is nested too deeply (at most {MAX_JSON_DEPTH} levels)",
+                          code="invalid_json")
         if isinstance(value, str):
             if not _encodes(value):
-                raise invalid(f"Invalid value for '{path}': the string is not valid Unicode "
-                              "(it holds a lone surrogate)", param=path, code="invalid_value")
+                name = _param_name(path)
+                raise invalid(f"Invalid value for '{name}': the string is not valid Unicode "
+                              "(it holds a lone surrogate)", param=name, code="invalid_value")
         elif isinstance(value, dict):
             for key, item in value.items():
                 if not _encodes(key):
-                    raise invalid(f"Invalid value for '{path or 'body'}': a key is not valid Unicode "
-                                  "(it holds a lone surrogate)", param=path or None, code="invalid_value")
-                stack.append((item, f"{path}.{key}" if path else key))
-        elif isinstance(value, list):
-            stack.extend((item, f"{path}[{i}]") for i, item in enumerate(value))
+                    name = _param_name(path)
+                    raise invalid(f"Invalid value for '{name or 'body'}': a key is not valid Unicode "
+                                  "(it holds a lone surrogate)", param=name, code="invalid_value")
+                if isinstance(item, (str, dict, list)):
+                    stack.append((item, (*path, key)))
+        # A list of numbers only (a token-id prompt) is skipped at C speed.
+        elif isinstance(value, list) and not _SCALAR_TYPES.issuperset(map(type, value)):
+            stack.extend((item, (*path, i)) for i, item in enumerate(value) if isinstance(item, (str, dict, list)))
+
+
+_SCALAR_TYPES = frozenset((int, float, bool, type(None)))
 
 
 def _encodes(text: str) -> bool:

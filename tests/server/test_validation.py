@@ -138,6 +138,28 @@ def test_malformed_json_is_400(live, raw, contains):
     assert_openai_error(response, 400, None, contains)
 
 
+@pytest.mark.parametrize("raw,contains", [
+    (b'{"model": "%s", "prompt": "hi", "stop": %s}' % (M.encode(), b"[" * 3000 + b"]" * 3000), "nested"),
+    (b'{"model": "%s", "prompt": "hi", "stop": %s}' % (M.encode(), b"[" * 100 + b"]" * 100), "nested"),
+    (b'{"model": "%s", "prompt": "hi", "user": %s}' % (M.encode(), b'{"a": ' * 3000 + b"1" + b"}" * 3000),
+     "nested"),
+    (b'{"model": "%s", "prompt": "hi", "seed": %s}' % (M.encode(), b"9" * 5000), "number"),
+    (b'{"model": "%s", "prompt": [%s]}' % (M.encode(), b"1" * 4301), "number"),
+    (b'{"model": "%s", "prompt": "hi", "temperature": NaN}' % M.encode(), "NaN"),
+    (b'{"model": "%s", "prompt": "hi", "logit_bias": {"5": -Infinity}}' % M.encode(), "Infinity"),
+])
+def test_json_beyond_the_parser_limits_is_400(live, raw, contains):
+    for path in (CMPL, CHAT, "/tokenize"):
+        response = live.http.post(path, content=raw, headers={"content-type": "application/json"})
+        assert_openai_error(response, 400, None, contains)
+
+
+def test_long_but_legal_numbers_get_the_fields_own_error(live):
+    raw = b'{"model": "%s", "prompt": "hi", "seed": %s}' % (M.encode(), b"9" * 30)
+    response = live.http.post(CMPL, content=raw, headers={"content-type": "application/json"})
+    assert_openai_error(response, 400, "seed", "less than")
+
+
 def test_oversize_body_is_413(live):
     huge = b'{"model": "x", "prompt": "' + b"a" * (9 * 2**20) + b'"}'
     assert_openai_error(live.http.post(CMPL, content=huge), 413, None, "limit")
