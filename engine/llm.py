@@ -42,11 +42,15 @@ class CompletionResult:
 
 
 class LLM:
-    def __init__(self, model: str, dtype: str = "auto", device: str = "cpu", **engine_kwargs):
+    def __init__(
+        self, model: str, dtype: str = "auto", device: str = "cpu", quantization: str = "auto", **engine_kwargs
+    ):
         from models.loader import load_model  # lazy: the engine package does not need the loader
 
         config = EngineConfig(**engine_kwargs)
-        loaded = load_model(model, dtype=dtype, device=device, max_model_len=config.max_model_len)
+        loaded = load_model(
+            model, dtype=dtype, device=device, max_model_len=config.max_model_len, quantization=quantization
+        )
         self.engine = EngineCore(loaded, config)
         self._ids = itertools.count()
 

@@ -14,6 +14,7 @@ import sys
 import torch
 
 from models.layers.attention import AttentionMetadata
+from models.layers.quantization import QUANTIZATIONS
 from models.loader import DEFAULT_MODEL, LoadedModel, load_model
 
 
@@ -79,12 +80,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--quantization", default="auto", choices=QUANTIZATIONS,
+                        help="auto: as the checkpoint stores it; none: dense; int8/int4: quantize at load")
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--chat", action="store_true", help="apply the chat template (add_generation_prompt)")
     args = parser.parse_args(argv)
     if args.max_tokens < 0:
         parser.error("--max-tokens must be >= 0")
-    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device, quantization=args.quantization)
     prompt_ids = [_encode(loaded, p, args.chat) for p in args.prompt]
     outputs = generate_greedy(loaded, prompt_ids, args.max_tokens, args.ignore_eos)
     for prompt, ids in zip(args.prompt, outputs):

@@ -23,8 +23,10 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.constants import GGML_QUANT_SIZES
-from gguf.quants import dequantize
+from gguf.quants import Q4_K, dequantize
 from transformers import AutoTokenizer, LlamaConfig, PreTrainedTokenizerBase
+
+from models.layers.quantization import QuantizedWeight, pack_int4
 
 # GGUF `general.architecture` -> HF architecture name of the model class that reads it.
 SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
@@ -45,6 +47,14 @@ _LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+# GGUF types kept as stored (models/layers/quantization.py): -> (bits, group size).
+EXACT_FORMATS = {
+    GGMLQuantizationType.Q4_0: (4, 32),
+    GGMLQuantizationType.Q4_1: (4, 32),
+    GGMLQuantizationType.Q4_K: (4, 32),
+    GGMLQuantizationType.Q8_0: (8, 32),
+}
+_DENSE_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _REQUIRED = object()  # _field default: the key must be present
 
@@ -54,12 +64,13 @@ class GGUFError(ValueError):
 
 
 def load_gguf(
-    path: str | os.PathLike, cache: Path | None = None
+    path: str | os.PathLike, cache: Path | None = None, keep_quantized: bool = False
 ) -> tuple[LlamaConfig, GGUFWeights, PreTrainedTokenizerBase, tuple[int, ...]]:
     """-> (hf_config, weights, tokenizer, eos_token_ids) for a llama-architecture GGUF.
 
     `weights` is re-iterable and yields (HF name, float32 or float16 tensor) one tensor at
-    a time. `cache` is where the converted tokenizer is kept (default: models.fetch.cache_dir()).
+    a time; with `keep_quantized`, tensors of an EXACT_FORMATS type come as QuantizedWeight
+    instead. `cache` is where the converted tokenizer is kept (default: models.fetch.cache_dir()).
     """
     path = Path(path)
     try:
@@ -67,7 +78,7 @@ def load_gguf(
     except ValueError as exc:  # the package's messages ("GGUF magic invalid") name no file
         raise GGUFError(f"{path}: not a readable GGUF file: {exc}") from exc
     config = read_config(reader, path)
-    weights = GGUFWeights(reader, config, path)
+    weights = GGUFWeights(reader, config, path, keep_quantized)
     tokenizer = load_tokenizer(path, cache)
     chat_template = _field(reader, "tokenizer.chat_template", None)
     if chat_template is not None and not getattr(tokenizer, "chat_template", None):
@@ -179,11 +190,13 @@ def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 class GGUFWeights:
-    """(HF name, tensor) pairs of a GGUF file, dequantized lazily as they are iterated."""
+    """(HF name, tensor) pairs of a GGUF file, read lazily as they are iterated: dequantized,
+    or (`keep_quantized`) as QuantizedWeight where the type maps exactly onto one."""
 
-    def __init__(self, reader: GGUFReader, config: LlamaConfig, path: Path):
+    def __init__(self, reader: GGUFReader, config: LlamaConfig, path: Path, keep_quantized: bool = False):
         self._reader = reader
         self._config = config
+        self.keep_quantized = keep_quantized
         self._names: list[tuple[int, str]] = []
         checked: set[GGMLQuantizationType] = set()
         for index, tensor in enumerate(reader.tensors):
@@ -198,23 +211,93 @@ class GGUFWeights:
     def __len__(self) -> int:
         return len(self._names)
 
+    def stored_types(self) -> dict[str, GGMLQuantizationType]:
+        """HF name -> the GGUF type the file stores it in."""
+        return {hf_name: self._reader.tensors[index].tensor_type for index, hf_name in self._names}
+
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for index, hf_name in self._names:
             yield hf_name, self._tensor(self._reader.tensors[index])
 
-    def _tensor(self, tensor) -> torch.Tensor:
+    def _tensor(self, tensor) -> torch.Tensor | QuantizedWeight:
         shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims fastest-first
+        if self.keep_quantized and tensor.tensor_type in EXACT_FORMATS and len(shape) == 2:
+            weight = quantized_weight(np.asarray(tensor.data), tensor.tensor_type, *shape)
+            heads = self._qk_heads(tensor.name)
+            if heads:
+                weight = weight.rows(torch.from_numpy(unpermute_qk(np.arange(shape[0]), heads)))
+            return weight
         if tensor.tensor_type == GGMLQuantizationType.F16:
             array = np.asarray(tensor.data).reshape(shape)  # stays float16: half the memory
         else:
             array = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
-        if ".attn_q." in tensor.name:
-            array = unpermute_qk(array, self._config.num_attention_heads)
-        elif ".attn_k." in tensor.name:
-            array = unpermute_qk(array, self._config.num_key_value_heads)
+        if heads := self._qk_heads(tensor.name):
+            array = unpermute_qk(array, heads)
         if not array.flags.writeable or not array.flags.c_contiguous:
             array = np.array(array)  # still a view of the read-only memmap: copy it out
         return torch.from_numpy(array)
+
+
+    def _qk_heads(self, name: str) -> int | None:
+        """Heads of a Q or K projection, whose rows llama.cpp permutes (None for others)."""
+        if ".attn_q." in name:
+            return self._config.num_attention_heads
+        if ".attn_k." in name:
+            return self._config.num_key_value_heads
+        return None
+
+
+def serving_format(qtype: GGMLQuantizationType) -> tuple[int, int] | None:
+    """(bits, group size) that a tensor of this type is served in by `--quantization auto`
+    (None: dense). Types with no exact mapping are requantized from their dequantized values:
+    5 bits and more to int8, fewer to int4."""
+    if qtype in EXACT_FORMATS:
+        return EXACT_FORMATS[qtype]
+    if qtype in _DENSE_TYPES:
+        return None
+    block_values, block_bytes = GGML_QUANT_SIZES[qtype]
+    return (8, 32) if block_bytes * 8 / block_values >= 5 else (4, 32)
+
+
+def quantized_weight(data: np.ndarray, qtype: GGMLQuantizationType, rows: int, cols: int) -> QuantizedWeight:
+    """Raw GGUF blocks (rows, bytes per row) uint8 of a Q4_0/Q4_1/Q4_K/Q8_0 tensor -> the same
+    numbers as a QuantizedWeight (scales and mins multiplied out in float32, exactly).
+
+        Q8_0  [d f16 | 32 x int8]                          w = d q
+        Q4_0  [d f16 | 16 bytes]                           w = d q - 8 d
+        Q4_1  [d f16 | m f16 | 16 bytes]                   w = d q + m
+        Q4_K  [d f16 | dmin f16 | 12 bytes of 6-bit (sc, mn) x 8 | 128 bytes]
+              8 sub-blocks of 32:                          w = d sc q - dmin mn
+    Q4_0/Q4_1 pack a block as we do (low nibbles: values 0-15); Q4_K packs two sub-blocks per
+    32 bytes (low nibbles: the first, high: the second) and is repacked.
+    """
+    block_values, block_bytes = GGML_QUANT_SIZES[qtype]
+    blocks = data.reshape(rows, cols // block_values, block_bytes)  # (rows, blocks, bytes)
+
+    def f16(lo: int) -> np.ndarray:
+        return np.ascontiguousarray(blocks[..., lo : lo + 2]).view(np.float16)[..., 0].astype(np.float32)
+
+    def tensor(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a))
+
+    if qtype == GGMLQuantizationType.Q8_0:
+        q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(rows, cols)
+        return QuantizedWeight(8, tensor(q), tensor(f16(0)), None, cols)
+    if qtype in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1):
+        d = f16(0)
+        m = -8.0 * d if qtype == GGMLQuantizationType.Q4_0 else f16(2)
+        qs = blocks[..., 2:] if qtype == GGMLQuantizationType.Q4_0 else blocks[..., 4:]
+        return QuantizedWeight(4, tensor(qs.reshape(rows, cols // 2)), tensor(d), tensor(m), cols)
+    if qtype == GGMLQuantizationType.Q4_K:
+        d, dmin = f16(0)[..., None], f16(2)[..., None]  # (rows, super-blocks, 1)
+        sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(blocks[..., 4:16]).reshape(-1, 12))
+        sc = sc.reshape(rows, -1, 8).astype(np.float32)
+        mn = mn.reshape(rows, -1, 8).astype(np.float32)
+        qs = blocks[..., 16:].reshape(rows, -1, 4, 1, 32)  # 4 pairs of sub-blocks of 32 bytes
+        values = (qs >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)) & 0x0F  # (rows, sb, 4, 2, 32)
+        packed = pack_int4(torch.from_numpy(np.ascontiguousarray(values.reshape(rows, cols))))
+        return QuantizedWeight(4, packed, tensor((d * sc).reshape(rows, -1)), tensor((-dmin * mn).reshape(rows, -1)), cols)
+    raise GGUFError(f"GGUF type {qtype.name} is not kept quantized")
 
 
 def _check_dequantizable(qtype: GGMLQuantizationType, name: str, path: Path) -> None:

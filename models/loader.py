@@ -11,6 +11,8 @@ Pickle checkpoints (.bin/.pt/.pth) are refused: unpickling runs code from the fi
 from __future__ import annotations
 
 import json
+import logging
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
@@ -21,8 +23,11 @@ from torch import nn
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from models.config import ModelConfig, build_model_config, load_hf_config, read_eos_token_ids
-from models.layers.linear import can_pack_weights, linear_weight_bytes, pack_linear_weights
+from models.layers.linear import Linear, MergedLinear, can_pack_weights, linear_weight_bytes, pack_linear_weights
+from models.layers.quantization import DENSE, QUANTIZATIONS, LinearMethod, method_for
 from models.registry import MODEL_REGISTRY, get_model_class
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DEFAULT_ALIASES = {"smollm2-135m-instruct", "smollm2"}
@@ -39,14 +44,70 @@ class LoadedModel:
     config: ModelConfig
     tokenizer: PreTrainedTokenizerBase
 
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of every parameter and buffer resident (quantized weights as stored)."""
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        tensors += [m.packed_weight for m in self.model.modules() if getattr(m, "packed_weight", None) is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    @property
+    def quantization(self) -> str:
+        """The layers' methods, e.g. 'int4 x 210, int8 x 1' or 'dense'."""
+        counts = Counter(m.quant_method.name for m in self.model.modules() if isinstance(m, Linear))
+        return ", ".join(f"{name} x {n}" for name, n in counts.most_common()) or "dense"
+
+
+# (checkpoint weight names of one layer, its in_features) -> the method it is served with
+MethodChoice = Callable[[list[str], int], LinearMethod]
+
+
+def choose_methods(quantization: str, stored: Callable[[str], tuple[int, int] | None] | None = None) -> MethodChoice:
+    """`--quantization`: 'auto' serves what the checkpoint stores (`stored(name)`: the (bits,
+    group) a tensor is kept in, None for dense; no `stored`: dense checkpoint), 'none' dense,
+    'int8' per output channel, 'int4' in groups of 32, rounding to nearest at load."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+
+    def choose(names: list[str], in_features: int) -> LinearMethod:
+        if quantization == "int8":
+            return method_for(8, None, in_features)
+        if quantization == "int4":
+            return method_for(4, 32, in_features)
+        if quantization == "none" or stored is None:
+            return DENSE
+        formats = [stored(name) for name in names]
+        if any(f is None for f in formats):
+            return DENSE  # a merged layer with a dense part stays dense
+        bits = max(bits for bits, _ in formats)  # a Q4 + Q6 merged layer: int8 for all
+        return method_for(bits, 32, in_features)
+
+    return choose
+
+
+def set_quant_methods(model: nn.Module, choose: MethodChoice) -> None:
+    """Give every Linear (embedding and lm_head included) its method, on the meta device."""
+    for path, module in model.named_modules():
+        if not isinstance(module, Linear):
+            continue
+        if isinstance(module, MergedLinear):
+            parent = path.rpartition(".")[0]
+            names = [f"{parent}.{shard}.weight" if parent else f"{shard}.weight" for shard in module.shard_sizes]
+        else:
+            names = [f"{path}.weight"]
+        module.set_quant_method(choose(names, module.in_features))
+
 
 def load_model(
     model: str | Path = DEFAULT_MODEL,
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
     max_model_len: int | None = None,
+    quantization: str = "auto",
 ) -> LoadedModel:
-    """`model`: a checkpoint directory, a .gguf file, or the default alias ("SmolLM2-135M-Instruct"/"smollm2")."""
+    """`model`: a checkpoint directory, a .gguf file, or the default alias ("SmolLM2-135M-Instruct"/"smollm2").
+    `quantization`: see `choose_methods`."""
+    choose_methods(quantization)  # validates the name before any file is read
     if str(model).strip().lower() in _DEFAULT_ALIASES:
         from models.fetch import default_model_path  # lazy: downloads only when asked for
 
@@ -55,9 +116,9 @@ def load_model(
     if path.suffix == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"no GGUF file at {path}")
-        return _load_gguf(path, dtype, device, max_model_len)
+        return _load_gguf(path, dtype, device, max_model_len, quantization)
     if path.is_dir():
-        return _load_checkpoint_dir(path, dtype, device, max_model_len)
+        return _load_checkpoint_dir(path, dtype, device, max_model_len, quantization)
     if path.suffix in _PICKLE_SUFFIXES:
         _refuse_pickle(path)
     if not path.exists():
@@ -118,12 +179,17 @@ def build_model(
     weights: Iterable[tuple[str, torch.Tensor]],
     device: str | torch.device,
     source: Callable[[], Path | str],
+    choose: MethodChoice | None = None,
 ) -> nn.Module:
-    """Instantiate the registered class and fill it from `weights`; `source()` names the file for errors."""
+    """Instantiate the registered class and fill it from `weights`; `source()` names the file for errors.
+    `choose` picks each linear layer's method (default: dense)."""
     cls = get_model_class(config.architecture)
     with torch.device("meta"):
         model = cls(config.hf_config, config.max_model_len)
-    model = model.to(dtype=config.dtype).to_empty(device=device)  # uninitialized memory
+    model = model.to(dtype=config.dtype)
+    # Methods are set on the meta model, so a quantized layer never allocates a dense weight.
+    set_quant_methods(model, choose or choose_methods("none"))
+    model = model.to_empty(device=device)  # uninitialized memory
     try:
         loaded = model.load_weights(weights)
     except ValueError as e:
@@ -149,7 +215,7 @@ def _load_tokenizer(checkpoint_dir: Path) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def _load_checkpoint_dir(checkpoint_dir: Path, dtype, device, max_model_len) -> LoadedModel:
+def _load_checkpoint_dir(checkpoint_dir: Path, dtype, device, max_model_len, quantization) -> LoadedModel:
     hf_config, architecture = load_hf_config(checkpoint_dir)
     files = _safetensors_files(checkpoint_dir)
     tokenizer = _load_tokenizer(checkpoint_dir)
@@ -158,14 +224,20 @@ def _load_checkpoint_dir(checkpoint_dir: Path, dtype, device, max_model_len) -> 
         eos = (tokenizer.eos_token_id,)
     config = build_model_config(hf_config, architecture, checkpoint_dir, dtype, device, max_model_len, eos)
     stream = _SafetensorsStream(files)
-    model = build_model(config, stream, device, lambda: stream.current_file)
-    return LoadedModel(model=model, config=config, tokenizer=tokenizer)
+    model = build_model(config, stream, device, lambda: stream.current_file, choose_methods(quantization))
+    return _loaded(model, config, tokenizer)
 
 
-def _load_gguf(path: Path, dtype, device, max_model_len) -> LoadedModel:
-    from models.gguf import load_gguf  # lazy: only GGUF users pay for the gguf reader
+def _loaded(model: nn.Module, config: ModelConfig, tokenizer) -> LoadedModel:
+    loaded = LoadedModel(model=model, config=config, tokenizer=tokenizer)
+    logger.info("weights: %s; %.1f MiB resident (%s)", loaded.quantization, loaded.weight_bytes / 2**20, config.dtype)
+    return loaded
 
-    hf_config, weights, tokenizer, eos = load_gguf(path)
+
+def _load_gguf(path: Path, dtype, device, max_model_len, quantization) -> LoadedModel:
+    from models.gguf import EXACT_FORMATS, load_gguf, serving_format  # lazy: only GGUF users pay for the reader
+
+    hf_config, weights, tokenizer, eos = load_gguf(path, keep_quantized=quantization != "none")
     architecture = next((a for a in (hf_config.architectures or []) if a in MODEL_REGISTRY), None)
     if architecture is None:
         raise ValueError(
@@ -174,5 +246,11 @@ def _load_gguf(path: Path, dtype, device, max_model_len) -> LoadedModel:
     if not eos and tokenizer.eos_token_id is not None:
         eos = (tokenizer.eos_token_id,)
     config = build_model_config(hf_config, architecture, path, dtype, device, max_model_len, tuple(eos))
-    model = build_model(config, weights, device, lambda: path)
-    return LoadedModel(model=model, config=config, tokenizer=tokenizer)
+    types = weights.stored_types()
+    requantized = Counter(t.name for t in types.values() if serving_format(t) and t not in EXACT_FORMATS)
+    if quantization == "auto" and requantized:
+        logger.info("%s: GGUF types with no exact int4/int8 form, requantized at load (round to nearest): %s",
+                    path.name, dict(requantized))
+    choose = choose_methods(quantization, lambda name: serving_format(types[name]) if name in types else None)
+    model = build_model(config, weights, device, lambda: path, choose)
+    return _loaded(model, config, tokenizer)

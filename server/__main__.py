@@ -36,6 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weights and KV-cache dtype; auto = bfloat16 on CPUs/GPUs that compute it natively, "
                         "else float32")
     p.add_argument("--device", default="auto", help="torch device: cpu, cuda, cuda:1, ...; auto = cuda if available")
+    p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+                   help="weights: auto = as the checkpoint stores them (GGUF Q4/Q8 stay 4/8-bit, safetensors "
+                        "dense); none = dequantize to --dtype; int8 (per channel) / int4 (groups of 32) = "
+                        "quantize a dense checkpoint at load")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send in 'model' and see in /v1/models (default: --model as given)")
     p.add_argument("--max-model-len", type=int, default=None,
@@ -106,7 +110,8 @@ def main(argv: list[str] | None = None) -> None:
         device = args.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        loaded = load_model(args.model, dtype=args.dtype, device=device, max_model_len=args.max_model_len)
+        loaded = load_model(args.model, dtype=args.dtype, device=device, max_model_len=args.max_model_len,
+                            quantization=args.quantization)
         return AsyncEngine(loaded, config)
 
     failed: list[BaseException] = []

@@ -196,7 +196,7 @@ def load_hf_weights(
             loaded.add(name)
             continue
         shard = prefix.rpartition(".")[2]
-        if prefix not in merged or kind not in ("weight", "bias") or getattr(merged[prefix][1], kind) is None:
+        if prefix not in merged or kind not in ("weight", "bias") or (kind == "bias" and merged[prefix][1].bias is None):
             raise ValueError(f"tensor {name!r} {tuple(tensor.shape)} does not belong to this model")
         path, module = merged[prefix]
         rows = module.shard_rows(shard)

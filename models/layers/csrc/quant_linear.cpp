@@ -11,10 +11,15 @@
 // group holds element j in its low nibble and element j + 16 in its high nibble.
 //
 // As llama.cpp does on x86, the activations are quantized too, per row and per 32 values
-// (symmetric int8, one float scale, plus the exact float sum of the 32 values for the
-// min term), so the inner product of a group is an integer dot product:
+// (symmetric int8 with one float scale), so the inner product of a group is an integer
+// dot product:
 //
-//     sum_k w x = scale * xscale * sum_k q xq  +  min * sum_k x
+//     sum_k w x~ = scale * xscale * sum_k q xq  +  min * xscale * sum_k xq
+//
+// The min term uses the quantized x~ too (not the exact sum of x): then the result is
+// exactly the dequantized weight times x~, whose error sum_k w (x - x~) is small because
+// w is centred; min * sum_k (x - x~) with the exact sum would add an uncentred error
+// (|min| is ~8 scales), several times larger.
 //
 // AVX2 computes 32 such products in two instructions (maddubs: u8 x s8 -> s16 pairs,
 // madd: -> s32), AVX-VNNI / AVX512-VNNI in one (dpbusd). Without them the plain loops
@@ -35,23 +40,24 @@ namespace {
 
 constexpr int64_t kBlock = 32;  // values per quantization block of weights and activations
 
-// x (M, K) float -> xq (M, K) int8, xscale (M, K/32), xsum (M, K/32).
+// x (M, K) float -> xq (M, K) int8, xscale (M, K/32), xsum (M, K/32) = xscale * sum of xq.
 void quantize_activations(const float* x, int64_t M, int64_t K, int8_t* xq, float* xscale, float* xsum) {
   const int64_t nb = K / kBlock;
   at::parallel_for(0, M * nb, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const float* src = x + i * kBlock;  // block i of the flattened (M, K): rows are K apart, K % 32 == 0
-      float amax = 0.f, sum = 0.f;
-      for (int j = 0; j < kBlock; ++j) {
-        amax = std::max(amax, std::fabs(src[j]));
-        sum += src[j];
-      }
+      float amax = 0.f;
+      for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(src[j]));
       const float d = amax / 127.f;
       const float inv = d > 0.f ? 1.f / d : 0.f;
       int8_t* dst = xq + i * kBlock;
-      for (int j = 0; j < kBlock; ++j) dst[j] = static_cast<int8_t>(std::nearbyint(src[j] * inv));
+      int32_t sum = 0;
+      for (int j = 0; j < kBlock; ++j) {
+        dst[j] = static_cast<int8_t>(std::nearbyint(src[j] * inv));
+        sum += dst[j];
+      }
       xscale[i] = d;
-      xsum[i] = sum;
+      xsum[i] = d * static_cast<float>(sum);
     }
   });
 }
@@ -149,6 +155,98 @@ inline void rows_of_column(
   }
 }
 
+#if defined(__AVX2__)
+// Weight group g of row w as 32 floats (4 vectors): scale * q (+ min).
+template <int Bits>
+inline void dequantize_group(const uint8_t* w, int64_t g, float s, float mn, __m256 out[4]) {
+  const __m256 vs = _mm256_set1_ps(s), vm = _mm256_set1_ps(mn);
+  __m256i q;
+  if constexpr (Bits == 4) {
+    q = unpack_nibbles(w + g * (kBlock / 2));
+  } else {
+    q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * kBlock));
+  }
+  const __m128i halves[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
+  for (int h = 0; h < 2; ++h) {
+    for (int part = 0; part < 2; ++part) {
+      const __m128i bytes = part == 0 ? halves[h] : _mm_srli_si128(halves[h], 8);
+      const __m256i ints = Bits == 4 ? _mm256_cvtepu8_epi32(bytes) : _mm256_cvtepi8_epi32(bytes);
+      out[h * 2 + part] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), vs, vm);
+    }
+  }
+}
+#endif
+
+// The float-activation path: each weight group is dequantized to floats and multiplied
+// with x as it is, for layers whose inputs an int8 rounding would hurt (the logits).
+template <int Bits, int MB>
+inline void float_rows_of_column(
+    const uint8_t* w, const float* scale, const float* min, int64_t groups_per_scale, int64_t nb,
+    const float* x, int64_t m0, int64_t K, float* acc_out) {
+#if defined(__AVX2__)
+  __m256 acc[MB];
+  for (int r = 0; r < MB; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < nb; ++g) {
+    __m256 wf[4];
+    dequantize_group<Bits>(w, g, scale[g / groups_per_scale], min ? min[g / groups_per_scale] : 0.f, wf);
+    for (int r = 0; r < MB; ++r) {
+      const float* xb = x + (m0 + r) * K + g * kBlock;
+      for (int v = 0; v < 4; ++v) acc[r] = _mm256_fmadd_ps(wf[v], _mm256_loadu_ps(xb + 8 * v), acc[r]);
+    }
+  }
+  for (int r = 0; r < MB; ++r) acc_out[r] = hsum(acc[r]);
+#else
+  for (int r = 0; r < MB; ++r) {
+    const float* xr = x + (m0 + r) * K;
+    float acc = 0.f;
+    for (int64_t g = 0; g < nb; ++g) {
+      const float s = scale[g / groups_per_scale], mn = min ? min[g / groups_per_scale] : 0.f;
+      for (int j = 0; j < kBlock; ++j) {
+        int q;
+        if constexpr (Bits == 4) {
+          const uint8_t byte = w[g * (kBlock / 2) + j % (kBlock / 2)];
+          q = j < kBlock / 2 ? (byte & 0x0F) : (byte >> 4);
+        } else {
+          q = reinterpret_cast<const int8_t*>(w)[g * kBlock + j];
+        }
+        acc += (s * static_cast<float>(q) + mn) * xr[g * kBlock + j];
+      }
+    }
+    acc_out[r] = acc;
+  }
+#endif
+}
+
+template <int Bits>
+void float_qlinear_impl(
+    const float* x, int64_t M, int64_t K, const uint8_t* qweight, const float* scales, const float* mins,
+    int64_t N, int64_t group_size, const float* bias, float* out) {
+  const int64_t nb = K / kBlock;
+  const int64_t groups_per_scale = group_size / kBlock;
+  const int64_t scales_per_row = K / group_size;
+  const int64_t row_bytes = Bits == 4 ? K / 2 : K;
+  constexpr int MB = 4;
+  const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(64, N / (4 * at::get_num_threads())));
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    float acc[MB];
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* w = qweight + n * row_bytes;
+      const float* s = scales + n * scales_per_row;
+      const float* mn = mins != nullptr ? mins + n * scales_per_row : nullptr;
+      const float b = bias != nullptr ? bias[n] : 0.f;
+      int64_t m0 = 0;
+      for (; m0 + MB <= M; m0 += MB) {
+        float_rows_of_column<Bits, MB>(w, s, mn, groups_per_scale, nb, x, m0, K, acc);
+        for (int r = 0; r < MB; ++r) out[(m0 + r) * N + n] = acc[r] + b;
+      }
+      for (; m0 < M; ++m0) {
+        float_rows_of_column<Bits, 1>(w, s, mn, groups_per_scale, nb, x, m0, K, acc);
+        out[m0 * N + n] = acc[0] + b;
+      }
+    }
+  });
+}
+
 template <int Bits>
 void qlinear_impl(
     const int8_t* xq, const float* xscale, const float* xsum, int64_t M, int64_t K,
@@ -186,11 +284,11 @@ void qlinear_impl(
 
 // x (M, K) float32 or bfloat16; qweight (N, K/2) uint8 (4 bits) or (N, K) int8 (8 bits);
 // scales, mins (N, K/group_size) float32 (mins only for asymmetric 4 bits); bias (N,)
-// -> (M, N) in x's dtype.
+// -> (M, N) in x's dtype. quantize_input: int8 dot products (fast), else float FMAs on x as is.
 at::Tensor quant_linear(
     const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
     const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& bias, int64_t bits,
-    int64_t group_size) {
+    int64_t group_size, bool quantize_input) {
   TORCH_CHECK(bits == 4 || bits == 8, "quant_linear: bits must be 4 or 8, got ", bits);
   TORCH_CHECK(x.dim() == 2 && qweight.dim() == 2 && scales.dim() == 2, "quant_linear: 2-D tensors expected");
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
@@ -210,14 +308,24 @@ at::Tensor quant_linear(
   at::Tensor bias_f;
   if (bias.has_value()) bias_f = bias->to(at::kFloat).contiguous();
   const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const float* bias_ptr = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
+  const auto* w = reinterpret_cast<const uint8_t*>(qweight.data_ptr());
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (!quantize_input) {
+    if (bits == 4) {
+      float_qlinear_impl<4>(xf.data_ptr<float>(), M, K, w, scales.data_ptr<float>(), mins_ptr, N, group_size,
+                            bias_ptr, out.data_ptr<float>());
+    } else {
+      float_qlinear_impl<8>(xf.data_ptr<float>(), M, K, w, scales.data_ptr<float>(), nullptr, N, group_size,
+                            bias_ptr, out.data_ptr<float>());
+    }
+    return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+  }
   at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kChar));
   at::Tensor xscale = at::empty({M, K / kBlock}, x.options().dtype(at::kFloat));
   at::Tensor xsum = at::empty({M, K / kBlock}, x.options().dtype(at::kFloat));
   quantize_activations(xf.data_ptr<float>(), M, K, xq.data_ptr<int8_t>(), xscale.data_ptr<float>(),
                        xsum.data_ptr<float>());
-  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
-  const float* bias_ptr = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
-  const auto* w = reinterpret_cast<const uint8_t*>(qweight.data_ptr());
   if (bits == 4) {
     qlinear_impl<4>(xq.data_ptr<int8_t>(), xscale.data_ptr<float>(), xsum.data_ptr<float>(), M, K, w,
                     scales.data_ptr<float>(), mins_ptr, N, group_size, bias_ptr, out.data_ptr<float>());
@@ -230,7 +338,7 @@ at::Tensor quant_linear(
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? bias, int bits, "
-        "int group_size) -> Tensor");
+        "int group_size, bool quantize_input) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
