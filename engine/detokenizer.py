@@ -57,10 +57,7 @@ class IncrementalDetokenizer:
         # Tokens decode() would skip never enter the window, so a run of them cannot grow it.
         self._skipped_ids = _special_ids(tokenizer) if params.skip_special_tokens else frozenset()
         self.num_prompt_tokens = len(prompt_token_ids)
-        self._stops = tuple(params.stop)
-        # Every proper prefix of a stop string: the only text that may be held back.
-        self._stop_prefixes = frozenset(s[:i] for s in self._stops for i in range(1, len(s)))
-        self._max_held = max((len(s) for s in self._stops), default=1) - 1
+        self._stops = _StopMatcher(params.stop) if params.stop else None
         self.token_ids: list[int] = []  # the tokens decode() sees (skipped special tokens left out)
         self._prefix_offset = 0
         self._read_offset = 0
@@ -139,23 +136,18 @@ class IncrementalDetokenizer:
             self._parts.append(new_text)
             return new_text, None
         text = self._pending + new_text
-        match = _first_stop(text, self._stops)
+        match = self._stops.feed(new_text)
         if match is not None:
-            start, stop = match
-            released, self._pending = text[:start], ""
+            end, stop = match
+            # The match began inside the held-back text at the earliest: what came before
+            # it was released because it could not start a stop string.
+            released, self._pending = text[:len(self._pending) + end - len(stop)], ""
             self.stop_matched, self.finished = stop, True
         else:
-            num_held = self._num_held(text)
+            num_held = self._stops.num_partial
             released, self._pending = text[:len(text) - num_held], text[len(text) - num_held:]
         self._parts.append(released)
         return released, match[1] if match is not None else None
-
-    def _num_held(self, text: str) -> int:
-        """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
-        for length in range(min(len(text), self._max_held), 0, -1):
-            if text[-length:] in self._stop_prefixes:
-                return length
-        return 0
 
 
 def _special_ids(tokenizer) -> frozenset[int]:
@@ -167,15 +159,56 @@ def _special_ids(tokenizer) -> frozenset[int]:
     return frozenset(getattr(tokenizer, "all_special_ids", ()))
 
 
-def _first_stop(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
-    """(start, stop) of the stop string occurrence that ends first in `text` (longest on a tie).
+class _StopMatcher:
+    """Stop strings matched one character at a time, each by its own Knuth-Morris-Pratt
+    automaton: O(total stop length) memory, and O(number of stops) amortised time per
+    character of text, however long the stop strings or the text.
 
-    `text` starts at the held-back text, so any occurrence completed by new text lies
-    inside it: a match starting earlier would have been a longer held-back prefix.
+    `state[i]` is the length of the longest suffix of the text fed so far that is a prefix
+    of stop i; the text that must be held back is the longest of these (while none is
+    complete). The first stop to complete wins; of those completing on the same
+    character, the longest.
     """
-    best: tuple[int, int, str] | None = None  # (end, start, stop)
-    for stop in stops:
-        start = text.find(stop)
-        if start >= 0 and (best is None or (start + len(stop), start) < best[:2]):
-            best = (start + len(stop), start, stop)
-    return None if best is None else (best[1], best[2])
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = tuple(stops)
+        self.failure = [_failure_function(s) for s in self.stops]
+        self.state = [0] * len(self.stops)
+
+    @property
+    def num_partial(self) -> int:
+        return max(self.state)
+
+    def feed(self, text: str) -> tuple[int, str] | None:
+        """Advance over `text`: (index in `text` just past the stop string that completed
+        first, that stop string), or None."""
+        stops, failure, state = self.stops, self.failure, self.state
+        for pos, char in enumerate(text):
+            matched = None
+            for i, stop in enumerate(stops):
+                k = state[i]
+                while k and stop[k] != char:
+                    k = failure[i][k - 1]
+                if stop[k] == char:
+                    k += 1
+                if k == len(stop):
+                    if matched is None or len(stop) > len(matched):
+                        matched = stop
+                    k = failure[i][k - 1]
+                state[i] = k
+            if matched is not None:
+                return pos + 1, matched
+        return None
+
+
+def _failure_function(pattern: str) -> list[int]:
+    """failure[j]: the length of the longest proper prefix of pattern[:j + 1] that is also its suffix."""
+    failure = [0] * len(pattern)
+    k = 0
+    for j in range(1, len(pattern)):
+        while k and pattern[j] != pattern[k]:
+            k = failure[k - 1]
+        if pattern[j] == pattern[k]:
+            k += 1
+        failure[j] = k
+    return failure

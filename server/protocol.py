@@ -33,6 +33,9 @@ _TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")
 # Bodies nest a few levels (messages[0].content[0].text); deeper is refused, and so is
 # anything json.loads itself cannot hold (recursion, integers over Python's 4,300 digits).
 MAX_JSON_DEPTH = 32
+# OpenAI's 4 stop sequences, each at most this many characters (text that could start one
+# is held back from the stream, so a long one delays output by that much).
+MAX_STOP_STRINGS, MAX_STOP_LENGTH = 4, 1024
 
 
 class _Strict(BaseModel):
@@ -74,10 +77,13 @@ class _SamplingFields(_Strict):
             stop = [stop]
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
             raise invalid("'stop' must be a string or a list of strings", param="stop")
-        if len(stop) > 4:
-            raise invalid(f"'stop' takes up to 4 sequences, got {len(stop)}", param="stop")
+        if len(stop) > MAX_STOP_STRINGS:
+            raise invalid(f"'stop' takes up to {MAX_STOP_STRINGS} sequences, got {len(stop)}", param="stop")
         if any(s == "" for s in stop):
             raise invalid("'stop' sequences must be non-empty strings", param="stop")
+        if any(len(s) > MAX_STOP_LENGTH for s in stop):
+            raise invalid(f"'stop' sequences must be at most {MAX_STOP_LENGTH} characters, got one of "
+                          f"{max(map(len, stop))}", param="stop")
         return tuple(stop)
 
     def check_common(self, vocab_size: int) -> None:

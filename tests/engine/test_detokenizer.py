@@ -7,6 +7,8 @@ the first leading space; unknown characters become <0xXX> tokens), and, when the
 model fetcher and GGUF reader are there, SmolLM2's own tokenizer.
 """
 import functools
+import time
+import tracemalloc
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -207,3 +209,46 @@ def test_skipped_special_token_does_not_eat_the_next_leading_space():
     det = IncrementalDetokenizer(tok, [], SamplingParams())
     pieces = [det.append(t)[0] for t in ids] + [det.flush()]
     assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True) == "a b w"
+
+
+class CharTokenizer:
+    """Token id i decodes to chr(i): one character per token, nothing special."""
+
+    added_tokens_decoder: dict = {}
+
+    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):
+        return "".join(map(chr, ids))
+
+
+def test_stop_matching_is_linear_in_the_stop_strings_and_the_text():
+    """A long stop string that keeps almost matching ("aaa...a" against "aaa...ab") costs
+    memory linear in its length (every prefix of it, as a set, was quadratic: 32 MB here)
+    and time linear in the text."""
+    stop_len, num_tokens = 8000, 20000
+    stop = "a" * (stop_len - 1) + "b"
+    tracemalloc.start()
+    try:
+        start = time.perf_counter()
+        det = IncrementalDetokenizer(CharTokenizer(), [], SamplingParams(stop=(stop, "zz")))
+        released = "".join(det.append(ord("a" if i % stop_len else "c"))[0] for i in range(1, num_tokens))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * 2**20, peak
+    assert time.perf_counter() - start < 10.0  # ~0.1 s
+    held = det.held_back
+    assert held == "a" * ((num_tokens - 1) % stop_len) and released + held == det.text
+    det = IncrementalDetokenizer(CharTokenizer(), [], SamplingParams(stop=(stop,)))
+    assert "".join(det.append(ord("a"))[0] for _ in range(num_tokens)) == "a" * (num_tokens - stop_len + 1)
+    assert det.append(ord("b")) == ("", stop)
+
+
+def test_stop_matching_overlapping_candidates():
+    det = IncrementalDetokenizer(CharTokenizer(), [], SamplingParams(stop=("abab", "bac", "c")))
+    out = [det.append(ord(c)) for c in "ababac"]
+    assert out[:3] == [("", None)] * 3 and out[3] == ("", "abab")
+    det = IncrementalDetokenizer(CharTokenizer(), [], SamplingParams(stop=("abcd", "bc")))
+    assert [det.append(ord(c)) for c in "xabc"] == [("x", None), ("", None), ("", None), ("a", "bc")]
+    det = IncrementalDetokenizer(CharTokenizer(), [], SamplingParams(stop=("aab",)))
+    assert "".join(det.append(ord(c))[0] for c in "aaaa") == "aa" and det.held_back == "aa"
+    assert det.append(ord("b")) == ("", "aab") and det.text == "aa"

@@ -66,6 +66,8 @@ BAD_REQUESTS = [
     (CMPL, {"model": M, "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "up to 4"),
     (CMPL, {"model": M, "prompt": "hi", "stop": [1]}, 400, "stop", "string"),
     (CMPL, {"model": M, "prompt": "hi", "stop": ""}, 400, "stop", "non-empty"),
+    (CMPL, {"model": M, "prompt": "hi", "stop": "a" * 1025}, 400, "stop", "at most 1024 characters"),
+    (CHAT, {"model": M, "messages": USER, "stop": ["x", "\u00e9" * 100_000]}, 400, "stop", "at most 1024 characters"),
     (CMPL, {"model": M, "prompt": "hi", "logit_bias": {"abc": 1}}, 400, "logit_bias", "token ids"),
     (CMPL, {"model": M, "prompt": "hi", "logit_bias": {"5": 200}}, 400, "logit_bias", "[-100, 100]"),
     (CMPL, {"model": M, "prompt": "hi", "logit_bias": {"99999": 1}}, 400, "logit_bias", "token ids"),
