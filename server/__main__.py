@@ -80,9 +80,17 @@ def engine_config(args: argparse.Namespace):
 
 
 def served_name(model: str) -> str:
+    """The model's name for clients when --served-model-name is not given: the checkpoint
+    directory's or .gguf file's base name, never the path (which would show clients the
+    server's filesystem). The default model and its aliases are served as DEFAULT_MODEL."""
     from models.fetch import DEFAULT_MODEL, DEFAULT_MODEL_ALIASES
 
-    return DEFAULT_MODEL if model.strip().lower() in DEFAULT_MODEL_ALIASES else model
+    if model.strip().lower() in DEFAULT_MODEL_ALIASES:
+        return DEFAULT_MODEL
+    name = os.path.basename(os.path.abspath(os.path.expanduser(model)))  # no symlinks followed
+    if name.lower().endswith(".gguf"):
+        name = name[:-len(".gguf")]
+    return name or "model"
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -89,3 +89,26 @@ def test_sigterm_lets_in_flight_requests_finish_then_exits_0(served_process):
     assert '"finish_reason":"length"' in lines[-2]
     with pytest.raises(httpx.TransportError):
         httpx.get(f"{url}/health", timeout=5)
+
+
+@pytest.mark.parametrize("model,name", [
+    ("/srv/secret/checkpoints/SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct"),
+    ("/srv/secret/checkpoints/my-llama/", "my-llama"),
+    ("/srv/secret/gguf/SmolLM2-135M-Instruct-Q8_0.gguf", "SmolLM2-135M-Instruct-Q8_0"),
+    ("relative/dir/Qwen3-0.6B.GGUF", "Qwen3-0.6B"),
+    ("~/models/tiny", "tiny"),
+    ("SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct"),
+    ("smollm2", "SmolLM2-135M-Instruct"),
+    (" SMOLLM2-135M-instruct ", "SmolLM2-135M-Instruct"),
+])
+def test_default_served_model_name_is_the_base_name_not_the_path(model, name):
+    from server.__main__ import served_name
+
+    assert served_name(model) == name
+
+
+def test_served_model_name_of_the_current_directory_is_its_name(tmp_path, monkeypatch):
+    from server.__main__ import served_name
+
+    monkeypatch.chdir(tmp_path)
+    assert served_name(".") == tmp_path.name and served_name("./") == tmp_path.name
