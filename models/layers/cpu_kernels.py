@@ -26,7 +26,7 @@ _SOURCES = [
     Path(__file__).parent / "csrc" / name
     for name in ("paged_decode_attention.cpp", "elementwise.cpp", "quant_linear.cpp")
 ]
-_OPS = ("paged_decode_attention", "rms_norm", "silu_and_mul", "quant_linear")
+_OPS = ("paged_decode_attention", "rms_norm", "silu_and_mul", "quant_linear", "dequantize_weight")
 # (name, cpuinfo flags that must all be present, compiler flags they allow), in order.
 _X86_LEVELS = (
     ("avx2", ("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c")),
@@ -146,3 +146,10 @@ def quant_linear(
     """x (M, K) -> (M, N) in x's dtype, W as in models/layers/quantization.py; `quantize_input`:
     x rounded to int8 per 32 values for integer dot products, else used as it is."""
     return torch.ops.pagedserve.quant_linear(x, qweight, scales, mins, bias, bits, group_size, quantize_input)
+
+
+def dequantize_weight(
+    qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, bits: int, group_size: int
+) -> torch.Tensor:
+    """The float32 weight (N, K) of a quantized one (models/layers/quantization.py's layout)."""
+    return torch.ops.pagedserve.dequantize_weight(qweight, scales, mins, bits, group_size)

@@ -34,6 +34,11 @@ from torch import nn
 from models.layers import cpu_kernels
 
 BLOCK = 32  # the quantized kernels' unit along K
+# Steps of at least this many rows dequantize the weight once and run a dense GEMM: the
+# row-by-row kernel's cost grows with the rows, a GEMM's much less (SmolLM2's shapes,
+# 2 cores, AVX2: the two meet near 32 rows). A function of the step's size only, so a
+# request's results never depend on timing.
+DEQUANTIZE_ROWS = 32
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 
@@ -216,6 +221,12 @@ class QuantMethod(LinearMethod):
 
     def apply(self, layer, x, bias):
         if x.device.type == "cpu" and cpu_kernels.available() and x.dim() == 2:
+            if x.shape[0] >= DEQUANTIZE_ROWS:
+                weight = cpu_kernels.dequantize_weight(
+                    layer.qweight, layer.scales, getattr(layer, "mins", None), self.bits,
+                    layer.in_features // layer.scales.shape[1],
+                )
+                return F.linear(x, weight.to(x.dtype), bias)
             return cpu_kernels.quant_linear(
                 x, layer.qweight, layer.scales, getattr(layer, "mins", None), bias, self.bits,
                 layer.in_features // layer.scales.shape[1], self.quantize_input,

@@ -336,11 +336,64 @@ at::Tensor quant_linear(
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
+// qweight, scales, mins as above -> the float32 weight (N, K): for steps of many rows, where
+// one dequantization plus a dense GEMM beats the row-by-row kernel.
+at::Tensor dequantize_weight(
+    const at::Tensor& qweight, const at::Tensor& scales, const c10::optional<at::Tensor>& mins, int64_t bits,
+    int64_t group_size) {
+  TORCH_CHECK(bits == 4 || bits == 8, "dequantize_weight: bits must be 4 or 8, got ", bits);
+  const int64_t N = qweight.size(0), K = bits == 4 ? qweight.size(1) * 2 : qweight.size(1);
+  TORCH_CHECK(K % kBlock == 0 && group_size % kBlock == 0 && K % group_size == 0 && qweight.is_contiguous() &&
+              scales.is_contiguous() && scales.scalar_type() == at::kFloat && scales.size(0) == N &&
+              scales.size(1) == K / group_size, "dequantize_weight: bad shapes");
+  const float* mins_ptr = nullptr;
+  if (mins.has_value()) {
+    TORCH_CHECK(mins->sizes() == scales.sizes() && mins->is_contiguous() && mins->scalar_type() == at::kFloat,
+                "dequantize_weight: mins must be float32 like scales");
+    mins_ptr = mins->data_ptr<float>();
+  }
+  at::Tensor out = at::empty({N, K}, scales.options());
+  const auto* w = reinterpret_cast<const uint8_t*>(qweight.data_ptr());
+  const float* sc = scales.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  const int64_t nb = K / kBlock, groups_per_scale = group_size / kBlock, scales_per_row = K / group_size;
+  const int64_t row_bytes = bits == 4 ? K / 2 : K;
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* wr = w + n * row_bytes;
+      for (int64_t g = 0; g < nb; ++g) {
+        const float s = sc[n * scales_per_row + g / groups_per_scale];
+        const float mn = mins_ptr ? mins_ptr[n * scales_per_row + g / groups_per_scale] : 0.f;
+        float* o = dst + n * K + g * kBlock;
+#if defined(__AVX2__)
+        __m256 v[4];
+        if (bits == 4) dequantize_group<4>(wr, g, s, mn, v); else dequantize_group<8>(wr, g, s, mn, v);
+        for (int i = 0; i < 4; ++i) _mm256_storeu_ps(o + 8 * i, v[i]);
+#else
+        for (int j = 0; j < kBlock; ++j) {
+          int q;
+          if (bits == 4) {
+            const uint8_t byte = wr[g * (kBlock / 2) + j % (kBlock / 2)];
+            q = j < kBlock / 2 ? (byte & 0x0F) : (byte >> 4);
+          } else {
+            q = reinterpret_cast<const int8_t*>(wr)[g * kBlock + j];
+          }
+          o[j] = s * static_cast<float>(q) + mn;
+        }
+#endif
+      }
+    }
+  });
+  return out;
+}
+
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
+  m.def("dequantize_weight(Tensor qweight, Tensor scales, Tensor? mins, int bits, int group_size) -> Tensor");
   m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? bias, int bits, "
         "int group_size, bool quantize_input) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("quant_linear", &quant_linear);
+  m.impl("dequantize_weight", &dequantize_weight);
 }
