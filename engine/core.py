@@ -235,4 +235,6 @@ class EngineCore:
             num_failed_steps=self.num_failed_steps,
             num_audit_discrepancies=self.num_audit_discrepancies,
             num_finished=dict(self.num_finished),
+            weight_bytes=self.runner.weight_bytes,
+            kv_cache_bytes=self.runner.kv_cache_bytes,
         )

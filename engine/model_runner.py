@@ -45,6 +45,8 @@ class ModelRunner:
         bytes_per_token = self.kv_cache_spec.bytes_per_token
         self.num_blocks = config.resolve_num_blocks(bytes_per_token, self.max_model_len)
         self.kv_caches = self.kv_cache_spec.allocate(self.num_blocks, self.block_size, self.device)
+        self.kv_cache_bytes = sum(c.numel() * c.element_size() for c in self.kv_caches)
+        self.weight_bytes = loaded.weight_bytes
         # CPU: intra-op threads (chosen by timing steps unless configured) and oneDNN (off
         # for single-token steps), set for each step in whichever thread runs it and the
         # caller's put back after (engine/threads.py).

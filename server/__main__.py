@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "dense); none = dequantize to --dtype; int8 (per channel) / int4 (groups of 32) = "
                         "quantize a dense checkpoint at load")
     p.add_argument("--served-model-name", default=None,
-                   help="the model name clients send in 'model' and see in /v1/models (default: --model as given)")
+                   help="the model name clients send in 'model' and see in /v1/models (default: the base name of --model, without .gguf)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length served (prompt + completion); default: the model's own")
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests in the running batch at most")

@@ -118,3 +118,7 @@ class _EngineCollector:
                                 value=s.prefix_cache_hits / queries if queries else 0.0)
         yield CounterMetricFamily("pagedserve:num_preemptions", "Requests preempted to free KV blocks.",
                                   value=s.num_preemptions)
+        yield GaugeMetricFamily("pagedserve:model_weight_bytes",
+                                "Bytes of model weights resident (quantized weights as stored).",
+                                value=s.weight_bytes)
+        yield GaugeMetricFamily("pagedserve:kv_cache_bytes", "Bytes of the KV-cache pool.", value=s.kv_cache_bytes)
