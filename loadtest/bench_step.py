@@ -29,6 +29,8 @@ from typing import Callable
 import torch
 
 from models.layers.attention import AttentionMetadata
+from models.layers.linear import Embedding, Linear
+from models.layers.quantization import QUANTIZATIONS
 
 BLOCK_SIZE = 16
 
@@ -69,19 +71,18 @@ class Batch:
         return AttentionMetadata.build(self.query_lens, self.seq_lens, self.block_tables, BLOCK_SIZE, self.device)
 
 
-def linear_layers(model: torch.nn.Module) -> list[torch.nn.Linear]:
-    """Every linear layer the forward runs, in order (the logits matrix excluded)."""
-    return [m for m in model.model.modules() if isinstance(m, torch.nn.Linear)]
+def linear_layers(model: torch.nn.Module) -> list[Linear]:
+    """Every linear layer the forward runs, in order (the embedding and logits excluded)."""
+    return [m for m in model.model.modules() if isinstance(m, Linear) and not isinstance(m, Embedding)]
 
 
-def matmul_baseline(linears: list[torch.nn.Linear], rows: int, repeats: int, clock) -> tuple[float, float]:
-    """Time of calling each of `linears` on `rows` rows."""
-    dtype, device = linears[0].weight.dtype, linears[0].weight.device
+def matmul_baseline(linears: list[Linear], rows: int, repeats: int, clock, dtype, device) -> tuple[float, float]:
+    """Time of multiplying `rows` rows by each of `linears`, as their methods do."""
     x_by_in = {m.in_features: torch.randn(rows, m.in_features, dtype=dtype, device=device) for m in linears}
 
     def run():
         for m in linears:
-            m(x_by_in[m.in_features])
+            m.linear(x_by_in[m.in_features])
 
     return timeit(run, repeats, clock=clock)
 
@@ -90,6 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--quantization", default="auto", choices=QUANTIZATIONS)
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (0 = leave as is)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="cpu: process CPU time")
@@ -100,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     clock = time.perf_counter if args.clock == "wall" else time.process_time
     from models.loader import load_model  # after set_num_threads: loading spins up the thread pool
 
-    loaded = load_model(args.model, dtype=args.dtype)
+    loaded = load_model(args.model, dtype=args.dtype, quantization=args.quantization)
     model, device = loaded.model, next(loaded.model.parameters()).device
     phases = set(args.phases.split(",")) if args.phases != "all" else {"build", "decode", "prefill", "mixed", "logits"}
     rng = random.Random(0)
@@ -110,10 +112,13 @@ def main(argv: list[str] | None = None) -> None:
     for cache in kv_caches:
         cache.normal_()  # real-looking values: zeros could take faster paths in exp/softmax
     weights = linear_layers(model)
-    logits_weight = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    logits_layer = torch.nn.Linear(logits_weight.shape[1], logits_weight.shape[0], bias=False, device="meta")
-    logits_layer.weight = torch.nn.Parameter(logits_weight, requires_grad=False)  # F.linear, as compute_logits
-    print(f"model {args.model} {loaded.config.dtype}, threads {torch.get_num_threads()}, repeats {args.repeats}, "
+    logits_layer = model.model.embed_tokens if model.lm_head is None else model.lm_head
+    dtype = loaded.config.dtype
+
+    def baseline(linears, rows, repeats):
+        return matmul_baseline(linears, rows, repeats, clock, dtype, device)
+
+    print(f"model {args.model} {loaded.config.dtype} weights {loaded.quantization}, threads {torch.get_num_threads()}, repeats {args.repeats}, "
           f"{args.clock} clock")
     print(f"{'phase':<34}{'median ms':>10}{'p10 ms':>9}{'base ms':>9}{'x base':>8}")
 
@@ -137,13 +142,13 @@ def main(argv: list[str] | None = None) -> None:
                 batch = decode_batch(n)
                 meta = batch.build()
                 fwd = timeit(lambda: model(batch.input_ids, batch.positions, kv_caches, meta), args.repeats, 3, clock)
-                report(f"forward decode b{n} ctx128-256", fwd, matmul_baseline(weights, n, args.repeats, clock))
+                report(f"forward decode b{n} ctx128-256", fwd, baseline(weights, n, args.repeats))
         if "prefill" in phases:
             batch = Batch([128], [128], num_blocks, device)
             meta = batch.build()
             repeats = max(5, args.repeats // 3)
             fwd = timeit(lambda: model(batch.input_ids, batch.positions, kv_caches, meta), repeats, clock=clock)
-            report("forward prefill 128 tokens", fwd, matmul_baseline(weights, 128, repeats, clock))
+            report("forward prefill 128 tokens", fwd, baseline(weights, 128, repeats))
         if "mixed" in phases:
             query_lens = [1] * 32 + [128] * 15
             seq_lens = [rng.randint(128, 256) for _ in range(32)] + [128] * 14 + [256]
@@ -152,14 +157,14 @@ def main(argv: list[str] | None = None) -> None:
             repeats = max(3, args.repeats // 5)
             fwd = timeit(lambda: model(batch.input_ids, batch.positions, kv_caches, meta), repeats, 1, clock)
             report(f"forward mixed step {sum(query_lens)} tokens", fwd,
-                   matmul_baseline(weights, sum(query_lens), repeats, clock))
+                   baseline(weights, sum(query_lens), repeats))
         if "logits" in phases:
             for n in (1, 64):
-                hidden = torch.randn(n, logits_weight.shape[1], dtype=logits_weight.dtype, device=device)
+                hidden = torch.randn(n, logits_layer.in_features, dtype=dtype, device=device)
                 report(
                     f"compute_logits {n} rows",
                     timeit(lambda: model.compute_logits(hidden), args.repeats, clock=clock),
-                    matmul_baseline([logits_layer], n, args.repeats, clock),
+                    baseline([logits_layer], n, args.repeats),
                 )
 
 

@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weights and KV-cache dtype; auto = bfloat16 on CPUs/GPUs that compute it natively, "
                         "else float32")
     p.add_argument("--device", default="auto", help="torch device: cpu, cuda, cuda:1, ...; auto = cuda if available")
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="CPU threads of the model's steps (default: all cores or one fewer, chosen by timing steps)")
     p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
                    help="weights: auto = as the checkpoint stores them (GGUF Q4/Q8 stay 4/8-bit, safetensors "
                         "dense); none = dequantize to --dtype; int8 (per channel) / int4 (groups of 32) = "
@@ -76,7 +78,7 @@ def engine_config(args: argparse.Namespace):
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
         # The server enforces --max-waiting itself, before answering (a 429 rather than an
         # error event inside a 200 stream), so the engine's own bound stays off.
-        max_waiting=None)
+        max_waiting=None, num_threads=args.num_threads)
 
 
 def served_name(model: str) -> str:

@@ -1,0 +1,183 @@
+"""pagedserve against llama.cpp's llama-server on one GGUF file, one after the other, same client.
+
+    python -m loadtest.compare --llama-server ~/.cache/llama.cpp-0.3.36/llama.cpp/build/bin/llama-server
+    python -m loadtest.compare                   # ours alone
+
+Each server is started on a free 127.0.0.1 port with the same threads and the same KV
+capacity (llama-server `-c CTX -np SLOTS`, ours `--num-kv-blocks CTX/16 --max-num-seqs SLOTS`),
+its idle resident memory read from /proc once it is healthy, then `python -m loadtest`'s
+benchmark runs each concurrency (streaming /v1/completions, fixed-length prompts,
+`ignore_eos`), and the server is stopped by its own handle. Prints one table with the
+CPU model and ISA flags, and writes every figure as JSON with --out.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from loadtest.benchmark import run_benchmark
+from loadtest.config import BenchmarkConfig
+
+ISA_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
+
+
+def cpu_description() -> str:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
+    return f"{model}, {os.cpu_count()} cores; {' '.join(f for f in ISA_FLAGS if f in flags) or 'no AVX2'}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with status {process.returncode} before it was healthy")
+        try:
+            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} not healthy after {timeout:.0f} s")
+
+
+def server_commands(args, port: int) -> dict[str, list[str]]:
+    commands = {
+        "pagedserve": [
+            sys.executable, "-m", "server", "--model", str(args.model), "--port", str(port),
+            "--served-model-name", "model", "--num-kv-blocks", str(args.ctx // 16), "--max-num-seqs", str(args.slots),
+            "--quantization", args.quantization, "--log-level", "warning",
+            *(["--num-threads", str(args.threads)] if args.threads else []),
+        ],
+    }
+    if args.llama_server:
+        commands["llama-server"] = [
+            str(args.llama_server), "-m", str(args.model), "--host", "127.0.0.1", "--port", str(port),
+            "-c", str(args.ctx), "-np", str(args.slots), "-t", str(args.threads or os.cpu_count()),
+            "-a", "model", "--log-disable",
+        ]
+    return commands
+
+
+def measure(name: str, command: list[str], port: int, args, tokenizer_dir: str) -> dict:
+    url = f"http://127.0.0.1:{port}"
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_healthy(url, process)
+        time.sleep(2.0)  # let start-up work (kernel loads, first allocations) settle
+        result = {"server": name, "command": command, "idle_rss_mb": rss_mb(process.pid), "runs": {}}
+        for concurrency in args.concurrency:
+            config = BenchmarkConfig(
+                url=url, model="model", concurrency=concurrency, num_requests=max(args.requests_per_stream * concurrency, 8),
+                warmup=min(concurrency, 4), input_len=args.input_len, output_len=args.output_len,
+                ignore_eos=True, tokenizer=tokenizer_dir, server_metrics=False, seed=concurrency,
+            )
+            summary = asyncio.run(run_benchmark(config))["summary"]
+            result["runs"][concurrency] = {
+                "output_tok_s": summary["output_token_throughput"],
+                "ttft_p50_ms": summary["ttft_ms"]["p50"],
+                "itl_p50_ms": summary["itl_ms"]["p50"],
+                "completed": summary["completed"],
+                "failed": summary["failed"],
+            }
+            print(f"  {name} c={concurrency}: {result['runs'][concurrency]}", flush=True)
+        result["busy_rss_mb"] = rss_mb(process.pid)
+        return result
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def report(results: list[dict], args) -> str:
+    lines = [f"CPU: {cpu_description()}",
+             f"model: {Path(args.model).name}; prompts {args.input_len} tokens, {args.output_len} generated, "
+             f"streaming /v1/completions, ignore_eos; KV capacity {args.ctx} tokens, {args.slots} slots"]
+    names = [r["server"] for r in results]
+    header = "| figure | " + " | ".join(names) + (" | ours / theirs |" if len(names) == 2 else " |")
+    lines += ["", header, "|---" * (len(names) + 1 + (len(names) == 2)) + "|"]
+
+    def row(label: str, values: list[float], fmt: str, higher_is_better: bool) -> None:
+        cells = [format(v, fmt) if v is not None else "-" for v in values]
+        ratio = ""
+        if len(values) == 2 and all(values):
+            ratio = f" | {values[0] / values[1]:.2f}" + (" (higher is better)" if higher_is_better else "")
+        lines.append(f"| {label} | " + " | ".join(cells) + ratio + " |")
+
+    for c in args.concurrency:
+        runs = [r["runs"][c] for r in results]
+        row(f"c={c}: output tok/s", [x["output_tok_s"] for x in runs], ".1f", True)
+        row(f"c={c}: ITL p50 ms", [x["itl_p50_ms"] for x in runs], ".1f", False)
+        row(f"c={c}: TTFT p50 ms", [x["ttft_p50_ms"] for x in runs], ".1f", False)
+    row("idle RSS MB", [r["idle_rss_mb"] for r in results], ".0f", False)
+    row("RSS after the runs MB", [r["busy_rss_mb"] for r in results], ".0f", False)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from models.fetch import default_model_path
+
+    p = argparse.ArgumentParser(prog="python -m loadtest.compare", description=__doc__.split("\n\n")[0])
+    p.add_argument("--llama-server", type=Path, default=None, help="llama.cpp's llama-server binary (else ours alone)")
+    p.add_argument("--model", type=Path, default=None, help="a .gguf file (default: the default model's)")
+    p.add_argument("--quantization", default="auto", help="ours: --quantization")
+    p.add_argument("--threads", type=int, default=None, help="both servers' threads (default: all cores)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--requests-per-stream", type=int, default=2, help="requests = this x concurrency (at least 8)")
+    p.add_argument("--ctx", type=int, default=16384, help="KV capacity in tokens, both servers")
+    p.add_argument("--slots", type=int, default=64, help="parallel sequences, both servers")
+    p.add_argument("--out", type=Path, default=None, help="write every figure as JSON here")
+    args = p.parse_args(argv)
+    args.model = args.model or default_model_path()
+
+    from models.gguf import load_tokenizer
+
+    results = []
+    with tempfile.TemporaryDirectory() as tokenizer_dir:
+        load_tokenizer(args.model).save_pretrained(tokenizer_dir)  # one client-side tokenizer for both
+        for name, command in server_commands(args, 0).items():
+            port = free_port()
+            command = server_commands(args, port)[name]
+            print(f"{name}: {' '.join(command)}", flush=True)
+            results.append(measure(name, command, port, args, tokenizer_dir))
+    text = report(results, args)
+    print("\n" + text)
+    if args.out:
+        args.out.write_text(json.dumps({"cpu": cpu_description(), "results": results, "table": text}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
