@@ -3,8 +3,8 @@
 Only where PyTorch has nothing that fits (csrc/): `paged_decode_attention` reads each
 decode's keys and values straight out of the paged cache instead of gathering a padded
 copy first; `rms_norm` and `silu_and_mul` do in one pass what eager PyTorch does in
-~8 and 2; `quant_linear` multiplies by 4- and 8-bit weights with integer dot products
-(models/layers/quantization.py says when it runs). They need a C++ compiler (g++ / clang) and ninja; the build takes ~20 s once
+~8 and 2; `quant_linear` multiplies by 4- and 8-bit weights with integer dot products and
+`dequantize_weight` unpacks them for large steps (models/layers/quantization.py). They need a C++ compiler (g++ / clang) and ninja; the build takes ~20 s once
 per machine and is cached in torch's extensions directory ($TORCH_EXTENSIONS_DIR,
 default ~/.cache/torch_extensions). Without a compiler, or with PAGEDSERVE_CPU_KERNELS=0,
 the callers keep their pure-PyTorch path, which is also the reference the tests hold
@@ -144,7 +144,7 @@ def quant_linear(
     bias: torch.Tensor | None, bits: int, group_size: int, quantize_input: bool = False,
 ) -> torch.Tensor:
     """x (M, K) -> (M, N) in x's dtype, W as in models/layers/quantization.py; `quantize_input`:
-    x rounded to int8 per 32 values for integer dot products, else used as it is."""
+    x rounded to int16 per 32 values for integer dot products, else used as it is."""
     return torch.ops.pagedserve.quant_linear(x, qweight, scales, mins, bias, bits, group_size, quantize_input)
 
 

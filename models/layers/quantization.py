@@ -19,7 +19,7 @@ G = 32 (asymmetric, the min at the group's minimum).
         qweight[n] = [ group 0: 16 bytes | group 1: 16 bytes ]
 
 On CPU the products run in models/layers/csrc/quant_linear.cpp (integer dot products, the
-activations quantized per 32 values as llama.cpp does); `dequantize` + F.linear is the
+activations rounded to int16 per 32 values); `dequantize` + F.linear is the
 reference that the kernel is tested against and the path where it is not built or where K
 is not a multiple of 32.
 """
@@ -192,15 +192,13 @@ class DenseMethod(LinearMethod):
 class QuantMethod(LinearMethod):
     """Int8 (`bits=8`, symmetric) or int4 (`bits=4`, scale + min) weights in groups along K."""
 
-    def __init__(self, bits: int, group_size: int | None, quantize_input: bool = False):
+    def __init__(self, bits: int, group_size: int | None, quantize_input: bool = True):
         if bits not in (4, 8):
             raise ValueError(f"bits must be 4 or 8, got {bits}")
         self.bits = bits
         self.group_size = group_size  # None: one group per row (int8 per channel)
-        # quantize_input: round activations to int8 per 32 values for integer dot products, as
-        # llama.cpp does on x86: ~1.6x faster at one row here, but SmolLM2's residual stream
-        # has outliers (|x| ~ 70 among values ~ 1) that int8 blocks flatten, and its greedy
-        # answer to "What is the capital of France?" stopped being Paris. Off by default.
+        # quantize_input: round activations to int16 per 32 values for integer dot products
+        # (csrc/quant_linear.cpp says why int16, not llama.cpp's int8); else float FMAs.
         self.quantize_input = quantize_input
         self.name = f"int{bits}"
 

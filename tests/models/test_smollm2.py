@@ -112,7 +112,9 @@ def test_logits_match_transformers(loaded, hf_model):
     reference = hf_model(torch.tensor([ids])).logits[0]
     diff = (logits - reference).abs().max().item()
     scale = reference.abs().max().item()
-    assert diff <= 1e-4 * scale, f"max |diff| {diff:.3g} vs logit scale {scale:.3g}"
+    # Served from the Q4_1 blocks with activations rounded to int16 (models/layers/quantization.py):
+    # 5e-4 of the logit scale; the float-activation kernel is held to 1e-5 below.
+    assert diff <= 5e-4 * scale, f"max |diff| {diff:.3g} vs logit scale {scale:.3g}"
     assert torch.equal(logits.argmax(-1), reference.argmax(-1))
 
 
@@ -199,11 +201,23 @@ def test_default_gguf_is_served_from_its_quantized_blocks(loaded, dequantized):
     assert loaded.weight_bytes < dequantized.weight_bytes / 4
 
 
-def test_quantized_kernels_equal_the_dequantized_model_on_a_prompt_set(loaded, dequantized):
-    """Same weights, float activations: logits equal up to float32 summation order (stated
-    bound: 1e-5 of the logit scale), and every greedy choice the same."""
+@pytest.mark.parametrize("activations,tolerance", [("int16", 5e-4), ("float", 1e-5)])
+def test_quantized_kernels_equal_the_dequantized_model_on_a_prompt_set(gguf_path, dequantized, activations,
+                                                                        tolerance):
+    """Same weights: logits within the stated bound of the logit scale (int16 activations, what
+    serves; float activations: float32 summation order only), every greedy choice the same."""
+    from models.layers.linear import Linear
+    from models.layers.quantization import QuantMethod
+    from models.loader import load_model
+
+    loaded = load_model(str(gguf_path), dtype="float32")
+    for m in loaded.model.modules():
+        if isinstance(m, Linear) and isinstance(m.quant_method, QuantMethod):
+            assert m.quant_method.quantize_input  # the default
+            if activations == "float":
+                m.quant_method = QuantMethod(m.quant_method.bits, m.quant_method.group_size, quantize_input=False)
     for text in PROMPT_SET:
         ids = loaded.tokenizer(text).input_ids
         ours, ref = _logits(loaded, ids), _logits(dequantized, ids)
-        assert (ours - ref).abs().max().item() <= 1e-5 * ref.abs().max().item(), text
+        assert (ours - ref).abs().max().item() <= tolerance * ref.abs().max().item(), text
         assert torch.equal(ours.argmax(-1), ref.argmax(-1)), text

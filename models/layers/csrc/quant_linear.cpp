@@ -10,21 +10,26 @@
 // with G a multiple of 32. 4-bit rows are packed as GGUF packs a block: byte j of a 32-wide
 // group holds element j in its low nibble and element j + 16 in its high nibble.
 //
-// As llama.cpp does on x86, the activations are quantized too, per row and per 32 values
-// (symmetric int8 with one float scale), so the inner product of a group is an integer
-// dot product:
+// Two ways to multiply:
 //
-//     sum_k w x~ = scale * xscale * sum_k q xq  +  min * xscale * sum_k xq
+//   int16 activations (the default): each row of x is quantized per 32 values to int16 with
+//   one float scale, so a group's inner product is an integer dot product,
 //
-// The min term uses the quantized x~ too (not the exact sum of x): then the result is
-// exactly the dequantized weight times x~, whose error sum_k w (x - x~) is small because
-// w is centred; min * sum_k (x - x~) with the exact sum would add an uncentred error
-// (|min| is ~8 scales), several times larger.
+//       sum_k w x~ = scale * xscale * sum_k q xq  +  min * xscale * sum_k xq
 //
-// AVX2 computes 32 such products in two instructions (maddubs: u8 x s8 -> s16 pairs,
-// madd: -> s32), AVX-VNNI / AVX512-VNNI in one (dpbusd). Without them the plain loops
-// below are the same arithmetic, integer sums included, so every ISA gives the same
-// result up to float summation order.
+//   which AVX2 computes 16 products per instruction (madd: s16 x s16 -> s32 pairs, the
+//   weights widened from 4/8 bits), AVX-VNNI / AVX512-VNNI with the accumulation fused
+//   (dpwssd). llama.cpp rounds x to int8 instead (maddubs, 32 products an instruction); we
+//   tried that, and SmolLM2's residual stream has outliers (|x| ~ 70 among values ~ 1) that
+//   int8 blocks flatten: its greedy answer to "What is the capital of France?" stopped being
+//   Paris. int16 steps are 256 times finer (relative error ~1.5e-5 of a block's max).
+//   The min term uses the quantized x~ too, so the result is exactly the dequantized weight
+//   times x~: w is centred, so its error sum_k w (x - x~) stays small, where the exact sum of
+//   x would add the uncentred min * sum_k (x - x~).
+//
+//   float activations: each weight group is dequantized to floats and multiplied with x as it
+//   is, equal to the PyTorch reference up to summation order (tests, and the exact mode).
+//
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -40,20 +45,20 @@ namespace {
 
 constexpr int64_t kBlock = 32;  // values per quantization block of weights and activations
 
-// x (M, K) float -> xq (M, K) int8, xscale (M, K/32), xsum (M, K/32) = xscale * sum of xq.
-void quantize_activations(const float* x, int64_t M, int64_t K, int8_t* xq, float* xscale, float* xsum) {
+// x (M, K) float -> xq (M, K) int16, xscale (M, K/32), xsum (M, K/32) = xscale * sum of xq.
+void quantize_activations(const float* x, int64_t M, int64_t K, int16_t* xq, float* xscale, float* xsum) {
   const int64_t nb = K / kBlock;
   at::parallel_for(0, M * nb, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const float* src = x + i * kBlock;  // block i of the flattened (M, K): rows are K apart, K % 32 == 0
       float amax = 0.f;
       for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(src[j]));
-      const float d = amax / 127.f;
+      const float d = amax / 32767.f;
       const float inv = d > 0.f ? 1.f / d : 0.f;
-      int8_t* dst = xq + i * kBlock;
+      int16_t* dst = xq + i * kBlock;
       int32_t sum = 0;
       for (int j = 0; j < kBlock; ++j) {
-        dst[j] = static_cast<int8_t>(std::nearbyint(src[j] * inv));
+        dst[j] = static_cast<int16_t>(std::nearbyint(src[j] * inv));
         sum += dst[j];
       }
       xscale[i] = d;
@@ -69,15 +74,27 @@ inline __m256i unpack_nibbles(const uint8_t* qs) {  // 16 bytes -> 32 values in 
   return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
 }
 
-inline __m256 dot_u8_s8(__m256i u, __m256i s) {  // 32 products summed in 8 int32 lanes, as float
+// A weight group (32 values, unsigned 4-bit or signed 8-bit, one per byte) widened to int16.
+template <int Bits>
+inline void widen_group(__m256i wq, __m256i w16[2]) {
+  const __m128i lo = _mm256_castsi256_si128(wq), hi = _mm256_extracti128_si256(wq, 1);
+  w16[0] = Bits == 4 ? _mm256_cvtepu8_epi16(lo) : _mm256_cvtepi8_epi16(lo);
+  w16[1] = Bits == 4 ? _mm256_cvtepu8_epi16(hi) : _mm256_cvtepi8_epi16(hi);
+}
+
+// The widened group times 32 int16 activations: the 32 products summed into 8 int32 lanes, as float.
+inline __m256 dot_group_s16(const __m256i w16[2], const int16_t* x) {
+  const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16));
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s));
+  const __m256i acc = _mm256_dpwssd_epi32(_mm256_madd_epi16(w16[0], x0), w16[1], x1);
 #elif defined(__AVXVNNI__)
-  return _mm256_cvtepi32_ps(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s));
+  const __m256i acc = _mm256_dpwssd_avx_epi32(_mm256_madd_epi16(w16[0], x0), w16[1], x1);
 #else
-  const __m256i pairs = _mm256_maddubs_epi16(u, s);  // |15 * 127 * 2| and |127 * 127 * 2| fit in int16
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  // |127 * 32768 * 2| per madd lane, two of them: far inside int32.
+  const __m256i acc = _mm256_add_epi32(_mm256_madd_epi16(w16[0], x0), _mm256_madd_epi16(w16[1], x1));
 #endif
+  return _mm256_cvtepi32_ps(acc);
 }
 
 inline float hsum(__m256 v) {
@@ -90,7 +107,7 @@ inline float hsum(__m256 v) {
 
 // Integer dot product of weight group g of row `w` with one activation block.
 template <int Bits>
-inline int32_t group_dot(const uint8_t* w, int64_t g, const int8_t* xq) {
+inline int32_t group_dot(const uint8_t* w, int64_t g, const int16_t* xq) {
   int32_t acc = 0;
   if constexpr (Bits == 4) {
     const uint8_t* qs = w + g * (kBlock / 2);
@@ -110,7 +127,7 @@ inline int32_t group_dot(const uint8_t* w, int64_t g, const int8_t* xq) {
 template <int Bits, int MB>
 inline void rows_of_column(
     const uint8_t* w, const float* scale, const float* min, int64_t groups_per_scale, int64_t nb,
-    const int8_t* xq, const float* xscale, const float* xsum, int64_t m0, int64_t K, float* acc_out) {
+    const int16_t* xq, const float* xscale, const float* xsum, int64_t m0, int64_t K, float* acc_out) {
 #if defined(__AVX2__)
   __m256 acc[MB];
   for (int r = 0; r < MB; ++r) acc[r] = _mm256_setzero_ps();
@@ -121,23 +138,17 @@ inline void rows_of_column(
   for (int64_t g = 0; g < nb; ++g) {
     const float s = scale[g / groups_per_scale];
 #if defined(__AVX2__)
-    __m256i u;
-    __m256i wq;
-    if constexpr (Bits == 4) {
-      u = unpack_nibbles(w + g * (kBlock / 2));
-    } else {
-      wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * kBlock));
-      u = _mm256_sign_epi8(wq, wq);  // |w|: maddubs needs its first operand unsigned
-    }
+    __m256i w16[2];
+    widen_group<Bits>(Bits == 4 ? unpack_nibbles(w + g * (kBlock / 2))
+                                : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * kBlock)),
+                      w16);
 #endif
     for (int r = 0; r < MB; ++r) {
       const int64_t row = m0 + r;
-      const int8_t* xb = xq + row * K + g * kBlock;
+      const int16_t* xb = xq + row * K + g * kBlock;
       const float xs = xscale[row * nb + g];
 #if defined(__AVX2__)
-      __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb));
-      if constexpr (Bits == 8) y = _mm256_sign_epi8(y, wq);  // moves w's sign onto x
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(s * xs), dot_u8_s8(u, y), acc[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(s * xs), dot_group_s16(w16, xb), acc[r]);
 #else
       acc[r] += s * xs * static_cast<float>(group_dot<Bits>(w, g, xb));
 #endif
@@ -239,17 +250,18 @@ void float_qlinear_impl(
         float_rows_of_column<Bits, MB>(w, s, mn, groups_per_scale, nb, x, m0, K, acc);
         for (int r = 0; r < MB; ++r) out[(m0 + r) * N + n] = acc[r] + b;
       }
-      for (; m0 < M; ++m0) {
-        float_rows_of_column<Bits, 1>(w, s, mn, groups_per_scale, nb, x, m0, K, acc);
-        out[m0 * N + n] = acc[0] + b;
-      }
+      const int64_t rest = M - m0;
+      if (rest == 3) float_rows_of_column<Bits, 3>(w, s, mn, groups_per_scale, nb, x, m0, K, acc);
+      if (rest == 2) float_rows_of_column<Bits, 2>(w, s, mn, groups_per_scale, nb, x, m0, K, acc);
+      if (rest == 1) float_rows_of_column<Bits, 1>(w, s, mn, groups_per_scale, nb, x, m0, K, acc);
+      for (int64_t r = 0; r < rest; ++r) out[(m0 + r) * N + n] = acc[r] + b;
     }
   });
 }
 
 template <int Bits>
 void qlinear_impl(
-    const int8_t* xq, const float* xscale, const float* xsum, int64_t M, int64_t K,
+    const int16_t* xq, const float* xscale, const float* xsum, int64_t M, int64_t K,
     const uint8_t* qweight, const float* scales, const float* mins, int64_t N, int64_t group_size,
     const float* bias, float* out) {
   const int64_t nb = K / kBlock;
@@ -272,10 +284,11 @@ void qlinear_impl(
         rows_of_column<Bits, MB>(w, s, mn, groups_per_scale, nb, xq, xscale, xsum, m0, K, acc);
         for (int r = 0; r < MB; ++r) out[(m0 + r) * N + n] = acc[r] + b;
       }
-      for (; m0 < M; ++m0) {
-        rows_of_column<Bits, 1>(w, s, mn, groups_per_scale, nb, xq, xscale, xsum, m0, K, acc);
-        out[m0 * N + n] = acc[0] + b;
-      }
+      const int64_t rest = M - m0;  // 0-3 rows left: one more pass over the weights, not one per row
+      if (rest == 3) rows_of_column<Bits, 3>(w, s, mn, groups_per_scale, nb, xq, xscale, xsum, m0, K, acc);
+      if (rest == 2) rows_of_column<Bits, 2>(w, s, mn, groups_per_scale, nb, xq, xscale, xsum, m0, K, acc);
+      if (rest == 1) rows_of_column<Bits, 1>(w, s, mn, groups_per_scale, nb, xq, xscale, xsum, m0, K, acc);
+      for (int64_t r = 0; r < rest; ++r) out[(m0 + r) * N + n] = acc[r] + b;
     }
   });
 }
@@ -284,7 +297,8 @@ void qlinear_impl(
 
 // x (M, K) float32 or bfloat16; qweight (N, K/2) uint8 (4 bits) or (N, K) int8 (8 bits);
 // scales, mins (N, K/group_size) float32 (mins only for asymmetric 4 bits); bias (N,)
-// -> (M, N) in x's dtype. quantize_input: int8 dot products (fast), else float FMAs on x as is.
+// -> (M, N) in x's dtype. quantize_input: int16 activations and integer dot products (fast),
+// else float FMAs on x as it is.
 at::Tensor quant_linear(
     const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
     const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& bias, int64_t bits,
@@ -321,16 +335,16 @@ at::Tensor quant_linear(
     }
     return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
   }
-  at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kChar));
+  at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kShort));
   at::Tensor xscale = at::empty({M, K / kBlock}, x.options().dtype(at::kFloat));
   at::Tensor xsum = at::empty({M, K / kBlock}, x.options().dtype(at::kFloat));
-  quantize_activations(xf.data_ptr<float>(), M, K, xq.data_ptr<int8_t>(), xscale.data_ptr<float>(),
+  quantize_activations(xf.data_ptr<float>(), M, K, xq.data_ptr<int16_t>(), xscale.data_ptr<float>(),
                        xsum.data_ptr<float>());
   if (bits == 4) {
-    qlinear_impl<4>(xq.data_ptr<int8_t>(), xscale.data_ptr<float>(), xsum.data_ptr<float>(), M, K, w,
+    qlinear_impl<4>(xq.data_ptr<int16_t>(), xscale.data_ptr<float>(), xsum.data_ptr<float>(), M, K, w,
                     scales.data_ptr<float>(), mins_ptr, N, group_size, bias_ptr, out.data_ptr<float>());
   } else {
-    qlinear_impl<8>(xq.data_ptr<int8_t>(), xscale.data_ptr<float>(), xsum.data_ptr<float>(), M, K, w,
+    qlinear_impl<8>(xq.data_ptr<int16_t>(), xscale.data_ptr<float>(), xsum.data_ptr<float>(), M, K, w,
                     scales.data_ptr<float>(), nullptr, N, group_size, bias_ptr, out.data_ptr<float>());
   }
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
