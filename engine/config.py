@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DEFAULT_KV_CACHE_MEMORY_GIB = 1.0
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -25,8 +26,13 @@ class EngineConfig:
     # CPU intra-op threads of the thread that runs the model. None: torch's count or one
     # fewer, whichever runs steps faster now (engine/threads.py).
     num_threads: int | None = None
+    # The KV cache's dtype. auto: the model's, except float16 under float32 activations with
+    # quantized weights (what llama.cpp keeps: half the memory of float32).
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

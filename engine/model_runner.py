@@ -34,6 +34,15 @@ class RunnerOutput:
     errors: dict[str, str] = field(default_factory=dict)  # request id -> why its sampling failed
 
 
+def resolve_kv_cache_dtype(name: str, loaded) -> torch.dtype:
+    """EngineConfig.kv_cache_dtype -> the cache's torch dtype (see there)."""
+    if name != "auto":
+        return getattr(torch, name)
+    if loaded.config.dtype == torch.float32 and loaded.is_quantized:
+        return torch.float16
+    return loaded.config.dtype
+
+
 class ModelRunner:
     def __init__(self, loaded, config: EngineConfig):
         self.model = loaded.model
@@ -41,7 +50,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.device = next(self.model.parameters()).device
         self.max_model_len = config.resolve_max_model_len(loaded.config.max_model_len)
-        self.kv_cache_spec = self.model.kv_cache_spec(loaded.config.dtype)
+        self.kv_cache_spec = self.model.kv_cache_spec(resolve_kv_cache_dtype(config.kv_cache_dtype, loaded))
         bytes_per_token = self.kv_cache_spec.bytes_per_token
         self.num_blocks = config.resolve_num_blocks(bytes_per_token, self.max_model_len)
         self.kv_caches = self.kv_cache_spec.allocate(self.num_blocks, self.block_size, self.device)

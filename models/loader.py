@@ -52,6 +52,10 @@ class LoadedModel:
         return sum(t.numel() * t.element_size() for t in tensors)
 
     @property
+    def is_quantized(self) -> bool:
+        return any(isinstance(m, Linear) and m.quant_method is not DENSE for m in self.model.modules())
+
+    @property
     def quantization(self) -> str:
         """The layers' methods, e.g. 'int4 x 210, int8 x 1' or 'dense'."""
         counts = Counter(m.quant_method.name for m in self.model.modules() if isinstance(m, Linear))

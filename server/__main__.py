@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weights and KV-cache dtype; auto = bfloat16 on CPUs/GPUs that compute it natively, "
                         "else float32")
     p.add_argument("--device", default="auto", help="torch device: cpu, cuda, cuda:1, ...; auto = cuda if available")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="KV-cache dtype; auto = the model's, except float16 under float32 activations with "
+                        "quantized weights (half the memory, as llama.cpp)")
     p.add_argument("--num-threads", type=int, default=None,
                    help="CPU threads of the model's steps (default: all cores or one fewer, chosen by timing steps)")
     p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
@@ -78,7 +81,7 @@ def engine_config(args: argparse.Namespace):
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
         # The server enforces --max-waiting itself, before answering (a 429 rather than an
         # error event inside a 200 stream), so the engine's own bound stays off.
-        max_waiting=None, num_threads=args.num_threads)
+        max_waiting=None, num_threads=args.num_threads, kv_cache_dtype=args.kv_cache_dtype)
 
 
 def served_name(model: str) -> str:

@@ -261,11 +261,16 @@ def _gather_planes(kv_cache: torch.Tensor, group: AttentionGroup) -> torch.Tenso
     return kv.view(2, num_kv_heads, group.num_seqs, -1, head_dim)
 
 
+def _kernel_reads(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether the C++ decode kernel takes this pair: one dtype, or a 16-bit cache under float32."""
+    return q_dtype == cache_dtype or (q_dtype == torch.float32 and cache_dtype in (torch.float16, torch.bfloat16))
+
+
 def _attend(q, k, v, kv_cache, group: AttentionGroup, scale: float) -> torch.Tensor:
     """-> (num_seqs, max_query_len, num_heads, head_dim) for the group's padded queries."""
     if group.max_query_len == 1:
         queries = pad_queries(q, group)  # (n, 1, num_heads, head_dim)
-        if q.device.type == "cpu" and q.dtype == kv_cache.dtype and cpu_kernels.available():
+        if q.device.type == "cpu" and _kernel_reads(q.dtype, kv_cache.dtype) and cpu_kernels.available():
             n, _, num_heads, head_dim = queries.shape
             out = cpu_kernels.paged_decode_attention(
                 queries.view(n, num_heads, head_dim), kv_cache, group.block_table, group.seq_lens, scale

@@ -66,6 +66,20 @@ def test_kernel_in_reduced_precision_is_closer_to_float32_than_the_pytorch_path(
     torch.testing.assert_close(got.float(), exact, rtol=0, atol=1e-2)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+def test_kernel_reads_a_16_bit_cache_under_float32_queries(cache_dtype):
+    """The server's cache for quantized models (--kv-cache-dtype): float32 queries, 16-bit
+    keys and values; equal to the PyTorch path on the widened cache up to float32 rounding."""
+    needs_kernel()
+    lengths = [random.Random(i).randint(1, 200) for i in range(12)]
+    q, cache, group = random_decodes(lengths, 9, 3, 64, 16, torch.float32, seed=5)
+    cache = cache.to(cache_dtype)
+    expected = _decode(pad_queries(q, group), cache.float(), group, 0.125).view_as(q)
+    got = cpu_kernels.paged_decode_attention(q, cache, group.block_table, group.seq_lens, 0.125)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
 def test_kernel_refuses_what_would_read_outside_the_cache():
     needs_kernel()
     q, cache, group = random_decodes([5, 20], 4, 2, 8, 4, torch.float32, seed=0)
@@ -75,7 +89,7 @@ def test_kernel_refuses_what_would_read_outside_the_cache():
         cpu_kernels.paged_decode_attention(q, cache, bad_table, group.seq_lens, 1.0)
     with pytest.raises(RuntimeError, match="sequence length out of range"):
         cpu_kernels.paged_decode_attention(q, cache, group.block_table, group.seq_lens * 100, 1.0)
-    with pytest.raises(RuntimeError, match="one dtype"):
+    with pytest.raises(RuntimeError, match="must have q.s dtype"):
         cpu_kernels.paged_decode_attention(q.double(), cache, group.block_table, group.seq_lens, 1.0)
 
 

@@ -23,11 +23,22 @@
 #include <limits>
 #include <vector>
 
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
-// Widen one element to float; the bf16 case as a shift, which compilers vectorize.
+// Widen one element to float; the bf16 case as a shift, which compilers vectorize, and fp16
+// through F16C where the build has it.
 inline float widen(float x) { return x; }
-inline float widen(c10::Half x) { return static_cast<float>(x); }
+inline float widen(c10::Half x) {
+#if defined(__F16C__)
+  return _cvtsh_ss(x.x);
+#else
+  return static_cast<float>(x);
+#endif
+}
 inline float widen(c10::BFloat16 x) {
   const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
   float f;
@@ -48,8 +59,9 @@ inline void for_each_token(const scalar_t* plane, const int64_t* table, int64_t 
 }
 
 // kD > 0: the head dim as a compile-time constant (fully unrolled inner loops); 0: runtime `D`.
-template <typename scalar_t, int64_t kD>
-void decode(const scalar_t* q, const scalar_t* cache, const int64_t* tables, const int64_t* lens, scalar_t* out,
+// scalar_t: q's and the output's dtype; cache_t: the cache's (the same, or 16-bit under float32 q).
+template <typename scalar_t, typename cache_t, int64_t kD>
+void decode(const scalar_t* q, const cache_t* cache, const int64_t* tables, const int64_t* lens, scalar_t* out,
             int64_t n, int64_t H, int64_t Hk, int64_t head_dim, int64_t num_blocks, int64_t block_size,
             int64_t table_stride, float scale) {
   const int64_t D = kD > 0 ? kD : head_dim;
@@ -60,13 +72,13 @@ void decode(const scalar_t* q, const scalar_t* cache, const int64_t* tables, con
     for (int64_t task = begin; task < end; ++task) {
       const int64_t i = task / Hk, h = task % Hk, len = lens[i];
       const int64_t* table = tables + i * table_stride;
-      const scalar_t* kplane = cache + h * plane;
-      const scalar_t* vplane = cache + (Hk + h) * plane;
+      const cache_t* kplane = cache + h * plane;
+      const cache_t* vplane = cache + (Hk + h) * plane;
       const scalar_t* qi = q + (i * H + h * G) * D;
       for (int64_t j = 0; j < G * D; ++j) qf[j] = widen(qi[j]) * scale;
       scores.resize(G * len);
       // scores[g][t] = q_g . k_t, block by block: each key row is read once for all G heads.
-      for_each_token(kplane, table, len, block_size, D, [&](int64_t t, const scalar_t* k) {
+      for_each_token(kplane, table, len, block_size, D, [&](int64_t t, const cache_t* k) {
         for (int64_t g = 0; g < G; ++g) {
           const float* qg = qf.data() + g * D;
           float s = 0.f;
@@ -85,7 +97,7 @@ void decode(const scalar_t* q, const scalar_t* cache, const int64_t* tables, con
         for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for_each_token(vplane, table, len, block_size, D, [&](int64_t t, const scalar_t* v) {
+      for_each_token(vplane, table, len, block_size, D, [&](int64_t t, const cache_t* v) {
         for (int64_t g = 0; g < G; ++g) {
           const float p = scores[g * len + t];
           float* ag = acc.data() + g * D;
@@ -99,12 +111,34 @@ void decode(const scalar_t* q, const scalar_t* cache, const int64_t* tables, con
   });
 }
 
-// q (n, H, D); kv_cache (num_blocks, block_size, 2, Hk, D); block_table (n, >= blocks used) int64;
-// seq_lens (n,) int64, each >= 1. Returns (n, H, D) in q's dtype.
+template <typename scalar_t, typename cache_t>
+void dispatch_head_dim(const at::Tensor& q, const at::Tensor& kv_cache, const int64_t* table_ptr, const int64_t* len_ptr,
+                       at::Tensor& out, int64_t table_stride, double scale) {
+  const int64_t n = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t num_blocks = kv_cache.size(0), block_size = kv_cache.size(1), Hk = kv_cache.size(3);
+  auto run = [&](auto kernel) {
+    kernel(q.data_ptr<scalar_t>(), kv_cache.data_ptr<cache_t>(), table_ptr, len_ptr, out.data_ptr<scalar_t>(), n, H,
+           Hk, D, num_blocks, block_size, table_stride, static_cast<float>(scale));
+  };
+  if (D == 64) {
+    run(decode<scalar_t, cache_t, 64>);
+  } else if (D == 128) {
+    run(decode<scalar_t, cache_t, 128>);
+  } else {
+    run(decode<scalar_t, cache_t, 0>);
+  }
+}
+
+// q (n, H, D); kv_cache (num_blocks, block_size, 2, Hk, D) in q's dtype, or float16/bfloat16 under
+// float32 q; block_table (n, >= blocks used) int64; seq_lens (n,) int64, each >= 1.
+// Returns (n, H, D) in q's dtype.
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
                                   const at::Tensor& seq_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5 && kv_cache.size(2) == 2, "bad q / kv_cache shapes");
-  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q and kv_cache must have one dtype");
+  const bool mixed = q.scalar_type() == at::kFloat &&
+                     (kv_cache.scalar_type() == at::kHalf || kv_cache.scalar_type() == at::kBFloat16);
+  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() || mixed,
+              "kv_cache must have q's dtype, or be float16/bfloat16 under float32 q");
   TORCH_CHECK(block_table.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong, "int64 tables");
   TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == q.size(0) && seq_lens.numel() == q.size(0),
               "one block table row and one length per query");
@@ -125,19 +159,15 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
     }
   }
   auto out = at::empty_like(qc);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    auto run = [&](auto kernel) {
-      kernel(qc.data_ptr<scalar_t>(), kv_cache.data_ptr<scalar_t>(), table_ptr, len_ptr, out.data_ptr<scalar_t>(), n,
-             H, Hk, D, num_blocks, block_size, tables.size(1), static_cast<float>(scale));
-    };
-    if (D == 64) {
-      run(decode<scalar_t, 64>);
-    } else if (D == 128) {
-      run(decode<scalar_t, 128>);
-    } else {
-      run(decode<scalar_t, 0>);
-    }
-  });
+  if (mixed && kv_cache.scalar_type() == at::kHalf) {
+    dispatch_head_dim<float, c10::Half>(qc, kv_cache, table_ptr, len_ptr, out, tables.size(1), scale);
+  } else if (mixed) {
+    dispatch_head_dim<float, c10::BFloat16>(qc, kv_cache, table_ptr, len_ptr, out, tables.size(1), scale);
+  } else {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
+      dispatch_head_dim<scalar_t, scalar_t>(qc, kv_cache, table_ptr, len_ptr, out, tables.size(1), scale);
+    });
+  }
   return out;
 }
 
