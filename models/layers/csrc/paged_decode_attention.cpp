@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__F16C__)
@@ -32,18 +33,33 @@ namespace {
 // Widen one element to float; the bf16 case as a shift, which compilers vectorize, and fp16
 // through F16C where the build has it.
 inline float widen(float x) { return x; }
-inline float widen(c10::Half x) {
-#if defined(__F16C__)
-  return _cvtsh_ss(x.x);
-#else
-  return static_cast<float>(x);
-#endif
-}
+inline float widen(c10::Half x) { return static_cast<float>(x); }
 inline float widen(c10::BFloat16 x) {
   const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
   float f;
   std::memcpy(&f, &bits, sizeof(f));
   return f;
+}
+
+// One cache row as floats: the row itself for a float cache; else widened into `buf` (for fp16
+// eight at a time with F16C, which the compiler does not do from c10::Half on its own).
+template <typename cache_t>
+inline const float* row_as_float(const cache_t* row, int64_t D, float* buf) {
+  if constexpr (std::is_same_v<cache_t, float>) {
+    return row;
+  } else {
+    int64_t d = 0;
+#if defined(__F16C__)
+    if constexpr (std::is_same_v<cache_t, c10::Half>) {
+      for (; d + 8 <= D; d += 8) {
+        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d));
+        _mm256_storeu_ps(buf + d, _mm256_cvtph_ps(h));
+      }
+    }
+#endif
+    for (; d < D; ++d) buf[d] = widen(row[d]);
+    return buf;
+  }
 }
 
 // Calls fn(t, row) for the tokens t = 0 .. len-1 of one sequence, `row` pointing at token t's
@@ -68,7 +84,7 @@ void decode(const scalar_t* q, const cache_t* cache, const int64_t* tables, cons
   const int64_t G = H / Hk;  // query heads per KV head
   const int64_t plane = num_blocks * block_size * D;
   at::parallel_for(0, n * Hk, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), acc(G * D), scores;
+    std::vector<float> qf(G * D), acc(G * D), scores, row_buf(D);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t i = task / Hk, h = task % Hk, len = lens[i];
       const int64_t* table = tables + i * table_stride;
@@ -78,12 +94,13 @@ void decode(const scalar_t* q, const cache_t* cache, const int64_t* tables, cons
       for (int64_t j = 0; j < G * D; ++j) qf[j] = widen(qi[j]) * scale;
       scores.resize(G * len);
       // scores[g][t] = q_g . k_t, block by block: each key row is read once for all G heads.
-      for_each_token(kplane, table, len, block_size, D, [&](int64_t t, const cache_t* k) {
+      for_each_token(kplane, table, len, block_size, D, [&](int64_t t, const cache_t* k_row) {
+        const float* k = row_as_float(k_row, D, row_buf.data());
         for (int64_t g = 0; g < G; ++g) {
           const float* qg = qf.data() + g * D;
           float s = 0.f;
 #pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < D; ++d) s += qg[d] * widen(k[d]);
+          for (int64_t d = 0; d < D; ++d) s += qg[d] * k[d];
           scores[g * len + t] = s;
         }
       });
@@ -97,12 +114,13 @@ void decode(const scalar_t* q, const cache_t* cache, const int64_t* tables, cons
         for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for_each_token(vplane, table, len, block_size, D, [&](int64_t t, const cache_t* v) {
+      for_each_token(vplane, table, len, block_size, D, [&](int64_t t, const cache_t* v_row) {
+        const float* v = row_as_float(v_row, D, row_buf.data());
         for (int64_t g = 0; g < G; ++g) {
           const float p = scores[g * len + t];
           float* ag = acc.data() + g * D;
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ag[d] += p * widen(v[d]);
+          for (int64_t d = 0; d < D; ++d) ag[d] += p * v[d];
         }
       });
       scalar_t* oi = out + (i * H + h * G) * D;
