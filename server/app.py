@@ -83,6 +83,7 @@ def create_app(
             if state.engine is not None:
                 # shutdown() joins the engine thread: off the event loop.
                 await asyncio.to_thread(state.engine.shutdown)
+            state.cpu_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="pagedserve", lifespan=lifespan)
     app.state.server = state

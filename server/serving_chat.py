@@ -8,6 +8,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from engine.request import TokenLogprob
+from server.cpu_work import check_prompt_chars
 from server.errors import invalid
 from server.protocol import ChatCompletionRequest
 from server.respond import check_succeeded, respond
@@ -17,15 +18,18 @@ from server.serving_logprobs import LogprobFormatter
 from server.streaming import sse_event
 
 
-
-def encode_chat(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-    """Messages -> prompt token ids through the model's own chat template."""
+def encode_chat(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = True, *,
+                max_chars: int = 0, max_model_len: int = 0) -> list[int]:
+    """Messages -> prompt token ids through the model's own chat template; a rendered text over
+    `max_chars` characters (when given) is refused before it is tokenized. CPU work: call it
+    through ServerState.off_loop."""
     if not getattr(tokenizer, "chat_template", None):
         raise invalid("This model has no chat template; use /v1/completions with a plain prompt.", param="messages")
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
     except Exception as exc:  # noqa: BLE001 - a template may raise anything (e.g. "roles must alternate")
         raise invalid(f"The chat template rejected these messages: {exc}", param="messages") from None
+    check_prompt_chars(text, max_chars, max_model_len, "messages")
     # The template already wrote any BOS it wants; adding special tokens again would double it.
     return tokenizer.encode(text, add_special_tokens=False)
 
@@ -36,7 +40,8 @@ async def create_chat_completion(request: Request) -> Response:
     body.check_common(engine.model_config.vocab_size)
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid("'top_logprobs' requires 'logprobs' to be true", param="top_logprobs")
-    prompt_ids = encode_chat(engine.tokenizer, body.template_messages())
+    prompt_ids = await state.off_loop(encode_chat, engine.tokenizer, body.template_messages(),
+                                      max_chars=state.max_prompt_chars, max_model_len=state.max_model_len)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if requested is None:
         max_tokens = default_max_tokens(state, len(prompt_ids), "messages")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, TypeVar
 
@@ -23,6 +24,7 @@ import anyio
 from fastapi import Request
 
 from engine.request import RequestOutput, SamplingParams, TokenLogprob
+from server.cpu_work import new_cpu_pool, off_loop, prompt_char_limit
 from server.errors import APIError, invalid, model_not_found
 from server.protocol import parse_body
 from server.metrics import ServerMetrics
@@ -33,6 +35,8 @@ M = TypeVar("M")
 logger = logging.getLogger("pagedserve.server")
 _END = object()  # a pump's last item: its engine stream is over
 _SEED_LIMIT = 2**64
+# Bodies larger than this are parsed in the CPU worker thread (json.loads of 8 MiB takes ~0.1 s).
+_PARSE_OFF_LOOP_BYTES = 64 * 1024
 
 
 @dataclass
@@ -52,16 +56,24 @@ class ServerState:
     max_in_flight: int | None = None  # engine requests admitted at once (running + queued)
     num_in_flight: int = 0
     logprobs: LogprobFormatter | None = None
+    max_prompt_chars: int = 0  # a longer text certainly exceeds max_model_len tokens (cpu_work)
+    # Parsing, chat templates and tokenization run here, never on the event loop.
+    cpu_pool: ThreadPoolExecutor = field(default_factory=new_cpu_pool)
 
     def attach(self, engine) -> None:
         stats = engine.stats()
         self.max_model_len = engine.max_model_len
+        self.max_prompt_chars = prompt_char_limit(engine.tokenizer, engine.max_model_len)
         self.max_tokens_in_cache = stats.num_kv_blocks_total * stats.kv_block_size
         if self.max_waiting is not None:
             self.max_in_flight = engine.config.max_num_seqs + self.max_waiting
         self.logprobs = LogprobFormatter(engine.tokenizer)
         self.metrics.watch_engine(engine.stats)
         self.engine = engine
+
+    async def off_loop(self, fn, *args, **kwargs):
+        """fn(*args, **kwargs) in the CPU worker thread: tokenizing must not stall the streams."""
+        return await off_loop(self.cpu_pool, fn, *args, **kwargs)
 
     def require_engine(self):
         if self.engine is None:
@@ -211,7 +223,10 @@ async def parse_request(request: Request, model_cls: type[M]) -> tuple[ServerSta
     state: ServerState = request.app.state.server
     raw = await read_body(request, state.max_body_bytes)
     engine = state.require_engine()
-    body = parse_body(raw, model_cls)
+    if len(raw) > _PARSE_OFF_LOOP_BYTES:
+        body = await state.off_loop(parse_body, raw, model_cls)
+    else:
+        body = parse_body(raw, model_cls)
     state.check_model(body.model)
     return state, engine, body
 

@@ -8,6 +8,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from engine.core import tokenize_prompt
+from server.cpu_work import check_prompt_chars
 from server.protocol import CompletionRequest
 from server.respond import check_succeeded, respond
 from server.serving_common import (Choice, check_context, make_choices, new_request_id, parse_request,
@@ -25,14 +26,19 @@ async def create_completion(request: Request) -> Response:
     body.check_common(vocab_size)
     tokenizer = engine.tokenizer
     prompts = body.prompts(vocab_size)
-    prompt_ids = [tokenize_prompt(tokenizer, p) for p in prompts]
+    for p in prompts:
+        if isinstance(p, str):
+            check_prompt_chars(p, state.max_prompt_chars, state.max_model_len, "prompt")
+    prompt_ids = await state.off_loop(lambda: [tokenize_prompt(tokenizer, p) for p in prompts])
     max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     for ids in prompt_ids:
         check_context(state, len(ids), max_tokens, "prompt")
     params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs)
     request_id = new_request_id("cmpl")
     choices = make_choices(request_id, prompt_ids, params)
-    echo = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts] if body.echo else None
+    echo = None
+    if body.echo:
+        echo = await state.off_loop(lambda: [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts])
     view = _CompletionView(request_id, int(time.time()), state.served_model_name, state.logprobs, body, echo)
 
     return await respond(request, state, choices, view, arrival, request_id, body.user, bool(body.stream))
