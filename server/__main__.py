@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "/health and /metrics stay open")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let in-flight requests finish before they are cancelled")
+    p.add_argument("--read-timeout", type=float, default=30.0,
+                   help="seconds a client may take to send a request's headers, and again its body; "
+                        "a slower request gets 408 and its connection is closed")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="log verbosity")
     return p
@@ -102,6 +105,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if args.read_timeout <= 0:
+        parser.error(f"--read-timeout must be positive, got {args.read_timeout}")
     if args.max_waiting < -1:
         parser.error(f"--max-waiting must be >= -1, got {args.max_waiting}")
     try:
@@ -110,9 +115,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(exc))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    import uvicorn
-
     from server.app import create_app
+    from server.http_server import make_server
 
     def load_engine():
         import torch
@@ -135,10 +139,12 @@ def main(argv: list[str] | None = None) -> None:
 
     app = create_app(engine_factory=load_engine, on_load_error=on_load_error,
                      served_model_name=args.served_model_name or served_name(args.model),
-                     api_key=api_key, max_waiting=None if args.max_waiting < 0 else args.max_waiting)
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level,
-        timeout_graceful_shutdown=args.shutdown_timeout))
+                     api_key=api_key, max_waiting=None if args.max_waiting < 0 else args.max_waiting,
+                     read_timeout=args.read_timeout)
+    # On SIGTERM the server ends the streams still running just before --shutdown-timeout,
+    # each with an error event and [DONE] (server/http_server.py).
+    server = make_server(app, host=args.host, port=args.port, log_level=args.log_level,
+                         shutdown_timeout=args.shutdown_timeout, read_timeout=args.read_timeout)
     # uvicorn shuts down gracefully on SIGTERM and then re-raises the signal to whatever
     # handler was installed before it; make that handler a clean exit, so a requested
     # shutdown ends with status 0 rather than death by signal (143).

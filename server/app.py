@@ -27,6 +27,7 @@ from server.serving_chat import create_chat_completion
 from server.serving_common import ServerState
 from server.serving_completion import create_completion
 from server.serving_tokenize import detokenize, tokenize
+from server.timeouts import DEFAULT_READ_TIMEOUT_S, BodyTimeoutMiddleware
 
 logger = logging.getLogger("pagedserve.server")
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
@@ -39,11 +40,14 @@ def create_app(
     api_key: str | None = None,
     max_waiting: int | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    read_timeout: float | None = DEFAULT_READ_TIMEOUT_S,
     engine_factory: Callable[[], Any] | None = None,
     on_load_error: Callable[[BaseException], None] | None = None,
 ) -> FastAPI:
     """`max_waiting` bounds the queue: at most max_num_seqs + max_waiting engine requests are
-    admitted at once, and the rest get 429 (None: unbounded)."""
+    admitted at once, and the rest get 429 (None: unbounded). A request body that has not
+    arrived `read_timeout` seconds after its headers gets a 408 (None: no bound; the headers'
+    own bound is the HTTP server's, server.http_server.make_server)."""
     if (engine is None) == (engine_factory is None):
         raise ValueError("give exactly one of engine or engine_factory")
     if max_waiting is not None and max_waiting < 0:
@@ -88,6 +92,8 @@ def create_app(
     app = FastAPI(title="pagedserve", lifespan=lifespan)
     app.state.server = state
     install_error_handlers(app)
+    if read_timeout is not None:
+        app.add_middleware(BodyTimeoutMiddleware, timeout=read_timeout)
     if state.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=state.api_key)
 

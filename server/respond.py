@@ -66,8 +66,10 @@ async def _guarded(chunks: AsyncIterator[str], events, request_id: str) -> Async
             yield chunk
     except Exception as exc:  # noqa: BLE001 - the stream has started: report it in-band
         logger.warning("stream %s failed: %s", request_id, exc)
-        status = exc.status if isinstance(exc, APIError) else 500
-        yield sse_event(error_body(status, str(exc), code="engine_error" if status == 500 else None))
+        if isinstance(exc, APIError):
+            yield sse_event(exc.body())
+        else:
+            yield sse_event(error_body(500, str(exc), code="engine_error"))
     finally:
         # Closing the engine stream aborts whatever is still running (client gone).
         with anyio.CancelScope(shield=True):

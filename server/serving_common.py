@@ -34,6 +34,7 @@ M = TypeVar("M")
 
 logger = logging.getLogger("pagedserve.server")
 _END = object()  # a pump's last item: its engine stream is over
+_SHUTDOWN = object()  # put in every open stream's queue when the shutdown grace runs out
 _SEED_LIMIT = 2**64
 # Bodies larger than this are parsed in the CPU worker thread (json.loads of 8 MiB takes ~0.1 s).
 _PARSE_OFF_LOOP_BYTES = 64 * 1024
@@ -59,6 +60,8 @@ class ServerState:
     max_prompt_chars: int = 0  # a longer text certainly exceeds max_model_len tokens (cpu_work)
     # Parsing, chat templates and tokenization run here, never on the event loop.
     cpu_pool: ThreadPoolExecutor = field(default_factory=new_cpu_pool)
+    shutting_down: bool = False  # end_streams() was called: new requests get 503
+    open_streams: set[asyncio.Queue] = field(default_factory=set)  # of the requests in stream_choices
 
     def attach(self, engine) -> None:
         stats = engine.stats()
@@ -74,6 +77,14 @@ class ServerState:
     async def off_loop(self, fn, *args, **kwargs):
         """fn(*args, **kwargs) in the CPU worker thread: tokenizing must not stall the streams."""
         return await off_loop(self.cpu_pool, fn, *args, **kwargs)
+
+    def end_streams(self) -> None:
+        """End every request in flight with a 503 (an error event and [DONE] on a stream), and
+        refuse new ones: called just before the server's shutdown grace runs out, so that no
+        client sees its connection cut without a final event."""
+        self.shutting_down = True
+        for queue in self.open_streams:
+            queue.put_nowait((None, _SHUTDOWN))
 
     def require_engine(self):
         if self.engine is None:
@@ -96,6 +107,8 @@ class ServerState:
                 self.metrics.requests_rejected.labels(reason="queue_full").inc()
                 raise APIError(429, f"The server is at capacity ({self.num_in_flight} requests in flight); "
                                "retry shortly.", code="queue_full", headers={"Retry-After": "1"})
+        if self.shutting_down:
+            raise _shutdown_error()
         self.num_in_flight += num_requests
 
 
@@ -245,6 +258,7 @@ async def stream_choices(state: ServerState, choices: list[Choice],
     engine = state.engine
     state.admit(len(choices))
     queue: asyncio.Queue = asyncio.Queue()
+    state.open_streams.add(queue)
 
     async def pump(choice: Choice) -> None:
         timer = state.metrics.timer(arrival)
@@ -279,6 +293,8 @@ async def stream_choices(state: ServerState, choices: list[Choice],
         yield None
         while remaining:
             choice, item = await queue.get()
+            if item is _SHUTDOWN:
+                raise _shutdown_error()
             if item is _END:
                 remaining -= 1
                 if choice.final is None:
@@ -299,6 +315,12 @@ async def stream_choices(state: ServerState, choices: list[Choice],
                 await engine.abort(choice.request_id)
             await asyncio.gather(*tasks, return_exceptions=True)
         state.num_in_flight -= len(choices)
+        state.open_streams.discard(queue)
+
+
+def _shutdown_error() -> APIError:
+    return APIError(503, "The server is shutting down and this request did not finish within its shutdown "
+                    "timeout; retry on another instance.", code="server_shutting_down")
 
 
 def _engine_error(exc: Exception) -> Exception:

@@ -16,12 +16,12 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from models.loader import load_model
 from server.app import create_app
+from server.http_server import make_server
 from tests.models.conftest import make_hf_model, save_checkpoint
 
 MODEL_NAME = "tiny-llama"
@@ -30,14 +30,17 @@ ENGINE_DEFAULTS = dict(num_kv_blocks=128, block_size=8, max_num_seqs=16, max_num
 
 
 class LiveServer:
-    def __init__(self, app, engine=None):
+    """The server `python -m server` runs (make_server), on a socket of our own."""
+
+    def __init__(self, app, engine=None, shutdown_timeout: float = 5, read_timeout: float = 30):
         self.app, self.engine = app, engine
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._socket.bind(("127.0.0.1", 0))
         self.port = self._socket.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+        self.server = make_server(app, log_level="warning", shutdown_timeout=shutdown_timeout,
+                                  read_timeout=read_timeout)
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._socket]}, daemon=True)
         self.http = httpx.Client(base_url=self.url, timeout=60)
 
@@ -112,10 +115,11 @@ def tiny_loaded(tiny_model_dir):
 def start_server(tiny_loaded):
     started: list[LiveServer] = []
 
-    def start(engine_kwargs: dict | None = None, app_kwargs: dict | None = None) -> LiveServer:
+    def start(engine_kwargs: dict | None = None, app_kwargs: dict | None = None,
+              server_kwargs: dict | None = None) -> LiveServer:
         engine = AsyncEngine(tiny_loaded, EngineConfig(**{**ENGINE_DEFAULTS, **(engine_kwargs or {})}))
         app = create_app(engine, **{"served_model_name": MODEL_NAME, **(app_kwargs or {})})
-        live = LiveServer(app, engine).start()
+        live = LiveServer(app, engine, **(server_kwargs or {})).start()
         started.append(live)
         return live
 
