@@ -30,6 +30,8 @@ from models.layers.rope import RotaryEmbedding
 # Per-expert checkpoint names (save_pretrained and DeepSeek's releases):
 #   model.layers.3.mlp.experts.17.gate_proj.weight -> ("model.layers.3.mlp.experts", "17", "gate_proj")
 _EXPERT_WEIGHT = re.compile(r"(.+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# HF's in-memory (fused) layout: model.layers.3.mlp.experts.gate_up_proj (E, 2 * inter, hidden)
+_FUSED_EXPERTS = re.compile(r"(.+\.experts)\.(gate_up_proj|down_proj)$")
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -118,7 +120,6 @@ class _DeepseekForCausalLM(CausalLM):
         is a plain or merged (gate/up) parameter: see models/layers/linear.py.
         """
         loaded: set[str] = set()
-        expert_pieces: dict[str, int] = {}
         num_experts = self.hf_config.n_routed_experts or 0
 
         def load_special(name: str, tensor: torch.Tensor) -> bool:
@@ -126,11 +127,12 @@ class _DeepseekForCausalLM(CausalLM):
                 prefix, expert, proj = m[1], int(m[2]), m[3]
                 if not 0 <= expert < num_experts:
                     raise ValueError(f"tensor {name!r}: expert index out of range (n_routed_experts={num_experts})")
-                self._submodule(prefix, name).load_expert(expert, proj, tensor)
-                fused = f"{prefix}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"
-                expert_pieces[fused] = expert_pieces.get(fused, 0) + 1
-                if expert_pieces[fused] == (num_experts if proj == "down_proj" else 2 * num_experts):
-                    loaded.add(fused)
+                done = self._submodule(prefix, name).load_expert(expert, proj, tensor, name)
+                loaded.update(f"{prefix}.{n}" for n in done)
+                return True
+            if m := _FUSED_EXPERTS.match(name):
+                prefix, proj = m[1], m[2]
+                loaded.update(f"{prefix}.{n}" for n in self._submodule(prefix, name).load_fused(proj, tensor, name))
                 return True
             if name.endswith(".kv_b_proj.weight"):
                 prefix = name.removesuffix(".kv_b_proj.weight")

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
+from models.layers.linear import Linear, MergedLinear
 from models.layers.mlp import GatedMLP
 
 _TOPK_METHODS = {"softmax": ("greedy", "group_limited_greedy"), "sigmoid": ("noaux_tc",)}
@@ -137,34 +138,49 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """All routed experts' SwiGLU weights in two stacked tensors (HF's fused layout).
+    """The routed experts' SwiGLU weights: per expert one MergedLinear (gate | up) and one Linear
+    (down), so each gets its quantization method at load like any other linear layer.
 
-    gate_up_proj (E, 2 * inter, hidden): rows [0, inter) gate, [inter, 2 * inter) up.
-    down_proj    (E, hidden, inter).
+    gate_up[e]  (2 * inter, hidden): rows [0, inter) gate, [inter, 2 * inter) up
+    down[e]     (hidden, inter)
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, hidden_act: str):
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.gate_up = nn.ModuleList(
+            MergedLinear(hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}, bias=False)
+            for _ in range(num_experts)
+        )
+        self.down = nn.ModuleList(Linear(intermediate_size, hidden_size) for _ in range(num_experts))
         self.act_fn = ACT2FN[hidden_act]
+        self._pieces: dict[int, set[str]] = {}  # expert -> gate/up pieces loaded so far
 
-    @torch.no_grad()
-    def load_expert(self, expert: int, proj: str, weight: torch.Tensor) -> None:
-        """One expert's weight from a per-expert checkpoint (`experts.N.{gate,up,down}_proj.weight`)."""
-        inter = self.intermediate_size
-        if proj == "gate_proj":
-            dst = self.gate_up_proj[expert, :inter]
-        elif proj == "up_proj":
-            dst = self.gate_up_proj[expert, inter:]
-        elif proj == "down_proj":
-            dst = self.down_proj[expert]
-        else:
+    def load_expert(self, expert: int, proj: str, weight: torch.Tensor, name: str) -> list[str]:
+        """One expert's weight from a per-expert checkpoint (`experts.N.{gate,up,down}_proj.weight`);
+        returns the parameter names (relative to this module) now fully loaded."""
+        if proj == "down_proj":
+            self.down[expert].load_weight(weight, name)
+            return [f"down.{expert}.{n}" for n in self.down[expert].weight_param_names()]
+        if proj not in ("gate_proj", "up_proj"):
             raise ValueError(f"unknown expert projection {proj!r}")
-        if dst.shape != weight.shape:
-            raise ValueError(f"expert {expert} {proj}: checkpoint shape {tuple(weight.shape)} != {tuple(dst.shape)}")
-        dst.copy_(weight)
+        layer = self.gate_up[expert]
+        layer.load_weight(weight, name, layer.shard_rows(proj))
+        pieces = self._pieces.setdefault(expert, set())
+        pieces.add(proj)
+        return [f"gate_up.{expert}.{n}" for n in layer.weight_param_names()] if len(pieces) == 2 else []
+
+    def load_fused(self, proj: str, weight: torch.Tensor, name: str) -> list[str]:
+        """HF's in-memory layout: `experts.gate_up_proj` (E, 2 * inter, hidden) or `experts.down_proj`
+        (E, hidden, inter); returns the parameter names now fully loaded."""
+        layers = self.gate_up if proj == "gate_up_proj" else self.down
+        if weight.shape[0] != len(layers):
+            raise ValueError(f"tensor {name!r}: {weight.shape[0]} experts, the model has {len(layers)}")
+        loaded = []
+        for expert, layer in enumerate(layers):
+            layer.load_weight(weight[expert], name)
+            loaded += [f"{'gate_up' if proj == 'gate_up_proj' else 'down'}.{expert}.{n}" for n in layer.weight_param_names()]
+        return loaded
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         """x (T, hidden), weights/expert_ids (T, top_k) -> weighted sum of the chosen experts (T, hidden).
@@ -179,7 +195,7 @@ class Experts(nn.Module):
         flat_ids = expert_ids.flatten()  # (T * top_k,)
         order = flat_ids.argsort(stable=True)  # pair index, grouped by expert
         token_of_pair = order // top_k  # (T * top_k,)
-        counts = torch.bincount(flat_ids, minlength=self.gate_up_proj.shape[0]).tolist()
+        counts = torch.bincount(flat_ids, minlength=len(self.gate_up)).tolist()
         pairs_in = x[token_of_pair]  # (T * top_k, hidden)
         pairs_out = torch.empty_like(pairs_in)
         start = 0
@@ -187,8 +203,8 @@ class Experts(nn.Module):
             if count == 0:
                 continue
             rows = slice(start, start + count)
-            gate, up = F.linear(pairs_in[rows], self.gate_up_proj[expert]).chunk(2, dim=-1)  # (count, inter) each
-            pairs_out[rows] = F.linear(self.act_fn(gate) * up, self.down_proj[expert])
+            gate, up = self.gate_up[expert](pairs_in[rows]).chunk(2, dim=-1)  # (count, inter) each
+            pairs_out[rows] = self.down[expert](self.act_fn(gate) * up)
             start += count
         pairs_out *= weights.flatten()[order, None].to(pairs_out.dtype)
         return torch.zeros_like(x).index_add_(0, token_of_pair, pairs_out)

@@ -149,7 +149,7 @@ def test_missing_expert_weight_is_reported(v3_checkpoint):
     del tensors["model.layers.2.mlp.experts.5.up_proj.weight"]
     model = OurDeepseekV3(AutoConfig.from_pretrained(path), max_model_len=64)
     loaded = model.load_weights(tensors.items())
-    assert {name for name, _ in model.named_parameters()} - loaded == {"model.layers.2.mlp.experts.gate_up_proj"}
+    assert {name for name, _ in model.named_parameters()} - loaded == {"model.layers.2.mlp.experts.gate_up.5.weight"}
 
 
 @pytest.mark.parametrize("method", ["greedy", "group_limited_greedy", "noaux_tc"])

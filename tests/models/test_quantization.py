@@ -235,3 +235,33 @@ def test_kernel_builds_are_keyed_to_the_cpu(monkeypatch, tmp_path):
     assert "-mavx512vnni" in names["zen4"][1]
     assert names["old"] == ("pagedserve_cpu_kernels_generic", [])
     assert names["odd"] == ("pagedserve_cpu_kernels_generic", [])  # no AVX2: nothing above it either
+
+
+@pytest.mark.parametrize("quantization,bits", [("int8", 8), ("int4", 4)])
+def test_deepseek_mla_and_moe_experts_get_the_method_too(tmp_path, quantization, bits):
+    from tests.models.test_deepseek import _COMMON, _randomize
+    from tests.models.conftest import save_checkpoint
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(**_COMMON, q_lora_rank=32, n_group=4, topk_group=2, norm_topk_prob=True)
+    torch.manual_seed(0)
+    hf = DeepseekV3ForCausalLM(config).eval()
+    _randomize(hf, seed=1)
+    path = save_checkpoint(hf, tmp_path / "v3")
+    dense = load_model(str(path), dtype="float32", quantization="none")
+    quant = load_model(str(path), dtype="float32", quantization=quantization)
+    got_methods = methods(quant.model)
+    # hidden 64 and q_lora_rank 32 fit groups of 32; the experts' down_proj (24 inputs) stays dense.
+    for name in ("model.layers.1.mlp.experts.gate_up.3", "model.layers.0.self_attn.q_b_proj",
+                 "model.layers.0.self_attn.kv_a_proj_with_mqa", "model.layers.1.mlp.shared_experts.gate_up_proj",
+                 "model.embed_tokens", "lm_head"):
+        assert got_methods[name] == f"int{bits}", name
+    assert got_methods["model.layers.1.mlp.experts.down.3"] == "dense"
+    got = prompt_logits(quant.model, PROMPT[:20], decode=4)
+    quant_layers = {n: m for n, m in quant.model.named_modules() if isinstance(m, Linear)}
+    with torch.no_grad():
+        for name, layer in dense.model.named_modules():
+            if isinstance(layer, Linear):
+                layer.weight.copy_(quant_layers[name].quant_method.dense_weight(quant_layers[name]))
+    want = prompt_logits(dense.model, PROMPT[:20], decode=4)
+    assert (got - want).abs().max() <= 2e-4 * want.abs().max()
