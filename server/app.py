@@ -23,6 +23,8 @@ from fastapi.responses import JSONResponse, Response
 
 from server.errors import error_body, install_error_handlers, model_not_found
 from server.metrics import CONTENT_TYPE, ServerMetrics
+from server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                             openapi_body, openapi_schemas)
 from server.serving_chat import create_chat_completion
 from server.serving_common import ServerState
 from server.serving_completion import create_completion
@@ -126,11 +128,30 @@ def create_app(
             raise model_not_found(model, served_model_name)
         return model_card()
 
-    app.add_api_route("/v1/completions", create_completion, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", create_chat_completion, methods=["POST"])
-    app.add_api_route("/tokenize", tokenize, methods=["POST"])
-    app.add_api_route("/detokenize", detokenize, methods=["POST"])
+    # Bodies are parsed by hand (protocol.parse_body, for OpenAI's error messages); the
+    # document still shows each route's request model, with its bounds.
+    app.add_api_route("/v1/completions", create_completion, methods=["POST"],
+                      openapi_extra=openapi_body(CompletionRequest))
+    app.add_api_route("/v1/chat/completions", create_chat_completion, methods=["POST"],
+                      openapi_extra=openapi_body(ChatCompletionRequest))
+    app.add_api_route("/tokenize", tokenize, methods=["POST"], openapi_extra=openapi_body(TokenizeRequest))
+    app.add_api_route("/detokenize", detokenize, methods=["POST"], openapi_extra=openapi_body(DetokenizeRequest))
+    _publish_request_schemas(app)
     return app
+
+
+def _publish_request_schemas(app: FastAPI) -> None:
+    """Add the request models to the generated document's components (the routes refer to them)."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            document = generate()
+            document.setdefault("components", {}).setdefault("schemas", {}).update(openapi_schemas())
+            app.openapi_schema = document
+        return app.openapi_schema
+
+    app.openapi = openapi
 
 
 async def _in_daemon_thread(fn: Callable[[], Any]) -> Any:

@@ -16,6 +16,7 @@ import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic.json_schema import models_json_schema
 
 from server.errors import APIError, invalid, not_supported
 
@@ -38,6 +39,11 @@ MAX_JSON_DEPTH = 32
 MAX_STOP_STRINGS, MAX_STOP_LENGTH = 4, 1024
 
 
+# For the OpenAPI document of the fields typed Any above (their checks are hand-written).
+_STOP_STRING = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_LENGTH}
+_TOKEN_ID = {"type": "integer", "minimum": 0}
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -55,9 +61,13 @@ class _SamplingFields(_Strict):
     top_p: float | None = Field(None, ge=MIN_TOP_P, le=1)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(None, json_schema_extra={
+        "propertyNames": {"pattern": "^[0-9]{1,10}$"}, "additionalProperties": {"minimum": -100, "maximum": 100}})
     seed: int | None = Field(None, ge=-_INT64, lt=2 * _INT64)
-    stop: Any = None  # str | list[str] (up to 4); checked in stop_strings() for a clear message
+    # str | list[str] (up to 4); checked in stop_strings() for a clear message.
+    stop: Any = Field(None, json_schema_extra={"anyOf": [
+        {"type": "null"}, _STOP_STRING,
+        {"type": "array", "items": _STOP_STRING, "maxItems": MAX_STOP_STRINGS}]})
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -112,7 +122,12 @@ class _SamplingFields(_Strict):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Any  # str | list[str] | list[int] | list[list[int]]; checked in prompts()
+    # str | list[str] | list[int] | list[list[int]]; checked in prompts().
+    prompt: Any = Field(json_schema_extra={"anyOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+        {"type": "array", "items": _TOKEN_ID, "minItems": 1},
+        {"type": "array", "items": {"type": "array", "items": _TOKEN_ID, "minItems": 1}, "minItems": 1}]})
     max_tokens: int | None = Field(None, ge=1)  # OpenAI: null means the default, 16
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool | None = None
@@ -192,6 +207,22 @@ _UNSUPPORTED_CHAT = {
     "web_search_options": (None,), "prompt_cache_key": (None,), "safety_identifier": (None,),
 }
 _UNSUPPORTED_MESSAGE_KEYS = ("name", "tool_calls", "tool_call_id", "function_call", "audio", "refusal")
+
+
+REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+
+
+def openapi_schemas() -> dict[str, Any]:
+    """The request models as OpenAPI component schemas (name -> JSON schema), with their bounds."""
+    _, top = models_json_schema([(m, "validation") for m in REQUEST_MODELS],
+                                ref_template="#/components/schemas/{model}")
+    return top["$defs"]
+
+
+def openapi_body(model_cls: type[BaseModel]) -> dict[str, Any]:
+    """A route's `openapi_extra`: its JSON body is `model_cls` (parse_body still validates it)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model_cls.__name__}"}}}}}
 
 
 def parse_body(raw: bytes, model_cls: type[BaseModel]) -> BaseModel:

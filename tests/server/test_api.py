@@ -193,3 +193,23 @@ def test_metrics_count_requests_tokens_and_latencies(live):
     assert live.metric("pagedserve:model_weight_bytes") > 0 and live.metric("pagedserve:kv_cache_bytes") > 0
     assert live.metric("pagedserve:time_to_first_token_seconds_count") > 0
     assert live.metric("pagedserve:inter_token_latency_seconds_count") > 0
+
+
+def test_openapi_documents_each_request_model_with_its_bounds(live):
+    document = live.http.get("/openapi.json").json()
+    schemas = document["components"]["schemas"]
+    for path, name in [("/v1/completions", "CompletionRequest"), ("/v1/chat/completions", "ChatCompletionRequest"),
+                       ("/tokenize", "TokenizeRequest"), ("/detokenize", "DetokenizeRequest")]:
+        body = document["paths"][path]["post"]["requestBody"]
+        assert body["content"]["application/json"]["schema"] == {"$ref": f"#/components/schemas/{name}"}
+        assert schemas[name]["additionalProperties"] is False
+    completion = schemas["CompletionRequest"]
+    assert set(completion["required"]) == {"model", "prompt"}
+    top_p = completion["properties"]["top_p"]["anyOf"][0]
+    assert top_p["minimum"] == 1e-8 and top_p["maximum"] == 1
+    assert completion["properties"]["repetition_penalty"]["anyOf"][0] == {"type": "number", "minimum": 0.01,
+                                                                          "maximum": 2.0}
+    assert {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": 1024}, "maxItems": 4} in \
+        completion["properties"]["stop"]["anyOf"]
+    assert schemas["ChatCompletionRequest"]["properties"]["messages"]["minItems"] == 1
+    assert live.http.get("/docs").status_code == 200
