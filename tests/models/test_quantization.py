@@ -265,3 +265,15 @@ def test_deepseek_mla_and_moe_experts_get_the_method_too(tmp_path, quantization,
                 layer.weight.copy_(quant_layers[name].quant_method.dense_weight(quant_layers[name]))
     want = prompt_logits(dense.model, PROMPT[:20], decode=4)
     assert (got - want).abs().max() <= 2e-4 * want.abs().max()
+
+
+def test_perplexity_of_a_gguf_served_as_stored_equals_its_dequantized_model(tmp_path):
+    from loadtest.perplexity import DEFAULT_TEXT, perplexity
+
+    path = tmp_path / "m.gguf"
+    write_gguf(path, tiny_llama(tie=True), T.Q4_1)
+    text = DEFAULT_TEXT.read_text()[:600]
+    stored, count = perplexity(load_model(str(path), dtype="float32"), text)
+    dense, same_count = perplexity(load_model(str(path), dtype="float32", quantization="none"), text)
+    assert count == same_count > 100 and 1 < stored < 1e6
+    assert stored == pytest.approx(dense, rel=1e-4)
