@@ -138,3 +138,36 @@ def test_a_neighbour_stream_keeps_flowing_while_huge_and_hostile_requests_arrive
     assert '"finish_reason":"length"' in lines[-2]
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
     assert max(gaps) < 1.0, f"the neighbour stream stalled for {max(gaps):.2f}s"
+
+
+# schemathesis against the app's own /openapi.json: requests built from the published request
+# models, valid and invalid ones, a few examples per operation so the file stays within a minute.
+schemathesis = pytest.importorskip("schemathesis")
+from schemathesis.checks import not_a_server_error  # noqa: E402
+
+
+@pytest.mark.timeout(90)
+def test_schemathesis_requests_from_the_openapi_document(live):
+    schema = schemathesis.openapi.from_url(f"{live.url}/openapi.json")
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions", "/tokenize"}
+    strategies = [op.as_strategy(generation_mode=mode) for op in operations
+                  for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE)]
+    deadline = time.monotonic() + 40  # a time bound as well as an example bound
+    statuses: list[int] = []
+
+    @settings(max_examples=80, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(case=st.one_of(strategies))
+    def case(case):
+        if time.monotonic() > deadline:
+            return
+        response = case.call(timeout=30)
+        case.validate_response(response, checks=[not_a_server_error])
+        statuses.append(response.status_code)
+        if response.status_code >= 400:
+            error = response.json()["error"]
+            assert isinstance(error["message"], str) and isinstance(error["type"], str), response.text
+
+    case()
+    assert len(statuses) >= 20 and 200 in statuses and 400 in statuses, statuses
+    assert_still_serves(live)
