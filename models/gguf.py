@@ -47,12 +47,13 @@ _LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
-# GGUF types kept as stored (models/layers/quantization.py): -> (bits, group size).
+# GGUF types kept as stored (models/layers/quantization.py): -> (bits, group size, scale dtype).
+# Q4_0/Q4_1/Q8_0 keep their fp16 factors; Q4_K's d * sc products need float32 to stay exact.
 EXACT_FORMATS = {
-    GGMLQuantizationType.Q4_0: (4, 32),
-    GGMLQuantizationType.Q4_1: (4, 32),
-    GGMLQuantizationType.Q4_K: (4, 32),
-    GGMLQuantizationType.Q8_0: (8, 32),
+    GGMLQuantizationType.Q4_0: (4, 32, torch.float16),
+    GGMLQuantizationType.Q4_1: (4, 32, torch.float16),
+    GGMLQuantizationType.Q4_K: (4, 32, torch.float32),
+    GGMLQuantizationType.Q8_0: (8, 32, torch.float16),
 }
 _DENSE_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -247,8 +248,8 @@ class GGUFWeights:
         return None
 
 
-def serving_format(qtype: GGMLQuantizationType) -> tuple[int, int] | None:
-    """(bits, group size) that a tensor of this type is served in by `--quantization auto`
+def serving_format(qtype: GGMLQuantizationType) -> tuple[int, int, torch.dtype] | None:
+    """(bits, group size, scale dtype) that a tensor of this type is served in by `--quantization auto`
     (None: dense). Types with no exact mapping are requantized from their dequantized values:
     5 bits and more to int8, fewer to int4."""
     if qtype in EXACT_FORMATS:
@@ -256,7 +257,7 @@ def serving_format(qtype: GGMLQuantizationType) -> tuple[int, int] | None:
     if qtype in _DENSE_TYPES:
         return None
     block_values, block_bytes = GGML_QUANT_SIZES[qtype]
-    return (8, 32) if block_bytes * 8 / block_values >= 5 else (4, 32)
+    return (8, 32, torch.float32) if block_bytes * 8 / block_values >= 5 else (4, 32, torch.float32)
 
 
 def quantized_weight(data: np.ndarray, qtype: GGMLQuantizationType, rows: int, cols: int) -> QuantizedWeight:
@@ -274,8 +275,8 @@ def quantized_weight(data: np.ndarray, qtype: GGMLQuantizationType, rows: int, c
     block_values, block_bytes = GGML_QUANT_SIZES[qtype]
     blocks = data.reshape(rows, cols // block_values, block_bytes)  # (rows, blocks, bytes)
 
-    def f16(lo: int) -> np.ndarray:
-        return np.ascontiguousarray(blocks[..., lo : lo + 2]).view(np.float16)[..., 0].astype(np.float32)
+    def f16(lo: int) -> np.ndarray:  # the fp16 factor at byte `lo` of every block, (rows, blocks) float16
+        return np.ascontiguousarray(blocks[..., lo : lo + 2]).view(np.float16)[..., 0]
 
     def tensor(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a))
@@ -285,11 +286,11 @@ def quantized_weight(data: np.ndarray, qtype: GGMLQuantizationType, rows: int, c
         return QuantizedWeight(8, tensor(q), tensor(f16(0)), None, cols)
     if qtype in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1):
         d = f16(0)
-        m = -8.0 * d if qtype == GGMLQuantizationType.Q4_0 else f16(2)
+        m = (d.astype(np.float32) * -8.0).astype(np.float16) if qtype == GGMLQuantizationType.Q4_0 else f16(2)
         qs = blocks[..., 2:] if qtype == GGMLQuantizationType.Q4_0 else blocks[..., 4:]
         return QuantizedWeight(4, tensor(qs.reshape(rows, cols // 2)), tensor(d), tensor(m), cols)
     if qtype == GGMLQuantizationType.Q4_K:
-        d, dmin = f16(0)[..., None], f16(2)[..., None]  # (rows, super-blocks, 1)
+        d, dmin = f16(0).astype(np.float32)[..., None], f16(2).astype(np.float32)[..., None]  # (rows, sb, 1)
         sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(blocks[..., 4:16]).reshape(-1, 12))
         sc = sc.reshape(rows, -1, 8).astype(np.float32)
         mn = mn.reshape(rows, -1, 8).astype(np.float32)

@@ -66,9 +66,11 @@ class LoadedModel:
 MethodChoice = Callable[[list[str], int], LinearMethod]
 
 
-def choose_methods(quantization: str, stored: Callable[[str], tuple[int, int] | None] | None = None) -> MethodChoice:
+def choose_methods(
+    quantization: str, stored: Callable[[str], tuple[int, int, torch.dtype] | None] | None = None
+) -> MethodChoice:
     """`--quantization`: 'auto' serves what the checkpoint stores (`stored(name)`: the (bits,
-    group) a tensor is kept in, None for dense; no `stored`: dense checkpoint), 'none' dense,
+    group, scale dtype) a tensor is kept in, None for dense; no `stored`: dense checkpoint), 'none' dense,
     'int8' per output channel, 'int4' in groups of 32, rounding to nearest at load."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
@@ -83,8 +85,9 @@ def choose_methods(quantization: str, stored: Callable[[str], tuple[int, int] | 
         formats = [stored(name) for name in names]
         if any(f is None for f in formats):
             return DENSE  # a merged layer with a dense part stays dense
-        bits = max(bits for bits, _ in formats)  # a Q4 + Q6 merged layer: int8 for all
-        return method_for(bits, 32, in_features)
+        bits = max(f[0] for f in formats)  # a Q4 + Q6 merged layer: int8 for all
+        scale_dtypes = {f[2] for f in formats if f[0] == bits}
+        return method_for(bits, 32, in_features, scale_dtypes.pop() if len(scale_dtypes) == 1 else torch.float32)
 
     return choose
 

@@ -4,9 +4,11 @@ Each `Linear` holds a `LinearMethod`, chosen at load time (as vLLM's `quant_meth
 model files never branch on it:
 
     DenseMethod   weight (N, K) in the model's dtype; F.linear (oneDNN-packed for bf16 CPU)
-    Int8Method    qweight (N, K) int8, scales (N, K/G) float32            w = s q
-    Int4Method    qweight (N, K/2) uint8 (two per byte), scales and mins  w = s q + m
-                  (N, K/G) float32, q in [0, 15]
+    int8          qweight (N, K) int8, scales (N, K/G)                    w = s q
+    int4          qweight (N, K/2) uint8 (two per byte), scales and mins  w = s q + m
+                  (N, K/G), q in [0, 15]
+    (QuantMethod) scales and mins float32, or float16 where a GGUF stores them so (a sixth
+                  fewer bytes to read per 4-bit weight)
 
 G is the group size along K, a multiple of 32. The layouts hold GGUF's blocks exactly
 (models/gguf.py): Q8_0 is int8 with G = 32; Q4_0 (w = d (q - 8)), Q4_1 (w = d q + m) and
@@ -52,8 +54,8 @@ class QuantizedWeight:
 
     bits: int  # 4 or 8
     qweight: torch.Tensor  # (N, K/2) uint8 | (N, K) int8
-    scales: torch.Tensor  # (N, K/G) float32
-    mins: torch.Tensor | None  # (N, K/G) float32, 4 bits only
+    scales: torch.Tensor  # (N, K/G) float32 or float16
+    mins: torch.Tensor | None  # (N, K/G) like scales, 4 bits only
     in_features: int
 
     @property
@@ -92,9 +94,9 @@ def dequantize(
     """The reference: the float32 weight (N, K) that a quantized weight stands for."""
     q = unpack_int4(qweight, in_features) if bits == 4 else qweight
     n, groups = scales.shape
-    w = q.float().view(n, groups, -1) * scales.unsqueeze(-1)  # (N, K/G, G)
+    w = q.float().view(n, groups, -1) * scales.float().unsqueeze(-1)  # (N, K/G, G)
     if mins is not None:
-        w += mins.unsqueeze(-1)
+        w += mins.float().unsqueeze(-1)
     return w.view(n, in_features)
 
 
@@ -192,11 +194,16 @@ class DenseMethod(LinearMethod):
 class QuantMethod(LinearMethod):
     """Int8 (`bits=8`, symmetric) or int4 (`bits=4`, scale + min) weights in groups along K."""
 
-    def __init__(self, bits: int, group_size: int | None, quantize_input: bool = True):
+    def __init__(
+        self, bits: int, group_size: int | None, quantize_input: bool = True, scale_dtype: torch.dtype = torch.float32
+    ):
         if bits not in (4, 8):
             raise ValueError(f"bits must be 4 or 8, got {bits}")
+        if scale_dtype not in (torch.float32, torch.float16):
+            raise ValueError(f"scale_dtype must be float32 or float16, got {scale_dtype}")
         self.bits = bits
         self.group_size = group_size  # None: one group per row (int8 per channel)
+        self.scale_dtype = scale_dtype
         # quantize_input: round activations to int16 per 32 values for integer dot products
         # (csrc/quant_linear.cpp says why int16, not llama.cpp's int8); else float FMAs.
         self.quantize_input = quantize_input
@@ -210,9 +217,9 @@ class QuantMethod(LinearMethod):
         qdtype = torch.uint8 if self.bits == 4 else torch.int8
         layer.qweight = nn.Parameter(torch.empty(out_features, cols, dtype=qdtype), requires_grad=False)
         groups = self._groups(in_features)
-        layer.scales = nn.Parameter(torch.empty(out_features, groups, dtype=torch.float32), requires_grad=False)
+        layer.scales = nn.Parameter(torch.empty(out_features, groups, dtype=self.scale_dtype), requires_grad=False)
         if self.bits == 4:
-            layer.mins = nn.Parameter(torch.empty(out_features, groups, dtype=torch.float32), requires_grad=False)
+            layer.mins = nn.Parameter(torch.empty(out_features, groups, dtype=self.scale_dtype), requires_grad=False)
 
     def _stored(self, layer) -> QuantizedWeight:
         return QuantizedWeight(self.bits, layer.qweight, layer.scales, getattr(layer, "mins", None), layer.in_features)
@@ -241,12 +248,16 @@ class QuantMethod(LinearMethod):
             layer.scales[rows].copy_(weight.scales)
             if self.bits == 4:
                 layer.mins[rows].copy_(weight.mins if weight.mins is not None else torch.zeros_like(weight.scales))
+            factors = [layer.scales[rows]] + ([layer.mins[rows]] if self.bits == 4 else [])
+            if not all(torch.isfinite(f).all() for f in factors):
+                raise ValueError(f"tensor {name!r}: quantization scales are not finite ({self.scale_dtype})")
 
     def _compatible(self, weight: QuantizedWeight, in_features: int) -> bool:
         return (
             weight.bits == self.bits
             and weight.in_features == in_features
             and weight.scales.shape[1] == self._groups(in_features)
+            and (weight.scales.dtype == self.scale_dtype or self.scale_dtype == torch.float32)
         )
 
     def quantize(self, weight: torch.Tensor) -> QuantizedWeight:
@@ -273,11 +284,13 @@ def _check_shape_of(shape: tuple, expected: tuple, name: str) -> None:
 DENSE = DenseMethod()
 
 
-def method_for(bits: int | None, group_size: int | None, in_features: int) -> LinearMethod:
+def method_for(
+    bits: int | None, group_size: int | None, in_features: int, scale_dtype: torch.dtype = torch.float32
+) -> LinearMethod:
     """The method for a layer of `in_features` inputs: quantized when the format fits, else dense."""
     if bits is None:
         return DENSE
     g = group_size if group_size is not None else (None if bits == 8 else BLOCK)
     if in_features % BLOCK or (g is not None and (g % BLOCK or in_features % g)):
         return DENSE
-    return QuantMethod(bits, g)
+    return QuantMethod(bits, g, scale_dtype=scale_dtype)

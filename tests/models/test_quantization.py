@@ -64,12 +64,21 @@ def test_round_to_nearest_is_within_half_a_step(bits, group):
     assert qw.shape == (16, 128) and qw.group_size == g
 
 
+def half_factors(qw: Q.QuantizedWeight) -> Q.QuantizedWeight:
+    """The same weight with float16 scales and mins (as GGUF's Q4_0/Q4_1/Q8_0 store them)."""
+    mins = None if qw.mins is None else qw.mins.half()
+    return Q.QuantizedWeight(qw.bits, qw.qweight, qw.scales.half(), mins, qw.in_features)
+
+
 @pytest.mark.parametrize("bits,group", [(8, None), (8, 32), (4, 32), (4, 64)])
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
-def test_float_activation_kernel_equals_the_dequantized_reference(bits, group, rows):
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16])
+def test_float_activation_kernel_equals_the_dequantized_reference(bits, group, rows, scale_dtype):
     needs_kernel()
     n, k = 40, 192
     qw = random_quantized(bits, n, k, group)
+    if scale_dtype == torch.float16:
+        qw = half_factors(qw)
     gen = torch.Generator().manual_seed(rows)
     x, bias = torch.randn(rows, k, generator=gen), torch.randn(n, generator=gen)
     want = torch.nn.functional.linear(x, qw.dequantize(), bias)
@@ -85,13 +94,16 @@ def test_float_activation_kernel_equals_the_dequantized_reference(bits, group, r
 
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 6])
-def test_int16_activation_path_equals_its_emulation(bits, rows):
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16])
+def test_int16_activation_path_equals_its_emulation(bits, rows, scale_dtype):
     """quantize_input=True (the default) rounds x to int16 per 32 values: the result is the
     dequantized weight times that rounded x, which a few torch ops reproduce, and within a
     few 1e-5 of the float product."""
     needs_kernel()
     n, k = 24, 128
     qw = random_quantized(bits, n, k, 32)
+    if scale_dtype == torch.float16:
+        qw = half_factors(qw)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(3)) * 4
     x[0, 5] = 70.0  # an outlier in a block, as SmolLM2's residual stream has
     blocks = x.view(rows, k // 32, 32)
@@ -105,9 +117,12 @@ def test_int16_activation_path_equals_its_emulation(bits, rows):
 
 
 @pytest.mark.parametrize("bits,group", [(8, 32), (4, 32), (4, 64), (8, None)])
-def test_dequantize_weight_kernel_equals_the_reference(bits, group):
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16])
+def test_dequantize_weight_kernel_equals_the_reference(bits, group, scale_dtype):
     needs_kernel()
     qw = random_quantized(bits, 24, 128, group)
+    if scale_dtype == torch.float16:
+        qw = half_factors(qw)
     got = cpu_kernels.dequantize_weight(qw.qweight, qw.scales, qw.mins, bits, qw.group_size)
     close_in_eps(got, qw.dequantize(), 2, 1)
 
@@ -140,10 +155,12 @@ def test_gguf_blocks_map_exactly_onto_quantized_weights(qtype):
 
 
 def test_serving_formats_of_gguf_types():
-    assert serving_format(T.Q4_1) == (4, 32) and serving_format(T.Q8_0) == (8, 32)
+    f16, f32 = torch.float16, torch.float32
+    assert serving_format(T.Q4_1) == (4, 32, f16) and serving_format(T.Q8_0) == (8, 32, f16)
+    assert serving_format(T.Q4_K) == (4, 32, f32)  # d * sc is exact in float32, not float16
     assert serving_format(T.F32) is None and serving_format(T.F16) is None
-    assert serving_format(T.Q6_K) == (8, 32) and serving_format(T.Q5_0) == (8, 32)  # requantized wider
-    assert serving_format(T.Q2_K) == (4, 32)
+    assert serving_format(T.Q6_K) == (8, 32, f32) and serving_format(T.Q5_0) == (8, 32, f32)  # requantized wider
+    assert serving_format(T.Q2_K) == (4, 32, f32)
 
 
 def methods(model) -> dict[str, str]:
@@ -174,6 +191,8 @@ def test_gguf_is_served_as_stored_and_equals_its_dequantized_model(tmp_path, qty
     dense = load_model(str(path), dtype="float32", quantization="none")
     assert set(methods(stored.model).values()) == {f"int{bits}"}
     assert set(methods(dense.model).values()) == {"dense"}
+    layer = stored.model.model.layers[0].mlp.down_proj
+    assert layer.scales.dtype == torch.float16  # the file's own fp16 factors, kept
     assert stored.weight_bytes < dense.weight_bytes / (2.5 if bits == 8 else 4)
     # Same numbers: equal up to the int16 rounding of activations (decode steps, the row
     # kernel) and summation order (the 37-token prefill, dequantize + GEMM).

@@ -37,13 +37,24 @@
 #include <cmath>
 #include <cstdint>
 
-#if defined(__AVX2__)
+#if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
 namespace {
 
 constexpr int64_t kBlock = 32;  // values per quantization block of weights and activations
+
+// Scales and mins are float32, or float16 where that holds them exactly (GGUF's Q4_0, Q4_1 and
+// Q8_0 store fp16 factors): a sixth less to read per weight at one row, where reading is the cost.
+inline float to_float(float x) { return x; }
+inline float to_float(c10::Half x) {
+#if defined(__F16C__)
+  return _cvtsh_ss(x.x);
+#else
+  return static_cast<float>(x);
+#endif
+}
 
 // x (M, K) float -> xq (M, K) int16, xscale (M, K/32), xsum (M, K/32) = xscale * sum of xq.
 void quantize_activations(const float* x, int64_t M, int64_t K, int16_t* xq, float* xscale, float* xsum) {
@@ -124,9 +135,9 @@ inline int32_t group_dot(const uint8_t* w, int64_t g, const int16_t* xq) {
 
 // Rows m0 .. m0+MB of the output for output column n. Each weight group is unpacked once
 // and used for all MB activation rows.
-template <int Bits, int MB>
+template <int Bits, int MB, typename S>
 inline void rows_of_column(
-    const uint8_t* w, const float* scale, const float* min, int64_t groups_per_scale, int64_t nb,
+    const uint8_t* w, const S* scale, const S* min, int64_t groups_per_scale, int64_t nb,
     const int16_t* xq, const float* xscale, const float* xsum, int64_t m0, int64_t K, float* acc_out) {
 #if defined(__AVX2__)
   __m256 acc[MB];
@@ -136,7 +147,7 @@ inline void rows_of_column(
 #endif
   float min_acc[MB] = {};
   for (int64_t g = 0; g < nb; ++g) {
-    const float s = scale[g / groups_per_scale];
+    const float s = to_float(scale[g / groups_per_scale]);
 #if defined(__AVX2__)
     __m256i w16[2];
     widen_group<Bits>(Bits == 4 ? unpack_nibbles(w + g * (kBlock / 2))
@@ -153,7 +164,7 @@ inline void rows_of_column(
       acc[r] += s * xs * static_cast<float>(group_dot<Bits>(w, g, xb));
 #endif
       if constexpr (Bits == 4) {
-        if (min != nullptr) min_acc[r] += min[g / groups_per_scale] * xsum[row * nb + g];
+        if (min != nullptr) min_acc[r] += to_float(min[g / groups_per_scale]) * xsum[row * nb + g];
       }
     }
   }
@@ -190,16 +201,17 @@ inline void dequantize_group(const uint8_t* w, int64_t g, float s, float mn, __m
 
 // The float-activation path: each weight group is dequantized to floats and multiplied
 // with x as it is, for layers whose inputs an int8 rounding would hurt (the logits).
-template <int Bits, int MB>
+template <int Bits, int MB, typename S>
 inline void float_rows_of_column(
-    const uint8_t* w, const float* scale, const float* min, int64_t groups_per_scale, int64_t nb,
+    const uint8_t* w, const S* scale, const S* min, int64_t groups_per_scale, int64_t nb,
     const float* x, int64_t m0, int64_t K, float* acc_out) {
 #if defined(__AVX2__)
   __m256 acc[MB];
   for (int r = 0; r < MB; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < nb; ++g) {
     __m256 wf[4];
-    dequantize_group<Bits>(w, g, scale[g / groups_per_scale], min ? min[g / groups_per_scale] : 0.f, wf);
+    dequantize_group<Bits>(w, g, to_float(scale[g / groups_per_scale]),
+                           min ? to_float(min[g / groups_per_scale]) : 0.f, wf);
     for (int r = 0; r < MB; ++r) {
       const float* xb = x + (m0 + r) * K + g * kBlock;
       for (int v = 0; v < 4; ++v) acc[r] = _mm256_fmadd_ps(wf[v], _mm256_loadu_ps(xb + 8 * v), acc[r]);
@@ -211,7 +223,8 @@ inline void float_rows_of_column(
     const float* xr = x + (m0 + r) * K;
     float acc = 0.f;
     for (int64_t g = 0; g < nb; ++g) {
-      const float s = scale[g / groups_per_scale], mn = min ? min[g / groups_per_scale] : 0.f;
+      const float s = to_float(scale[g / groups_per_scale]);
+      const float mn = min ? to_float(min[g / groups_per_scale]) : 0.f;
       for (int j = 0; j < kBlock; ++j) {
         int q;
         if constexpr (Bits == 4) {
@@ -228,9 +241,9 @@ inline void float_rows_of_column(
 #endif
 }
 
-template <int Bits>
+template <int Bits, typename S>
 void float_qlinear_impl(
-    const float* x, int64_t M, int64_t K, const uint8_t* qweight, const float* scales, const float* mins,
+    const float* x, int64_t M, int64_t K, const uint8_t* qweight, const S* scales, const S* mins,
     int64_t N, int64_t group_size, const float* bias, float* out) {
   const int64_t nb = K / kBlock;
   const int64_t groups_per_scale = group_size / kBlock;
@@ -242,27 +255,27 @@ void float_qlinear_impl(
     float acc[MB];
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* w = qweight + n * row_bytes;
-      const float* s = scales + n * scales_per_row;
-      const float* mn = mins != nullptr ? mins + n * scales_per_row : nullptr;
+      const S* s = scales + n * scales_per_row;
+      const S* mn = mins != nullptr ? mins + n * scales_per_row : nullptr;
       const float b = bias != nullptr ? bias[n] : 0.f;
       int64_t m0 = 0;
       for (; m0 + MB <= M; m0 += MB) {
-        float_rows_of_column<Bits, MB>(w, s, mn, groups_per_scale, nb, x, m0, K, acc);
+        float_rows_of_column<Bits, MB, S>(w, s, mn, groups_per_scale, nb, x, m0, K, acc);
         for (int r = 0; r < MB; ++r) out[(m0 + r) * N + n] = acc[r] + b;
       }
       const int64_t rest = M - m0;
-      if (rest == 3) float_rows_of_column<Bits, 3>(w, s, mn, groups_per_scale, nb, x, m0, K, acc);
-      if (rest == 2) float_rows_of_column<Bits, 2>(w, s, mn, groups_per_scale, nb, x, m0, K, acc);
-      if (rest == 1) float_rows_of_column<Bits, 1>(w, s, mn, groups_per_scale, nb, x, m0, K, acc);
+      if (rest == 3) float_rows_of_column<Bits, 3, S>(w, s, mn, groups_per_scale, nb, x, m0, K, acc);
+      if (rest == 2) float_rows_of_column<Bits, 2, S>(w, s, mn, groups_per_scale, nb, x, m0, K, acc);
+      if (rest == 1) float_rows_of_column<Bits, 1, S>(w, s, mn, groups_per_scale, nb, x, m0, K, acc);
       for (int64_t r = 0; r < rest; ++r) out[(m0 + r) * N + n] = acc[r] + b;
     }
   });
 }
 
-template <int Bits>
+template <int Bits, typename S>
 void qlinear_impl(
     const int16_t* xq, const float* xscale, const float* xsum, int64_t M, int64_t K,
-    const uint8_t* qweight, const float* scales, const float* mins, int64_t N, int64_t group_size,
+    const uint8_t* qweight, const S* scales, const S* mins, int64_t N, int64_t group_size,
     const float* bias, float* out) {
   const int64_t nb = K / kBlock;
   const int64_t groups_per_scale = group_size / kBlock;
@@ -276,27 +289,48 @@ void qlinear_impl(
     float acc[MB];
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* w = qweight + n * row_bytes;
-      const float* s = scales + n * scales_per_row;
-      const float* mn = mins != nullptr ? mins + n * scales_per_row : nullptr;
+      const S* s = scales + n * scales_per_row;
+      const S* mn = mins != nullptr ? mins + n * scales_per_row : nullptr;
       const float b = bias != nullptr ? bias[n] : 0.f;
       int64_t m0 = 0;
       for (; m0 + MB <= M; m0 += MB) {
-        rows_of_column<Bits, MB>(w, s, mn, groups_per_scale, nb, xq, xscale, xsum, m0, K, acc);
+        rows_of_column<Bits, MB, S>(w, s, mn, groups_per_scale, nb, xq, xscale, xsum, m0, K, acc);
         for (int r = 0; r < MB; ++r) out[(m0 + r) * N + n] = acc[r] + b;
       }
       const int64_t rest = M - m0;  // 0-3 rows left: one more pass over the weights, not one per row
-      if (rest == 3) rows_of_column<Bits, 3>(w, s, mn, groups_per_scale, nb, xq, xscale, xsum, m0, K, acc);
-      if (rest == 2) rows_of_column<Bits, 2>(w, s, mn, groups_per_scale, nb, xq, xscale, xsum, m0, K, acc);
-      if (rest == 1) rows_of_column<Bits, 1>(w, s, mn, groups_per_scale, nb, xq, xscale, xsum, m0, K, acc);
+      if (rest == 3) rows_of_column<Bits, 3, S>(w, s, mn, groups_per_scale, nb, xq, xscale, xsum, m0, K, acc);
+      if (rest == 2) rows_of_column<Bits, 2, S>(w, s, mn, groups_per_scale, nb, xq, xscale, xsum, m0, K, acc);
+      if (rest == 1) rows_of_column<Bits, 1, S>(w, s, mn, groups_per_scale, nb, xq, xscale, xsum, m0, K, acc);
       for (int64_t r = 0; r < rest; ++r) out[(m0 + r) * N + n] = acc[r] + b;
     }
   });
 }
 
+void check_scales(const at::Tensor& scales, const c10::optional<at::Tensor>& mins, int64_t N, int64_t K,
+                  int64_t group_size, int64_t bits, const char* op) {
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.size(1) == K / group_size && scales.is_contiguous() &&
+              (scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf),
+              op, ": scales must be float32 or float16 (N, K/group_size)");
+  if (mins.has_value()) {
+    TORCH_CHECK(bits == 4 && mins->sizes() == scales.sizes() && mins->scalar_type() == scales.scalar_type() &&
+                mins->is_contiguous(), op, ": mins must be like scales (4 bits only)");
+  }
+}
+
+// fn(scales pointer, mins pointer or nullptr), typed float or c10::Half as the scales are.
+template <typename Fn>
+void with_scales(const at::Tensor& scales, const c10::optional<at::Tensor>& mins, Fn&& fn) {
+  if (scales.scalar_type() == at::kHalf) {
+    fn(scales.data_ptr<c10::Half>(), mins.has_value() ? mins->data_ptr<c10::Half>() : nullptr);
+  } else {
+    fn(scales.data_ptr<float>(), mins.has_value() ? mins->data_ptr<float>() : nullptr);
+  }
+}
+
 }  // namespace
 
 // x (M, K) float32 or bfloat16; qweight (N, K/2) uint8 (4 bits) or (N, K) int8 (8 bits);
-// scales, mins (N, K/group_size) float32 (mins only for asymmetric 4 bits); bias (N,)
+// scales, mins (N, K/group_size) float32 or float16 (mins only for asymmetric 4 bits); bias (N,)
 // -> (M, N) in x's dtype. quantize_input: int16 activations and integer dot products (fast),
 // else float FMAs on x as it is.
 at::Tensor quant_linear(
@@ -310,29 +344,23 @@ at::Tensor quant_linear(
               "quant_linear: K and group_size must be multiples of 32 (K=", K, ", group_size=", group_size, ")");
   TORCH_CHECK(qweight.size(1) == (bits == 4 ? K / 2 : K), "quant_linear: qweight has ", qweight.size(1),
               " columns for K=", K);
-  TORCH_CHECK(scales.size(0) == N && scales.size(1) == K / group_size && scales.scalar_type() == at::kFloat,
-              "quant_linear: scales must be float32 (N, K/group_size)");
-  TORCH_CHECK(qweight.is_contiguous() && scales.is_contiguous(), "quant_linear: contiguous weights expected");
-  const float* mins_ptr = nullptr;
-  if (mins.has_value()) {
-    TORCH_CHECK(bits == 4 && mins->sizes() == scales.sizes() && mins->scalar_type() == at::kFloat &&
-                mins->is_contiguous(), "quant_linear: mins must be float32 like scales (4 bits only)");
-    mins_ptr = mins->data_ptr<float>();
-  }
+  check_scales(scales, mins, N, K, group_size, bits, "quant_linear");
+  TORCH_CHECK(qweight.is_contiguous(), "quant_linear: contiguous weights expected");
   at::Tensor bias_f;
   if (bias.has_value()) bias_f = bias->to(at::kFloat).contiguous();
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const float* bias_ptr = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
   const auto* w = reinterpret_cast<const uint8_t*>(qweight.data_ptr());
   at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
   if (!quantize_input) {
-    if (bits == 4) {
-      float_qlinear_impl<4>(xf.data_ptr<float>(), M, K, w, scales.data_ptr<float>(), mins_ptr, N, group_size,
-                            bias_ptr, out.data_ptr<float>());
-    } else {
-      float_qlinear_impl<8>(xf.data_ptr<float>(), M, K, w, scales.data_ptr<float>(), nullptr, N, group_size,
-                            bias_ptr, out.data_ptr<float>());
-    }
+    with_scales(scales, mins, [&](auto* sc, auto* mn) {
+      if (bits == 4) {
+        float_qlinear_impl<4>(xf.data_ptr<float>(), M, K, w, sc, mn, N, group_size, bias_ptr, o);
+      } else {
+        float_qlinear_impl<8>(xf.data_ptr<float>(), M, K, w, sc, mn, N, group_size, bias_ptr, o);
+      }
+    });
     return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
   }
   at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kShort));
@@ -340,13 +368,14 @@ at::Tensor quant_linear(
   at::Tensor xsum = at::empty({M, K / kBlock}, x.options().dtype(at::kFloat));
   quantize_activations(xf.data_ptr<float>(), M, K, xq.data_ptr<int16_t>(), xscale.data_ptr<float>(),
                        xsum.data_ptr<float>());
-  if (bits == 4) {
-    qlinear_impl<4>(xq.data_ptr<int16_t>(), xscale.data_ptr<float>(), xsum.data_ptr<float>(), M, K, w,
-                    scales.data_ptr<float>(), mins_ptr, N, group_size, bias_ptr, out.data_ptr<float>());
-  } else {
-    qlinear_impl<8>(xq.data_ptr<int16_t>(), xscale.data_ptr<float>(), xsum.data_ptr<float>(), M, K, w,
-                    scales.data_ptr<float>(), nullptr, N, group_size, bias_ptr, out.data_ptr<float>());
-  }
+  const int16_t* q = xq.data_ptr<int16_t>();
+  with_scales(scales, mins, [&](auto* sc, auto* mn) {
+    if (bits == 4) {
+      qlinear_impl<4>(q, xscale.data_ptr<float>(), xsum.data_ptr<float>(), M, K, w, sc, mn, N, group_size, bias_ptr, o);
+    } else {
+      qlinear_impl<8>(q, xscale.data_ptr<float>(), xsum.data_ptr<float>(), M, K, w, sc, mn, N, group_size, bias_ptr, o);
+    }
+  });
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
@@ -357,27 +386,21 @@ at::Tensor dequantize_weight(
     int64_t group_size) {
   TORCH_CHECK(bits == 4 || bits == 8, "dequantize_weight: bits must be 4 or 8, got ", bits);
   const int64_t N = qweight.size(0), K = bits == 4 ? qweight.size(1) * 2 : qweight.size(1);
-  TORCH_CHECK(K % kBlock == 0 && group_size % kBlock == 0 && K % group_size == 0 && qweight.is_contiguous() &&
-              scales.is_contiguous() && scales.scalar_type() == at::kFloat && scales.size(0) == N &&
-              scales.size(1) == K / group_size, "dequantize_weight: bad shapes");
-  const float* mins_ptr = nullptr;
-  if (mins.has_value()) {
-    TORCH_CHECK(mins->sizes() == scales.sizes() && mins->is_contiguous() && mins->scalar_type() == at::kFloat,
-                "dequantize_weight: mins must be float32 like scales");
-    mins_ptr = mins->data_ptr<float>();
-  }
-  at::Tensor out = at::empty({N, K}, scales.options());
+  TORCH_CHECK(K % kBlock == 0 && group_size % kBlock == 0 && K % group_size == 0 && qweight.is_contiguous(),
+              "dequantize_weight: bad shapes");
+  check_scales(scales, mins, N, K, group_size, bits, "dequantize_weight");
+  at::Tensor out = at::empty({N, K}, scales.options().dtype(at::kFloat));
   const auto* w = reinterpret_cast<const uint8_t*>(qweight.data_ptr());
-  const float* sc = scales.data_ptr<float>();
   float* dst = out.data_ptr<float>();
   const int64_t nb = K / kBlock, groups_per_scale = group_size / kBlock, scales_per_row = K / group_size;
   const int64_t row_bytes = bits == 4 ? K / 2 : K;
+  with_scales(scales, mins, [&](auto* sc, auto* mins_ptr) {
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* wr = w + n * row_bytes;
       for (int64_t g = 0; g < nb; ++g) {
-        const float s = sc[n * scales_per_row + g / groups_per_scale];
-        const float mn = mins_ptr ? mins_ptr[n * scales_per_row + g / groups_per_scale] : 0.f;
+        const float s = to_float(sc[n * scales_per_row + g / groups_per_scale]);
+        const float mn = mins_ptr ? to_float(mins_ptr[n * scales_per_row + g / groups_per_scale]) : 0.f;
         float* o = dst + n * K + g * kBlock;
 #if defined(__AVX2__)
         __m256 v[4];
@@ -397,6 +420,7 @@ at::Tensor dequantize_weight(
 #endif
       }
     }
+  });
   });
   return out;
 }
