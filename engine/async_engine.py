@@ -9,6 +9,11 @@ The engine thread owns the core and the map of request id -> (loop, queue); the
 loop side only puts commands in the inbox, so no state is shared but the inbox
 and the stats snapshot (replaced whole after every step). The asyncio loop never
 waits on a forward pass.
+
+However the engine thread ends (the stop command, or an exception anywhere in its
+loop), it closes the inbox, refuses every "add" still in it and ends every open
+stream, with an "error" output unless it was a clean stop: no generate() waits on
+a thread that is gone, and is_running (what /health reads) turns False.
 """
 from __future__ import annotations
 
@@ -40,6 +45,10 @@ class AsyncEngine:
         self._open: set[str] = set()  # ids with a live generate(); event loop side only
         self._stats = self.core.stats()
         self._thread: threading.Thread | None = None
+        # Taken to put a command or to close the inbox: once closed, no command can
+        # land where nobody will read it.
+        self._inbox_lock = threading.Lock()
+        self._closed = False
         if start:
             self.start()
 
@@ -58,13 +67,21 @@ class AsyncEngine:
         """Abort what is left (streams get their final "abort" output) and join the thread."""
         if self._thread is None:
             return
-        self._inbox.put(_STOP)
+        self._submit(_STOP)
         self._thread.join(timeout)
         self._thread = None
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._thread is not None and self._thread.is_alive() and not self._closed
+
+    def _submit(self, command: tuple) -> bool:
+        """Put a command in the inbox; False once the engine thread has closed it."""
+        with self._inbox_lock:
+            if self._closed:
+                return False
+            self._inbox.put(command)
+            return True
 
     def stats(self) -> EngineStats:
         return self._stats
@@ -89,7 +106,10 @@ class AsyncEngine:
         self._open.add(request_id)
         finished = False
         try:
-            self._inbox.put(("add", request_id, prompt_token_ids, params, asyncio.get_running_loop(), stream))
+            add = ("add", request_id, prompt_token_ids, params, asyncio.get_running_loop(), stream)
+            if not self._submit(add):
+                finished = True
+                raise RuntimeError("the engine is not running")
             while True:
                 item = await stream.get()
                 if isinstance(item, BaseException):  # refused by the engine thread
@@ -103,14 +123,47 @@ class AsyncEngine:
         finally:
             self._open.discard(request_id)
             if not finished:
-                self._inbox.put(("abort", request_id))
+                self._submit(("abort", request_id))
 
     async def abort(self, request_id: str) -> None:
         """End a request; its stream (if still read) gets a final output with finish_reason "abort"."""
-        self._inbox.put(("abort", request_id))
+        self._submit(("abort", request_id))
 
     # -------------------------------------------------------- engine thread
     def _run(self) -> None:
+        error = None
+        try:
+            self._loop()
+        except BaseException as e:  # noqa: BLE001 - ended below: every stream hears of it
+            logger.exception("the engine thread failed; ending every open stream")
+            error = f"the engine stopped: {type(e).__name__}: {e}"
+        finally:
+            self._close(error)
+
+    def _close(self, error: str | None) -> None:
+        """Close the inbox, refuse the adds left in it, end the streams still open.
+
+        Uses neither the core nor _deliver: either may be what just failed."""
+        with self._inbox_lock:
+            self._closed = True
+        left = []
+        while True:
+            try:
+                left.append(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        self._refuse(left)
+        sinks, self._sinks = self._sinks, {}
+        for request_id, (loop, stream) in sinks.items():
+            self._send(loop, stream, _error_output(request_id, error or "the engine stopped"))
+
+    def _refuse(self, commands: list[tuple]) -> None:
+        for command in commands:
+            if command[0] == "add":
+                loop, stream = command[4], command[5]
+                self._send(loop, stream, RuntimeError("the engine is shutting down"))
+
+    def _loop(self) -> None:
         while True:
             commands = [self._inbox.get()] if not self.core.has_unfinished else []
             try:
@@ -119,8 +172,9 @@ class AsyncEngine:
             except queue.Empty:
                 pass
             outputs: list[RequestOutput] = []
-            for command in commands:
+            for i, command in enumerate(commands):
                 if command is _STOP:
+                    self._refuse(commands[i + 1:])  # then _close refuses what is still in the inbox
                     outputs += self.core.abort_all()
                     self._publish(outputs)
                     return
@@ -189,6 +243,13 @@ class AsyncEngine:
             return True
         except RuntimeError:  # the loop is closed
             return False
+
+
+def _error_output(request_id: str, error: str) -> RequestOutput:
+    """A final output for a stream the engine can no longer serve (its core may be broken)."""
+    return RequestOutput(request_id=request_id, text="", token_ids=[], logprobs=None, finished=True,
+                         finish_reason="error", num_prompt_tokens=0, num_output_tokens=0,
+                         num_cached_tokens=0, error=error)
 
 
 def _put_all(batch: list[tuple[asyncio.Queue, object]]) -> None:

@@ -163,3 +163,91 @@ def test_shutdown_ends_open_streams_and_joins(loaded):
     assert outs[-1].finish_reason == "abort" and not engine.is_running
     with pytest.raises(RuntimeError, match="not running"):
         asyncio.run(collect(engine, [5], greedy(2), "late"))
+
+
+class Gate:
+    """Holds the engine thread at the end of its next step until opened: commands sent
+    meanwhile are all drained together by its next loop."""
+
+    def __init__(self, engine, monkeypatch):
+        import threading
+
+        self.open, self.held = threading.Event(), threading.Event()
+        self.open.set()
+        step = engine.core.step
+
+        def gated_step():
+            outputs = step()
+            if not self.open.is_set():
+                self.held.set()
+                self.open.wait()
+            return outputs
+
+        monkeypatch.setattr(engine.core, "step", gated_step)
+
+    async def close(self):
+        self.held.clear()
+        self.open.clear()
+        await asyncio.to_thread(self.held.wait, 10)
+
+
+@pytest.mark.parametrize("broken", ["_publish", "_deliver"])
+def test_engine_thread_death_ends_every_stream_with_an_error(engine, monkeypatch, broken):
+    async def main():
+        streams = [engine.generate([5, 6, 7], greedy(200), "a"), engine.generate([8, 9], greedy(200), "b")]
+        firsts = [await s.__anext__() for s in streams]
+        assert not any(f.finished for f in firsts)
+
+        def explode(*args):
+            raise RuntimeError("boom")
+
+        monkeypatch.setattr(engine, broken, explode)
+        rests = [[out async for out in s] for s in streams]
+        return rests
+
+    rests = asyncio.run(asyncio.wait_for(main(), 10))
+    for outs in rests:
+        assert outs[-1].finished and outs[-1].finish_reason == "error" and "boom" in outs[-1].error
+    assert not engine.is_running  # what /health reads
+    with pytest.raises(RuntimeError, match="not running"):
+        asyncio.run(collect(engine, [5], greedy(2), "late"))
+
+
+def test_shutdown_whose_abort_all_raises_still_ends_streams(engine, monkeypatch):
+    async def main():
+        stream = engine.generate([5, 6, 7], greedy(200), "a")
+        await stream.__anext__()
+
+        def explode():
+            raise RuntimeError("abort_all broke")
+
+        monkeypatch.setattr(engine.core, "abort_all", explode)
+        await asyncio.to_thread(engine.shutdown)
+        return [out async for out in stream]
+
+    outs = asyncio.run(asyncio.wait_for(main(), 10))
+    assert outs[-1].finish_reason == "error" and "abort_all broke" in outs[-1].error
+    assert not engine.is_running
+
+
+def test_every_add_gets_an_answer_even_behind_the_stop_command(engine, monkeypatch):
+    gate = Gate(engine, monkeypatch)
+
+    async def main():
+        running = engine.generate([5, 6, 7], greedy(200), "running")
+        await running.__anext__()
+        await gate.close()  # the engine thread now waits inside a step
+        stopping = asyncio.create_task(asyncio.to_thread(engine.shutdown))
+        while engine._inbox.qsize() == 0:  # the stop command is queued
+            await asyncio.sleep(0.001)
+        late = asyncio.create_task(collect(engine, [5, 6], greedy(5), "late"))
+        while engine._inbox.qsize() < 2:
+            await asyncio.sleep(0.001)
+        gate.open.set()
+        await stopping
+        with pytest.raises(RuntimeError, match="shutting down|not running"):
+            await late
+        return [out async for out in running]
+
+    outs = asyncio.run(asyncio.wait_for(main(), 10))
+    assert outs[-1].finish_reason == "abort"
