@@ -5,7 +5,7 @@
     abort()    --("abort", id)-> inbox --> core.abort_request
     async for out in queue  <-- call_soon_threadsafe(_put_all) <-- core.step()   one call per loop per step
 
-The engine thread owns the core and the map of request id -> (loop, queue); the
+The engine thread owns the core and the map of request id -> sink (loop, queue); the
 loop side only puts commands in the inbox, so no state is shared but the inbox
 and the stats snapshot (replaced whole after every step). The asyncio loop never
 waits on a forward pass.
@@ -33,6 +33,15 @@ logger = logging.getLogger(__name__)
 _STOP = ("stop",)
 
 
+class _Sink:
+    """One generate() call's stream: outputs are routed to it, never by request id alone."""
+
+    __slots__ = ("request_id", "loop", "stream")
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, stream: asyncio.Queue):
+        self.request_id, self.loop, self.stream = request_id, loop, stream
+
+
 class AsyncEngine:
     def __init__(self, loaded, config: EngineConfig | None = None, start: bool = True):
         self.core = EngineCore(loaded, config)
@@ -41,7 +50,7 @@ class AsyncEngine:
         self.model_config = loaded.config
         self.max_model_len = self.core.max_model_len
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}  # engine thread only
+        self._sinks: dict[str, _Sink] = {}  # request id -> its current submission; engine thread only
         self._open: set[str] = set()  # ids with a live generate(); event loop side only
         self._stats = self.core.stats()
         self._thread: threading.Thread | None = None
@@ -154,8 +163,8 @@ class AsyncEngine:
                 break
         self._refuse(left)
         sinks, self._sinks = self._sinks, {}
-        for request_id, (loop, stream) in sinks.items():
-            self._send(loop, stream, _error_output(request_id, error or "the engine stopped"))
+        for request_id, sink in sinks.items():
+            self._send(sink.loop, sink.stream, _error_output(request_id, error or "the engine stopped"))
 
     def _refuse(self, commands: list[tuple]) -> None:
         for command in commands:
@@ -171,29 +180,32 @@ class AsyncEngine:
                     commands.append(self._inbox.get_nowait())
             except queue.Empty:
                 pass
-            outputs: list[RequestOutput] = []
+            # Each output is routed when it is made: an abort and a new add of the same id
+            # in one drain must not hand the old request's final output to the new stream.
+            routed: list[tuple[_Sink, RequestOutput]] = []
             for i, command in enumerate(commands):
                 if command is _STOP:
                     self._refuse(commands[i + 1:])  # then _close refuses what is still in the inbox
-                    outputs += self.core.abort_all()
-                    self._publish(outputs)
+                    routed += self._route(self.core.abort_all())
+                    self._publish(routed)
                     return
                 try:
-                    outputs += self._handle(command)
+                    routed += self._route(self._handle(command))
                 except Exception:  # noqa: BLE001 - one bad command must not end the thread
                     logger.exception("engine command %s failed", command[:2])
             if self.core.has_unfinished:
                 try:
-                    outputs += self.core.step()
+                    outputs = self.core.step()
                 except Exception as e:  # noqa: BLE001 - the core contains failures; this is a last resort
                     logger.exception("engine step raised; ending every request")
-                    outputs += self.core.fail_all(f"engine step failed: {type(e).__name__}: {e}")
-            self._publish(outputs)
+                    outputs = self.core.fail_all(f"engine step failed: {type(e).__name__}: {e}")
+                routed += self._route(outputs)
+            self._publish(routed)
 
-    def _publish(self, outputs: list[RequestOutput]) -> None:
+    def _publish(self, routed: list[tuple[_Sink, RequestOutput]]) -> None:
         # Stats first: whoever has seen an output then never reads an older snapshot.
         self._stats = self.core.stats()
-        self._deliver(outputs)
+        self._deliver(routed)
 
     def _handle(self, command: tuple) -> list[RequestOutput]:
         kind, request_id = command[0], command[1]
@@ -204,33 +216,39 @@ class AsyncEngine:
             except Exception as e:  # noqa: BLE001 - handed to the caller of generate()
                 self._send(loop, stream, e)
                 return []
-            self._sinks[request_id] = (loop, stream)
+            self._sinks[request_id] = _Sink(request_id, loop, stream)
         elif kind == "abort":
             output = self.core.abort_request(request_id)
             if output is not None:
                 return [output]
         return []
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        # One call_soon_threadsafe per event loop per step, not one per output: each call
-        # takes the loop's lock and writes its wake-up pipe, and at 64 running requests
-        # that per-output cost landed on the event loop thread 64 times a step.
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+    def _route(self, outputs: list[RequestOutput]) -> list[tuple[_Sink, RequestOutput]]:
+        """Pair each output with the submission it belongs to now; a final output ends it."""
+        routed = []
         for output in outputs:
             sink = self._sinks.get(output.request_id)
             if sink is None:
                 continue
             if output.finished:
                 del self._sinks[output.request_id]
-            loop, stream = sink
-            batches.setdefault(loop, []).append((stream, output))
+            routed.append((sink, output))
+        return routed
+
+    def _deliver(self, routed: list[tuple[_Sink, RequestOutput]]) -> None:
+        # One call_soon_threadsafe per event loop per step, not one per output: each call
+        # takes the loop's lock and writes its wake-up pipe, and at 64 running requests
+        # that per-output cost landed on the event loop thread 64 times a step.
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[_Sink, RequestOutput]]] = {}
+        for sink, output in routed:
+            batches.setdefault(sink.loop, []).append((sink, output))
         for loop, batch in batches.items():
-            if self._send_all(loop, batch):
+            if self._send_all(loop, [(sink.stream, output) for sink, output in batch]):
                 continue
-            for _, output in batch:  # the consumer's loop is gone: nobody will read these requests
-                if not output.finished:
-                    self._sinks.pop(output.request_id, None)
-                    self.core.abort_request(output.request_id)
+            for sink, output in batch:  # the consumer's loop is gone: nobody will read these requests
+                if not output.finished and self._sinks.get(sink.request_id) is sink:
+                    del self._sinks[sink.request_id]
+                    self.core.abort_request(sink.request_id)
 
     @staticmethod
     def _send(loop: asyncio.AbstractEventLoop, stream: asyncio.Queue, item) -> bool:

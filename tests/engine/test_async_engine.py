@@ -251,3 +251,22 @@ def test_every_add_gets_an_answer_even_behind_the_stop_command(engine, monkeypat
 
     outs = asyncio.run(asyncio.wait_for(main(), 10))
     assert outs[-1].finish_reason == "abort"
+
+
+def test_an_abort_and_an_add_of_one_id_in_one_drain_keep_to_their_own_streams(engine, loaded, monkeypatch):
+    gate = Gate(engine, monkeypatch)
+
+    async def main():
+        old = engine.generate([5, 6, 7], greedy(200), "x")
+        await old.__anext__()
+        await gate.close()
+        await old.aclose()  # queues the abort of the old "x"
+        new = asyncio.create_task(collect(engine, [8, 9], greedy(4), "x"))
+        while engine._inbox.qsize() < 2:  # the new "x"'s add is queued behind the abort
+            await asyncio.sleep(0.001)
+        gate.open.set()
+        return await new
+
+    outs = asyncio.run(asyncio.wait_for(main(), 10))
+    want = LLM.from_loaded(loaded, **CONFIG).generate([[8, 9]], [greedy(4)])[0]
+    assert outs[-1].finish_reason == "length" and [t for o in outs for t in o.token_ids] == want.token_ids
