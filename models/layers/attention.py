@@ -234,9 +234,12 @@ def paged_attention(
     kv_cache: (num_blocks, block_size, 2, num_kv_heads, head_dim), used plane-major (see
     `kv_planes`). Returns (num_tokens, num_heads, head_dim).
     """
-    planes = kv_planes(kv_cache).flatten(2, 3)  # (2, Hk, num_slots, D)
-    new = torch.stack((k, v)).transpose(1, 2)  # (2, Hk, num_tokens, D)
-    planes.index_copy_(2, meta.slot_mapping, new.to(kv_cache.dtype))
+    if k.device.type == "cpu" and k.stride(-1) == 1 and v.stride(-1) == 1 and cpu_kernels.available():
+        cpu_kernels.write_kv_planes(kv_cache, k, v, meta.slot_mapping)  # one pass, not four ops
+    else:
+        planes = kv_planes(kv_cache).flatten(2, 3)  # (2, Hk, num_slots, D)
+        new = torch.stack((k, v)).transpose(1, 2)  # (2, Hk, num_tokens, D)
+        planes.index_copy_(2, meta.slot_mapping, new.to(kv_cache.dtype))
     if len(meta.groups) == 1 and meta.groups[0].token_range == (0, meta.num_tokens):
         return _attend(q, k, v, kv_cache, meta.groups[0], scale).reshape(q.shape)
     out = q.new_empty(q.shape)

@@ -24,9 +24,10 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("paged_decode_attention.cpp", "elementwise.cpp", "quant_linear.cpp")
+    for name in ("paged_decode_attention.cpp", "elementwise.cpp", "quant_linear.cpp", "decode_ops.cpp")
 ]
-_OPS = ("paged_decode_attention", "rms_norm", "silu_and_mul", "quant_linear", "dequantize_weight")
+_OPS = ("paged_decode_attention", "rms_norm", "silu_and_mul", "quant_linear", "dequantize_weight", "rope_neox",
+        "write_kv_planes")
 # (name, cpuinfo flags that must all be present, compiler flags they allow), in order.
 _X86_LEVELS = (
     ("avx2", ("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c")),
@@ -153,3 +154,13 @@ def dequantize_weight(
 ) -> torch.Tensor:
     """The float32 weight (N, K) of a quantized one (models/layers/quantization.py's layout)."""
     return torch.ops.pagedserve.dequantize_weight(qweight, scales, mins, bits, group_size)
+
+
+def rope_neox(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x (T, H, D) float32 -> x * cos + roll(x, D/2) * signed_sin, as RotaryEmbedding.rotate."""
+    return torch.ops.pagedserve.rope_neox(x, cos, signed_sin)
+
+
+def write_kv_planes(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store k, v (T, Hk, D) at their slots of a plane-major GQA cache (see attention.py), cast to its dtype."""
+    torch.ops.pagedserve.write_kv_planes(kv_cache, k, v, slot_mapping)

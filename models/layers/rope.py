@@ -16,6 +16,8 @@ import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from models.layers import cpu_kernels
+
 
 def _default_inv_freq(config) -> tuple[torch.Tensor, float]:
     params = config.rope_parameters
@@ -84,5 +86,7 @@ class RotaryEmbedding(nn.Module):
             # (x0, x1, x2, x3, ...) -> (x0, x2, ..., x1, x3, ...): pairs become halves.
             shape = x.shape
             x = x.unflatten(-1, (-1, 2)).transpose(-1, -2).reshape(shape)
+        elif x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(-1) == 1 and cpu_kernels.available():
+            return cpu_kernels.rope_neox(x, cos, sin)  # the formula below in one pass (float32: same values)
         # Same op order as transformers (x * cos + rotate_half(x) * sin) for bit-equal bf16.
         return x * cos + x.roll(self.rotary_dim // 2, dims=-1) * sin

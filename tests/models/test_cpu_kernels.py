@@ -130,3 +130,37 @@ def test_the_kernels_can_be_switched_off():
     env = {**os.environ, "PAGEDSERVE_CPU_KERNELS": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_rope_kernel_equals_the_pytorch_rotation_in_float32():
+    from models.layers.rope import RotaryEmbedding
+    from transformers import LlamaConfig
+
+    needs_kernel()
+    rope = RotaryEmbedding(LlamaConfig(hidden_size=128, num_attention_heads=2, max_position_embeddings=64), 64)
+    positions = torch.tensor([0, 5, 63, 17])
+    cos, sin = rope.cos_sin(positions, torch.float32)
+    qkv = torch.randn(4, 7, 64, generator=torch.Generator().manual_seed(0))
+    qk = qkv[:, :5]  # a strided view, as the attention hands it over
+    expected = qk * cos + qk.roll(32, dims=-1) * sin
+    got = cpu_kernels.rope_neox(qk, cos, sin)
+    torch.testing.assert_close(got, expected, rtol=2 * torch.finfo(torch.float32).eps, atol=1e-6)
+    torch.testing.assert_close(rope.rotate(qk, cos, sin), expected, rtol=2 * torch.finfo(torch.float32).eps, atol=1e-6)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_write_kv_kernel_equals_index_copy(cache_dtype):
+    from models.layers.attention import kv_planes
+
+    needs_kernel()
+    gen = torch.Generator().manual_seed(1)
+    cache = torch.zeros(6, 4, 2, 3, 8, dtype=cache_dtype)
+    expected = cache.clone()
+    kv = torch.randn(5, 2, 3, 8, generator=gen)
+    k, v = kv[:, 0], kv[:, 1]  # strided views
+    slots = torch.tensor([3, 0, 22, 9, 17])
+    kv_planes(expected).flatten(2, 3).index_copy_(2, slots, torch.stack((k, v)).transpose(1, 2).to(cache_dtype))
+    cpu_kernels.write_kv_planes(cache, k, v, slots)
+    assert torch.equal(cache, expected)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        cpu_kernels.write_kv_planes(cache, k, v, torch.tensor([0, 1, 2, 3, 24]))

@@ -83,7 +83,11 @@ void decode(const scalar_t* q, const cache_t* cache, const int64_t* tables, cons
   const int64_t D = kD > 0 ? kD : head_dim;
   const int64_t G = H / Hk;  // query heads per KV head
   const int64_t plane = num_blocks * block_size * D;
-  at::parallel_for(0, n * Hk, 1, [&](int64_t begin, int64_t end) {
+  int64_t total_len = 0;
+  for (int64_t i = 0; i < n; ++i) total_len += lens[i];
+  // A few thousand cached rows take microseconds: waking the thread team would cost more.
+  const int64_t grain = total_len * Hk < 8192 ? n * Hk : 1;
+  at::parallel_for(0, n * Hk, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), scores, row_buf(D);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t i = task / Hk, h = task % Hk, len = lens[i];

@@ -1,0 +1,85 @@
+// The small per-layer ops of a decode step, one pass each. At one token a step's arithmetic
+// is a few microseconds per op, so their dispatch is the cost: RoPE in eager PyTorch is ~8
+// ops (slice, mul, roll, mul, add, ...) and writing K/V into the paged cache 4 (stack,
+// transpose, cast, index_copy), ~60 us of a layer's ~300 us on a 2-core AVX2 machine.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+namespace {
+
+// x (T, H, D) float32, any strides with unit stride along D; cos, signed_sin (T, D) float32
+// -> (T, H, D): x * cos + roll(x, D/2) * signed_sin, RotaryEmbedding.rotate's formula.
+at::Tensor rope_neox(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& signed_sin) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.stride(2) == 1, "rope_neox: x (T, H, D) float32");
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
+  TORCH_CHECK(D % 2 == 0 && cos.sizes() == signed_sin.sizes() && cos.size(0) == T && cos.size(-1) == D &&
+              cos.scalar_type() == at::kFloat && signed_sin.scalar_type() == at::kFloat,
+              "rope_neox: cos and signed_sin (T, D) float32");
+  const at::Tensor c = cos.reshape({T, D}).contiguous(), s = signed_sin.reshape({T, D}).contiguous();
+  at::Tensor out = at::empty({T, H, D}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* cp = c.data_ptr<float>();
+  const float* sp = s.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t st = x.stride(0), sh = x.stride(1);
+  at::parallel_for(0, T * H, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t = i / H, h = i % H;
+      const float* xr = xp + t * st + h * sh;
+      const float* cr = cp + t * D;
+      const float* sr = sp + t * D;
+      float* o = op + i * D;
+      for (int64_t d = 0; d < half; ++d) o[d] = xr[d] * cr[d] + xr[d + half] * sr[d];
+      for (int64_t d = half; d < D; ++d) o[d] = xr[d] * cr[d] + xr[d - half] * sr[d];
+    }
+  });
+  return out;
+}
+
+// kv_cache (num_blocks, block_size, 2, Hk, D) used plane-major as (2, Hk, slots, D) (see
+// attention.py); k, v (T, Hk, D), any strides with unit stride along D; slot_mapping (T,)
+// int64. Writes token t's keys and values at slot slot_mapping[t], cast to the cache's dtype.
+void write_kv_planes(at::Tensor& kv_cache, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_mapping) {
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(2) == 2 && kv_cache.is_contiguous(), "write_kv_planes: bad cache");
+  const int64_t T = k.size(0), Hk = kv_cache.size(3), D = kv_cache.size(4);
+  const int64_t slots = kv_cache.size(0) * kv_cache.size(1);
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == Hk && k.size(2) == D && k.stride(2) == 1 &&
+              v.stride(2) == 1 && k.scalar_type() == v.scalar_type(), "write_kv_planes: k, v (T, Hk, D)");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == T, "write_kv_planes: slots");
+  const at::Tensor slot = slot_mapping.contiguous();
+  const int64_t* sp = slot.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < slots, "write_kv_planes: slot out of range");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kv_cache.scalar_type(), "write_kv_planes", [&] {
+    using cache_t = scalar_t;
+    cache_t* cache = kv_cache.data_ptr<cache_t>();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv_planes_src", [&] {
+      const scalar_t* src[2] = {k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>()};
+      const int64_t st[2] = {k.stride(0), v.stride(0)}, sh[2] = {k.stride(1), v.stride(1)};
+      at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) {
+          for (int64_t p = 0; p < 2; ++p) {
+            for (int64_t h = 0; h < Hk; ++h) {
+              const scalar_t* from = src[p] + t * st[p] + h * sh[p];
+              cache_t* to = cache + ((p * Hk + h) * slots + sp[t]) * D;
+              for (int64_t d = 0; d < D; ++d) to[d] = static_cast<cache_t>(static_cast<float>(from[d]));
+            }
+          }
+        }
+      });
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
+  m.def("rope_neox(Tensor x, Tensor cos, Tensor signed_sin) -> Tensor");
+  m.def("write_kv_planes(Tensor(a!) kv_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
+  m.impl("rope_neox", &rope_neox);
+  m.impl("write_kv_planes", &write_kv_planes);
+}
