@@ -21,6 +21,8 @@ import asyncio
 import logging
 import queue
 import threading
+import time
+from dataclasses import replace
 from typing import AsyncIterator, Sequence
 
 from engine.config import EngineConfig
@@ -34,12 +36,22 @@ _STOP = ("stop",)
 
 
 class _Sink:
-    """One generate() call's stream: outputs are routed to it, never by request id alone."""
+    """One generate() call's stream: outputs are routed to it, never by request id alone.
 
-    __slots__ = ("request_id", "loop", "stream")
+    Its queue holds at most max_pending_outputs unread items; the engine thread keeps
+    what comes after merged into one held output until the reader catches up:
+
+        num_sent (engine thread) - num_read (event loop) = unread items in the queue
+    """
+
+    __slots__ = ("request_id", "loop", "stream", "num_sent", "num_read", "held", "stalled_since")
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, stream: asyncio.Queue):
         self.request_id, self.loop, self.stream = request_id, loop, stream
+        self.num_sent = 0  # written by the engine thread only
+        self.num_read = 0  # written by the event loop only
+        self.held: RequestOutput | None = None  # engine thread only
+        self.stalled_since: float | None = None  # when the queue filled up
 
 
 class AsyncEngine:
@@ -51,6 +63,8 @@ class AsyncEngine:
         self.max_model_len = self.core.max_model_len
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}  # request id -> its current submission; engine thread only
+        self._held: dict[_Sink, None] = {}  # sinks with a held-back output, in order; engine thread only
+        self._num_stalled_aborts = 0
         self._open: set[str] = set()  # ids with a live generate(); event loop side only
         self._stats = self.core.stats()
         self._thread: threading.Thread | None = None
@@ -111,16 +125,16 @@ class AsyncEngine:
         self.core.check_request(prompt_token_ids, params)
         if request_id in self._open:
             raise ValueError(f"request id {request_id!r} is already in use")
-        stream: asyncio.Queue = asyncio.Queue()
+        sink = _Sink(request_id, asyncio.get_running_loop(), asyncio.Queue())
         self._open.add(request_id)
         finished = False
         try:
-            add = ("add", request_id, prompt_token_ids, params, asyncio.get_running_loop(), stream)
-            if not self._submit(add):
+            if not self._submit(("add", request_id, prompt_token_ids, params, sink)):
                 finished = True
                 raise RuntimeError("the engine is not running")
             while True:
-                item = await stream.get()
+                item = await sink.stream.get()
+                sink.num_read += 1
                 if isinstance(item, BaseException):  # refused by the engine thread
                     finished = True
                     raise item
@@ -169,8 +183,8 @@ class AsyncEngine:
     def _refuse(self, commands: list[tuple]) -> None:
         for command in commands:
             if command[0] == "add":
-                loop, stream = command[4], command[5]
-                self._send(loop, stream, RuntimeError("the engine is shutting down"))
+                sink = command[4]
+                self._send(sink.loop, sink.stream, RuntimeError("the engine is shutting down"))
 
     def _loop(self) -> None:
         while True:
@@ -203,20 +217,21 @@ class AsyncEngine:
             self._publish(routed)
 
     def _publish(self, routed: list[tuple[_Sink, RequestOutput]]) -> None:
+        send = self._flow(routed)  # may abort a stalled stream: before the snapshot
         # Stats first: whoever has seen an output then never reads an older snapshot.
-        self._stats = self.core.stats()
-        self._deliver(routed)
+        self._stats = replace(self.core.stats(), num_stalled_aborts=self._num_stalled_aborts)
+        self._deliver(send)
 
     def _handle(self, command: tuple) -> list[RequestOutput]:
         kind, request_id = command[0], command[1]
         if kind == "add":
-            _, _, prompt_token_ids, params, loop, stream = command
+            _, _, prompt_token_ids, params, sink = command
             try:
                 self.core.add_request(request_id, prompt_token_ids, params)
             except Exception as e:  # noqa: BLE001 - handed to the caller of generate()
-                self._send(loop, stream, e)
+                self._send(sink.loop, sink.stream, e)
                 return []
-            self._sinks[request_id] = _Sink(request_id, loop, stream)
+            self._sinks[request_id] = sink
         elif kind == "abort":
             output = self.core.abort_request(request_id)
             if output is not None:
@@ -250,6 +265,40 @@ class AsyncEngine:
                     del self._sinks[sink.request_id]
                     self.core.abort_request(sink.request_id)
 
+    def _flow(self, routed: list[tuple[_Sink, RequestOutput]]) -> list[tuple[_Sink, RequestOutput]]:
+        """What to send now: held-back outputs whose reader caught up, then this step's, each
+        only while its stream has room (a final output always goes). A stream full for
+        stalled_stream_timeout is aborted: its blocks go back to the pool."""
+        limit, now = self.config.max_pending_outputs, time.monotonic()
+        for sink, output in routed:
+            self._hold(sink, output, now)
+        send = []
+        for sink in list(self._held):
+            if sink.held.finished or sink.num_sent - sink.num_read < limit:
+                pass  # sent below
+            elif now - sink.stalled_since < self.config.stalled_stream_timeout:
+                continue
+            elif self._sinks.get(sink.request_id) is sink and (aborted := self.core.abort_request(sink.request_id)):
+                logger.warning("request %s: its reader left %d outputs unread for %g s; aborted",
+                               sink.request_id, limit, self.config.stalled_stream_timeout)
+                self._num_stalled_aborts += 1
+                del self._sinks[sink.request_id]
+                self._hold(sink, aborted, now)
+            else:
+                continue
+            send.append((sink, sink.held))
+            sink.num_sent += 1
+            sink.held = sink.stalled_since = None
+            del self._held[sink]
+        return send
+
+    def _hold(self, sink: _Sink, output: RequestOutput, now: float) -> None:
+        if sink.held is None:
+            sink.held, sink.stalled_since = output, now
+            self._held[sink] = None
+        else:
+            sink.held = _merge(sink.held, output)
+
     @staticmethod
     def _send(loop: asyncio.AbstractEventLoop, stream: asyncio.Queue, item) -> bool:
         return AsyncEngine._send_all(loop, [(stream, item)])
@@ -261,6 +310,12 @@ class AsyncEngine:
             return True
         except RuntimeError:  # the loop is closed
             return False
+
+
+def _merge(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """Two consecutive outputs of one request as one (text and tokens are increments)."""
+    logprobs = None if first.logprobs is None and then.logprobs is None else (first.logprobs or []) + (then.logprobs or [])
+    return replace(then, text=first.text + then.text, token_ids=first.token_ids + then.token_ids, logprobs=logprobs)
 
 
 def _error_output(request_id: str, error: str) -> RequestOutput:

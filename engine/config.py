@@ -29,6 +29,10 @@ class EngineConfig:
     # The KV cache's dtype. auto: the model's, except float16 under float32 activations with
     # quantized weights (what llama.cpp keeps: half the memory of float32).
     kv_cache_dtype: str = "auto"
+    # A stream holds at most this many unread outputs; later ones wait in the engine, merged
+    # into one, and a stream that stays full this many seconds (its reader stopped) is aborted.
+    max_pending_outputs: int = 64
+    stalled_stream_timeout: float = 30.0
 
     def __post_init__(self):
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -58,6 +62,10 @@ class EngineConfig:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
         if self.audit_interval_steps < 0:
             raise ValueError(f"audit_interval_steps must be >= 0, got {self.audit_interval_steps}")
+        if self.max_pending_outputs < 1:
+            raise ValueError(f"max_pending_outputs must be at least 1, got {self.max_pending_outputs}")
+        if not self.stalled_stream_timeout > 0:
+            raise ValueError(f"stalled_stream_timeout must be > 0, got {self.stalled_stream_timeout}")
 
     def resolve_max_model_len(self, model_max_len: int) -> int:
         """The context length the engine serves: ours if set (never above the model's)."""

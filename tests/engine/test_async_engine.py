@@ -270,3 +270,41 @@ def test_an_abort_and_an_add_of_one_id_in_one_drain_keep_to_their_own_streams(en
     outs = asyncio.run(asyncio.wait_for(main(), 10))
     want = LLM.from_loaded(loaded, **CONFIG).generate([[8, 9]], [greedy(4)])[0]
     assert outs[-1].finish_reason == "length" and [t for o in outs for t in o.token_ids] == want.token_ids
+
+
+def test_a_stalled_reader_is_bounded_then_aborted_and_a_slow_one_is_not(loaded, monkeypatch):
+    engine = AsyncEngine(loaded, EngineConfig(**CONFIG, max_pending_outputs=4, stalled_stream_timeout=0.3))
+    step = engine.core.step
+
+    def slow_step():  # 240 tokens then take over a second, well past the timeout
+        time.sleep(0.005)
+        return step()
+
+    monkeypatch.setattr(engine.core, "step", slow_step)
+
+    async def slow(request_id):
+        outs = []
+        async for out in engine.generate([9, 8, 7], greedy(30), request_id):
+            outs.append(out)
+            await asyncio.sleep(0.02)  # reads, slower than the engine writes
+        return outs
+
+    async def main():
+        stalled = engine.generate([5, 6, 7], greedy(240), "stalled")
+        first = await stalled.__anext__()
+        steady = await slow("steady")
+        stats = await wait_idle(engine)
+        return [first] + [out async for out in stalled], steady, stats
+
+    try:
+        outs, steady, stats = asyncio.run(asyncio.wait_for(main(), 30))
+    finally:
+        engine.shutdown()
+    want = LLM.from_loaded(loaded, **CONFIG).generate([[5, 6, 7], [9, 8, 7]], [greedy(240), greedy(30)])
+    # The stalled stream never held more than its bound (+ the final output), lost nothing
+    # it was sent, and was aborted with its blocks freed.
+    assert len(outs) <= 1 + 4 + 1 and outs[-1].finish_reason == "abort"
+    tokens = [t for o in outs for t in o.token_ids]
+    assert len(tokens) < 240 and tokens == want[0].token_ids[:len(tokens)]
+    assert stats.num_stalled_aborts == 1 and stats.num_kv_blocks_used == 0
+    assert steady[-1].finish_reason == "length" and [t for o in steady for t in o.token_ids] == want[1].token_ids
