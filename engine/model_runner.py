@@ -126,10 +126,16 @@ class ModelRunner:
         return self.model(inputs[0], inputs[1], self.kv_caches, meta)
 
     def _sample(self, logits: torch.Tensor, requests: list[ScheduledRequest]) -> RunnerOutput:
+        # The batch attempt may fail after seeded generators drew: the retry starts them
+        # where they were, so a seeded request's tokens do not depend on a neighbour failing.
+        generators = [s.generator for s in requests if s.generator is not None]
+        states = [g.get_state() for g in generators]
         try:
             return self._sample_rows(logits, requests)
         except Exception:
             logger.exception("sampling failed for a batch of %d; retrying row by row", len(requests))
+        for generator, state in zip(generators, states):
+            generator.set_state(state)
         # One bad request must not cost the others their token: sample each row alone. A
         # failure is that request's error, never the step's (which would end the whole batch).
         result = RunnerOutput()

@@ -340,3 +340,27 @@ def test_a_token_outside_the_vocabulary_ends_only_its_own_request(loaded, monkey
     assert results["good"]["token_ids"] == expected["good"]
     assert core.stats().num_failed_steps == 0
     assert_pool_empty(core)
+
+
+def test_a_seeded_request_stays_reproducible_through_the_row_by_row_retry(loaded, monkeypatch):
+    """The batch attempt fails after the seeded generators drew: the retry draws the same numbers."""
+    from engine.model_runner import ModelRunner
+
+    seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=12, ignore_eos=True)
+    requests = [("seeded", [5, 6, 7], seeded), ("other", [8, 9], greedy(12))]
+    expected = solo_outputs(loaded, requests[:1], block_size=4, num_kv_blocks=64)
+    real_sample_rows = ModelRunner._sample_rows
+    failed = []
+
+    def fails_for_batches(self, logits, scheduled):
+        out = real_sample_rows(self, logits, scheduled)  # the generators have drawn by now
+        if len(scheduled) > 1:
+            failed.append(len(scheduled))
+            raise RuntimeError("batch sampling failed")
+        return out
+
+    monkeypatch.setattr(ModelRunner, "_sample_rows", fails_for_batches)
+    core = EngineCore(loaded, EngineConfig(block_size=4, num_kv_blocks=64))
+    results = run_core(core, requests)
+    assert failed and results["other"]["final"].finish_reason == "length"
+    assert results["seeded"]["token_ids"] == expected["seeded"]
