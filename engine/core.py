@@ -74,6 +74,7 @@ class EngineCore:
             eos_token_ids=self.model_config.eos_token_ids,
             arrival_time=self.clock() if arrival_time is None else arrival_time,
             generator=self.runner.make_generator(params.seed),
+            token_history=self.runner.make_token_history(params),
         )
         self.scheduler.add_request(request)
         self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)

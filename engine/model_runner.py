@@ -18,7 +18,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.request import TokenLogprob
-from engine.sampler import SamplingBatch, make_generator, sample
+from engine.sampler import SamplingBatch, TokenHistory, make_generator, sample
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.threads import StepTuner, applied, candidate_settings
 from models.layers import cpu_kernels
@@ -76,6 +76,12 @@ class ModelRunner:
 
     def make_generator(self, seed: int | None) -> torch.Generator | None:
         return make_generator(seed, self.device)
+
+    def make_token_history(self, params) -> TokenHistory | None:
+        """A request's penalty cache, kept across its steps; None when it has no penalty."""
+        if params.repetition_penalty == 1.0 and params.frequency_penalty == 0 and params.presence_penalty == 0:
+            return None
+        return TokenHistory(self.device)
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
@@ -159,6 +165,7 @@ class ModelRunner:
             vocab_size=logits.shape[-1],
             device=logits.device,
             eos_token_ids=self.model_config.eos_token_ids,
+            histories=[s.token_history for s in requests],
         )
         out = sample(logits, batch)
         vocab_size = logits.shape[-1]

@@ -24,7 +24,6 @@ logits and generator, whatever else is in the batch.
 """
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -49,6 +48,75 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
     return generator
+
+
+class TokenHistory:
+    """One request's tokens as its penalties read them, kept across steps and extended by
+    the new tokens only, so building a step's penalty tensors costs O(new tokens) in Python:
+
+        seen        unique ids of prompt + output     (repetition_penalty)
+        out_ids     unique ids of the output          (frequency, presence)
+        out_counts  how often each of out_ids occurs  (frequency)
+
+    Buffers grow by doubling; the first `num_*` entries are live.
+    """
+
+    def __init__(self, device: torch.device | str):
+        self.device = device
+        self.num_prompt_tokens = self.num_output_tokens = 0
+        self.num_tokens_added = 0  # tokens ever taken in: equals prompt + output unless rebuilt
+        self._seen_pos: dict[int, None] = {}
+        self._out_pos: dict[int, int] = {}
+        self._seen = torch.empty(16, dtype=torch.int64, device=device)
+        self._out_ids = torch.empty(16, dtype=torch.int64, device=device)
+        self._out_counts = torch.empty(16, dtype=torch.float32, device=device)
+
+    def update(self, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int]) -> TokenHistory:
+        other_prompt = self.num_prompt_tokens and len(prompt_token_ids) != self.num_prompt_tokens
+        if other_prompt or len(output_token_ids) < self.num_output_tokens:  # not what it was built from
+            self.__init__(self.device)
+        if not self.num_prompt_tokens:
+            self._add_seen(prompt_token_ids)
+            self.num_prompt_tokens = len(prompt_token_ids)
+        new = output_token_ids[self.num_output_tokens:]
+        if new:
+            self._add_seen(new)
+            for token_id in new:
+                pos = self._out_pos.get(token_id)
+                if pos is None:
+                    self._out_pos[token_id] = pos = len(self._out_pos)
+                    self._out_ids = _grown(self._out_ids, pos + 1)
+                    self._out_counts = _grown(self._out_counts, pos + 1)
+                    self._out_ids[pos], self._out_counts[pos] = token_id, 0.0
+                self._out_counts[pos] += 1.0
+            self.num_output_tokens = len(output_token_ids)
+        return self
+
+    def _add_seen(self, token_ids: Sequence[int]) -> None:
+        self.num_tokens_added += len(token_ids)
+        fresh = [t for t in dict.fromkeys(token_ids) if t not in self._seen_pos]
+        if fresh:
+            start = len(self._seen_pos)
+            self._seen_pos.update(dict.fromkeys(fresh))
+            self._seen = _grown(self._seen, start + len(fresh))
+            self._seen[start:start + len(fresh)] = torch.tensor(fresh, dtype=torch.int64, device=self.device)
+
+    @property
+    def seen(self) -> torch.Tensor:
+        return self._seen[:len(self._seen_pos)]  # (num_seen,)
+
+    @property
+    def output(self) -> tuple[torch.Tensor, torch.Tensor]:
+        num = len(self._out_pos)
+        return self._out_ids[:num], self._out_counts[:num]  # (num_out,), (num_out,)
+
+
+def _grown(buffer: torch.Tensor, size: int) -> torch.Tensor:
+    if size <= buffer.numel():
+        return buffer
+    grown = buffer.new_empty(max(size, 2 * buffer.numel()))
+    grown[:buffer.numel()] = buffer
+    return grown
 
 
 @dataclass(frozen=True)
@@ -101,7 +169,7 @@ class SamplingBatch:
     logit_bias: tuple[torch.Tensor, torch.Tensor] | None  # flat index, value to add
     banned: torch.Tensor | None  # flat index of tokens min_tokens masks
     repetition: tuple[torch.Tensor, torch.Tensor] | None  # flat index of each prompt/output token, penalty
-    counts: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # output tokens: flat index, frequency, presence
+    counts: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # unique output tokens: flat index, frequency x count, presence
     num_logprobs: tuple[int | None, ...]  # per row: None = no logprobs, k = chosen + top-k
     max_logprobs: int | None  # None when no row wants logprobs
     seeded_rows: tuple[tuple[int, torch.Generator], ...]  # random rows with their own generator
@@ -119,9 +187,12 @@ class SamplingBatch:
         device: torch.device | str,
         eos_token_ids: Sequence[int] | Sequence[Sequence[int]] = (),
         default_generator: torch.Generator | None = None,
+        histories: Sequence[TokenHistory | None] | None = None,
     ) -> SamplingBatch:
         """`eos_token_ids` is either the model's EOS ids (shared by every row) or one list
-        per row; rows with `ignore_eos` do not have EOS masked by min_tokens."""
+        per row; rows with `ignore_eos` do not have EOS masked by min_tokens. `histories`:
+        each row's TokenHistory kept from earlier steps (brought up to date here); rows
+        without one get a fresh one."""
         num_rows = len(params)
         if not len(prompt_token_ids) == len(output_token_ids) == len(generators) == num_rows:
             raise ValueError(
@@ -152,17 +223,23 @@ class SamplingBatch:
                 stops = set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids) | set(eos_per_row[row])
                 banned += [row * vocab_size + t for t in stops if 0 <= t < vocab_size]  # others cannot occur
 
+        def history(i: int) -> TokenHistory:
+            cached = histories[i] if histories is not None else None
+            return (cached or TokenHistory(device)).update(prompt_token_ids[i], output_token_ids[i])
+
+        # Each (row, token) once: index row * vocab_size + token of every unique token.
         repetition = counts = None
         rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
         if rows:
-            index, row_of = _flat_index([i for i in rows for _ in range(2)], [
-                t for i in rows for t in (prompt_token_ids[i], output_token_ids[i])], vocab_size, device)
+            seen = [history(i).seen for i in rows]
+            index, row_of = _flat_index(rows, seen, vocab_size, device)
             repetition = (index, tensor([p.repetition_penalty for p in params], torch.float32)[row_of])
         rows = [i for i, p in enumerate(params) if p.frequency_penalty != 0 or p.presence_penalty != 0]
         if rows:
-            index, row_of = _flat_index(rows, [output_token_ids[i] for i in rows], vocab_size, device)
-            counts = (index, tensor([p.frequency_penalty for p in params], torch.float32)[row_of],
-                      tensor([p.presence_penalty for p in params], torch.float32)[row_of])
+            ids, num = zip(*(history(i).output for i in rows))
+            index, row_of = _flat_index(rows, ids, vocab_size, device)
+            frequency = tensor([p.frequency_penalty for p in params], torch.float32)[row_of] * torch.cat(num)
+            counts = (index, frequency, tensor([p.presence_penalty for p in params], torch.float32)[row_of])
 
         seeded_rows = tuple((i, gen) for i, gen in enumerate(generators) if gen is not None and not greedy[i])
         seeded = {i for i, _ in seeded_rows}
@@ -229,8 +306,7 @@ def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         flat[index] = _finite(flat[index] + bias)
     if batch.banned is not None:
         flat[batch.banned] = float("-inf")
-    # Indices repeat once per occurrence. A plain (non-accumulating) write of the same
-    # value from every copy applies a per-token edit once; index_add_ applies it per copy.
+    # Each (row, token) index occurs once; the frequency term comes multiplied by its count.
     if batch.repetition is not None:
         index, penalty = batch.repetition
         seen = flat[index]
@@ -238,9 +314,7 @@ def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         flat[index] = _finite(torch.where(seen > 0, seen / penalty, seen * penalty))
     if batch.counts is not None:
         index, frequency, presence = batch.counts
-        flat[index] = flat[index] - presence
-        flat.index_add_(0, index, -frequency)
-        flat[index] = _finite(flat[index])
+        flat[index] = _finite(flat[index] - presence - frequency)
     return logits
 
 
@@ -357,13 +431,12 @@ def _token_logprobs(logprobs: torch.Tensor | None, token_ids: torch.Tensor,
     return out
 
 
-def _flat_index(rows: list[int], token_lists: Sequence[Sequence[int]], vocab_size: int,
+def _flat_index(rows: list[int], token_ids: Sequence[torch.Tensor], vocab_size: int,
                 device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every (row, token) occurrence as flat index row * vocab_size + token, and its row."""
-    lengths = torch.tensor([len(tokens) for tokens in token_lists], device=device)
+    """Each row's token ids (a tensor per row) as flat indices row * vocab_size + token, and their rows."""
+    lengths = torch.tensor([t.numel() for t in token_ids], device=device)
     row_of = torch.repeat_interleave(torch.tensor(rows, device=device), lengths)
-    token_ids = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.int64, device=device)
-    return row_of * vocab_size + token_ids, row_of
+    return row_of * vocab_size + torch.cat(token_ids).to(device), row_of
 
 
 def _eos_per_row(eos_token_ids: Sequence[int] | Sequence[Sequence[int]], num_rows: int) -> list[Sequence[int]]:

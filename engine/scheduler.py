@@ -34,6 +34,7 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = 0.0
     generator: object | None = None  # the sampler's per-request RNG; opaque here
+    token_history: object | None = None  # the sampler's per-request penalty cache; opaque here
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -78,6 +79,7 @@ class ScheduledRequest:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     generator: object | None
+    token_history: object | None = None
 
 
 @dataclass
@@ -230,6 +232,7 @@ class Scheduler:
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
             generator=request.generator,
+            token_history=request.token_history,
         )
 
     def _preempt(self, request: Request) -> None:

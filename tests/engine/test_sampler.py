@@ -287,3 +287,35 @@ def test_hostile_params_never_give_a_token_outside_the_vocabulary(params):
 def test_tiny_top_p_keeps_the_best_token():
     out = sample(LOGITS.repeat(4, 1), batch_of([SamplingParams(top_p=1e-300)] * 4))
     assert out.token_ids == [3] * 4
+
+
+def test_penalty_tensors_grow_by_the_new_tokens_only_and_match_a_full_recount():
+    """A request's TokenHistory takes each token in once across steps (no rebuild from the
+    whole context), and the penalised logits equal a per-step recount of prompt and output."""
+    from collections import Counter
+
+    from engine.sampler import TokenHistory
+
+    vocab_size, rng = 50, torch.Generator().manual_seed(0)
+    params = [SamplingParams(repetition_penalty=1.5, frequency_penalty=0.5, presence_penalty=0.25),
+              SamplingParams(frequency_penalty=-0.75), SamplingParams(repetition_penalty=0.8)]
+    prompts = [torch.randint(0, vocab_size, (n,), generator=rng).tolist() for n in (40, 1, 7)]
+    outputs = [[], [], []]
+    histories = [TokenHistory("cpu") for _ in params]
+    for _ in range(30):
+        logits = torch.randn(3, vocab_size, generator=rng)
+        batch = SamplingBatch.from_params(params, prompts, outputs, [None] * 3, vocab_size, "cpu",
+                                          histories=histories)
+        want = logits.clone()
+        for row, p in enumerate(params):
+            for t in set(prompts[row]) | set(outputs[row]):
+                x = want[row, t]
+                want[row, t] = x / p.repetition_penalty if x > 0 else x * p.repetition_penalty
+            for t, n in Counter(outputs[row]).items():
+                want[row, t] -= p.presence_penalty + p.frequency_penalty * n
+        torch.testing.assert_close(process_logits(logits, batch), want)
+        for row in range(3):
+            outputs[row].append(int(torch.randint(0, 8, (1,), generator=rng)))  # repeats are the point
+    for history, prompt, output in zip(histories, prompts, outputs):
+        history.update(prompt, output)
+        assert history.num_tokens_added == len(prompt) + len(output)  # each token once, never rebuilt
