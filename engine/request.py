@@ -5,6 +5,10 @@ import enum
 from dataclasses import dataclass, field
 
 
+class QueueFullError(RuntimeError):
+    """The waiting queue is at max_waiting: retry later (a 429, not a 400)."""
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

@@ -19,11 +19,7 @@ from typing import Mapping
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.request import RequestStatus, SamplingParams
-
-
-class QueueFullError(RuntimeError):
-    """The waiting queue is at max_waiting: retry later (a 503, not a 400)."""
+from engine.request import QueueFullError, RequestStatus, SamplingParams  # noqa: F401 - QueueFullError re-exported
 
 
 @dataclass(eq=False)

@@ -23,7 +23,7 @@ from typing import Any, AsyncIterator, TypeVar
 import anyio
 from fastapi import Request
 
-from engine.request import RequestOutput, SamplingParams, TokenLogprob
+from engine.request import QueueFullError, RequestOutput, SamplingParams, TokenLogprob
 from server.cpu_work import new_cpu_pool, off_loop, prompt_char_limit
 from server.errors import APIError, invalid, model_not_found
 from server.protocol import parse_body
@@ -273,7 +273,7 @@ async def stream_choices(state: ServerState, choices: list[Choice],
                 timer.on_finished("abort", len(choice.prompt_token_ids))
             raise
         except Exception as exc:  # noqa: BLE001 - handed to the consumer, which decides
-            if not isinstance(exc, ValueError) and type(exc).__name__ != "QueueFullError":
+            if not isinstance(exc, (ValueError, QueueFullError)):
                 timer.on_finished("error", len(choice.prompt_token_ids))
             queue.put_nowait((choice, exc))
         queue.put_nowait((choice, _END))
@@ -325,7 +325,7 @@ def _shutdown_error() -> APIError:
 
 def _engine_error(exc: Exception) -> Exception:
     """The engine refuses before any output with ValueError (never fits) or QueueFullError."""
-    if type(exc).__name__ == "QueueFullError":
+    if isinstance(exc, QueueFullError):
         return APIError(429, f"The server's queue is full ({exc}); retry shortly.", code="queue_full",
                         headers={"Retry-After": "1"})
     if isinstance(exc, ValueError):
