@@ -37,7 +37,7 @@ _X86_LEVELS = (
     ("avx512vnni", ("avx512_vnni",), ("-mavx512vnni",)),
 )
 _lock = threading.Lock()
-_state: dict[str, bool] = {}  # "loaded": whether torch.ops.pagedserve is usable
+_state: dict[str, bool | int] = {}  # "loaded": whether torch.ops.pagedserve is usable
 
 
 def _cflags() -> list[str]:
@@ -164,3 +164,16 @@ def rope_neox(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> t
 def write_kv_planes(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store k, v (T, Hk, D) at their slots of a plane-major GQA cache (see attention.py), cast to its dtype."""
     torch.ops.pagedserve.write_kv_planes(kv_cache, k, v, slot_mapping)
+
+
+def dequantize_rows() -> int:
+    """Steps of at least this many rows multiply quantized weights by dequantizing them once and
+    running a dense GEMM; fewer go through `quant_linear`, whose cost grows with the rows much
+    faster than a GEMM's. Where the two meet depends on the CPU's vector width, not on timing,
+    so a request's results never depend on the machine's load. Measured on SmolLM2's shapes,
+    2 threads: AVX2 (Zen 3) ~32 rows; AVX-512 (Sapphire Rapids, whose float32 GEMM is twice as
+    wide) below 16."""
+    rows = _state.get("dequantize_rows")
+    if rows is None:
+        rows = _state["dequantize_rows"] = 8 if "avx512" in isa_levels() else 32
+    return rows

@@ -8,6 +8,7 @@ them stacked along the output dim and loads each checkpoint tensor into its rows
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Iterable
 
 import torch
@@ -33,6 +34,12 @@ class Linear(nn.Module):
         self.quant_method: LinearMethod = DENSE
         DENSE.create_weights(self, out_features, in_features)
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        # nn.Linear's initialization, for layers used without a checkpoint (the loader builds
+        # models on the meta device, where this costs nothing, and then fills every weight).
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            bound = 1 / math.sqrt(in_features) if in_features > 0 else 0
+            nn.init.uniform_(self.bias, -bound, bound)
 
     def set_quant_method(self, method: LinearMethod) -> None:
         """Swap the weight storage for `method`'s (on the meta device, before loading)."""

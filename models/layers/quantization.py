@@ -36,11 +36,6 @@ from torch import nn
 from models.layers import cpu_kernels
 
 BLOCK = 32  # the quantized kernels' unit along K
-# Steps of at least this many rows dequantize the weight once and run a dense GEMM: the
-# row-by-row kernel's cost grows with the rows, a GEMM's much less (SmolLM2's shapes,
-# 2 cores, AVX2: the two meet near 32 rows). A function of the step's size only, so a
-# request's results never depend on timing.
-DEQUANTIZE_ROWS = 32
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 
@@ -226,7 +221,7 @@ class QuantMethod(LinearMethod):
 
     def apply(self, layer, x, bias):
         if x.device.type == "cpu" and cpu_kernels.available() and x.dim() == 2:
-            if x.shape[0] >= DEQUANTIZE_ROWS:
+            if x.shape[0] >= cpu_kernels.dequantize_rows():
                 weight = cpu_kernels.dequantize_weight(
                     layer.qweight, layer.scales, getattr(layer, "mins", None), self.bits,
                     layer.in_features // layer.scales.shape[1],

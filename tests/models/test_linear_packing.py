@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.layers.linear import Linear, MergedLinear, can_pack_weights, pack_linear_weights
+from models.layers.linear import Embedding, Linear, MergedLinear, can_pack_weights, pack_linear_weights
 from models.loader import load_model
 from tests.models.conftest import paged_forward, shuffled_block_tables
 
@@ -40,8 +40,9 @@ def test_packed_linears_are_bit_identical_for_every_row_count(keep_plain):
 
 def test_loader_packs_bf16_cpu_models_and_logits_do_not_change(tiny_llama_dir):
     packed = load_model(tiny_llama_dir, dtype="bfloat16")
-    linears = [m for m in packed.model.modules() if isinstance(m, Linear)]
+    linears = [m for m in packed.model.modules() if isinstance(m, Linear) and not isinstance(m, Embedding)]
     assert linears and all(m.packed_weight is not None for m in linears)  # a small model keeps both
+    assert packed.model.model.embed_tokens.packed_weight is None  # looked up by row: stays plain
     assert load_model(tiny_llama_dir, dtype="float32").model.model.layers[0].mlp.down_proj.weight.is_mkldnn is False
 
     plain = load_model(tiny_llama_dir, dtype="bfloat16")

@@ -30,12 +30,14 @@
 //   float activations: each weight group is dequantized to floats and multiplied with x as it
 //   is, equal to the PyTorch reference up to summation order (tests, and the exact mode).
 //
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
@@ -306,20 +308,22 @@ void qlinear_impl(
   });
 }
 
-void check_scales(const at::Tensor& scales, const c10::optional<at::Tensor>& mins, int64_t N, int64_t K,
-                  int64_t group_size, int64_t bits, const char* op) {
+// Plain-string messages only: on one torch 2.11 build a formatted TORCH_CHECK message thrown
+// from here crashed the process (Sapphire Rapids, g++ 13) where a plain one raised cleanly.
+void check_scales(const at::Tensor& scales, const std::optional<at::Tensor>& mins, int64_t N, int64_t K,
+                  int64_t group_size, int64_t bits) {
   TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.size(1) == K / group_size && scales.is_contiguous() &&
               (scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf),
-              op, ": scales must be float32 or float16 (N, K/group_size)");
+              "quantized weight: scales must be float32 or float16 (N, K/group_size)");
   if (mins.has_value()) {
     TORCH_CHECK(bits == 4 && mins->sizes() == scales.sizes() && mins->scalar_type() == scales.scalar_type() &&
-                mins->is_contiguous(), op, ": mins must be like scales (4 bits only)");
+                mins->is_contiguous(), "quantized weight: mins must be like scales (4 bits only)");
   }
 }
 
 // fn(scales pointer, mins pointer or nullptr), typed float or c10::Half as the scales are.
 template <typename Fn>
-void with_scales(const at::Tensor& scales, const c10::optional<at::Tensor>& mins, Fn&& fn) {
+void with_scales(const at::Tensor& scales, const std::optional<at::Tensor>& mins, Fn&& fn) {
   if (scales.scalar_type() == at::kHalf) {
     fn(scales.data_ptr<c10::Half>(), mins.has_value() ? mins->data_ptr<c10::Half>() : nullptr);
   } else {
@@ -327,24 +331,21 @@ void with_scales(const at::Tensor& scales, const c10::optional<at::Tensor>& mins
   }
 }
 
-}  // namespace
-
 // x (M, K) float32 or bfloat16; qweight (N, K/2) uint8 (4 bits) or (N, K) int8 (8 bits);
 // scales, mins (N, K/group_size) float32 or float16 (mins only for asymmetric 4 bits); bias (N,)
 // -> (M, N) in x's dtype. quantize_input: int16 activations and integer dot products (fast),
 // else float FMAs on x as it is.
 at::Tensor quant_linear(
     const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-    const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& bias, int64_t bits,
+    const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias, int64_t bits,
     int64_t group_size, bool quantize_input) {
-  TORCH_CHECK(bits == 4 || bits == 8, "quant_linear: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(bits == 4 || bits == 8, "quant_linear: bits must be 4 or 8");
   TORCH_CHECK(x.dim() == 2 && qweight.dim() == 2 && scales.dim() == 2, "quant_linear: 2-D tensors expected");
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
   TORCH_CHECK(K % kBlock == 0 && group_size % kBlock == 0 && K % group_size == 0,
-              "quant_linear: K and group_size must be multiples of 32 (K=", K, ", group_size=", group_size, ")");
-  TORCH_CHECK(qweight.size(1) == (bits == 4 ? K / 2 : K), "quant_linear: qweight has ", qweight.size(1),
-              " columns for K=", K);
-  check_scales(scales, mins, N, K, group_size, bits, "quant_linear");
+              "quant_linear: K and group_size must be multiples of 32, K of group_size");
+  TORCH_CHECK(qweight.size(1) == (bits == 4 ? K / 2 : K), "quant_linear: qweight's columns do not match x's K");
+  check_scales(scales, mins, N, K, group_size, bits);
   TORCH_CHECK(qweight.is_contiguous(), "quant_linear: contiguous weights expected");
   at::Tensor bias_f;
   if (bias.has_value()) bias_f = bias->to(at::kFloat).contiguous();
@@ -382,13 +383,13 @@ at::Tensor quant_linear(
 // qweight, scales, mins as above -> the float32 weight (N, K): for steps of many rows, where
 // one dequantization plus a dense GEMM beats the row-by-row kernel.
 at::Tensor dequantize_weight(
-    const at::Tensor& qweight, const at::Tensor& scales, const c10::optional<at::Tensor>& mins, int64_t bits,
+    const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& mins, int64_t bits,
     int64_t group_size) {
-  TORCH_CHECK(bits == 4 || bits == 8, "dequantize_weight: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(bits == 4 || bits == 8, "dequantize_weight: bits must be 4 or 8");
   const int64_t N = qweight.size(0), K = bits == 4 ? qweight.size(1) * 2 : qweight.size(1);
   TORCH_CHECK(K % kBlock == 0 && group_size % kBlock == 0 && K % group_size == 0 && qweight.is_contiguous(),
               "dequantize_weight: bad shapes");
-  check_scales(scales, mins, N, K, group_size, bits, "dequantize_weight");
+  check_scales(scales, mins, N, K, group_size, bits);
   at::Tensor out = at::empty({N, K}, scales.options().dtype(at::kFloat));
   const auto* w = reinterpret_cast<const uint8_t*>(qweight.data_ptr());
   float* dst = out.data_ptr<float>();
@@ -424,6 +425,8 @@ at::Tensor dequantize_weight(
   });
   return out;
 }
+
+}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("dequantize_weight(Tensor qweight, Tensor scales, Tensor? mins, int bits, int group_size) -> Tensor");
