@@ -107,8 +107,11 @@ def measure(name: str, command: list[str], port: int, args, tokenizer_dir: str) 
                 "itl_p50_ms": summary["itl_ms"]["p50"],
                 "completed": summary["completed"],
                 "failed": summary["failed"],
+                "failures": summary["failures"],
+                "first_error_by_kind": summary["first_error_by_kind"],
             }
-            print(f"  {name} c={concurrency}: {result['runs'][concurrency]}", flush=True)
+            shown = {k: v for k, v in result["runs"][concurrency].items() if k != "first_error_by_kind"}
+            print(f"  {name} c={concurrency}: {shown}", flush=True)
         result["busy_rss_mb"] = rss_mb(process.pid)
         return result
     finally:

@@ -296,3 +296,21 @@ def test_perplexity_of_a_gguf_served_as_stored_equals_its_dequantized_model(tmp_
     dense, same_count = perplexity(load_model(str(path), dtype="float32", quantization="none"), text)
     assert count == same_count > 100 and 1 < stored < 1e6
     assert stored == pytest.approx(dense, rel=1e-4)
+
+
+def test_bench_quant_compares_like_with_like(capsys):
+    """loadtest.bench_quant hands torch's int4 kernel the same weights as ours (its
+    (q - 8) * s + z form with z = m + 8 s), so its timings compare the same product."""
+    needs_kernel()
+    from loadtest.bench_quant import main
+
+    w = torch.randn(64, 96, generator=torch.Generator().manual_seed(4))
+    q = Q.quantize_int4(w)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(Q.unpack_int4(q.qweight, 96).int(), 1)
+    scales_zeros = torch.stack((q.scales, q.mins + 8 * q.scales), -1).transpose(0, 1).contiguous().bfloat16()
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(5))
+    theirs = torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), packed, 32, scales_zeros).float()
+    ours = torch.nn.functional.linear(x, q.dequantize())
+    assert (theirs - ours).abs().max() < 0.03 * ours.abs().max()  # bf16 activations and factors
+    main(["--rows", "1", "--layers", "1", "--repeats", "1"])
+    assert "| 1 |" in capsys.readouterr().out
