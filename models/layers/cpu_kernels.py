@@ -110,10 +110,12 @@ def _build() -> bool:
         )
         for op in _OPS:
             getattr(torch.ops.pagedserve, op)  # raises if registration failed
+        logger.info("CPU kernels in use: %s (%s)", build_name(), ", ".join(_OPS))
         return True
     except Exception as e:  # noqa: BLE001 - any build failure means: use the PyTorch path
-        logger.warning("CPU kernels unavailable, decode attention stays in PyTorch: %s: %s",
-                       type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        logger.warning("CPU kernels unavailable (%s): the PyTorch paths serve, quantized weights are "
+                       "dequantized at every call (slow): %s: %s", build_name(), type(e).__name__,
+                       str(e).splitlines()[0] if str(e) else "")
         return False
 
 
