@@ -9,12 +9,21 @@ per machine and is cached in torch's extensions directory ($TORCH_EXTENSIONS_DIR
 default ~/.cache/torch_extensions). Without a compiler, or with PAGEDSERVE_CPU_KERNELS=0,
 the callers keep their pure-PyTorch path, which is also the reference the tests hold
 the kernels to.
+
+A build made elsewhere (the Docker image's build stage) is loaded as it is, with no call to
+torch's builder, when this machine has no compiler (torch's builder would print its
+"Your compiler (c++) is not compatible" warning on every start, only to find nothing to
+build) or when the build directory is read-only (a `--read-only` container: the builder
+writes a lock file and build.ninja there). It is loaded only if it is at least as new as
+every source and registers every op; otherwise torch's builder runs as before.
 """
 from __future__ import annotations
 
 import logging
 import os
 import platform
+import shutil
+import sys
 import threading
 from pathlib import Path
 
@@ -96,10 +105,50 @@ def available() -> bool:
     return _state["loaded"]
 
 
+def build_directory() -> Path:
+    """Where torch's builder puts (and finds) `build_name()`'s build, without creating it."""
+    from torch.utils import cpp_extension
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:  # the same default as torch's _get_build_directory
+        accelerator = (f"rocm{torch.version.hip.replace('.', '')}" if torch.version.hip is not None
+                       else f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda is not None
+                       else "cpu")
+        python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+        root = os.path.join(cpp_extension.get_default_build_root(), f"{python}_{accelerator}")
+    return Path(root) / build_name()
+
+
+def _prebuilt() -> Path | None:
+    """The built library to load without torch's builder, if that is what should happen: one
+    exists, is current (no source newer), and the builder could not or should not run here
+    (no compiler on PATH, or a build directory this process cannot write)."""
+    from torch.utils.cpp_extension import get_cxx_compiler
+
+    directory = build_directory()
+    library = directory / f"{build_name()}.so"
+    try:
+        built = library.stat().st_mtime
+        if any(source.stat().st_mtime > built for source in _SOURCES):
+            return None
+    except OSError:
+        return None
+    if shutil.which(get_cxx_compiler()) is not None and os.access(directory, os.W_OK):
+        return None
+    return library
+
+
 def _build() -> bool:
     try:
         from torch.utils.cpp_extension import load
 
+        library = _prebuilt()
+        if library is not None:
+            torch.ops.load_library(str(library))
+            for op in _OPS:
+                getattr(torch.ops.pagedserve, op)  # raises if registration failed
+            logger.info("CPU kernels in use: %s (%s), prebuilt: %s", build_name(), ", ".join(_OPS), library)
+            return True
         load(
             name=build_name(),
             sources=[str(source) for source in _SOURCES],

@@ -164,3 +164,56 @@ def test_write_kv_kernel_equals_index_copy(cache_dtype):
     assert torch.equal(cache, expected)
     with pytest.raises(RuntimeError, match="slot out of range"):
         cpu_kernels.write_kv_planes(cache, k, v, torch.tensor([0, 1, 2, 3, 24]))
+
+
+def _load_in_subprocess(extensions_dir, env_overrides, prelude=""):
+    code = prelude + (
+        "import logging; logging.basicConfig(level=logging.INFO)\n"
+        "from models.layers import cpu_kernels; print('AVAILABLE', cpu_kernels.available())\n")
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions_dir), **env_overrides}
+    env.pop("PAGEDSERVE_CPU_KERNELS", None)
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+@pytest.fixture
+def prebuilt_extensions(tmp_path):
+    """A copy of this machine's build, in an extensions directory of its own (as the image has)."""
+    needs_kernel()
+    built = cpu_kernels.build_directory()
+    if not (built / f"{cpu_kernels.build_name()}.so").exists():
+        pytest.skip("no build in the default extensions directory")
+    shutil.copytree(built, tmp_path / cpu_kernels.build_name())
+    return tmp_path
+
+
+def test_a_prebuilt_build_loads_without_a_compiler_and_without_torchs_compiler_warning(prebuilt_extensions):
+    # The runtime image has no compiler: torch's builder would print "Your compiler (c++) is not
+    # compatible..." on every start, only to find the build current.
+    venv_bin = os.path.dirname(sys.executable)
+    out = _load_in_subprocess(prebuilt_extensions, {"PATH": venv_bin, "CXX": "pagedserve-no-such-compiler"})
+    assert out.returncode == 0, out.stderr
+    assert "AVAILABLE True" in out.stdout, out.stderr
+    assert "CPU kernels in use" in out.stderr and "prebuilt" in out.stderr
+    assert "is not compatible" not in out.stderr + out.stdout and "WARNING !!" not in out.stderr + out.stdout
+
+
+def test_a_prebuilt_build_loads_from_a_read_only_directory(prebuilt_extensions):
+    # A --read-only container: torch's builder would need to write its lock file and build.ninja.
+    # (Root ignores file modes, so the read-only mount is simulated where the module asks.)
+    prelude = ("import os; _access = os.access\n"
+               "os.access = lambda p, mode, **kw: False if mode & os.W_OK else _access(p, mode, **kw)\n")
+    before = sorted(os.listdir(prebuilt_extensions / cpu_kernels.build_name()))
+    out = _load_in_subprocess(prebuilt_extensions, {}, prelude)
+    assert out.returncode == 0, out.stderr
+    assert "AVAILABLE True" in out.stdout and "prebuilt" in out.stderr, out.stderr
+    assert sorted(os.listdir(prebuilt_extensions / cpu_kernels.build_name())) == before  # nothing written
+
+
+def test_a_stale_prebuilt_build_is_not_loaded_without_the_builder(prebuilt_extensions, monkeypatch):
+    library = prebuilt_extensions / cpu_kernels.build_name() / f"{cpu_kernels.build_name()}.so"
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(prebuilt_extensions))
+    monkeypatch.setenv("CXX", "pagedserve-no-such-compiler")
+    assert cpu_kernels._prebuilt() == library
+    os.utime(library, (0, 0))  # older than the sources
+    assert cpu_kernels._prebuilt() is None
