@@ -38,6 +38,7 @@
 #include <cmath>
 #include <cstdint>
 #include <optional>
+#include <type_traits>
 
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
@@ -243,12 +244,12 @@ inline void float_rows_of_column(
 #endif
 }
 
-template <int Bits, typename S>
-void float_qlinear_impl(
-    const float* x, int64_t M, int64_t K, const uint8_t* qweight, const S* scales, const S* mins,
-    int64_t N, int64_t group_size, const float* bias, float* out) {
-  const int64_t nb = K / kBlock;
-  const int64_t groups_per_scale = group_size / kBlock;
+// The loop both paths share: output columns split across threads, each weight row walked once
+// per block of up to 4 activation rows. rows(mb, w, s, mn, m0, acc) fills acc[0, mb) with
+// rows m0 .. m0+mb of column n (mb a std::integral_constant, so each block size is compiled).
+template <int Bits, typename S, typename Rows>
+void for_each_column(int64_t M, int64_t N, int64_t K, int64_t group_size, const uint8_t* qweight, const S* scales,
+                     const S* mins, const float* bias, float* out, Rows&& rows) {
   const int64_t scales_per_row = K / group_size;
   const int64_t row_bytes = Bits == 4 ? K / 2 : K;
   constexpr int MB = 4;
@@ -262,16 +263,28 @@ void float_qlinear_impl(
       const float b = bias != nullptr ? bias[n] : 0.f;
       int64_t m0 = 0;
       for (; m0 + MB <= M; m0 += MB) {
-        float_rows_of_column<Bits, MB, S>(w, s, mn, groups_per_scale, nb, x, m0, K, acc);
+        rows(std::integral_constant<int, MB>{}, w, s, mn, m0, acc);
         for (int r = 0; r < MB; ++r) out[(m0 + r) * N + n] = acc[r] + b;
       }
-      const int64_t rest = M - m0;
-      if (rest == 3) float_rows_of_column<Bits, 3, S>(w, s, mn, groups_per_scale, nb, x, m0, K, acc);
-      if (rest == 2) float_rows_of_column<Bits, 2, S>(w, s, mn, groups_per_scale, nb, x, m0, K, acc);
-      if (rest == 1) float_rows_of_column<Bits, 1, S>(w, s, mn, groups_per_scale, nb, x, m0, K, acc);
+      const int64_t rest = M - m0;  // 0-3 rows left: one more pass over the weights, not one per row
+      if (rest == 3) rows(std::integral_constant<int, 3>{}, w, s, mn, m0, acc);
+      if (rest == 2) rows(std::integral_constant<int, 2>{}, w, s, mn, m0, acc);
+      if (rest == 1) rows(std::integral_constant<int, 1>{}, w, s, mn, m0, acc);
       for (int64_t r = 0; r < rest; ++r) out[(m0 + r) * N + n] = acc[r] + b;
     }
   });
+}
+
+template <int Bits, typename S>
+void float_qlinear_impl(
+    const float* x, int64_t M, int64_t K, const uint8_t* qweight, const S* scales, const S* mins,
+    int64_t N, int64_t group_size, const float* bias, float* out) {
+  const int64_t nb = K / kBlock, groups_per_scale = group_size / kBlock;
+  for_each_column<Bits>(M, N, K, group_size, qweight, scales, mins, bias, out,
+                        [&](auto mb, const uint8_t* w, const S* s, const S* mn, int64_t m0, float* acc) {
+                          float_rows_of_column<Bits, decltype(mb)::value, S>(w, s, mn, groups_per_scale, nb, x,
+                                                                             m0, K, acc);
+                        });
 }
 
 template <int Bits, typename S>
@@ -279,37 +292,14 @@ void qlinear_impl(
     const int16_t* xq, const float* xscale, const float* xsum, int64_t M, int64_t K,
     const uint8_t* qweight, const S* scales, const S* mins, int64_t N, int64_t group_size,
     const float* bias, float* out) {
-  const int64_t nb = K / kBlock;
-  const int64_t groups_per_scale = group_size / kBlock;
-  const int64_t scales_per_row = K / group_size;
-  const int64_t row_bytes = Bits == 4 ? K / 2 : K;
-  constexpr int MB = 4;
-  // Output columns split across threads; each thread streams its slice of the weights once
-  // per block of MB activation rows.
-  const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(64, N / (4 * at::get_num_threads())));
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    float acc[MB];
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* w = qweight + n * row_bytes;
-      const S* s = scales + n * scales_per_row;
-      const S* mn = mins != nullptr ? mins + n * scales_per_row : nullptr;
-      const float b = bias != nullptr ? bias[n] : 0.f;
-      int64_t m0 = 0;
-      for (; m0 + MB <= M; m0 += MB) {
-        rows_of_column<Bits, MB, S>(w, s, mn, groups_per_scale, nb, xq, xscale, xsum, m0, K, acc);
-        for (int r = 0; r < MB; ++r) out[(m0 + r) * N + n] = acc[r] + b;
-      }
-      const int64_t rest = M - m0;  // 0-3 rows left: one more pass over the weights, not one per row
-      if (rest == 3) rows_of_column<Bits, 3, S>(w, s, mn, groups_per_scale, nb, xq, xscale, xsum, m0, K, acc);
-      if (rest == 2) rows_of_column<Bits, 2, S>(w, s, mn, groups_per_scale, nb, xq, xscale, xsum, m0, K, acc);
-      if (rest == 1) rows_of_column<Bits, 1, S>(w, s, mn, groups_per_scale, nb, xq, xscale, xsum, m0, K, acc);
-      for (int64_t r = 0; r < rest; ++r) out[(m0 + r) * N + n] = acc[r] + b;
-    }
-  });
+  const int64_t nb = K / kBlock, groups_per_scale = group_size / kBlock;
+  for_each_column<Bits>(M, N, K, group_size, qweight, scales, mins, bias, out,
+                        [&](auto mb, const uint8_t* w, const S* s, const S* mn, int64_t m0, float* acc) {
+                          rows_of_column<Bits, decltype(mb)::value, S>(w, s, mn, groups_per_scale, nb, xq, xscale,
+                                                                       xsum, m0, K, acc);
+                        });
 }
 
-// Plain-string messages only: on one torch 2.11 build a formatted TORCH_CHECK message thrown
-// from here crashed the process (Sapphire Rapids, g++ 13) where a plain one raised cleanly.
 void check_scales(const at::Tensor& scales, const std::optional<at::Tensor>& mins, int64_t N, int64_t K,
                   int64_t group_size, int64_t bits) {
   TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.size(1) == K / group_size && scales.is_contiguous() &&
