@@ -118,6 +118,9 @@ class _EngineCollector:
                                 value=s.prefix_cache_hits / queries if queries else 0.0)
         yield CounterMetricFamily("pagedserve:num_preemptions", "Requests preempted to free KV blocks.",
                                   value=s.num_preemptions)
+        yield CounterMetricFamily("pagedserve:num_stalled_aborts",
+                                  "Streams aborted because their client stopped reading (KV blocks freed).",
+                                  value=s.num_stalled_aborts)
         yield GaugeMetricFamily("pagedserve:model_weight_bytes",
                                 "Bytes of model weights resident (quantized weights as stored).",
                                 value=s.weight_bytes)

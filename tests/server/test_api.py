@@ -188,7 +188,7 @@ def test_metrics_count_requests_tokens_and_latencies(live):
     for name in ("time_to_first_token_seconds_count", "inter_token_latency_seconds_count",
                  "e2e_request_latency_seconds_count", "request_queue_time_seconds_count", "prompt_tokens_total",
                  "num_requests_running", "num_requests_waiting", "kv_blocks_used", "prefix_cache_hit_rate",
-                 "num_preemptions_total", "model_weight_bytes", "kv_cache_bytes"):
+                 "num_preemptions_total", "model_weight_bytes", "kv_cache_bytes", "num_stalled_aborts_total"):
         assert re.search(rf"^pagedserve:{name} [\d.e+-]+$", text, re.M), name
     assert live.metric("pagedserve:model_weight_bytes") > 0 and live.metric("pagedserve:kv_cache_bytes") > 0
     assert live.metric("pagedserve:time_to_first_token_seconds_count") > 0
