@@ -145,21 +145,19 @@ def _build() -> bool:
         library = _prebuilt()
         if library is not None:
             torch.ops.load_library(str(library))
-            for op in _OPS:
-                getattr(torch.ops.pagedserve, op)  # raises if registration failed
-            logger.info("CPU kernels in use: %s (%s), prebuilt: %s", build_name(), ", ".join(_OPS), library)
-            return True
-        load(
-            name=build_name(),
-            sources=[str(source) for source in _SOURCES],
-            extra_cflags=_cflags(),
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
+        else:
+            load(
+                name=build_name(),
+                sources=[str(source) for source in _SOURCES],
+                extra_cflags=_cflags(),
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+                verbose=False,
+            )
         for op in _OPS:
             getattr(torch.ops.pagedserve, op)  # raises if registration failed
-        logger.info("CPU kernels in use: %s (%s)", build_name(), ", ".join(_OPS))
+        logger.info("CPU kernels in use: %s (%s)%s", build_name(), ", ".join(_OPS),
+                    f", prebuilt: {library}" if library is not None else "")
         return True
     except Exception as e:  # noqa: BLE001 - any build failure means: use the PyTorch path
         logger.warning("CPU kernels unavailable (%s): the PyTorch paths serve, quantized weights are "

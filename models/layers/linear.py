@@ -53,11 +53,11 @@ class Linear(nn.Module):
             method.create_weights(self, self.out_features, self.in_features)
         self.quant_method = method
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T + b; `forward` too, except for an Embedding, whose forward looks rows up."""
         return self.quant_method.apply(self, x, self.bias)
 
-    def linear(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x, self.bias)
+    forward = linear
 
     def load_weight(self, weight, name: str, rows: slice = slice(None)) -> None:
         """Copy a checkpoint weight (a tensor or a QuantizedWeight) into rows `rows` of W."""
