@@ -22,6 +22,7 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import AsyncIterator, Sequence
 
@@ -29,10 +30,13 @@ from engine.config import EngineConfig
 from engine.core import EngineCore, tokenize_prompt
 from engine.request import RequestOutput, SamplingParams
 from engine.stats import EngineStats
+from engine.structured import GrammarError, StructuredOutput
 
 logger = logging.getLogger(__name__)
 
 _STOP = ("stop",)
+# A grammar still compiling after this is refused; llguidance's own limits bound the work.
+GRAMMAR_COMPILE_TIMEOUT_S = 10.0
 
 
 class _Sink:
@@ -68,6 +72,8 @@ class AsyncEngine:
         self._open: set[str] = set()  # ids with a live generate(); event loop side only
         self._stats = self.core.stats()
         self._thread: threading.Thread | None = None
+        # Grammars compile here: never on the event loop, never on the engine thread.
+        self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="pagedserve-grammar")
         # Taken to put a command or to close the inbox: once closed, no command can
         # land where nobody will read it.
         self._inbox_lock = threading.Lock()
@@ -93,6 +99,7 @@ class AsyncEngine:
         self._submit(_STOP)
         self._thread.join(timeout)
         self._thread = None
+        self._grammar_pool.shutdown(wait=False)
 
     @property
     def is_running(self) -> bool:
@@ -121,6 +128,8 @@ class AsyncEngine:
         """
         if not self.is_running:
             raise RuntimeError("the engine is not running")
+        if params.structured is not None and self.core.grammars.cached(params.structured) is None:
+            await self.compile_grammar(params.structured)
         prompt_token_ids = tokenize_prompt(self.tokenizer, prompt)
         self.core.check_request(prompt_token_ids, params)
         if request_id in self._open:
@@ -147,6 +156,15 @@ class AsyncEngine:
             self._open.discard(request_id)
             if not finished:
                 self._submit(("abort", request_id))
+
+    async def compile_grammar(self, spec: StructuredOutput, timeout: float = GRAMMAR_COMPILE_TIMEOUT_S) -> None:
+        """Compile (or find cached) the grammar of a structured output in the grammar thread;
+        GrammarError (a ValueError) if it is invalid or takes longer than `timeout` seconds."""
+        future = asyncio.get_running_loop().run_in_executor(self._grammar_pool, self.core.grammars.compile, spec)
+        try:
+            await asyncio.wait_for(asyncio.shield(future), timeout)
+        except asyncio.TimeoutError:
+            raise GrammarError(f"the {spec.kind} took longer than {timeout:g} s to compile; simplify it") from None
 
     async def abort(self, request_id: str) -> None:
         """End a request; its stream (if still read) gets a final output with finish_reason "abort"."""

@@ -18,6 +18,7 @@ from engine.model_runner import ModelRunner
 from engine.request import RequestOutput, RequestStatus, SamplingParams, TokenLogprob
 from engine.scheduler import Request, Scheduler
 from engine.stats import EngineStats
+from engine.structured import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,8 @@ class EngineCore:
         self.max_model_len = self.runner.max_model_len
         self.scheduler = Scheduler(self.config, self.runner.num_blocks, self.max_model_len)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        # Compiled in the caller's thread (AsyncEngine compiles before it submits: a hit here).
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids)
         self.num_steps = 0
         self.num_failed_steps = 0
         self.num_audit_discrepancies = 0
@@ -75,6 +78,7 @@ class EngineCore:
             arrival_time=self.clock() if arrival_time is None else arrival_time,
             generator=self.runner.make_generator(params.seed),
             token_history=self.runner.make_token_history(params),
+            grammar=self.grammars.compile(params.structured).matcher() if params.structured else None,
         )
         self.scheduler.add_request(request)
         self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
@@ -144,7 +148,8 @@ class EngineCore:
         if request.first_token_time is None:
             request.first_token_time = now
         request.last_token_time = now
-        if request.status is RequestStatus.FINISHED_STOPPED:
+        if request.status is RequestStatus.FINISHED_STOPPED and (
+                token_id in request.eos_token_ids or token_id == request.stop_reason):
             # Ended by EOS or a stop token id: that token's text stays out of the output.
             text, stop_string = self._flush(request.request_id), None
         else:
@@ -156,11 +161,12 @@ class EngineCore:
             else:
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED, stop_string)
             self._detokenizers.pop(request.request_id, None)
-        elif request.status.is_finished and request.status is not RequestStatus.FINISHED_STOPPED:
+        elif request.status.is_finished:  # (after EOS or a stop token it was flushed above)
             text += self._flush(request.request_id)
         logprobs = [logprob] if request.params.logprobs is not None and logprob is not None else None
         if request.status.is_finished:
-            return self._final_output(request, text, [token_id], logprobs)
+            error = "the output left its grammar" if request.status is RequestStatus.FINISHED_ERROR else None
+            return self._final_output(request, text, [token_id], logprobs, error)
         return self._output(request, text, [token_id], logprobs)
 
     def _fail(self, request_id: str, message: str, request: Request | None = None) -> list[RequestOutput]:

@@ -166,6 +166,7 @@ class ModelRunner:
             device=logits.device,
             eos_token_ids=self.model_config.eos_token_ids,
             histories=[s.token_history for s in requests],
+            grammars=[s.grammar for s in requests],
         )
         out = sample(logits, batch)
         vocab_size = logits.shape[-1]

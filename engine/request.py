@@ -4,6 +4,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from engine.structured import StructuredOutput
+
 
 class QueueFullError(RuntimeError):
     """The waiting queue is at max_waiting: retry later (a 429, not a 400)."""
@@ -61,6 +63,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    structured: StructuredOutput | None = None  # the output must match this grammar
 
     def __post_init__(self):
         if self.max_tokens < 1:

@@ -8,12 +8,13 @@ The order follows vLLM:
       -> min_tokens                     EOS / stop_token_ids -> -inf until a row has min_tokens outputs
       -> repetition penalty             prompt + output tokens (HF / vLLM semantics)
       -> frequency, presence penalties  output tokens only (OpenAI semantics)
+      -> grammar                        tokens a constrained row's grammar forbids -> -inf
       == logprobs are read here         log_softmax of these logits
       -> temperature -> top-k -> top-p -> min-p -> probs
       -> greedy rows: argmax; other rows: inverse-CDF draw of one uniform from the row's generator
 
-Logprobs are those of the model's distribution *after* logit_bias, min_tokens
-and the penalties but *before* temperature, top-k, top-p and min-p. vLLM returns
+Logprobs are those of the model's distribution *after* logit_bias, min_tokens,
+the penalties and the grammar but *before* temperature, top-k, top-p and min-p. vLLM returns
 the raw model's by default; we include the request's hard edits to the logits
 (so a banned token shows up as -inf) but not the sampling knobs, so the numbers
 do not change when a client only changes its temperature, as with OpenAI.
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.request import SamplingParams, TokenLogprob
+from engine.structured import GrammarMatcher, allowed_tokens
 
 # Temperatures below this are greedy: dividing by them would overflow float32.
 _GREEDY_TEMPERATURE = 1e-5
@@ -170,6 +172,7 @@ class SamplingBatch:
     banned: torch.Tensor | None  # flat index of tokens min_tokens masks
     repetition: tuple[torch.Tensor, torch.Tensor] | None  # flat index of each prompt/output token, penalty
     counts: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # unique output tokens: flat index, frequency x count, presence
+    allowed: tuple[torch.Tensor, torch.Tensor] | None  # constrained rows (C,), what each allows (C, V) bool
     num_logprobs: tuple[int | None, ...]  # per row: None = no logprobs, k = chosen + top-k
     max_logprobs: int | None  # None when no row wants logprobs
     seeded_rows: tuple[tuple[int, torch.Generator], ...]  # random rows with their own generator
@@ -188,11 +191,13 @@ class SamplingBatch:
         eos_token_ids: Sequence[int] | Sequence[Sequence[int]] = (),
         default_generator: torch.Generator | None = None,
         histories: Sequence[TokenHistory | None] | None = None,
+        grammars: Sequence[GrammarMatcher | None] | None = None,
     ) -> SamplingBatch:
         """`eos_token_ids` is either the model's EOS ids (shared by every row) or one list
         per row; rows with `ignore_eos` do not have EOS masked by min_tokens. `histories`:
         each row's TokenHistory kept from earlier steps (brought up to date here); rows
-        without one get a fresh one."""
+        without one get a fresh one. `grammars`: each row's matcher, None where the row is
+        unconstrained; every constrained row's mask is computed here, in one call."""
         num_rows = len(params)
         if not len(prompt_token_ids) == len(output_token_ids) == len(generators) == num_rows:
             raise ValueError(
@@ -219,7 +224,7 @@ class SamplingBatch:
                 if not 0 <= token_id < vocab_size:
                     raise ValueError(f"logit_bias token id {token_id} is outside the vocabulary (size {vocab_size})")
                 bias_index.append(row * vocab_size + token_id), bias_values.append(value)
-            if len(output_token_ids[row]) < p.min_tokens:
+            if len(output_token_ids[row]) < p.min_tokens and p.structured is None:  # a grammar places EOS
                 stops = set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids) | set(eos_per_row[row])
                 banned += [row * vocab_size + t for t in stops if 0 <= t < vocab_size]  # others cannot occur
 
@@ -241,6 +246,12 @@ class SamplingBatch:
             frequency = tensor([p.frequency_penalty for p in params], torch.float32)[row_of] * torch.cat(num)
             counts = (index, frequency, tensor([p.presence_penalty for p in params], torch.float32)[row_of])
 
+        allowed = None
+        constrained = [i for i, g in enumerate(grammars or ()) if g is not None]
+        if constrained:
+            mask = allowed_tokens([grammars[i] for i in constrained], vocab_size).to(device)
+            allowed = (tensor(constrained), mask)
+
         seeded_rows = tuple((i, gen) for i, gen in enumerate(generators) if gen is not None and not greedy[i])
         seeded = {i for i, _ in seeded_rows}
         unseeded = [i for i in range(num_rows) if not greedy[i] and i not in seeded]
@@ -249,7 +260,7 @@ class SamplingBatch:
             greedy=tensor(greedy, torch.bool) if any(greedy) and not all_greedy else None,
             temperature=temperature, top_k_top_p=top_k_top_p, min_p=min_p,
             logit_bias=(tensor(bias_index), tensor(bias_values, torch.float32)) if bias_index else None,
-            banned=tensor(banned) if banned else None, repetition=repetition, counts=counts,
+            banned=tensor(banned) if banned else None, repetition=repetition, counts=counts, allowed=allowed,
             num_logprobs=tuple(p.logprobs for p in params),
             max_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
             seeded_rows=seeded_rows,
@@ -293,9 +304,10 @@ def greedy_argmax(logits: torch.Tensor, block: int = 128) -> torch.Tensor:
 
 
 def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """logit_bias, min_tokens masking and penalties, on a float32 copy of `logits`
+    """logit_bias, min_tokens masking, penalties and grammars, on a float32 copy of `logits`
     (no copy when no row has any of them: later steps never write in place)."""
-    if batch.logit_bias is None and batch.banned is None and batch.repetition is None and batch.counts is None:
+    edits = (batch.logit_bias, batch.banned, batch.repetition, batch.counts, batch.allowed)
+    if all(edit is None for edit in edits):
         return logits.to(torch.float32)  # (N, V); greedy batches skip a 12 MB copy at 64 x 49k
     logits = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
     flat = logits.view(-1)  # (N * V,) shares storage with logits
@@ -315,6 +327,9 @@ def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if batch.counts is not None:
         index, frequency, presence = batch.counts
         flat[index] = _finite(flat[index] - presence - frequency)
+    if batch.allowed is not None:  # last: no edit above can bring a forbidden token back
+        rows, allowed = batch.allowed
+        logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
     return logits
 
 

@@ -31,6 +31,7 @@ class Request:
     arrival_time: float = 0.0
     generator: object | None = None  # the sampler's per-request RNG; opaque here
     token_history: object | None = None  # the sampler's per-request penalty cache; opaque here
+    grammar: object | None = None  # its structured output's GrammarMatcher (engine/structured.py)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -76,6 +77,7 @@ class ScheduledRequest:
     output_token_ids: list[int]
     generator: object | None
     token_history: object | None = None
+    grammar: object | None = None
 
 
 @dataclass
@@ -229,6 +231,7 @@ class Scheduler:
             output_token_ids=request.output_token_ids,
             generator=request.generator,
             token_history=request.token_history,
+            grammar=request.grammar,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -270,11 +273,16 @@ class Scheduler:
 
     def _check_stop(self, request: Request, token_id: int) -> tuple[RequestStatus | None, int | None]:
         params = request.params
+        grammar = request.grammar
+        if grammar is not None and not grammar.accept(token_id):
+            return RequestStatus.FINISHED_ERROR, None  # only if no token was allowed at all
         if request.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token_id in request.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED, None
             if token_id in params.stop_token_ids:
                 return RequestStatus.FINISHED_STOPPED, token_id
+        if grammar is not None and grammar.is_done:  # only EOS could follow: end here, a step early
+            return RequestStatus.FINISHED_STOPPED, None
         if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH, None
         return None, None

@@ -23,6 +23,7 @@ DEFAULT_MAX_WAITING = 1024
 
 def build_parser() -> argparse.ArgumentParser:
     from models.fetch import DEFAULT_MODEL
+    from server.tool_parsers import PARSERS
 
     p = argparse.ArgumentParser(
         prog="pagedserve", description="Serve a decoder-only LLM over an OpenAI-compatible HTTP API.",
@@ -70,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--read-timeout", type=float, default=30.0,
                    help="seconds a client may take to send a request's headers, and again its body; "
                         "a slower request gets 408 and its connection is closed")
+    p.add_argument("--tool-call-parser", default="auto", choices=["auto", *PARSERS],
+                   help="how tool calls are read from the output; auto = from the model's chat template "
+                        "(hermes when it has none)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="log verbosity")
     return p
@@ -140,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     app = create_app(engine_factory=load_engine, on_load_error=on_load_error,
                      served_model_name=args.served_model_name or served_name(args.model),
                      api_key=api_key, max_waiting=None if args.max_waiting < 0 else args.max_waiting,
-                     read_timeout=args.read_timeout)
+                     read_timeout=args.read_timeout, tool_call_parser=args.tool_call_parser)
     # On SIGTERM the server ends the streams still running just before --shutdown-timeout,
     # each with an error event and [DONE] (server/http_server.py).
     server = make_server(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -45,11 +45,13 @@ def create_app(
     read_timeout: float | None = DEFAULT_READ_TIMEOUT_S,
     engine_factory: Callable[[], Any] | None = None,
     on_load_error: Callable[[BaseException], None] | None = None,
+    tool_call_parser: str = "auto",
 ) -> FastAPI:
     """`max_waiting` bounds the queue: at most max_num_seqs + max_waiting engine requests are
     admitted at once, and the rest get 429 (None: unbounded). A request body that has not
     arrived `read_timeout` seconds after its headers gets a 408 (None: no bound; the headers'
-    own bound is the HTTP server's, server.http_server.make_server)."""
+    own bound is the HTTP server's, server.http_server.make_server). `tool_call_parser`: how
+    tool calls are read from the output (server/tool_parsers.py); auto = from the chat template."""
     if (engine is None) == (engine_factory is None):
         raise ValueError("give exactly one of engine or engine_factory")
     if max_waiting is not None and max_waiting < 0:
@@ -57,7 +59,7 @@ def create_app(
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be positive, got {max_body_bytes}")
     state = ServerState(served_model_name=served_model_name, metrics=ServerMetrics(), max_waiting=max_waiting,
-                        max_body_bytes=max_body_bytes, api_key=api_key or None)
+                        max_body_bytes=max_body_bytes, api_key=api_key or None, tool_call_parser=tool_call_parser)
     created = int(time.time())
 
     async def attach(ready_engine: Any) -> None:

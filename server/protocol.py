@@ -4,8 +4,9 @@ Strict on purpose: a field is either honoured exactly as OpenAI defines it
 or rejected with a 400 that names it. Types are not coerced ("5" is not an
 integer), unknown fields are rejected, and fields OpenAI defines that this
 server does not implement get a 400 saying so rather than being ignored.
-(vLLM's extensions top_k, min_p, repetition_penalty, ignore_eos, min_tokens and
-stop_token_ids are accepted too; they mean what they mean in vLLM.)
+(vLLM's extensions top_k, min_p, repetition_penalty, ignore_eos, min_tokens,
+stop_token_ids, guided_json/regex/choice/grammar and structured_outputs are accepted
+too; they mean what they mean in vLLM.)
 
 Responses are plain dicts built next to their handlers (serving_*.py).
 """
@@ -52,6 +53,33 @@ class StreamOptions(_Strict):
     include_usage: bool | None = None
 
 
+# Structured output (OpenAI's response_format, vLLM's guided_* and structured_outputs).
+MAX_CHOICES = 1024
+_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function and schema names
+
+
+class JsonSchemaFormat(_Strict):
+    name: str = Field(pattern=_NAME)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsParams(_Strict):
+    """vLLM's `structured_outputs` object: exactly one of these."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1, max_length=MAX_CHOICES)
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _SamplingFields(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions (null = OpenAI's default)."""
 
@@ -78,6 +106,12 @@ class _SamplingFields(_Strict):
     ignore_eos: bool | None = None
     min_tokens: int | None = Field(None, ge=0)
     stop_token_ids: list[int] | None = None
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1, max_length=MAX_CHOICES)
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def stop_strings(self) -> tuple[str, ...]:
         stop = self.stop
@@ -161,14 +195,73 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str = Field(pattern=_NAME)
+    arguments: str  # JSON text, as OpenAI sends it back
+
+
+class ToolCall(_Strict):
+    id: str = Field(max_length=256)
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None  # None only on an assistant message with tool_calls
+    tool_calls: list[ToolCall] | None = None  # assistant only
+    tool_call_id: str | None = Field(None, max_length=256)  # tool only
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "\n".join(part.text for part in self.content)
+
+    def template_message(self) -> dict[str, Any]:
+        """The message as chat templates read it (tool-call arguments as objects, as
+        Hugging Face templates expect them)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
+                for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return text
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str = Field(pattern=_NAME)
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+MAX_TOOLS = 128
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -177,9 +270,28 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
-    def template_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.template_message() for m in self.messages]
+
+    def check_messages(self) -> None:
+        """The roles' rules for tool calls, which pydantic cannot express."""
+        for i, m in enumerate(self.messages):
+            if m.tool_calls is not None and m.role != "assistant":
+                raise invalid(f"'messages[{i}].tool_calls' is only allowed on assistant messages",
+                              param=f"messages[{i}].tool_calls")
+            if m.role == "tool" and m.tool_call_id is None:
+                raise invalid(f"'messages[{i}].tool_call_id' is required on a tool message",
+                              param=f"messages[{i}].tool_call_id")
+            if m.role != "tool" and m.tool_call_id is not None:
+                raise invalid(f"'messages[{i}].tool_call_id' is only allowed on tool messages",
+                              param=f"messages[{i}].tool_call_id")
+            if m.content is None and not (m.role == "assistant" and m.tool_calls):
+                raise invalid(f"'messages[{i}].content' is required (it may be null only on an assistant "
+                              "message with tool_calls)", param=f"messages[{i}].content")
 
 
 class TokenizeRequest(_Strict):
@@ -199,14 +311,12 @@ class DetokenizeRequest(_Strict):
 # that mean "off" (OpenAI's own defaults), which are honoured exactly and so accepted.
 _UNSUPPORTED_COMPLETION = {"best_of": (None, 1), "suffix": (None,)}
 _UNSUPPORTED_CHAT = {
-    "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None,),
-    "functions": (None, []), "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}), "modalities": (None, ["text"]),
+    "functions": (None, []), "function_call": (None, "none"), "modalities": (None, ["text"]),
     "audio": (None,), "prediction": (None,), "reasoning_effort": (None,), "verbosity": (None,),
     "service_tier": (None, "auto", "default"), "store": (None, False), "metadata": (None,),
     "web_search_options": (None,), "prompt_cache_key": (None,), "safety_identifier": (None,),
 }
-_UNSUPPORTED_MESSAGE_KEYS = ("name", "tool_calls", "tool_call_id", "function_call", "audio", "refusal")
+_UNSUPPORTED_MESSAGE_KEYS = ("name", "function_call", "audio", "refusal")
 
 
 REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
@@ -330,8 +440,8 @@ def _reject_unsupported_messages(messages: Any) -> None:
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             continue
-        if message.get("role") in ("tool", "function"):
-            raise not_supported(f"messages[{i}].role", f"role '{message['role']}' (tool calling)")
+        if message.get("role") == "function":
+            raise not_supported(f"messages[{i}].role", "role 'function' (deprecated; use 'tool')")
         for key in _UNSUPPORTED_MESSAGE_KEYS:
             if message.get(key) is not None:
                 raise not_supported(f"messages[{i}].{key}")

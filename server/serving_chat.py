@@ -1,4 +1,9 @@
-"""POST /v1/chat/completions: messages through the model's chat template, replies whole or as delta chunks."""
+"""POST /v1/chat/completions: messages through the model's chat template, replies whole or as delta chunks.
+
+With tools, the reply's text is read by the tool-call parser (server/tool_parsers.py):
+calls become `message.tool_calls` (streamed as `delta.tool_calls`, the name first and
+the arguments in pieces) and the rest stays content.
+"""
 from __future__ import annotations
 
 import time
@@ -10,23 +15,26 @@ from fastapi.responses import Response
 from engine.request import TokenLogprob
 from server.cpu_work import check_prompt_chars
 from server.errors import invalid
+from server.guided import ToolPlan, chat_messages, compile_or_400, plan_tools, structured_output
 from server.protocol import ChatCompletionRequest
 from server.respond import check_succeeded, respond
 from server.serving_common import (Choice, check_context, default_max_tokens, make_choices, new_request_id,
                                    parse_request, sampling_params, usage)
 from server.serving_logprobs import LogprobFormatter
 from server.streaming import sse_event
+from server.tool_parsers import ToolCallStream
 
 
-def encode_chat(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = True, *,
-                max_chars: int = 0, max_model_len: int = 0) -> list[int]:
+def encode_chat(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
+                tools: list[dict] | None = None, max_chars: int = 0, max_model_len: int = 0) -> list[int]:
     """Messages -> prompt token ids through the model's own chat template; a rendered text over
     `max_chars` characters (when given) is refused before it is tokenized. CPU work: call it
     through ServerState.off_loop."""
     if not getattr(tokenizer, "chat_template", None):
         raise invalid("This model has no chat template; use /v1/completions with a plain prompt.", param="messages")
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                             tokenize=False)
     except Exception as exc:  # noqa: BLE001 - a template may raise anything (e.g. "roles must alternate")
         raise invalid(f"The chat template rejected these messages: {exc}", param="messages") from None
     check_prompt_chars(text, max_chars, max_model_len, "messages")
@@ -40,7 +48,16 @@ async def create_chat_completion(request: Request) -> Response:
     body.check_common(engine.model_config.vocab_size)
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid("'top_logprobs' requires 'logprobs' to be true", param="top_logprobs")
-    prompt_ids = await state.off_loop(encode_chat, engine.tokenizer, body.template_messages(),
+    body.check_messages()
+    structured, param = structured_output(body)
+    tools = plan_tools(body, state.tool_call_parser)
+    if tools is not None and tools.structured is not None:
+        if structured is not None:
+            raise invalid(f"'{param}' cannot be combined with a tool_choice that forces a call", param=param)
+        structured, param = tools.structured, "tools"
+    await compile_or_400(engine, structured, param)
+    messages, tool_defs = chat_messages(body, engine.tokenizer)
+    prompt_ids = await state.off_loop(encode_chat, engine.tokenizer, messages, tools=tool_defs,
                                       max_chars=state.max_prompt_chars, max_model_len=state.max_model_len)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if requested is None:
@@ -50,10 +67,12 @@ async def create_chat_completion(request: Request) -> Response:
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         check_context(state, len(prompt_ids), max_tokens, "messages", param)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs)
+    keep_special = tools is not None and tools.parser.needs_special_tokens  # the parser reads its markers
+    params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, structured=structured,
+                             skip_special_tokens=not keep_special)
     request_id = new_request_id("chatcmpl")
     choices = make_choices(request_id, [prompt_ids], params)
-    view = _ChatView(request_id, int(time.time()), state.served_model_name, state.logprobs, body)
+    view = _ChatView(request_id, int(time.time()), state.served_model_name, state.logprobs, body, tools)
 
     return await respond(request, state, choices, view, arrival, request_id, body.user, bool(body.stream))
 
@@ -62,18 +81,35 @@ class _ChatView:
     """Renders choices as OpenAI chat.completion objects and chat.completion.chunk deltas."""
 
     def __init__(self, request_id: str, created: int, model: str, logprobs: LogprobFormatter,
-                 body: ChatCompletionRequest):
+                 body: ChatCompletionRequest, tools: ToolPlan | None = None):
         self.request_id, self.created, self.model = request_id, created, model
-        self.logprobs, self.body = logprobs, body
+        self.logprobs, self.body, self.tools = logprobs, body, tools
+        self._tool_streams: dict[int, ToolCallStream] = {}  # choice index -> its calls so far
+
+    def _tool_stream(self, index: int) -> ToolCallStream | None:
+        if self.tools is None:
+            return None
+        if index not in self._tool_streams:
+            self._tool_streams[index] = ToolCallStream(self.tools.parser, self.tools.max_calls)
+        return self._tool_streams[index]
 
     def _envelope(self, obj: str, choices: list[dict], **extra: Any) -> dict[str, Any]:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices, **extra}
 
     def response(self, choices: list[Choice]) -> dict[str, Any]:
-        rendered = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                     "logprobs": self._logprobs(c.logprobs), "finish_reason": c.final.finish_reason}
-                    for c in choices]
+        rendered = []
+        for c in choices:
+            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            finish_reason = c.final.finish_reason
+            stream = self._tool_stream(c.index)
+            if stream is not None:
+                content, tool_calls = stream.final(c.text)
+                if tool_calls:
+                    message = {"role": "assistant", "content": content, "tool_calls": tool_calls}
+                    finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+            rendered.append({"index": c.index, "message": message, "logprobs": self._logprobs(c.logprobs),
+                             "finish_reason": finish_reason})
         return self._envelope("chat.completion", rendered, usage=usage(choices, self.body.num_choices))
 
     def _chunk(self, index: int, delta: dict, finish_reason: str | None = None, logprobs=None) -> str:
@@ -90,10 +126,21 @@ class _ChatView:
             choices[choice.index] = choice
             check_succeeded(choice, output)
             logprobs = self._logprobs(output.logprobs or [])
-            if output.text or logprobs:
-                yield self._chunk(choice.index, {"content": output.text}, logprobs=logprobs)
+            stream = self._tool_stream(choice.index)
+            finish_reason = output.finish_reason
+            if stream is None:
+                if output.text or logprobs:
+                    yield self._chunk(choice.index, {"content": output.text}, logprobs=logprobs)
+            else:
+                content, tool_calls = stream.feed(choice.text, final=output.finished)
+                if content or logprobs:
+                    yield self._chunk(choice.index, {"content": content}, logprobs=logprobs)
+                if tool_calls:
+                    yield self._chunk(choice.index, {"tool_calls": tool_calls})
+                if stream.ids and finish_reason == "stop":
+                    finish_reason = "tool_calls"
             if output.finished:
-                yield self._chunk(choice.index, {}, finish_reason=output.finish_reason)
+                yield self._chunk(choice.index, {}, finish_reason=finish_reason)
         if self.body.include_usage:
             ordered = [choices[i] for i in sorted(choices)]
             yield sse_event(self._envelope("chat.completion.chunk", [],

@@ -24,11 +24,13 @@ import anyio
 from fastapi import Request
 
 from engine.request import QueueFullError, RequestOutput, SamplingParams, TokenLogprob
+from engine.structured import StructuredOutput
 from server.cpu_work import new_cpu_pool, off_loop, prompt_char_limit
 from server.errors import APIError, invalid, model_not_found
 from server.protocol import parse_body
 from server.metrics import ServerMetrics
 from server.serving_logprobs import LogprobFormatter
+from server.tool_parsers import parser_for_template
 
 M = TypeVar("M")
 
@@ -58,6 +60,7 @@ class ServerState:
     num_in_flight: int = 0
     logprobs: LogprobFormatter | None = None
     max_prompt_chars: int = 0  # a longer text certainly exceeds max_model_len tokens (cpu_work)
+    tool_call_parser: str = "auto"  # resolved from the chat template by attach()
     # Parsing, chat templates and tokenization run here, never on the event loop.
     cpu_pool: ThreadPoolExecutor = field(default_factory=new_cpu_pool)
     shutting_down: bool = False  # end_streams() was called: new requests get 503
@@ -71,6 +74,9 @@ class ServerState:
         if self.max_waiting is not None:
             self.max_in_flight = engine.config.max_num_seqs + self.max_waiting
         self.logprobs = LogprobFormatter(engine.tokenizer)
+        if self.tool_call_parser == "auto":
+            self.tool_call_parser = parser_for_template(getattr(engine.tokenizer, "chat_template", None))
+        logger.info("tool calls are read with the %s parser", self.tool_call_parser)
         self.metrics.watch_engine(engine.stats)
         self.engine = engine
 
@@ -156,7 +162,8 @@ def log_request(request_id: str, choices: list[Choice], user: str | None, stream
                 len(choices[0].prompt_token_ids), choices[0].params.max_tokens, stream, user)
 
 
-def sampling_params(body, *, max_tokens: int, logprobs: int | None) -> list[SamplingParams]:
+def sampling_params(body, *, max_tokens: int, logprobs: int | None, structured: StructuredOutput | None = None,
+                    skip_special_tokens: bool = True) -> list[SamplingParams]:
     """One SamplingParams per sample (n of them): a seeded request seeds sample i with seed + i,
     so the n samples differ and the whole response is still reproducible."""
     if body.min_tokens is not None and body.min_tokens > max_tokens:
@@ -177,6 +184,8 @@ def sampling_params(body, *, max_tokens: int, logprobs: int | None) -> list[Samp
         stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=bool(body.ignore_eos),
         min_tokens=body.min_tokens or 0,
+        structured=structured,
+        skip_special_tokens=skip_special_tokens,
     )
     seeds = [None] * body.num_choices
     if body.seed is not None:

@@ -9,6 +9,7 @@ from fastapi.responses import Response
 
 from engine.core import tokenize_prompt
 from server.cpu_work import check_prompt_chars
+from server.guided import compile_or_400, structured_output
 from server.protocol import CompletionRequest
 from server.respond import check_succeeded, respond
 from server.serving_common import (Choice, check_context, make_choices, new_request_id, parse_request,
@@ -33,7 +34,9 @@ async def create_completion(request: Request) -> Response:
     max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     for ids in prompt_ids:
         check_context(state, len(ids), max_tokens, "prompt")
-    params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs)
+    structured, param = structured_output(body)
+    await compile_or_400(engine, structured, param)
+    params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs, structured=structured)
     request_id = new_request_id("cmpl")
     choices = make_choices(request_id, prompt_ids, params)
     echo = None

@@ -1,0 +1,213 @@
+"""Structured output: a request's grammar, compiled once, advanced token by token.
+
+llguidance does the grammar work (JSON schema, regex, choice, Lark/GBNF grammars;
+see the README for why it and not xgrammar). Here is what the engine needs of it:
+
+    StructuredOutput   what the request asked for (kind + canonical text): hashable,
+                       part of SamplingParams, the key of the compile cache
+    GrammarCompiler    StructuredOutput -> CompiledGrammar, cached, bounded in time and
+                       memory; called off the engine thread (AsyncEngine) before the
+                       request is admitted, so no step ever waits for a compile
+    GrammarMatcher     one request's position in its grammar: the tokens allowed next
+                       (a bitmask row), accept(token), done when only EOS is left
+    allowed_tokens()   the bitmasks of every constrained row of a step, in one call
+
+Preemption recomputes a request's KV cache but keeps its tokens, so its matcher
+stays where it is; nothing is rolled back (see engine/scheduler.py).
+"""
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+Kind = Literal["json", "regex", "choice", "grammar"]
+KINDS: tuple[Kind, ...] = ("json", "regex", "choice", "grammar")
+
+# JSON is generated compactly and always the same way (", " and ": ", no other whitespace):
+# free whitespace lets a weak model pad forever, and these are the separators models
+# learned from json.dumps. Clients parse either.
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# Bounds on one grammar: a schema or regex past them is refused (400), never a stall.
+MAX_SPEC_CHARS = 256 * 1024
+_MAX_LEXER_STATES = 50_000  # ~1-2 kB each: at most ~100 MB for one grammar's lexer
+_CACHE_SIZE = 256
+
+
+class GrammarError(ValueError):
+    """The grammar is invalid, unsupported or too complex: the request gets a 400."""
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What the output must match. `spec` is canonical text: a JSON schema without whitespace
+    (its key order kept: properties are generated in that order), a regex, a JSON list of
+    choices, a Lark or GBNF grammar; equal asks share one compiled grammar."""
+
+    kind: Kind
+    spec: str
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"structured output kind must be one of {KINDS}, got {self.kind!r}")
+        if len(self.spec) > MAX_SPEC_CHARS:
+            raise GrammarError(f"the {self.kind} is {len(self.spec)} characters; at most {MAX_SPEC_CHARS}")
+
+    @classmethod
+    def json_schema(cls, schema: dict | bool) -> StructuredOutput:
+        return cls("json", json.dumps(schema, separators=(",", ":"), ensure_ascii=False))
+
+    @classmethod
+    def json_object(cls) -> StructuredOutput:
+        return cls.json_schema({"type": "object"})
+
+    @classmethod
+    def regex(cls, pattern: str) -> StructuredOutput:
+        return cls("regex", pattern)
+
+    @classmethod
+    def choice(cls, choices: Sequence[str]) -> StructuredOutput:
+        if not choices:
+            raise GrammarError("choice needs at least one option")
+        return cls("choice", json.dumps(list(choices), ensure_ascii=False))
+
+    @classmethod
+    def grammar(cls, text: str) -> StructuredOutput:
+        return cls("grammar", text)
+
+
+class CompiledGrammar:
+    """A grammar ready to match: every request under it gets a copy of the same fresh matcher."""
+
+    def __init__(self, matcher):
+        self._matcher = matcher  # never advanced; copied
+
+    def matcher(self) -> GrammarMatcher:
+        return GrammarMatcher(self._matcher.deep_copy())
+
+
+class GrammarMatcher:
+    """One request's place in its grammar."""
+
+    def __init__(self, matcher):
+        self._m = matcher
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by a sampled token; False if the grammar does not allow it."""
+        return self._m.consume_token(token_id)
+
+    @property
+    def is_done(self) -> bool:
+        """Only EOS can follow: the output is complete."""
+        return self._m.is_stopped()
+
+    @property
+    def error(self) -> str | None:
+        return self._m.get_error() if self._m.is_error() else None
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        bitmask_row = bitmask[row]
+        self._m.unsafe_compute_mask_ptr(bitmask_row.data_ptr(), bitmask_row.numel() * 4)
+
+
+def bitmask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+def allowed_tokens(matchers: Sequence[GrammarMatcher], vocab_size: int) -> torch.Tensor:
+    """(len(matchers), vocab_size) bool: which tokens each matcher allows next."""
+    bitmask = torch.empty((len(matchers), bitmask_words(vocab_size)), dtype=torch.int32)
+    for row, matcher in enumerate(matchers):
+        matcher.fill(bitmask, row)
+    return unpack_bitmask(bitmask, vocab_size)
+
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(N, W) int32 words, bit b of word w = token 32 w + b -> (N, vocab_size) bool."""
+    bits = (bitmask.unsqueeze(-1) >> _BITS.to(bitmask.device)) & 1  # (N, W, 32)
+    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+class GrammarCompiler:
+    """StructuredOutput -> CompiledGrammar for one tokenizer; thread-safe, LRU-cached.
+
+    The llguidance view of the tokenizer is built on first use (about half a second for a
+    50k vocabulary). Compiling never raises anything but GrammarError for a bad grammar.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Sequence[int], cache_size: int = _CACHE_SIZE):
+        self._hf_tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self._ll_tokenizer = None
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[StructuredOutput, CompiledGrammar] = OrderedDict()
+        self._cache_size = cache_size
+        self.num_compiled = self.num_cache_hits = 0
+
+    def cached(self, spec: StructuredOutput) -> CompiledGrammar | None:
+        with self._lock:
+            compiled = self._cache.get(spec)
+            if compiled is not None:
+                self._cache.move_to_end(spec)
+                self.num_cache_hits += 1
+            return compiled
+
+    def compile(self, spec: StructuredOutput) -> CompiledGrammar:
+        compiled = self.cached(spec)
+        if compiled is not None:
+            return compiled
+        import llguidance
+
+        grammar = _llguidance_grammar(spec)
+        limits = llguidance.LLParserLimits(max_lexer_states=_MAX_LEXER_STATES, verbose_errors=False)
+        matcher = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0, limits=limits)
+        if matcher.is_error():
+            raise GrammarError(f"invalid {spec.kind}: {_first_line(matcher.get_error())}")
+        compiled = CompiledGrammar(matcher)
+        with self._lock:
+            self._cache[spec] = compiled
+            self._cache.move_to_end(spec)
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+            self.num_compiled += 1
+        return compiled
+
+    def _tokenizer(self):
+        with self._lock:
+            if self._ll_tokenizer is None:
+                import llguidance.hf
+
+                self._ll_tokenizer = llguidance.hf.from_tokenizer(
+                    self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids or None)
+            return self._ll_tokenizer
+
+
+def _llguidance_grammar(spec: StructuredOutput) -> str:
+    import llguidance
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    matcher = llguidance.LLMatcher
+    try:
+        if spec.kind == "json":
+            return matcher.grammar_from_json_schema(spec.spec, defaults=_JSON_OPTIONS)
+        if spec.kind == "regex":
+            return matcher.grammar_from_regex(spec.spec)
+        if spec.kind == "choice":
+            return matcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in json.loads(spec.spec)))
+        return matcher.grammar_from_lark(any_to_lark(spec.spec))
+    except Exception as exc:  # noqa: BLE001 - every parse failure of the user's text is a GrammarError
+        raise GrammarError(f"invalid {spec.kind}: {_first_line(str(exc))}") from None
+
+
+def _first_line(message: str, limit: int = 500) -> str:
+    line = message.strip().splitlines()[0] if message.strip() else "unknown error"
+    return line[:limit]
