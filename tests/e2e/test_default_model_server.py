@@ -2,15 +2,18 @@
 driven by the official openai client over a real socket."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Literal
 
 import openai
 import pytest
+from pydantic import BaseModel, Field
 
 from tests.server.conftest import wait_healthy
 
@@ -105,3 +108,57 @@ def test_chat_logprobs_and_cached_prompt(client):
     again = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0)
     assert again.choices[0].message.content == first.choices[0].message.content
     assert again.usage.prompt_tokens_details.cached_tokens >= again.usage.prompt_tokens - 16 > 0
+
+
+class City(BaseModel):
+    name: str = Field(max_length=40)
+    country: str = Field(max_length=40)
+    population_millions: float = Field(ge=0, le=50)
+    landmarks: list[str] = Field(max_length=3)
+    continent: Literal["Europe", "Asia", "Africa", "America", "Oceania"]
+
+
+def test_parse_returns_validated_objects_from_the_real_model(client):
+    messages = [{"role": "user", "content": "Describe Paris as JSON: name, country, population in millions, "
+                                            "up to three landmarks and its continent."}]
+    for temperature, seed in ((0.0, None), (0.8, 1), (0.8, 2)):
+        parsed = client.chat.completions.parse(model=MODEL, messages=messages, response_format=City, max_tokens=150,
+                                               temperature=temperature, seed=seed).choices[0].message.parsed
+        assert isinstance(parsed, City)
+    assert parsed.continent in City.model_fields["continent"].annotation.__args__
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_call_round_trip_on_the_real_model(client, stream):
+    messages = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+    kwargs = dict(model=MODEL, messages=messages, tools=[WEATHER], tool_choice="required", max_tokens=80,
+                  temperature=0)
+    if stream:
+        calls: dict[int, list[str]] = {}
+        finish = None
+        for chunk in client.chat.completions.create(stream=True, **kwargs):
+            for delta in chunk.choices[0].delta.tool_calls or ():
+                entry = calls.setdefault(delta.index, [delta.id, delta.function.name, ""])
+                entry[2] += delta.function.arguments or ""
+            finish = chunk.choices[0].finish_reason or finish
+        call_id, name, arguments = calls[0]
+    else:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        finish, call = choice.finish_reason, choice.message.tool_calls[0]
+        call_id, name, arguments = call.id, call.function.name, call.function.arguments
+    assert finish == "tool_calls" and name == "get_weather"
+    args = json.loads(arguments)
+    assert set(args) == {"city", "unit"} and "Paris" in args["city"]
+    messages += [{"role": "assistant", "content": None, "tool_calls": [
+                     {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}]},
+                 {"role": "tool", "tool_call_id": call_id, "content": '{"temperature": 21, "sky": "sunny"}'}]
+    answer = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], max_tokens=40,
+                                            temperature=0).choices[0]
+    assert answer.message.content and not answer.message.tool_calls
