@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import os
 import sys
@@ -40,6 +41,16 @@ def _number_list(kind):
             raise argparse.ArgumentTypeError(f"expected a number or a comma-separated list, got {text!r}") from e
 
     return parse
+
+
+def json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     work.add_argument("--dataset", help='JSONL of {"prompt": ...} or {"messages": [...]}, optional "output_len"')
     work.add_argument("--tokenizer", help="HF tokenizer name or path, used if the server has no /tokenize")
     work.add_argument("--ignore-eos", action="store_true", help="generate exactly --output-len tokens (vLLM/SGLang)")
+    work.add_argument("--extra-body", type=json_object, default=None, metavar="JSON",
+                      help='fields merged into every request, e.g. \'{"response_format": {"type": "json_object"}}\'')
     work.add_argument("--disconnect-fraction", type=float, default=0.0, help="close this fraction of streams mid-way")
 
     out = p.add_argument_group("results")
@@ -135,6 +148,7 @@ def _run(args: argparse.Namespace) -> int:
         dataset=args.dataset,
         tokenizer=args.tokenizer,
         ignore_eos=args.ignore_eos,
+        extra_body=args.extra_body,
         disconnect_fraction=args.disconnect_fraction,
         slo_ttft_ms=args.slo_ttft,
         slo_tpot_ms=args.slo_tpot,

@@ -53,7 +53,7 @@ class RequestRecord:
         return (self.e2e - self.ttft) / (self.output_tokens - 1)
 
 
-def build_payload(spec: RequestSpec, model: str, endpoint: str, ignore_eos: bool) -> dict:
+def build_payload(spec: RequestSpec, model: str, endpoint: str, ignore_eos: bool, extra_body: dict | None = None) -> dict:
     payload: dict = {
         "model": model,
         "max_tokens": spec.output_len,
@@ -70,7 +70,7 @@ def build_payload(spec: RequestSpec, model: str, endpoint: str, ignore_eos: bool
         payload["prompt"] = spec.prompt
     if ignore_eos:
         payload["ignore_eos"] = True  # vLLM / SGLang extension; OpenAI itself rejects it
-    return payload
+    return {**payload, **(extra_body or {})}
 
 
 async def send_request(

@@ -38,6 +38,7 @@ class BenchmarkConfig:
     dataset: str | None = None
     tokenizer: str | None = None  # local fallback when the server has no /tokenize
     ignore_eos: bool = False
+    extra_body: dict | None = None  # merged into every request body (e.g. response_format)
 
     disconnect_fraction: float = 0.0  # chaos: close this fraction of streams mid-way
 
