@@ -120,11 +120,27 @@ def bitmask_words(vocab_size: int) -> int:
 
 
 def allowed_tokens(matchers: Sequence[GrammarMatcher], vocab_size: int) -> torch.Tensor:
-    """(len(matchers), vocab_size) bool: which tokens each matcher allows next."""
+    """(len(matchers), vocab_size) bool: which tokens each matcher allows next. Several rows are
+    computed in one llguidance call, on its own threads (the model is idle while it runs)."""
     bitmask = torch.empty((len(matchers), bitmask_words(vocab_size)), dtype=torch.int32)
-    for row, matcher in enumerate(matchers):
-        matcher.fill(bitmask, row)
+    if len(matchers) == 1:
+        matchers[0].fill(bitmask, 0)
+    else:
+        _executor().unsafe_compute_mask_ptr([(m._m, row) for row, m in enumerate(matchers)], bitmask.data_ptr(),
+                                            bitmask.shape[1] * 4, bitmask.shape[0])
     return unpack_bitmask(bitmask, vocab_size)
+
+
+_EXECUTOR = None
+
+
+def _executor():
+    global _EXECUTOR
+    if _EXECUTOR is None:
+        import llguidance
+
+        _EXECUTOR = llguidance.LLExecutor(num_threads=max(1, torch.get_num_threads()))
+    return _EXECUTOR
 
 
 _BITS = torch.arange(32, dtype=torch.int32)

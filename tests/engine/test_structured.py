@@ -72,7 +72,8 @@ def test_gbnf_and_lark_grammars_are_both_accepted(compiler):
 
 def test_sampler_draws_only_allowed_tokens_and_logprobs_show_the_mask(compiler, loaded):
     vocab = loaded.config.vocab_size
-    matcher = compiler.compile(StructuredOutput.regex("[0-9]+")).matcher()
+    grammar = compiler.compile(StructuredOutput.regex("[0-9]+"))
+    matcher, other = grammar.matcher(), grammar.matcher()
     allowed = allowed_tokens([matcher], vocab)[0]
     logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))
     params = [SamplingParams(temperature=1.0, logprobs=0, structured=StructuredOutput.regex("[0-9]+")),
@@ -80,7 +81,7 @@ def test_sampler_draws_only_allowed_tokens_and_logprobs_show_the_mask(compiler, 
     for seed in range(20):
         gens = [torch.Generator().manual_seed(seed) for _ in params]
         batch = SamplingBatch.from_params(params, [[1]] * 3, [[]] * 3, gens, vocab, "cpu",
-                                          grammars=[matcher, None, matcher])
+                                          grammars=[matcher, None, other])
         out = sample(logits, batch)
         assert allowed[out.token_ids[0]] and allowed[out.token_ids[2]]
         assert out.logprobs[0].logprob > float("-inf")
