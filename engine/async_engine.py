@@ -58,9 +58,8 @@ class AsyncEngine:
     def __init__(self, loaded, config: EngineConfig | None = None, start: bool = True):
         self.core = EngineCore(loaded, config)
         self.config = self.core.config
+        self.limits = self.core.limits  # what a request must fit: front ends check it before generate()
         self.tokenizer = loaded.tokenizer
-        self.model_config = loaded.config
-        self.max_model_len = self.core.max_model_len
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}  # request id -> its current submission; engine thread only
         self._held: dict[_Sink, None] = {}  # sinks with a held-back output, in order; engine thread only
@@ -74,10 +73,6 @@ class AsyncEngine:
         self._closed = False
         if start:
             self.start()
-
-    @classmethod
-    def from_config(cls, loaded, config: EngineConfig | None = None) -> AsyncEngine:
-        return cls(loaded, config)
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -115,14 +110,13 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; the last has `finished` set.
 
-        Raises ValueError before any output for a request that can never fit (or a
-        request id already streaming), QueueFullError when the queue is full.
-        Leaving the iteration early (break, cancellation) aborts the request.
+        Raises ValueError before any output for a request that can never fit
+        (self.limits) or whose id is already streaming, QueueFullError when the queue
+        is full. Leaving the iteration early (break, cancellation) aborts the request.
         """
         if not self.is_running:
             raise RuntimeError("the engine is not running")
         prompt_token_ids = tokenize_prompt(self.tokenizer, prompt)
-        self.core.check_request(prompt_token_ids, params)
         if request_id in self._open:
             raise ValueError(f"request id {request_id!r} is already in use")
         sink = _Sink(request_id, asyncio.get_running_loop(), asyncio.Queue())

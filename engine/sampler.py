@@ -31,13 +31,12 @@ import torch
 
 from engine.request import SamplingParams, TokenLogprob
 
-# Temperatures below this are greedy: dividing by them would overflow float32.
-_GREEDY_TEMPERATURE = 1e-5
 # Top-p rows look for their nucleus among this many best tokens first, then 16x as
 # many; only a row whose nucleus is wider still pays for a full sort of the vocabulary.
 _TOP_P_CANDIDATES = 256
-# Edited logits are clamped below this, so that dividing by the smallest temperature
-# stays finite in float32 (max ~3.4e38); NaN from an edit (e.g. -inf * 0) becomes -inf.
+# Edited logits are clamped below this, so that dividing by the smallest temperature that
+# is not greedy (GREEDY_TEMPERATURE) stays finite in float32 (max ~3.4e38); NaN from an
+# edit (e.g. -inf * 0) becomes -inf.
 _MAX_LOGIT = 1e30
 
 
@@ -203,7 +202,7 @@ class SamplingBatch:
         def tensor(values, dtype=torch.int64):
             return torch.tensor(values, dtype=dtype, device=device)
 
-        greedy = [p.temperature < _GREEDY_TEMPERATURE for p in params]
+        greedy = [p.greedy for p in params]
         all_greedy = all(greedy)
         temperature = top_k_top_p = min_p = None
         if not all_greedy:  # greedy rows never read the sampling distribution: neutral values

@@ -216,12 +216,12 @@ def test_every_block_returns_after_finish_abort_preemption_and_failures(loaded):
         if step == 11:
             core.runner.model = ExplodingModel(core.runner.model, fail_on_calls=[1])  # step 11's forward
         if step == 3:
-            assert 0 < core.scheduler.requests["abort-prefill"].num_computed_tokens < 60
-            assert core.scheduler.requests["abort-waiting"].status is RequestStatus.WAITING
+            assert 0 < core.scheduler.get_request("abort-prefill").num_computed_tokens < 60
+            assert core.scheduler.get_request("abort-waiting").status is RequestStatus.WAITING
             finals["abort-prefill"] = core.abort_request("abort-prefill")
             finals["abort-waiting"] = core.abort_request("abort-waiting")
-        if step == 8 and "abort-decode" in core.scheduler.requests:
-            assert core.scheduler.requests["abort-decode"].num_output_tokens > 0
+        if step == 8 and core.scheduler.get_request("abort-decode"):
+            assert core.scheduler.get_request("abort-decode").num_output_tokens > 0
             finals["abort-decode"] = core.abort_request("abort-decode")
         for out in core.step():
             if out.finished:

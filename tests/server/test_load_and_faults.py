@@ -104,8 +104,7 @@ def test_client_that_disconnects_before_a_non_streamed_reply_aborts_it(live):
 
 def test_full_queue_gets_429_with_retry_after(start_server):
     # One running and one waiting request fill it.
-    server = start_server(engine_kwargs=dict(max_num_seqs=1, max_num_batched_tokens=64),
-                          app_kwargs=dict(max_waiting=1))
+    server = start_server(engine_kwargs=dict(max_num_seqs=1, max_num_batched_tokens=64, max_waiting=1))
     held = [_open_stream(server.url, {"model": M, "prompt": p, "stream": True, **LONG}) for p in PROMPTS[:2]]
     wait_until(lambda: server.engine.stats().num_waiting == 1, what="one request waiting")
     refused = server.http.post("/v1/completions", json={"model": M, "prompt": "hi", "max_tokens": 2})
