@@ -173,6 +173,40 @@ def test_engine_error_in_one_request_ends_only_that_request(start_server):
     server.wait_idle()
 
 
+class _EngineThreadKilled(BaseException):
+    """Not an Exception: no handler inside the engine thread's loop contains it, so the thread dies."""
+
+
+def test_engine_thread_death_ends_open_streams_with_an_error_and_turns_health_503(start_server):
+    server = start_server()
+    assert server.http.get("/health").status_code == 200
+    core = server.engine.core
+    real_step, first_token = core.step, threading.Event()
+
+    def step_then_die():  # one step with a token, then the engine thread dies in the next
+        if first_token.is_set():
+            raise _EngineThreadKilled("injected")
+        outputs = real_step()
+        if any(out.token_ids for out in outputs):
+            first_token.set()
+        return outputs
+
+    core.step = step_then_die
+    client = httpx.Client(base_url=server.url, timeout=20)  # a stream left open fails the test here
+    body = {"model": M, "prompt": PROMPTS[0], "stream": True, **LONG}
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        data = [line.removeprefix("data: ") for line in response.iter_lines() if line]
+    client.close()
+    assert data[-1] == "[DONE]"
+    error = json.loads(data[-2])["error"]
+    assert error["code"] == "engine_error" and "_EngineThreadKilled" in error["message"]
+    assert all(json.loads(d).get("choices", [{}])[0].get("finish_reason") is None for d in data[:-2])
+    health = server.http.get("/health")
+    assert health.status_code == 503 and "stopped" in health.json()["error"]["message"]
+    assert server.http.post("/v1/completions", json={"model": M, "prompt": "hi", "max_tokens": 2}).status_code >= 500
+
+
 def test_health_is_503_until_the_model_has_loaded(tiny_loaded):
     release = threading.Event()
 
