@@ -246,8 +246,8 @@ class AsyncEngine:
 
     def _deliver(self, routed: list[tuple[_Sink, RequestOutput]]) -> None:
         # One call_soon_threadsafe per event loop per step, not one per output: each call
-        # takes the loop's lock and writes its wake-up pipe, and at 64 running requests
-        # that per-output cost landed on the event loop thread 64 times a step.
+        # takes the loop's lock and writes its wake-up pipe, a cost the event loop thread
+        # would otherwise pay once per running request every step.
         batches: dict[asyncio.AbstractEventLoop, list[tuple[_Sink, RequestOutput]]] = {}
         for sink, output in routed:
             batches.setdefault(sink.loop, []).append((sink, output))
