@@ -94,8 +94,9 @@ class ServerState:
     def admit(self, num_requests: int) -> None:
         """Reserve room for `num_requests` engine requests, or refuse with 429 (400 if they never fit).
 
-        The engine refuses beyond the same bound (QueueFullError), but only once a 200
-        stream has begun: the server's count includes every request the engine holds."""
+        The engine refuses beyond the same bound (QueueFullError), which a client would
+        only hear inside a 200 stream; it never comes first, as every request the engine
+        holds is counted here until its stream has ended."""
         limit = self.limits.max_in_flight
         if limit is not None:
             if num_requests > limit:
