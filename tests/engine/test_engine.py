@@ -273,6 +273,9 @@ def test_stop_strings_and_stop_tokens_end_requests(loaded):
     s = llm.generate([[9, 10, 11, 12]], greedy(20, stop=(stop,)))[0]
     assert s.finish_reason == "stop" and s.stop_reason == stop and s.text == text[: text.index(stop)]
     assert len(s.token_ids) < 20
+    # The token that completes the stop string is also the last max_tokens allows: the stop string wins.
+    last = llm.generate([[9, 10, 11, 12]], greedy(len(s.token_ids), stop=(stop,)))[0]
+    assert (last.finish_reason, last.stop_reason, last.text) == ("stop", stop, s.text)
 
 
 def test_pool_size_comes_from_memory_and_the_models_kv_spec(loaded):
