@@ -62,9 +62,8 @@ class AsyncEngine:
     def __init__(self, loaded, config: EngineConfig | None = None, start: bool = True):
         self.core = EngineCore(loaded, config)
         self.config = self.core.config
+        self.limits = self.core.limits  # what a request must fit: front ends check it before generate()
         self.tokenizer = loaded.tokenizer
-        self.model_config = loaded.config
-        self.max_model_len = self.core.max_model_len
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}  # request id -> its current submission; engine thread only
         self._held: dict[_Sink, None] = {}  # sinks with a held-back output, in order; engine thread only
@@ -80,10 +79,6 @@ class AsyncEngine:
         self._closed = False
         if start:
             self.start()
-
-    @classmethod
-    def from_config(cls, loaded, config: EngineConfig | None = None) -> AsyncEngine:
-        return cls(loaded, config)
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -122,16 +117,15 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; the last has `finished` set.
 
-        Raises ValueError before any output for a request that can never fit (or a
-        request id already streaming), QueueFullError when the queue is full.
-        Leaving the iteration early (break, cancellation) aborts the request.
+        Raises ValueError before any output for a request that can never fit
+        (self.limits) or whose id is already streaming, QueueFullError when the queue
+        is full. Leaving the iteration early (break, cancellation) aborts the request.
         """
         if not self.is_running:
             raise RuntimeError("the engine is not running")
         if params.structured is not None and self.core.grammars.cached(params.structured) is None:
             await self.compile_grammar(params.structured)
         prompt_token_ids = tokenize_prompt(self.tokenizer, prompt)
-        self.core.check_request(prompt_token_ids, params)
         if request_id in self._open:
             raise ValueError(f"request id {request_id!r} is already in use")
         sink = _Sink(request_id, asyncio.get_running_loop(), asyncio.Queue())
@@ -270,8 +264,8 @@ class AsyncEngine:
 
     def _deliver(self, routed: list[tuple[_Sink, RequestOutput]]) -> None:
         # One call_soon_threadsafe per event loop per step, not one per output: each call
-        # takes the loop's lock and writes its wake-up pipe, and at 64 running requests
-        # that per-output cost landed on the event loop thread 64 times a step.
+        # takes the loop's lock and writes its wake-up pipe, a cost the event loop thread
+        # would otherwise pay once per running request every step.
         batches: dict[asyncio.AbstractEventLoop, list[tuple[_Sink, RequestOutput]]] = {}
         for sink, output in routed:
             batches.setdefault(sink.loop, []).append((sink, output))

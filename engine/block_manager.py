@@ -23,10 +23,9 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import Counter, OrderedDict
-from typing import TYPE_CHECKING, Iterable
+from typing import Iterable
 
-if TYPE_CHECKING:  # pragma: no cover
-    from engine.scheduler import Request
+from engine.request import Request
 
 _ROOT = b"pagedserve-prefix-root"
 

@@ -1,4 +1,5 @@
-"""Engine configuration: built once, frozen, validated with clear errors.
+"""Engine configuration: built once, frozen, validated with clear errors; and the limits
+the engine publishes once its KV pool is sized.
 
 The KV pool size is derived here (pure arithmetic, no torch) from the memory
 budget and the model's bytes per token, so an MLA model, which stores one small
@@ -6,6 +7,7 @@ latent per token, gets many more blocks from the same budget than a GQA model.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 DEFAULT_KV_CACHE_MEMORY_GIB = 1.0
@@ -21,7 +23,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # tokens in one step at most (prefill chunks + decodes)
     max_model_len: int | None = None  # None: the model's own context length
     enable_prefix_caching: bool = True
-    max_waiting: int | None = None  # queued requests beyond this are refused; None: no limit
+    # Requests admitted at once beyond max_num_seqs (running + queued); more are refused
+    # with QueueFullError. None: no limit.
+    max_waiting: int | None = None
     audit_interval_steps: int = 100  # reconcile the block pool every N steps; 0 disables
     # CPU intra-op threads of the thread that runs the model. None: torch's count or one
     # fewer, whichever runs steps faster now (engine/threads.py).
@@ -67,6 +71,11 @@ class EngineConfig:
         if not self.stalled_stream_timeout > 0:
             raise ValueError(f"stalled_stream_timeout must be > 0, got {self.stalled_stream_timeout}")
 
+    def limits(self, max_model_len: int, num_blocks: int, vocab_size: int) -> EngineLimits:
+        """The limits of an engine serving max_model_len tokens from a pool of num_blocks blocks."""
+        return EngineLimits(max_model_len=max_model_len, num_kv_cache_tokens=num_blocks * self.block_size,
+                            vocab_size=vocab_size, max_num_seqs=self.max_num_seqs, max_waiting=self.max_waiting)
+
     def resolve_max_model_len(self, model_max_len: int) -> int:
         """The context length the engine serves: ours if set (never above the model's)."""
         if self.max_model_len is None:
@@ -99,3 +108,49 @@ class EngineConfig:
                 f"({self.block_size} tokens x {bytes_per_token} bytes per token)"
             )
         return num_blocks
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """What the engine can take, published once (EngineCore.limits, AsyncEngine.limits).
+
+    Front ends (the server, LLM) refuse what does not fit before they submit it, with
+    their own messages; the scheduler refuses it again when it is added (`check`), the
+    one place in the engine.
+    """
+
+    max_model_len: int  # prompt + completion tokens: the context served
+    num_kv_cache_tokens: int  # the whole KV pool: no request can hold more
+    vocab_size: int
+    max_num_seqs: int  # requests in the running batch
+    max_waiting: int | None  # requests admitted beyond the running batch; None: no bound
+
+    @property
+    def max_request_tokens(self) -> int:
+        """Prompt plus completion tokens of the longest request that can ever be served."""
+        return min(self.max_model_len, self.num_kv_cache_tokens)
+
+    @property
+    def max_in_flight(self) -> int | None:
+        """Requests admitted at once (running + queued); None: no bound."""
+        return None if self.max_waiting is None else self.max_num_seqs + self.max_waiting
+
+    def check(self, prompt_token_ids: Sequence[int], max_tokens: int) -> None:
+        """ValueError for a request that could never be served."""
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary (size {self.vocab_size})")
+        num_prompt_tokens = len(prompt_token_ids)
+        total = num_prompt_tokens + max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) is {total} "
+                f"tokens, more than the model's context length of {self.max_model_len}"
+            )
+        if total > self.num_kv_cache_tokens:
+            raise ValueError(
+                f"prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) is {total} "
+                f"tokens, more than the whole cache holds ({self.num_kv_cache_tokens} tokens)"
+            )

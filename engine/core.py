@@ -1,5 +1,7 @@
 """EngineCore: the synchronous step loop, schedule -> execute -> update -> outputs.
 
+The scheduler owns every request's status, timings and blocks; the core asks it
+(`finish_request`, `stats()`, `audit()`) and turns what it returns into outputs.
 Single-threaded by design: AsyncEngine calls it from its own thread only, the
 offline LLM class from the caller's. Failures are contained per request where
 possible: a sampling or detokenizing error ends that request with "error"; a
@@ -10,13 +12,14 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from dataclasses import replace
 from typing import Callable, Sequence
 
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.model_runner import ModelRunner
-from engine.request import RequestOutput, RequestStatus, SamplingParams, TokenLogprob
-from engine.scheduler import Request, Scheduler
+from engine.request import Request, RequestOutput, RequestStatus, SamplingParams, TokenLogprob
+from engine.scheduler import Scheduler
 from engine.stats import EngineStats
 from engine.structured import GrammarCompiler
 
@@ -38,8 +41,8 @@ class EngineCore:
         self.model_config = loaded.config
         self.clock = clock
         self.runner = ModelRunner(loaded, self.config)
-        self.max_model_len = self.runner.max_model_len
-        self.scheduler = Scheduler(self.config, self.runner.num_blocks, self.max_model_len)
+        self.limits = self.config.limits(self.runner.max_model_len, self.runner.num_blocks, loaded.config.vocab_size)
+        self.scheduler = Scheduler(self.config, self.runner.num_blocks, self.limits, clock)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         # Compiled in the caller's thread (AsyncEngine compiles before it submits: a hit here).
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids)
@@ -52,14 +55,6 @@ class EngineCore:
         self.num_finished: Counter[str] = Counter()
 
     # ------------------------------------------------------------ requests
-    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        """Raise ValueError for a request that could never be served (reads only frozen state)."""
-        vocab_size = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary (size {vocab_size})")
-        self.scheduler.check_request(len(prompt_token_ids), params)
-
     def add_request(
         self,
         request_id: str,
@@ -67,9 +62,8 @@ class EngineCore:
         params: SamplingParams,
         arrival_time: float | None = None,
     ) -> None:
-        """Queue a request; ValueError if it can never fit, QueueFullError if the queue is full."""
+        """Queue a request; ValueError if it can never fit (self.limits), QueueFullError if the queue is full."""
         prompt_token_ids = tokenize_prompt(self.tokenizer, prompt)
-        self.check_request(prompt_token_ids, params)
         request = Request(
             request_id,
             prompt_token_ids,
@@ -103,51 +97,41 @@ class EngineCore:
         except Exception as e:  # a scheduler bug: end everything rather than spin on it
             logger.exception("scheduling failed; ending every request")
             return self.fail_all(f"scheduling failed: {type(e).__name__}: {e}")
-        now = self.clock()
-        for s in scheduler_output.scheduled:
-            request = self.scheduler.requests[s.request_id]
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = now
-        outputs: list[RequestOutput] = []
         try:
             result = self.runner.execute(scheduler_output)
         except Exception as e:
             self.num_failed_steps += 1
             logger.exception("forward pass failed; ending the %d requests of this batch", len(scheduler_output.scheduled))
             message = f"model forward failed: {type(e).__name__}: {e}"
+            outputs = []
             for s in scheduler_output.scheduled:
-                outputs.extend(self._fail(s.request_id, message))
+                outputs += self._fail(s.request_id, message)
             self._maybe_audit()
             return outputs
         self.num_computed_tokens += scheduler_output.num_batched_tokens
+        outputs = []
         for request_id, message in result.errors.items():
-            outputs.extend(self._fail(request_id, message))
-        progressed = self.scheduler.update(scheduler_output, result.sampled)
-        now = self.clock()
-        for request in progressed:
+            outputs += self._fail(request_id, message)
+        for request in self.scheduler.update(scheduler_output, result.sampled):
             self.num_generation_tokens += 1
             try:
-                outputs.append(self._token_output(request, result.logprobs.get(request.request_id), now))
+                outputs.append(self._token_output(request, result.logprobs.get(request.request_id)))
             except Exception as e:  # noqa: BLE001 - e.g. the detokenizer; this request only
                 logger.exception("output processing failed for request %s", request.request_id)
-                outputs.extend(self._fail(request.request_id, f"{type(e).__name__}: {e}", request))
+                outputs.append(self._error_output(request, f"{type(e).__name__}: {e}"))
         self._maybe_audit()
         return outputs
 
     def fail_all(self, message: str) -> list[RequestOutput]:
-        outputs = []
-        for request_id in list(self.scheduler.requests):
-            outputs.extend(self._fail(request_id, message))
-        return outputs
+        finished = self.scheduler.finish_all(RequestStatus.FINISHED_ERROR)
+        return [self._error_output(request, message) for request in finished]
 
     def abort_all(self) -> list[RequestOutput]:
-        return [out for rid in list(self.scheduler.requests) if (out := self.abort_request(rid)) is not None]
+        finished = self.scheduler.finish_all(RequestStatus.FINISHED_ABORTED)
+        return [self._final_output(request, self._flush(request.request_id)) for request in finished]
 
-    def _token_output(self, request: Request, logprob: TokenLogprob | None, now: float) -> RequestOutput:
+    def _token_output(self, request: Request, logprob: TokenLogprob | None) -> RequestOutput:
         token_id = request.output_token_ids[-1]
-        if request.first_token_time is None:
-            request.first_token_time = now
-        request.last_token_time = now
         if request.status is RequestStatus.FINISHED_STOPPED and (
                 token_id in request.eos_token_ids or token_id == request.stop_reason):
             # Ended by EOS or a stop token id: that token's text stays out of the output.
@@ -155,11 +139,8 @@ class EngineCore:
         else:
             text, stop_string = self._detokenizers[request.request_id].append(token_id)
         if stop_string is not None:
-            # A stop string wins over EOS or length reached on the same token.
-            if request.status.is_finished:
-                request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop_string
-            else:
-                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED, stop_string)
+            # A stop string wins over length reached on the same token.
+            self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED, stop_string)
             self._detokenizers.pop(request.request_id, None)
         elif request.status.is_finished:  # (after EOS or a stop token it was flushed above)
             text += self._flush(request.request_id)
@@ -169,15 +150,15 @@ class EngineCore:
             return self._final_output(request, text, [token_id], logprobs, error)
         return self._output(request, text, [token_id], logprobs)
 
-    def _fail(self, request_id: str, message: str, request: Request | None = None) -> list[RequestOutput]:
-        """End one request with finish_reason "error" and free its blocks."""
-        finished = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ERROR)
-        request = finished or request
-        if request is None:
-            return []  # already gone
-        request.status = RequestStatus.FINISHED_ERROR
-        self._detokenizers.pop(request_id, None)
-        return [self._final_output(request, "", error=message)]
+    def _fail(self, request_id: str, message: str) -> list[RequestOutput]:
+        """End an unfinished request with finish_reason "error" (nothing if it is already gone)."""
+        request = self.scheduler.get_request(request_id)
+        return [self._error_output(request, message)] if request is not None else []
+
+    def _error_output(self, request: Request, message: str) -> RequestOutput:
+        self.scheduler.finish_request(request, RequestStatus.FINISHED_ERROR)
+        self._detokenizers.pop(request.request_id, None)
+        return self._final_output(request, "", error=message)
 
     def _flush(self, request_id: str) -> str:
         detokenizer = self._detokenizers.pop(request_id, None)
@@ -208,7 +189,7 @@ class EngineCore:
 
     # --------------------------------------------------------- accounting
     def audit(self) -> list[str]:
-        return self.scheduler.block_manager.audit()
+        return self.scheduler.audit()
 
     def _maybe_audit(self) -> None:
         interval = self.config.audit_interval_steps
@@ -224,17 +205,8 @@ class EngineCore:
             logger.error("KV block audit at step %d: %s", self.num_steps, "; ".join(issues[:20]))
 
     def stats(self) -> EngineStats:
-        bm = self.scheduler.block_manager
-        return EngineStats(
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            num_kv_blocks_total=bm.num_blocks,
-            num_kv_blocks_used=bm.num_used_blocks,
-            num_kv_blocks_cached=bm.num_cached_blocks,
-            kv_block_size=bm.block_size,
-            prefix_cache_queries=bm.num_prefix_queries,
-            prefix_cache_hits=bm.num_prefix_hits,
-            num_preemptions=self.scheduler.num_preemptions,
+        return replace(
+            self.scheduler.stats(),
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
             num_computed_tokens=self.num_computed_tokens,

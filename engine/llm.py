@@ -80,7 +80,7 @@ class LLM:
             raise ValueError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts")
         token_ids = [tokenize_prompt(self.engine.tokenizer, p) for p in prompts]
         for ids, p in zip(token_ids, params_list):  # refuse the batch before running any of it
-            self.engine.check_request(ids, p)
+            self.engine.limits.check(ids, p.max_tokens)
         results = {}
         for ids, p in zip(token_ids, params_list):
             request_id = f"llm-{next(self._ids)}"

@@ -12,26 +12,17 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 from engine.config import EngineConfig
-from engine.request import TokenLogprob
 from engine.sampler import SamplingBatch, TokenHistory, make_generator, sample
-from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.step import RunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.threads import StepTuner, applied, candidate_settings
 from models.layers import cpu_kernels
 from models.layers.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class RunnerOutput:
-    sampled: dict[str, int] = field(default_factory=dict)  # request id -> new token
-    logprobs: dict[str, TokenLogprob | None] = field(default_factory=dict)
-    errors: dict[str, str] = field(default_factory=dict)  # request id -> why its sampling failed
 
 
 def resolve_kv_cache_dtype(name: str, loaded) -> torch.dtype:

@@ -1,4 +1,8 @@
-"""A request's parameters, its life cycle, and what the engine streams back for it."""
+"""A request's parameters, its life cycle, its state, and what the engine streams back for it.
+
+Plain data: imports nothing of the engine. The scheduler is the only writer of a
+Request's status and blocks; the others read it.
+"""
 from __future__ import annotations
 
 import enum
@@ -6,9 +10,12 @@ from dataclasses import dataclass, field
 
 from engine.structured import StructuredOutput
 
+# Temperatures below this are greedy: dividing logits by them would overflow float32.
+GREEDY_TEMPERATURE = 1e-5
+
 
 class QueueFullError(RuntimeError):
-    """The waiting queue is at max_waiting: retry later (a 429, not a 400)."""
+    """max_num_seqs + max_waiting requests are in flight: retry later (a 429, not a 400)."""
 
 
 class RequestStatus(enum.Enum):
@@ -48,7 +55,7 @@ class SamplingParams:
     """
 
     max_tokens: int = 16
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 means greedy (so does anything below GREEDY_TEMPERATURE)
     top_p: float = 1.0
     top_k: int = 0  # 0 (or -1) means all tokens
     min_p: float = 0.0
@@ -91,7 +98,52 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = 0.0
+    generator: object | None = None  # the sampler's per-request RNG; opaque here
+    token_history: object | None = None  # the sampler's per-request penalty cache; opaque here
+    grammar: object | None = None  # its structured output's GrammarMatcher (engine/structured.py)
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
+    num_preemptions: int = 0
+    block_hashes: list[int] = field(default_factory=list)  # filled by the block manager
+    stop_reason: int | str | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    def __post_init__(self):
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        self.all_token_ids = list(self.prompt_token_ids)  # prompt + output, what the KV cache holds
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output(self, token_id: int, now: float) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.last_token_time = now
 
 
 @dataclass

@@ -13,88 +13,25 @@ thing seen from here: tokens not computed yet.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Callable, Mapping
 
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.request import QueueFullError, RequestStatus, SamplingParams  # noqa: F401 - QueueFullError re-exported
-
-
-@dataclass(eq=False)
-class Request:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    eos_token_ids: tuple[int, ...] = ()
-    arrival_time: float = 0.0
-    generator: object | None = None  # the sampler's per-request RNG; opaque here
-    token_history: object | None = None  # the sampler's per-request penalty cache; opaque here
-    grammar: object | None = None  # its structured output's GrammarMatcher (engine/structured.py)
-    status: RequestStatus = RequestStatus.WAITING
-    output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
-    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
-    num_preemptions: int = 0
-    block_hashes: list[int] = field(default_factory=list)  # filled by the block manager
-    stop_reason: int | str | None = None
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-
-    def __post_init__(self):
-        self.prompt_token_ids = list(self.prompt_token_ids)
-        self.all_token_ids = list(self.prompt_token_ids)  # prompt + output, what the KV cache holds
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
-
-    def append_output(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
-
-
-@dataclass
-class ScheduledRequest:
-    request_id: str
-    token_ids: list[int]  # the tokens to compute this step
-    start_position: int  # position of token_ids[0] (= num_computed_tokens before the step)
-    block_table: list[int]
-    samples: bool  # the chunk reaches the end of the request: sample its next token
-    # What the sampler needs for this request (plain Python; the runner makes tensors).
-    params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    generator: object | None
-    token_history: object | None = None
-    grammar: object | None = None
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest]
-    preempted: list[str]  # request ids sent back to the waiting queue this step
-    num_batched_tokens: int
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+from engine.config import EngineConfig, EngineLimits
+from engine.request import QueueFullError, Request, RequestStatus
+from engine.stats import EngineStats
+from engine.step import ScheduledRequest, SchedulerOutput
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int):
+    """The only writer of a request's status, timings and blocks: the engine core asks it."""
+
+    def __init__(self, config: EngineConfig, num_blocks: int, limits: EngineLimits,
+                 clock: Callable[[], float] = time.monotonic):
         self.config = config
-        self.max_model_len = max_model_len
+        self.limits = limits
+        self.clock = clock
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last one is preempted first
@@ -102,52 +39,53 @@ class Scheduler:
         self.num_preemptions = 0
 
     # ------------------------------------------------------------ admission
-    def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        """Raise ValueError for a request that could never be served."""
-        if num_prompt_tokens < 1:
-            raise ValueError("the prompt is empty")
-        total = num_prompt_tokens + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({num_prompt_tokens} tokens) plus max_tokens ({params.max_tokens}) is {total} "
-                f"tokens, more than the model's context length of {self.max_model_len}"
-            )
-        bm = self.block_manager
-        if bm.blocks_needed(total) > bm.num_blocks:
-            raise ValueError(
-                f"prompt ({num_prompt_tokens} tokens) plus max_tokens ({params.max_tokens}) needs "
-                f"{bm.blocks_needed(total)} KV blocks, more than the whole cache of {bm.num_blocks} "
-                f"blocks ({bm.num_blocks * bm.block_size} tokens)"
-            )
-
     def add_request(self, request: Request) -> None:
+        """Queue a request: ValueError if it can never be served or its id is in use,
+        QueueFullError if max_num_seqs + max_waiting requests are already in flight."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        self.check_request(request.num_prompt_tokens, request.params)
-        if self.config.max_waiting is not None and len(self.waiting) >= self.config.max_waiting:
-            raise QueueFullError(f"{len(self.waiting)} requests already waiting (max_waiting)")
+        self.limits.check(request.prompt_token_ids, request.params.max_tokens)
+        limit = self.limits.max_in_flight
+        if limit is not None and len(self.requests) >= limit:
+            raise QueueFullError(f"{len(self.requests)} requests already in flight (max_num_seqs + max_waiting)")
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
         self.requests[request.request_id] = request
 
-    def finish_request(
-        self, request_id: str, status: RequestStatus, stop_reason: int | str | None = None
-    ) -> Request | None:
-        """End a request in any phase and free its blocks; None if it is unknown or done."""
-        request = self.requests.pop(request_id, None)
-        if request is None:
-            return None
-        if request.status is RequestStatus.RUNNING:
-            self.running.remove(request)
-        else:
-            self.waiting.remove(request)
-        self.block_manager.free(request)
+    def get_request(self, request_id: str) -> Request | None:
+        """The unfinished request of that id, if any."""
+        return self.requests.get(request_id)
+
+    def finish_request(self, request: Request, status: RequestStatus, stop_reason: int | str | None = None) -> None:
+        """End a request for any reason: out of the queues, its blocks freed, its final status set.
+
+        A request that finished earlier in this step may be finished again: a stop string
+        in the token that reached max_tokens wins over "length", and a request whose
+        output could not be built ends in "error".
+        """
+        if self.requests.get(request.request_id) is request:
+            del self.requests[request.request_id]
+            if request.status is RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self.block_manager.free(request)
         request.status = status
         request.stop_reason = stop_reason
-        return request
 
     def abort_request(self, request_id: str) -> Request | None:
-        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        """End a request in any phase with "abort"; None if it is unknown or done."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            self.finish_request(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    def finish_all(self, status: RequestStatus) -> list[Request]:
+        """End every unfinished request with `status` (the engine stops, or cannot go on)."""
+        requests = list(self.requests.values())
+        for request in requests:
+            self.finish_request(request, status)
+        return requests
 
     @property
     def has_unfinished(self) -> bool:
@@ -204,6 +142,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = self.clock()
             request.num_computed_tokens = num_hit_tokens
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_hit_tokens
@@ -255,6 +195,7 @@ class Scheduler:
         scheduler, their blocks freed).
         """
         progressed = []
+        now = self.clock()
         for s in output.scheduled:
             request = self.requests.get(s.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
@@ -264,10 +205,10 @@ class Scheduler:
             if not s.samples or s.request_id not in sampled:
                 continue
             token_id = sampled[s.request_id]
-            request.append_output(token_id)
+            request.append_output(token_id, now)
             status, stop_reason = self._check_stop(request, token_id)
             if status is not None:
-                self.finish_request(request.request_id, status, stop_reason)
+                self.finish_request(request, status, stop_reason)
             progressed.append(request)
         return progressed
 
@@ -283,6 +224,26 @@ class Scheduler:
                 return RequestStatus.FINISHED_STOPPED, token_id
         if grammar is not None and grammar.is_done:  # only EOS could follow: end here, a step early
             return RequestStatus.FINISHED_STOPPED, None
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.limits.max_model_len:
             return RequestStatus.FINISHED_LENGTH, None
         return None, None
+
+    # ----------------------------------------------------------- accounting
+    def stats(self) -> EngineStats:
+        """The scheduler's part of the engine's stats; EngineCore fills in its own counters."""
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_kv_blocks_total=bm.num_blocks,
+            num_kv_blocks_used=bm.num_used_blocks,
+            num_kv_blocks_cached=bm.num_cached_blocks,
+            kv_block_size=bm.block_size,
+            prefix_cache_queries=bm.num_prefix_queries,
+            prefix_cache_hits=bm.num_prefix_hits,
+            num_preemptions=self.num_preemptions,
+        )
+
+    def audit(self) -> list[str]:
+        """Reconcile the block pool; one line per discrepancy (empty when consistent)."""
+        return self.block_manager.audit()

@@ -86,9 +86,8 @@ def engine_config(args: argparse.Namespace):
         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gib=args.kv_cache_memory,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
-        # The server enforces --max-waiting itself, before answering (a 429 rather than an
-        # error event inside a 200 stream), so the engine's own bound stays off.
-        max_waiting=None, num_threads=args.num_threads, kv_cache_dtype=args.kv_cache_dtype)
+        max_waiting=None if args.max_waiting < 0 else args.max_waiting, num_threads=args.num_threads,
+        kv_cache_dtype=args.kv_cache_dtype)
 
 
 def served_name(model: str) -> str:
@@ -143,8 +142,7 @@ def main(argv: list[str] | None = None) -> None:
 
     app = create_app(engine_factory=load_engine, on_load_error=on_load_error,
                      served_model_name=args.served_model_name or served_name(args.model),
-                     api_key=api_key, max_waiting=None if args.max_waiting < 0 else args.max_waiting,
-                     read_timeout=args.read_timeout, tool_call_parser=args.tool_call_parser)
+                     api_key=api_key, read_timeout=args.read_timeout, tool_call_parser=args.tool_call_parser)
     # On SIGTERM the server ends the streams still running just before --shutdown-timeout,
     # each with an error event and [DONE] (server/http_server.py).
     server = make_server(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -40,25 +40,22 @@ def create_app(
     *,
     served_model_name: str,
     api_key: str | None = None,
-    max_waiting: int | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     read_timeout: float | None = DEFAULT_READ_TIMEOUT_S,
     engine_factory: Callable[[], Any] | None = None,
     on_load_error: Callable[[BaseException], None] | None = None,
     tool_call_parser: str = "auto",
 ) -> FastAPI:
-    """`max_waiting` bounds the queue: at most max_num_seqs + max_waiting engine requests are
-    admitted at once, and the rest get 429 (None: unbounded). A request body that has not
+    """The engine's limits (engine.limits) bound the queue: at most max_num_seqs + max_waiting
+    engine requests are admitted at once, and the rest get 429. A request body that has not
     arrived `read_timeout` seconds after its headers gets a 408 (None: no bound; the headers'
     own bound is the HTTP server's, server.http_server.make_server). `tool_call_parser`: how
     tool calls are read from the output (server/tool_parsers.py); auto = from the chat template."""
     if (engine is None) == (engine_factory is None):
         raise ValueError("give exactly one of engine or engine_factory")
-    if max_waiting is not None and max_waiting < 0:
-        raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be positive, got {max_body_bytes}")
-    state = ServerState(served_model_name=served_model_name, metrics=ServerMetrics(), max_waiting=max_waiting,
+    state = ServerState(served_model_name=served_model_name, metrics=ServerMetrics(),
                         max_body_bytes=max_body_bytes, api_key=api_key or None, tool_call_parser=tool_call_parser)
     created = int(time.time())
 
@@ -117,7 +114,7 @@ def create_app(
     def model_card() -> dict[str, Any]:
         card = {"id": served_model_name, "object": "model", "created": created, "owned_by": "pagedserve"}
         if state.engine is not None:
-            card["max_model_len"] = state.max_model_len
+            card["max_model_len"] = state.limits.max_model_len
         return card
 
     @app.get("/v1/models")

@@ -45,7 +45,7 @@ def encode_chat(tokenizer, messages: list[dict[str, Any]], add_generation_prompt
 async def create_chat_completion(request: Request) -> Response:
     arrival = time.monotonic()
     state, engine, body = await parse_request(request, ChatCompletionRequest)
-    body.check_common(engine.model_config.vocab_size)
+    body.check_common(state.limits.vocab_size)
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid("'top_logprobs' requires 'logprobs' to be true", param="top_logprobs")
     body.check_messages()
@@ -58,7 +58,7 @@ async def create_chat_completion(request: Request) -> Response:
     await compile_or_400(engine, structured, param)
     messages, tool_defs = chat_messages(body, engine.tokenizer)
     prompt_ids = await state.off_loop(encode_chat, engine.tokenizer, messages, tools=tool_defs,
-                                      max_chars=state.max_prompt_chars, max_model_len=state.max_model_len)
+                                      max_chars=state.max_prompt_chars, max_model_len=state.limits.max_model_len)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if requested is None:
         max_tokens = default_max_tokens(state, len(prompt_ids), "messages")

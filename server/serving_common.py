@@ -23,6 +23,7 @@ from typing import Any, AsyncIterator, TypeVar
 import anyio
 from fastapi import Request
 
+from engine.config import EngineLimits
 from engine.request import QueueFullError, RequestOutput, SamplingParams, TokenLogprob
 from engine.structured import StructuredOutput
 from server.cpu_work import new_cpu_pool, off_loop, prompt_char_limit
@@ -38,7 +39,8 @@ logger = logging.getLogger("pagedserve.server")
 _END = object()  # a pump's last item: its engine stream is over
 _SHUTDOWN = object()  # put in every open stream's queue when the shutdown grace runs out
 _SEED_LIMIT = 2**64
-# Bodies larger than this are parsed in the CPU worker thread (json.loads of 8 MiB takes ~0.1 s).
+# Bodies larger than this are parsed in the CPU worker thread: parsing megabytes of JSON on
+# the event loop would stall every stream.
 _PARSE_OFF_LOOP_BYTES = 64 * 1024
 
 
@@ -48,16 +50,13 @@ class ServerState:
 
     served_model_name: str
     metrics: ServerMetrics
-    max_waiting: int | None  # queue bound beyond the running batch; None: unbounded
     max_body_bytes: int
     api_key: str | None = None
     engine: Any = None
     load_error: str | None = None
     # Filled by attach() from the engine:
-    max_model_len: int = 0
-    max_tokens_in_cache: int = 0  # the whole KV pool, in tokens: no request can be longer
-    max_in_flight: int | None = None  # engine requests admitted at once (running + queued)
-    num_in_flight: int = 0
+    limits: EngineLimits | None = None  # what a request must fit, and how many are admitted at once
+    num_in_flight: int = 0  # engine requests admitted (running + queued)
     logprobs: LogprobFormatter | None = None
     max_prompt_chars: int = 0  # a longer text certainly exceeds max_model_len tokens (cpu_work)
     tool_call_parser: str = "auto"  # resolved from the chat template by attach()
@@ -67,12 +66,8 @@ class ServerState:
     open_streams: set[asyncio.Queue] = field(default_factory=set)  # of the requests in stream_choices
 
     def attach(self, engine) -> None:
-        stats = engine.stats()
-        self.max_model_len = engine.max_model_len
-        self.max_prompt_chars = prompt_char_limit(engine.tokenizer, engine.max_model_len)
-        self.max_tokens_in_cache = stats.num_kv_blocks_total * stats.kv_block_size
-        if self.max_waiting is not None:
-            self.max_in_flight = engine.config.max_num_seqs + self.max_waiting
+        self.limits = engine.limits
+        self.max_prompt_chars = prompt_char_limit(engine.tokenizer, engine.limits.max_model_len)
         self.logprobs = LogprobFormatter(engine.tokenizer)
         if self.tool_call_parser == "auto":
             self.tool_call_parser = parser_for_template(getattr(engine.tokenizer, "chat_template", None))
@@ -103,8 +98,12 @@ class ServerState:
             raise model_not_found(model, self.served_model_name)
 
     def admit(self, num_requests: int) -> None:
-        """Reserve room for `num_requests` engine requests, or refuse with 429 (400 if they never fit)."""
-        limit = self.max_in_flight
+        """Reserve room for `num_requests` engine requests, or refuse with 429 (400 if they never fit).
+
+        The engine refuses beyond the same bound (QueueFullError), which a client would
+        only hear inside a 200 stream; it never comes first, as every request the engine
+        holds is counted here until its stream has ended."""
+        limit = self.limits.max_in_flight
         if limit is not None:
             if num_requests > limit:
                 raise invalid(f"this request needs {num_requests} sequences (prompts x n) but the server "
@@ -198,29 +197,31 @@ def sampling_params(body, *, max_tokens: int, logprobs: int | None, structured: 
 
 def check_context(state: ServerState, num_prompt_tokens: int, max_tokens: int, param: str,
                   max_tokens_param: str = "max_tokens") -> None:
-    """400 for a request longer than the context or than the whole KV cache, before the engine sees it."""
+    """400 for a request longer than the context or than the whole KV cache (the engine's
+    limits), before the engine sees it: the one check of the server."""
+    limits = state.limits
     total = num_prompt_tokens + max_tokens
-    longest = min(state.max_model_len, state.max_tokens_in_cache) - 1  # with a one-token prompt
+    longest = limits.max_request_tokens - 1  # with a one-token prompt
     if max_tokens > longest:
         raise invalid(f"{max_tokens_param} is too large: {max_tokens}. This model supports at most {longest} "
                       "completion tokens.", param=max_tokens_param, code="invalid_value")
-    if total > state.max_model_len:
+    if total > limits.max_model_len:
         raise invalid(
-            f"This model's maximum context length is {state.max_model_len} tokens. However, you requested "
+            f"This model's maximum context length is {limits.max_model_len} tokens. However, you requested "
             f"{total} tokens ({num_prompt_tokens} in the {param}, {max_tokens} in the completion). "
             f"Please reduce the length of the {param} or completion.",
             param=param, code="context_length_exceeded")
-    if total > state.max_tokens_in_cache:
+    if total > limits.num_kv_cache_tokens:
         raise invalid(
             f"This request needs {total} tokens of KV cache ({num_prompt_tokens} in the {param}, {max_tokens} "
-            f"in the completion) but the server's whole cache holds {state.max_tokens_in_cache}. "
+            f"in the completion) but the server's whole cache holds {limits.num_kv_cache_tokens}. "
             f"Please reduce the length of the {param} or completion.",
             param=param, code="context_length_exceeded")
 
 
 def default_max_tokens(state: ServerState, num_prompt_tokens: int, param: str) -> int:
     """OpenAI chat's default: as many tokens as fit after the prompt (in the context and the cache)."""
-    room = min(state.max_model_len, state.max_tokens_in_cache) - num_prompt_tokens
+    room = state.limits.max_request_tokens - num_prompt_tokens
     if room < 1:
         check_context(state, num_prompt_tokens, 1, param)
     return room
@@ -258,9 +259,10 @@ async def stream_choices(state: ServerState, choices: list[Choice],
     """Run every choice on the engine; yield (choice, output) as outputs arrive.
 
     The first item is None and marks "accepted": by then admission is taken (429
-    if full) and every choice has passed the engine's own checks, which it makes
-    synchronously in generate() (ValueError -> 400). So a caller can await the
-    first item, then still answer with a plain error or start a 200 stream.
+    if full) and no generate() has refused synchronously (ValueError -> 400); the
+    caller has checked each choice against the engine's limits (check_context). So
+    a caller can await the first item, then still answer with a plain error or
+    start a 200 stream.
     Admission is given back when iteration ends, however it ends. `arrival`
     (time.monotonic() when the HTTP request came in) starts the latency clocks.
     """

@@ -23,13 +23,13 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 async def create_completion(request: Request) -> Response:
     arrival = time.monotonic()
     state, engine, body = await parse_request(request, CompletionRequest)
-    vocab_size = engine.model_config.vocab_size
+    vocab_size = state.limits.vocab_size
     body.check_common(vocab_size)
     tokenizer = engine.tokenizer
     prompts = body.prompts(vocab_size)
     for p in prompts:
         if isinstance(p, str):
-            check_prompt_chars(p, state.max_prompt_chars, state.max_model_len, "prompt")
+            check_prompt_chars(p, state.max_prompt_chars, state.limits.max_model_len, "prompt")
     prompt_ids = await state.off_loop(lambda: [tokenize_prompt(tokenizer, p) for p in prompts])
     max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     for ids in prompt_ids:

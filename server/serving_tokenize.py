@@ -21,17 +21,17 @@ async def tokenize(request: Request) -> JSONResponse:
     if (body.prompt is None) == (body.messages is None):
         raise invalid("Give exactly one of 'prompt' or 'messages'", param="prompt")
     if body.prompt is not None:
-        check_prompt_chars(body.prompt, state.max_prompt_chars, state.max_model_len, "prompt")
+        check_prompt_chars(body.prompt, state.max_prompt_chars, state.limits.max_model_len, "prompt")
         tokens = await state.off_loop(engine.tokenizer.encode, body.prompt,
                                       add_special_tokens=body.add_special_tokens)
     else:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         tokens = await state.off_loop(encode_chat, engine.tokenizer, messages, body.add_generation_prompt,
-                                      max_chars=state.max_prompt_chars, max_model_len=state.max_model_len)
-    return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": state.max_model_len})
+                                      max_chars=state.max_prompt_chars, max_model_len=state.limits.max_model_len)
+    return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": state.limits.max_model_len})
 
 
 async def detokenize(request: Request) -> JSONResponse:
     state, engine, body = await parse_request(request, DetokenizeRequest)
-    check_token_ids(body.tokens, engine.model_config.vocab_size, "tokens")
+    check_token_ids(body.tokens, state.limits.vocab_size, "tokens")
     return JSONResponse({"prompt": await state.off_loop(engine.tokenizer.decode, body.tokens)})

@@ -79,10 +79,6 @@ class MLAttention(nn.Module):
         self.rotary_emb = rotary_emb  # shared by all layers: one cos/sin table
         self.scale = mla_softmax_scale(c)
 
-    @property
-    def cache_entry_size(self) -> int:
-        return self.kv_lora_rank + self.qk_rope_head_dim
-
     @torch.no_grad()
     def load_kv_b_proj(self, weight: torch.Tensor) -> None:
         """Split kv_b_proj.weight (num_heads * (nope + v), L) into W_UK and W_UV."""

@@ -10,8 +10,7 @@ import pytest
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.llm import LLM
-from engine.request import SamplingParams
-from engine.scheduler import QueueFullError
+from engine.request import QueueFullError, SamplingParams
 
 CONFIG = dict(block_size=8, num_kv_blocks=128, max_num_batched_tokens=64, audit_interval_steps=1)
 
@@ -140,10 +139,17 @@ def test_refusals_come_before_any_output(engine):
 
 
 def test_queue_full_is_its_own_error(loaded):
-    engine = AsyncEngine(loaded, EngineConfig(**CONFIG, max_waiting=0))
-    try:
+    engine = AsyncEngine(loaded, EngineConfig(**CONFIG, max_num_seqs=1, max_waiting=0))
+
+    async def main():
+        running = engine.generate([5, 6], greedy(50), "running")
+        await running.__anext__()
         with pytest.raises(QueueFullError):
-            asyncio.run(collect(engine, [5, 6], greedy(5), "q"))
+            await collect(engine, [5, 6], greedy(5), "q")
+        await running.aclose()
+
+    try:
+        asyncio.run(main())
     finally:
         engine.shutdown()
 

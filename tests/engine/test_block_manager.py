@@ -2,8 +2,7 @@
 import pytest
 
 from engine.block_manager import BlockManager, hash_block
-from engine.request import SamplingParams
-from engine.scheduler import Request
+from engine.request import Request, SamplingParams
 
 BS = 4
 

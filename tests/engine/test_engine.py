@@ -216,12 +216,12 @@ def test_every_block_returns_after_finish_abort_preemption_and_failures(loaded):
         if step == 11:
             core.runner.model = ExplodingModel(core.runner.model, fail_on_calls=[1])  # step 11's forward
         if step == 3:
-            assert 0 < core.scheduler.requests["abort-prefill"].num_computed_tokens < 60
-            assert core.scheduler.requests["abort-waiting"].status is RequestStatus.WAITING
+            assert 0 < core.scheduler.get_request("abort-prefill").num_computed_tokens < 60
+            assert core.scheduler.get_request("abort-waiting").status is RequestStatus.WAITING
             finals["abort-prefill"] = core.abort_request("abort-prefill")
             finals["abort-waiting"] = core.abort_request("abort-waiting")
-        if step == 8 and "abort-decode" in core.scheduler.requests:
-            assert core.scheduler.requests["abort-decode"].num_output_tokens > 0
+        if step == 8 and core.scheduler.get_request("abort-decode"):
+            assert core.scheduler.get_request("abort-decode").num_output_tokens > 0
             finals["abort-decode"] = core.abort_request("abort-decode")
         for out in core.step():
             if out.finished:
@@ -273,6 +273,9 @@ def test_stop_strings_and_stop_tokens_end_requests(loaded):
     s = llm.generate([[9, 10, 11, 12]], greedy(20, stop=(stop,)))[0]
     assert s.finish_reason == "stop" and s.stop_reason == stop and s.text == text[: text.index(stop)]
     assert len(s.token_ids) < 20
+    # The token that completes the stop string is also the last max_tokens allows: the stop string wins.
+    last = llm.generate([[9, 10, 11, 12]], greedy(len(s.token_ids), stop=(stop,)))[0]
+    assert (last.finish_reason, last.stop_reason, last.text) == ("stop", stop, s.text)
 
 
 def test_pool_size_comes_from_memory_and_the_models_kv_spec(loaded):

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from engine.request import SamplingParams
+from engine.request import GREEDY_TEMPERATURE, SamplingParams
 from engine.sampler import (SamplingBatch, greedy_argmax, make_generator, process_logits, sample,
                             sampling_probs)
 
@@ -37,6 +37,13 @@ def test_greedy_rows_take_argmax_even_beside_random_rows():
     out = sample(logits, batch_of(params, vocab_size=50))
     assert out.token_ids[0::2] == logits[0::2].argmax(-1).tolist()
     assert out.logprobs == [None] * 6
+
+
+@pytest.mark.parametrize("temperature", [0.0, GREEDY_TEMPERATURE / 2, GREEDY_TEMPERATURE, 0.7])
+def test_sampling_params_greedy_is_what_the_sampler_does(temperature):
+    params = SamplingParams(temperature=temperature)
+    assert params.greedy == (temperature < GREEDY_TEMPERATURE)
+    assert batch_of([params]).all_greedy == params.greedy
 
 
 @pytest.mark.parametrize("vocab_size", [49152, 1000, 200])  # blocked, not a multiple of the block, too small

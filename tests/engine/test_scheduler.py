@@ -8,8 +8,8 @@ prefix-cache block or a bad recompute after preemption changes the output.
 import pytest
 
 from engine.config import EngineConfig
-from engine.request import RequestStatus, SamplingParams
-from engine.scheduler import QueueFullError, Request, Scheduler
+from engine.request import QueueFullError, Request, RequestStatus, SamplingParams
+from engine.scheduler import Scheduler
 
 VOCAB = 1000
 EOS = 0
@@ -47,7 +47,7 @@ def reference_output(prompt, max_tokens):
 
 def make_scheduler(num_blocks=64, block_size=4, max_model_len=256, **kw):
     config = EngineConfig(block_size=block_size, num_kv_blocks=num_blocks, **kw)
-    return Scheduler(config, num_blocks=num_blocks, max_model_len=max_model_len)
+    return Scheduler(config, num_blocks, config.limits(max_model_len, num_blocks, VOCAB))
 
 
 def add(scheduler, rid, prompt, max_tokens=8, **params):
@@ -197,12 +197,14 @@ def test_admission_rejects_requests_that_can_never_fit():
     assert not s.block_manager.audit()
 
 
-def test_queue_limit():
-    s = make_scheduler(max_waiting=2)
+def test_queue_limit_counts_every_request_in_flight():
+    s = make_scheduler(max_num_seqs=1, max_waiting=1)
     add(s, "a", range(3))
     add(s, "b", range(3))
     with pytest.raises(QueueFullError):
         add(s, "c", range(3))
+    s.abort_request("a")
+    add(s, "c", range(3))
 
 
 def test_abort_in_every_phase_frees_blocks():

@@ -131,7 +131,7 @@ def start_server(tiny_loaded):
 @pytest.fixture(scope="module")
 def live(tiny_loaded):
     """One shared server for tests that do not change its configuration."""
-    engine = AsyncEngine(tiny_loaded, EngineConfig(**ENGINE_DEFAULTS))
-    server = LiveServer(create_app(engine, served_model_name=MODEL_NAME, max_waiting=64), engine).start()
+    engine = AsyncEngine(tiny_loaded, EngineConfig(**ENGINE_DEFAULTS, max_waiting=64))
+    server = LiveServer(create_app(engine, served_model_name=MODEL_NAME), engine).start()
     yield server
     server.stop()

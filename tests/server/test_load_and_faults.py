@@ -104,8 +104,7 @@ def test_client_that_disconnects_before_a_non_streamed_reply_aborts_it(live):
 
 def test_full_queue_gets_429_with_retry_after(start_server):
     # One running and one waiting request fill it.
-    server = start_server(engine_kwargs=dict(max_num_seqs=1, max_num_batched_tokens=64),
-                          app_kwargs=dict(max_waiting=1))
+    server = start_server(engine_kwargs=dict(max_num_seqs=1, max_num_batched_tokens=64, max_waiting=1))
     held = [_open_stream(server.url, {"model": M, "prompt": p, "stream": True, **LONG}) for p in PROMPTS[:2]]
     wait_until(lambda: server.engine.stats().num_waiting == 1, what="one request waiting")
     refused = server.http.post("/v1/completions", json={"model": M, "prompt": "hi", "max_tokens": 2})
@@ -172,6 +171,40 @@ def test_engine_error_in_one_request_ends_only_that_request(start_server):
     assert ok.choices[0].finish_reason == "length"
     assert server.metric("pagedserve:request_success_total", 'finish_reason="error"') == 2
     server.wait_idle()
+
+
+class _EngineThreadKilled(BaseException):
+    """Not an Exception: no handler inside the engine thread's loop contains it, so the thread dies."""
+
+
+def test_engine_thread_death_ends_open_streams_with_an_error_and_turns_health_503(start_server):
+    server = start_server()
+    assert server.http.get("/health").status_code == 200
+    core = server.engine.core
+    real_step, first_token = core.step, threading.Event()
+
+    def step_then_die():  # one step with a token, then the engine thread dies in the next
+        if first_token.is_set():
+            raise _EngineThreadKilled("injected")
+        outputs = real_step()
+        if any(out.token_ids for out in outputs):
+            first_token.set()
+        return outputs
+
+    core.step = step_then_die
+    client = httpx.Client(base_url=server.url, timeout=20)  # a stream left open fails the test here
+    body = {"model": M, "prompt": PROMPTS[0], "stream": True, **LONG}
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        data = [line.removeprefix("data: ") for line in response.iter_lines() if line]
+    client.close()
+    assert data[-1] == "[DONE]"
+    error = json.loads(data[-2])["error"]
+    assert error["code"] == "engine_error" and "_EngineThreadKilled" in error["message"]
+    assert all(json.loads(d).get("choices", [{}])[0].get("finish_reason") is None for d in data[:-2])
+    health = server.http.get("/health")
+    assert health.status_code == 503 and "stopped" in health.json()["error"]["message"]
+    assert server.http.post("/v1/completions", json={"model": M, "prompt": "hi", "max_tokens": 2}).status_code >= 500
 
 
 def test_health_is_503_until_the_model_has_loaded(tiny_loaded):

@@ -1,0 +1,42 @@
+"""One engine step's plain data: what the scheduler hands the runner, and what comes back.
+
+    Scheduler.schedule() -> SchedulerOutput -> ModelRunner.execute() -> RunnerOutput -> Scheduler.update()
+
+No torch and nothing of the engine but the request's own types: the scheduler, the
+block manager and the runner import this module, never each other.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.request import SamplingParams, TokenLogprob
+
+
+@dataclass
+class ScheduledRequest:
+    request_id: str
+    token_ids: list[int]  # the tokens to compute this step
+    start_position: int  # position of token_ids[0] (= num_computed_tokens before the step)
+    block_table: list[int]
+    samples: bool  # the chunk reaches the end of the request: sample its next token
+    # What the sampler needs for this request (plain Python; the runner makes tensors).
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: object | None
+    token_history: object | None = None
+    grammar: object | None = None  # the request's GrammarMatcher, when its output is constrained
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    preempted: list[str]  # request ids sent back to the waiting queue this step
+    num_batched_tokens: int
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)  # request id -> new token
+    logprobs: dict[str, TokenLogprob | None] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)  # request id -> why its sampling failed
