@@ -50,6 +50,7 @@ class EngineCore:
         self.num_failed_steps = 0
         self.num_audit_discrepancies = 0
         self.num_prompt_tokens = 0
+        self.num_structured_requests = 0
         self.num_generation_tokens = 0
         self.num_computed_tokens = 0
         self.num_finished: Counter[str] = Counter()
@@ -77,6 +78,7 @@ class EngineCore:
         self.scheduler.add_request(request)
         self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
         self.num_prompt_tokens += len(prompt_token_ids)
+        self.num_structured_requests += params.structured is not None
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """End a request in any phase; its final output, or None if it is unknown or done."""
@@ -214,6 +216,8 @@ class EngineCore:
             num_failed_steps=self.num_failed_steps,
             num_audit_discrepancies=self.num_audit_discrepancies,
             num_finished=dict(self.num_finished),
+            num_grammars_compiled=self.grammars.num_compiled,
+            num_structured_requests=self.num_structured_requests,
             weight_bytes=self.runner.weight_bytes,
             kv_cache_bytes=self.runner.kv_cache_bytes,
         )

@@ -27,6 +27,8 @@ class EngineStats:
     num_failed_steps: int = 0  # forward passes that raised (their requests ended with "error")
     num_audit_discrepancies: int = 0  # block-pool audit findings, since start
     num_stalled_aborts: int = 0  # streams aborted because their reader stopped reading (AsyncEngine)
+    num_grammars_compiled: int = 0  # structured-output grammars compiled, since start
+    num_structured_requests: int = 0  # requests under a grammar (hit rate: 1 - compiled / these)
     num_finished: dict[str, int] = field(default_factory=dict)  # finish_reason -> requests
     weight_bytes: int = 0  # model parameters resident, quantized weights as stored
     kv_cache_bytes: int = 0  # the KV pool, allocated at start

@@ -167,14 +167,13 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._cache: OrderedDict[StructuredOutput, CompiledGrammar] = OrderedDict()
         self._cache_size = cache_size
-        self.num_compiled = self.num_cache_hits = 0
+        self.num_compiled = 0
 
     def cached(self, spec: StructuredOutput) -> CompiledGrammar | None:
         with self._lock:
             compiled = self._cache.get(spec)
             if compiled is not None:
                 self._cache.move_to_end(spec)
-                self.num_cache_hits += 1
             return compiled
 
     def compile(self, spec: StructuredOutput) -> CompiledGrammar:

@@ -121,6 +121,12 @@ class _EngineCollector:
         yield CounterMetricFamily("pagedserve:num_stalled_aborts",
                                   "Streams aborted because their client stopped reading (KV blocks freed).",
                                   value=s.num_stalled_aborts)
+        yield CounterMetricFamily("pagedserve:num_grammars_compiled",
+                                  "Structured-output grammars compiled (each distinct schema, regex, choice or grammar).",
+                                  value=s.num_grammars_compiled)
+        yield CounterMetricFamily("pagedserve:num_structured_output_requests",
+                                  "Requests whose output was constrained by a grammar.",
+                                  value=s.num_structured_requests)
         yield GaugeMetricFamily("pagedserve:model_weight_bytes",
                                 "Bytes of model weights resident (quantized weights as stored).",
                                 value=s.weight_bytes)

@@ -148,6 +148,10 @@ def test_constrained_and_unconstrained_requests_share_batches(server, client):
     for text in results.values():
         jsonschema.validate(json.loads(text), SCHEMAS[3])
     server.wait_idle()
+    # Six requests, one schema: compiled once.
+    assert server.metric("pagedserve:num_structured_output_requests_total") >= 6
+    assert server.metric("pagedserve:num_grammars_compiled_total") < server.metric(
+        "pagedserve:num_structured_output_requests_total")
 
 
 def test_bad_grammars_are_400s_and_the_server_serves_on(server, client):
