@@ -121,10 +121,10 @@ def _spec(schema: dict) -> StructuredOutput:
 
 
 def chat_messages(body, tokenizer) -> tuple[list[dict], list[dict] | None]:
-    """(messages, tools) to render: the model's own template shows the tools when it can;
+    """(messages, tools) to render, for a chat or a /tokenize request: the model's own template shows the tools when it can;
     otherwise tools, past calls and results are written as text in the Hermes format."""
     messages = body.template_messages()
-    active = body.tools and body.tool_choice != "none"
+    active = body.tools and getattr(body, "tool_choice", None) != "none"
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if active else None
     has_tool_turns = any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
     if template_renders_tools(getattr(tokenizer, "chat_template", None)):

@@ -300,6 +300,10 @@ class TokenizeRequest(_Strict):
     add_special_tokens: bool = True  # for prompt
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_generation_prompt: bool = True  # for messages
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)  # for messages, rendered as chat would
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.template_message() for m in self.messages or ()]
 
 
 class DetokenizeRequest(_Strict):

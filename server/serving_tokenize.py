@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from server.cpu_work import check_prompt_chars
 from server.errors import invalid
 from server.protocol import DetokenizeRequest, TokenizeRequest, check_token_ids
+from server.guided import chat_messages
 from server.serving_chat import encode_chat
 from server.serving_common import parse_request
 
@@ -25,8 +26,8 @@ async def tokenize(request: Request) -> JSONResponse:
         tokens = await state.off_loop(engine.tokenizer.encode, body.prompt,
                                       add_special_tokens=body.add_special_tokens)
     else:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        tokens = await state.off_loop(encode_chat, engine.tokenizer, messages, body.add_generation_prompt,
+        messages, tools = chat_messages(body, engine.tokenizer)
+        tokens = await state.off_loop(encode_chat, engine.tokenizer, messages, body.add_generation_prompt, tools=tools,
                                       max_chars=state.max_prompt_chars, max_model_len=state.limits.max_model_len)
     return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": state.limits.max_model_len})
 

@@ -251,3 +251,15 @@ def test_auto_tool_choice_parses_what_the_model_wrote(client):
                                            extra_body={"guided_choice": ["no tools needed"]}).choices[0]
     assert plain.message.content == "no tools needed" and not plain.message.tool_calls
     assert plain.finish_reason == "stop"
+
+
+def test_tokenize_renders_tools_and_tool_turns_as_chat_does(server):
+    messages = [{"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"tz": "UTC"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
+    counted = server.http.post("/tokenize", json={"model": M, "messages": messages, "tools": [TIME]}).json()
+    chat = server.http.post(CHAT, json={"model": M, "messages": messages, "tools": [TIME], "max_tokens": 1}).json()
+    assert counted["count"] == chat["usage"]["prompt_tokens"]
+    text = server.http.post("/detokenize", json={"model": M, "tokens": counted["tokens"]}).json()["prompt"]
+    assert '"name": "get_time"' in text and "<tool_response>\n12:00\n</tool_response>" in text
