@@ -164,7 +164,8 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self._ll_tokenizer = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the cache: held for a lookup only (the event loop takes it)
+        self._tokenizer_lock = threading.Lock()  # held while the tokenizer view is built
         self._cache: OrderedDict[StructuredOutput, CompiledGrammar] = OrderedDict()
         self._cache_size = cache_size
         self.num_compiled = 0
@@ -197,7 +198,7 @@ class GrammarCompiler:
         return compiled
 
     def _tokenizer(self):
-        with self._lock:
+        with self._tokenizer_lock:
             if self._ll_tokenizer is None:
                 import llguidance.hf
 
