@@ -93,3 +93,29 @@ def test_configured_thread_count_holds_during_steps_and_the_callers_comes_back(l
         hook.remove()
     assert seen == [caller + 1] * 3
     assert torch.get_num_threads() == caller
+
+
+def test_a_one_token_step_carries_torchs_kernels_to_the_model_and_leaves_onednn_on(loaded, monkeypatch):
+    monkeypatch.setattr(threads, "onednn_takes", lambda dtype: True)  # as for bf16 on an AVX-512 / AMX CPU
+    seen = []  # (where, num_tokens or rows, the step's kernels, torch's switch at that moment)
+    hook = loaded.model.register_forward_pre_hook(
+        lambda module, args: seen.append(("forward", args[0].numel(), args[3].kernels, torch.backends.mkldnn.enabled))
+    )
+    compute_logits = loaded.model.compute_logits
+
+    def spy(hidden, kernels):
+        seen.append(("logits", hidden.shape[0], kernels, torch.backends.mkldnn.enabled))
+        return compute_logits(hidden, kernels)
+
+    monkeypatch.setattr(loaded.model, "compute_logits", spy)
+    try:
+        core = EngineCore(loaded, EngineConfig(block_size=8, num_kv_blocks=32))
+        core.add_request("a", [5, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        while core.has_unfinished:
+            core.step()
+    finally:
+        hook.remove()
+    torchs = StepKernels(onednn=False)
+    assert seen == [("forward", 3, StepKernels(), True), ("logits", 1, StepKernels(), True)] + [
+        ("forward", 1, torchs, True), ("logits", 1, torchs, True)
+    ] * 2
