@@ -25,8 +25,8 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from models.layers.linear import Linear, MergedLinear
-from models.layers.step_kernels import StepKernels
 from models.layers.mlp import GatedMLP
+from models.layers.step_kernels import StepKernels
 
 _TOPK_METHODS = {"softmax": ("greedy", "group_limited_greedy"), "sigmoid": ("noaux_tc",)}
 

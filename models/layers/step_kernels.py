@@ -30,7 +30,7 @@ def onednn_takes(dtype: torch.dtype) -> bool:
 
 @dataclass(frozen=True)
 class StepKernels:
-    onednn: bool = True
+    onednn: bool = True  # False: torch's own kernels for reduced-precision matmuls
 
     def matmul(self, op: Callable[..., torch.Tensor], *args) -> torch.Tensor:
         """op(*args), a matmul (F.linear, torch.bmm, torch.einsum), on the kernels this step chose.
