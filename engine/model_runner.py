@@ -21,6 +21,7 @@ from engine.step import RunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.threads import StepTuner, applied, candidate_settings
 from models.layers import cpu_kernels
 from models.layers.attention import AttentionMetadata
+from models.layers.step_kernels import DEFAULT_KERNELS, StepKernels
 
 logger = logging.getLogger(__name__)
 
@@ -47,9 +48,10 @@ class ModelRunner:
         self.kv_caches = self.kv_cache_spec.allocate(self.num_blocks, self.block_size, self.device)
         self.kv_cache_bytes = sum(c.numel() * c.element_size() for c in self.kv_caches)
         self.weight_bytes = loaded.weight_bytes
-        # CPU: intra-op threads (chosen by timing steps unless configured) and oneDNN (off
-        # for single-token steps), set for each step in whichever thread runs it and the
-        # caller's put back after (engine/threads.py).
+        # CPU: intra-op threads (chosen by timing steps unless configured), set for each
+        # step in whichever thread runs it and the caller's put back after, and the step's
+        # kernels (torch's own for single-token steps), passed to the model with the step
+        # (engine/threads.py).
         self.step_tuner = None
         if self.device.type == "cpu":
             cpu_kernels.available()  # build (or load) them now, not during the first request
@@ -83,19 +85,19 @@ class ModelRunner:
             return RunnerOutput()
         num_tokens = output.num_batched_tokens
         if self.step_tuner is None:
-            return self._execute(scheduled)
+            return self._execute(scheduled, DEFAULT_KERNELS)
         setting = self.step_tuner.choose(num_tokens)
         with applied(setting):
             start = time.perf_counter()
-            result = self._execute(scheduled)
+            result = self._execute(scheduled, setting.kernels)
             seconds = time.perf_counter() - start
         best = self.step_tuner.record(num_tokens, setting, seconds)
         if best is not None:
             logger.debug("steps of about %d tokens now run with %s", num_tokens, best)
         return result
 
-    def _execute(self, scheduled: list[ScheduledRequest]) -> RunnerOutput:
-        hidden = self._forward(scheduled)  # (num_tokens, hidden_size)
+    def _execute(self, scheduled: list[ScheduledRequest], kernels: StepKernels) -> RunnerOutput:
+        hidden = self._forward(scheduled, kernels)  # (num_tokens, hidden_size)
         ends, offset = [], 0
         for s in scheduled:
             offset += len(s.token_ids)
@@ -106,10 +108,10 @@ class ModelRunner:
         if len(samplers) < hidden.shape[0]:  # prefill chunks: only their last rows sample
             rows = torch.tensor([end for _, end in samplers], dtype=torch.int64, device=hidden.device)
             hidden = hidden[rows]  # (num_samplers, hidden_size)
-        logits = self.model.compute_logits(hidden)  # (num_samplers, vocab) float32
+        logits = self.model.compute_logits(hidden, kernels)  # (num_samplers, vocab) float32
         return self._sample(logits, [s for s, _ in samplers])
 
-    def _forward(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
+    def _forward(self, scheduled: list[ScheduledRequest], kernels: StepKernels) -> torch.Tensor:
         query_lens = [len(s.token_ids) for s in scheduled]
         seq_lens = [s.start_position + len(s.token_ids) for s in scheduled]
         positions = [p for s in scheduled for p in range(s.start_position, s.start_position + len(s.token_ids))]
@@ -118,7 +120,7 @@ class ModelRunner:
             [[t for s in scheduled for t in s.token_ids], positions], dtype=torch.int64, device=self.device
         )  # (2, num_tokens): input ids, positions
         meta = AttentionMetadata.build(
-            query_lens, seq_lens, [s.block_table for s in scheduled], self.block_size, self.device
+            query_lens, seq_lens, [s.block_table for s in scheduled], self.block_size, self.device, kernels
         )
         return self.model(inputs[0], inputs[1], self.kv_caches, meta)
 

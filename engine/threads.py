@@ -1,13 +1,15 @@
-"""How the thread that runs the model runs a step on CPU: oneDNN by step size, threads by timing.
+"""How a step runs on CPU: its kernels (oneDNN or not) by step size, its threads by timing.
 
   oneDNN            torch sends bf16/fp16 matmuls to oneDNN. For a single row (a step of
                     one decode: every weight read once for one token) torch's own
                     reduced-precision gemv, used with oneDNN off, is faster: forward +
                     logits of one decode 48.7 -> 23.7 ms on a Zen 4 core pair; from 2 rows
-                    on oneDNN wins (8 rows: 49 vs 138 ms). So single-token steps run with
-                    oneDNN off, always: a choice by timing would switch kernels between
+                    on oneDNN wins (8 rows: 49 vs 138 ms). So single-token steps run on
+                    torch's kernels, always: a choice by timing would switch kernels between
                     steps, and with them the rounding of bf16 results, so that one seeded
-                    request could sample differently from one run to the next.
+                    request could sample differently from one run to the next. The choice
+                    is a StepKernels that the step carries to the layers
+                    (models/layers/step_kernels.py), not a switch of torch's.
   intra-op threads  On a quiet machine a step is fastest with every core in torch's
                     OpenMP team. On a busy one (other processes, or our own event loop and
                     a load generator on the same box) a team thread is often descheduled,
@@ -35,10 +37,12 @@ from typing import Callable, Iterator, NamedTuple
 
 import torch
 
+from models.layers.step_kernels import DEFAULT_KERNELS, StepKernels, onednn_takes
+
 
 class StepSetting(NamedTuple):
     num_threads: int
-    onednn: bool = True  # False: reduced-precision matmuls use torch's own kernels
+    kernels: StepKernels = DEFAULT_KERNELS  # what the layers run; goes with the step's metadata
 
 
 def candidate_settings(
@@ -46,31 +50,28 @@ def candidate_settings(
 ) -> Callable[[int], tuple[StepSetting, ...]]:
     """The settings worth timing for a step of `num_tokens` tokens, most threads first."""
     counts = (fixed_threads,) if fixed_threads is not None else tuple(sorted({cores, max(cores - 1, 1)}, reverse=True))
-    onednn_matters = dtype in (torch.bfloat16, torch.float16) and torch.backends.mkldnn.is_available()
+    single_token = StepKernels(onednn=False) if onednn_takes(dtype) else DEFAULT_KERNELS
 
     def candidates(num_tokens: int) -> tuple[StepSetting, ...]:
-        onednn = not (num_tokens == 1 and onednn_matters)
-        return tuple(StepSetting(n, onednn) for n in counts)
+        kernels = single_token if num_tokens == 1 else DEFAULT_KERNELS
+        return tuple(StepSetting(n, kernels) for n in counts)
 
     return candidates
 
 
 @contextmanager
 def applied(setting: StepSetting) -> Iterator[None]:
-    """Run the block with `setting`, then put the caller's back. The thread count is per
-    thread; the oneDNN switch is process-wide, which is fine: only this thread runs models."""
-    threads, onednn = torch.get_num_threads(), torch.backends.mkldnn.enabled
+    """Run the block with the setting's thread count, then put the caller's back. torch
+    keeps the count per thread, so it is set around the step, not passed to the layers
+    (as the setting's kernels are)."""
+    threads = torch.get_num_threads()
     if setting.num_threads != threads:
         torch.set_num_threads(setting.num_threads)
-    if setting.onednn != onednn:
-        torch.backends.mkldnn.enabled = setting.onednn
     try:
         yield
     finally:
         if setting.num_threads != threads:  # torch's count is also the default of new threads
             torch.set_num_threads(threads)
-        if setting.onednn != onednn:
-            torch.backends.mkldnn.enabled = onednn
 
 
 class StepTuner:

@@ -1,36 +1,108 @@
-"""What every model class shares: the interface the loader and the runner use.
+"""The one interface of every model class, and the decoder stack they share.
 
-    forward(input_ids, positions, kv_caches, attn_metadata) -> hidden (num_tokens, hidden_size)
-    compute_logits(hidden) -> (num_rows, vocab_size) float32
+    model(input_ids, positions, kv_caches, attn_metadata) -> hidden (num_tokens, hidden_size)
+    compute_logits(hidden, kernels) -> (num_rows, vocab_size) float32
     kv_cache_spec(dtype) -> KVCacheSpec           what one token stores per layer
     load_weights(weights) -> set of parameter names filled
 
-Subclasses build `self.model` (with `embed_tokens`, an Embedding) and `self.lm_head` (a
-Linear, or None when the checkpoint ties it to the embedding). Both are Linear layers
-underneath, so a quantized checkpoint's embedding and logits run through the same
-per-layer method as every other projection (models/layers/quantization.py).
+The runner calls nothing else; the loader builds a model as `cls(hf_config, max_model_len)`
+and fills it through load_weights. A model class says only how to build one decoder layer
+(and, if its checkpoints need it, how to load their special tensors); the rest is here:
+
+    model.embed_tokens -> [ layer(rope, x, kv_cache, attn_metadata) ] * num_layers -> model.norm
+    lm_head, or the embedding when the checkpoint ties them
+
+Every decoder layer takes the same arguments: `rope` is the (cos, sin) of the step's
+positions, gathered once per step for all layers (RotaryEmbedding.cos_sin); each layer's
+attention (`self_attn`) declares what it stores per token (`kv_entry_shape`).
+The embedding and lm_head are Linear layers underneath, so a quantized checkpoint's
+embedding and logits run through the same per-layer method as every other projection
+(models/layers/quantization.py).
 """
 from __future__ import annotations
+
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
-from models.layers.linear import Linear
+from models.layers.attention import AttentionMetadata, KVCacheSpec
+from models.layers.linear import Embedding, Linear, load_hf_weights
+from models.layers.norm import RMSNorm
+from models.layers.rope import RotaryEmbedding
+from models.layers.step_kernels import DEFAULT_KERNELS, StepKernels
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm: x += self_attn(norm(x)); x += mlp(norm(x)). A model's layer class builds
+    these four modules; its attention and MLP read the step's kernels from attn_metadata."""
+
+    input_layernorm: RMSNorm
+    self_attn: nn.Module
+    post_attention_layernorm: RMSNorm
+    mlp: nn.Module
+
+    def forward(
+        self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, attn_metadata)
+        return x + self.mlp(self.post_attention_layernorm(x), attn_metadata.kernels)
+
+
+class DecoderModel(nn.Module):
+    """The stack under HF's `model.` prefix: embedding, decoder layers, final norm."""
+
+    def __init__(self, hf_config, rotary_emb: RotaryEmbedding, make_layer: Callable[[int], DecoderLayer]):
+        super().__init__()
+        self.embed_tokens = Embedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.rotary_emb = rotary_emb  # one cos/sin table; the layers' attention holds it too
+        self.layers = nn.ModuleList(make_layer(i) for i in range(hf_config.num_hidden_layers))
+        self.norm = RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # (num_tokens, hidden_size)
+        rope = self.rotary_emb.cos_sin(positions, x.dtype)  # once per step, not once per layer
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(rope, x, kv_cache, attn_metadata)
+        return self.norm(x)
 
 
 class CausalLM(nn.Module):
-    model: nn.Module
+    model: DecoderModel
     lm_head: Linear | None
 
-    def init_lm_head(self, hf_config) -> None:
+    def __init__(self, hf_config, rotary_emb: RotaryEmbedding, make_layer: Callable[[int], DecoderLayer]):
+        super().__init__()
+        self.hf_config = hf_config
+        self.model = DecoderModel(hf_config, rotary_emb, make_layer)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         # Tied: logits reuse the embedding's storage; a second Parameter sharing it would
         # come apart when the loader moves the model off the meta device.
         self.lm_head = None if self.tie_word_embeddings else Linear(hf_config.hidden_size, hf_config.vocab_size)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions: (num_tokens,) -> hidden states (num_tokens, hidden_size)."""
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor, kernels: StepKernels = DEFAULT_KERNELS) -> torch.Tensor:
+        """hidden (num_rows, hidden_size), on the step's kernels -> float32 logits."""
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return head.linear(hidden).float()  # (num_rows, vocab_size)
+        return head.linear(hidden, kernels).float()  # (num_rows, vocab_size)
+
+    def kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec:
+        """What one token stores per layer, as the layers' attention declares it."""
+        return KVCacheSpec(len(self.model.layers), self.model.layers[0].self_attn.kv_entry_shape, dtype)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors in; returns the parameter names fully loaded."""
+        return load_hf_weights(self, weights, self.skips_weight)
 
     def skips_weight(self, name: str) -> bool:
         """Checkpoint tensors that are not parameters: old checkpoints store RoPE's inv_freq;

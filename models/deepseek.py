@@ -18,9 +18,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from models.layers.attention import AttentionMetadata, KVCacheSpec
-from models.causal_lm import CausalLM
-from models.layers.linear import Embedding, load_hf_weights
+from models.causal_lm import CausalLM, DecoderLayer
+from models.layers.linear import load_hf_weights
 from models.layers.mla import MLAttention
 from models.layers.mlp import GatedMLP
 from models.layers.moe import MoE, RouterConfig
@@ -40,7 +39,7 @@ def is_moe_layer(hf_config, layer_idx: int) -> bool:
     return bool(hf_config.n_routed_experts) and layer_idx >= hf_config.first_k_dense_replace and layer_idx % freq == 0
 
 
-class DecoderLayer(nn.Module):
+class DeepseekDecoderLayer(DecoderLayer):
     def __init__(self, hf_config, layer_idx: int, rotary_emb: RotaryEmbedding, router_config: RouterConfig | None):
         super().__init__()
         c = hf_config
@@ -52,64 +51,26 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
 
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class DeepseekModel(nn.Module):
-    def __init__(self, hf_config, rotary_emb: RotaryEmbedding, router_config: RouterConfig | None):
-        super().__init__()
-        c = hf_config
-        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(c, i, rotary_emb, router_config) for i in range(c.num_hidden_layers)
-        )
-        self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
-
 
 class _DeepseekForCausalLM(CausalLM):
     # (scoring, topk_method) when config.json does not name them; see moe.py.
     router_defaults: tuple[str, str]
 
     def __init__(self, hf_config, max_model_len: int):
-        super().__init__()
         c = hf_config
         if c.q_lora_rank is not None and c.q_lora_rank < 1:
             raise ValueError(f"q_lora_rank must be None or >= 1, got {c.q_lora_rank}")
         if min(c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim) < 1:
             raise ValueError("kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim and v_head_dim must be >= 1")
-        self.hf_config = c
         router_config = RouterConfig.from_hf(c, *self.router_defaults) if c.n_routed_experts else None
-        # The loader builds the model on the meta device; the cos/sin table is a plain
-        # attribute it would not fill in, so it is built on a real device.
-        with torch.device("cpu"):
-            rotary_emb = RotaryEmbedding(c, max_model_len, interleaved=self.rope_interleaved(c))
-        self.model = DeepseekModel(c, rotary_emb, router_config)
-        self.init_lm_head(c)
+        rotary_emb = RotaryEmbedding(c, max_model_len, interleaved=self.rope_interleaved(c))
+        super().__init__(
+            c, rotary_emb, lambda layer_idx: DeepseekDecoderLayer(c, layer_idx, rotary_emb, router_config)
+        )
 
     @staticmethod
     def rope_interleaved(hf_config) -> bool:
         raise NotImplementedError
-
-    def kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec:
-        # One compressed latent + rotated k_pe per token, shared by all heads.
-        entry = self.hf_config.kv_lora_rank + self.hf_config.qk_rope_head_dim
-        return KVCacheSpec(num_layers=len(self.model.layers), entry_shape=(entry,), dtype=dtype)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)  # (T, hidden)
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(positions, x, kv_cache, attn_metadata)
-        return self.model.norm(x)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors in; returns the parameter names fully loaded.
@@ -141,7 +102,7 @@ class _DeepseekForCausalLM(CausalLM):
                 return True
             return False
 
-        plain = ((n, t) for n, t in weights if not self._ignored(n) and not load_special(n, t))
+        plain = ((n, t) for n, t in weights if not self.skips_weight(n) and not load_special(n, t))
         loaded |= load_hf_weights(self, plain)
         return loaded
 
@@ -151,8 +112,8 @@ class _DeepseekForCausalLM(CausalLM):
         except AttributeError:
             raise ValueError(f"tensor {name!r} does not belong to this model") from None
 
-    def _ignored(self, name: str) -> bool:
-        if self.skips_weight(name):
+    def skips_weight(self, name: str) -> bool:
+        if super().skips_weight(name):
             return True
         # V3 checkpoints append multi-token-prediction layers after the last decoder layer.
         m = _LAYER_INDEX.match(name)

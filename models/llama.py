@@ -12,14 +12,12 @@ gate/up -> `gate_up_proj`, each one matmul (see models/layers/linear.py).
 """
 from __future__ import annotations
 
-from typing import Iterable
-
 import torch
 from torch import nn
 
-from models.layers.attention import AttentionMetadata, KVCacheSpec, paged_attention
-from models.causal_lm import CausalLM
-from models.layers.linear import Embedding, Linear, MergedLinear, load_hf_weights
+from models.causal_lm import CausalLM, DecoderLayer
+from models.layers.attention import AttentionMetadata, paged_attention
+from models.layers.linear import Linear, MergedLinear
 from models.layers.mlp import GatedMLP
 from models.layers.norm import RMSNorm
 from models.layers.rope import RotaryEmbedding
@@ -64,6 +62,11 @@ class LlamaAttention(nn.Module):
             )
         self.rotary_emb = rotary_emb  # shared by all layers; holds no parameters
 
+    @property
+    def kv_entry_shape(self) -> tuple[int, ...]:
+        """What one token stores in this layer's cache: K and V for each KV head."""
+        return (2, self.num_kv_heads, self.head_dim)
+
     def forward(
         self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
@@ -71,7 +74,8 @@ class LlamaAttention(nn.Module):
         """rope: (cos, sin) of the step's positions from RotaryEmbedding.cos_sin, shared by all layers."""
         num_tokens = x.shape[0]
         H, Hk = self.num_heads, self.num_kv_heads
-        qkv = self.qkv_proj(x).view(num_tokens, H + 2 * Hk, self.head_dim)  # (num_tokens, H + 2 Hk, head_dim)
+        kernels = attn_metadata.kernels
+        qkv = self.qkv_proj(x, kernels).view(num_tokens, H + 2 * Hk, self.head_dim)  # (num_tokens, H + 2 Hk, head_dim)
         if self.qk_norm:
             qk = torch.cat((self.q_norm(qkv[:, :H]), self.k_norm(qkv[:, H : H + Hk])), dim=1)
         else:
@@ -79,10 +83,10 @@ class LlamaAttention(nn.Module):
         # q and k heads are adjacent in the qkv output: rotate them in one pass.
         qk = self.rotary_emb.rotate(qk, *rope)  # (num_tokens, H + Hk, head_dim)
         out = paged_attention(qk[:, :H], qk[:, H:], qkv[:, H + Hk :], kv_cache, attn_metadata, self.scale)
-        return self.o_proj(out.reshape(num_tokens, H * self.head_dim))  # (num_tokens, H * head_dim)
+        return self.o_proj(out.reshape(num_tokens, H * self.head_dim), kernels)  # (num_tokens, H * head_dim)
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(DecoderLayer):
     def __init__(self, config, rotary_emb: RotaryEmbedding):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -91,53 +95,8 @@ class LlamaDecoderLayer(nn.Module):
         mlp_bias = bool(getattr(config, "mlp_bias", False))
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, bias=mlp_bias)
 
-    def forward(self, rope, x, kv_cache, attn_metadata) -> torch.Tensor:
-        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, attn_metadata)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class LlamaModel(nn.Module):
-    def __init__(self, config, max_model_len: int):
-        super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        # The loader builds the model on the meta device; the cos/sin table is a plain
-        # attribute (not a parameter it would fill in), so build it on a real device.
-        with torch.device("cpu"):
-            self.rotary_emb = RotaryEmbedding(config, max_model_len)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, self.rotary_emb) for _ in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def forward(self, input_ids, positions, kv_caches, attn_metadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # (num_tokens, hidden_size)
-        rope = self.rotary_emb.cos_sin(positions, x.dtype)  # once per step, not once per layer
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(rope, x, kv_cache, attn_metadata)
-        return self.norm(x)
-
 
 class LlamaForCausalLM(CausalLM):
     def __init__(self, hf_config, max_model_len: int):
-        super().__init__()
-        self.config = hf_config
-        self.model = LlamaModel(hf_config, max_model_len)
-        self.init_lm_head(hf_config)
-
-    def kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec:
-        attn = self.model.layers[0].self_attn
-        return KVCacheSpec(len(self.model.layers), (2, attn.num_kv_heads, attn.head_dim), dtype)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        """input_ids, positions: (num_tokens,) -> hidden states (num_tokens, hidden_size)."""
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy HF-named tensors in; returns the parameter names fully loaded."""
-        return load_hf_weights(self, weights, self.skips_weight)
+        rotary_emb = RotaryEmbedding(hf_config, max_model_len)
+        super().__init__(hf_config, rotary_emb, lambda layer_idx: LlamaDecoderLayer(hf_config, rotary_emb))

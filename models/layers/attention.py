@@ -1,5 +1,5 @@
 """Paged attention in plain PyTorch: the runner builds `AttentionMetadata` once per
-step, every layer reuses it.
+step, every layer reuses it (and reads the step's choice of kernels from it).
 
 The KV cache of one layer is a tensor of shape (num_blocks, block_size, *entry_shape);
 flattened, slot `s = block_id * block_size + offset` holds one token's entry.
@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from models.layers import cpu_kernels
+from models.layers.step_kernels import DEFAULT_KERNELS, StepKernels
 
 
 @dataclass(frozen=True)
@@ -94,11 +95,13 @@ class AttentionGroup:
 
 @dataclass
 class AttentionMetadata:
-    """Everything attention needs for one step. Built by the runner, read by every layer."""
+    """Everything the layers need for one step: where attention reads and writes, and
+    which kernels the matmuls run on. Built by the runner, read by every layer."""
 
     slot_mapping: torch.Tensor  # (num_tokens,) int64 cache slot that each new token's K/V is written to
     groups: list[AttentionGroup]
     num_tokens: int
+    kernels: StepKernels = DEFAULT_KERNELS
 
     @classmethod
     def build(
@@ -108,6 +111,7 @@ class AttentionMetadata:
         block_tables: list[list[int]],
         block_size: int,
         device: torch.device | str = "cpu",
+        kernels: StepKernels = DEFAULT_KERNELS,
     ) -> "AttentionMetadata":
         """query_lens[i] new tokens of sequence i sit at the end of its seq_lens[i] tokens.
 
@@ -144,7 +148,7 @@ class AttentionMetadata:
                          device)
             for k in kinds
         ]
-        return cls(slot_mapping=slot_mapping.to(device), groups=groups, num_tokens=num_tokens)
+        return cls(slot_mapping=slot_mapping.to(device), groups=groups, num_tokens=num_tokens, kernels=kernels)
 
 
 def _build_group(idx, token_in_group, seq, query_no, q_lens, s_lens, tables, block_size, device):
@@ -298,29 +302,17 @@ def _decode(queries: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup
     """queries (n, 1, num_heads, head_dim) -> (n, 1, num_heads, head_dim).
 
     The query heads sharing a KV head become the rows of one small matmul per
-    (KV head, sequence), so GQA needs no repeated keys.
+    (KV head, sequence), so GQA needs no repeated keys. These run on oneDNN whatever the
+    step's kernels (meta.kernels): for many tiny batched products it stays the faster.
     """
     n, _, num_heads, head_dim = queries.shape
     kv = _gather_planes(kv_cache, group).to(queries.dtype)  # (2, Hk, n, max_kv, D)
     num_kv_heads = kv.shape[1]
     rows = queries.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)  # (Hk, n, G, D)
     # matmul over (Hk, n) batch dims that cannot be merged is ~1.5x slower than copying the rows.
-    scores = _small_matmul(rows.contiguous(), kv[0].transpose(-1, -2))  # (Hk, n, G, max_kv)
+    scores = torch.matmul(rows.contiguous(), kv[0].transpose(-1, -2))  # (Hk, n, G, max_kv)
     # bias + scale * scores in float32: masked keys get exactly zero weight.
     probs = torch.add(group.bias, scores, alpha=scale).softmax(dim=-1).to(queries.dtype)
-    out = _small_matmul(probs, kv[1])  # (Hk, n, G, D)
+    out = torch.matmul(probs, kv[1])  # (Hk, n, G, D)
     return out.transpose(0, 1).reshape(n, 1, num_heads, head_dim)
 
-
-def _small_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """torch.matmul with oneDNN on. The runner switches oneDNN off for single-token bf16
-    steps on CPU (engine/threads.py), where torch's own gemv reads the weights faster; for
-    these many tiny batched products oneDNN stays faster (bf16, 3 x 64 @ 64 x 256 per KV
-    head: 32 and 29 us with it, 55 and 91 us without)."""
-    if torch.backends.mkldnn.enabled or a.device.type != "cpu":
-        return torch.matmul(a, b)
-    torch.backends.mkldnn.enabled = True
-    try:
-        return torch.matmul(a, b)
-    finally:
-        torch.backends.mkldnn.enabled = False

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.layers.quantization import DENSE, LinearMethod, QuantizedWeight
+from models.layers.step_kernels import DEFAULT_KERNELS, StepKernels, onednn_takes
 
 
 class Linear(nn.Module):
@@ -53,9 +54,10 @@ class Linear(nn.Module):
             method.create_weights(self, self.out_features, self.in_features)
         self.quant_method = method
 
-    def linear(self, x: torch.Tensor) -> torch.Tensor:
-        """x W^T + b; `forward` too, except for an Embedding, whose forward looks rows up."""
-        return self.quant_method.apply(self, x, self.bias)
+    def linear(self, x: torch.Tensor, kernels: StepKernels = DEFAULT_KERNELS) -> torch.Tensor:
+        """x W^T + b on the step's `kernels` (AttentionMetadata.kernels); `forward` too,
+        except for an Embedding, whose forward looks rows up."""
+        return self.quant_method.apply(self, x, self.bias, kernels)
 
     forward = linear
 
@@ -84,12 +86,7 @@ class Embedding(Linear):
 
 
 def can_pack_weights(dtype: torch.dtype, device: torch.device | str) -> bool:
-    return (
-        torch.device(device).type == "cpu"
-        and dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    )
+    return torch.device(device).type == "cpu" and dtype == torch.bfloat16 and onednn_takes(dtype)
 
 
 def pack_linear_weights(model: nn.Module, keep_plain: bool = False) -> int:

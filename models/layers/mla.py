@@ -30,6 +30,7 @@ from models.layers.attention import AttentionMetadata, gather_kv, pad_queries, u
 from models.layers.linear import Linear
 from models.layers.norm import RMSNorm
 from models.layers.rope import RotaryEmbedding
+from models.layers.step_kernels import StepKernels
 
 
 def yarn_mscale(scale: float, mscale: float) -> float:
@@ -79,6 +80,11 @@ class MLAttention(nn.Module):
         self.rotary_emb = rotary_emb  # shared by all layers: one cos/sin table
         self.scale = mla_softmax_scale(c)
 
+    @property
+    def kv_entry_shape(self) -> tuple[int, ...]:
+        """What one token stores in this layer's cache: a latent shared by all heads."""
+        return (self.kv_lora_rank + self.qk_rope_head_dim,)
+
     @torch.no_grad()
     def load_kv_b_proj(self, weight: torch.Tensor) -> None:
         """Split kv_b_proj.weight (num_heads * (nope + v), L) into W_UK and W_UV."""
@@ -91,34 +97,41 @@ class MLAttention(nn.Module):
         self.w_uv.copy_(w_uv)
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+        self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """x (T, hidden) -> (T, hidden). kv_cache: (num_blocks, block_size, L + R)."""
+        """x (T, hidden) -> (T, hidden). kv_cache: (num_blocks, block_size, L + R); rope:
+        (cos, sin) of the step's positions from RotaryEmbedding.cos_sin, shared by all layers."""
         num_tokens = x.shape[0]
         H, L = self.num_heads, self.kv_lora_rank
+        kernels = meta.kernels
         if self.q_lora_rank is None:
-            q = self.q_proj(x)
+            q = self.q_proj(x, kernels)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x, kernels)), kernels)
         q = q.view(num_tokens, H, self.qk_nope_head_dim + self.qk_rope_head_dim)  # (T, H, nope + R)
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
 
-        latent, k_pe = self.kv_a_proj_with_mqa(x).split([L, self.qk_rope_head_dim], dim=-1)  # (T, L), (T, R)
+        latent, k_pe = self.kv_a_proj_with_mqa(x, kernels).split([L, self.qk_rope_head_dim], dim=-1)  # (T, L), (T, R)
         latent = self.kv_a_layernorm(latent)
         # k_pe is one rotary "head" shared by all query heads.
-        q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe.unsqueeze(1))  # (T, H, R), (T, 1, R)
+        q_pe = self.rotary_emb.rotate(q_pe, *rope)  # (T, H, R)
+        k_pe = self.rotary_emb.rotate(k_pe.unsqueeze(1), *rope)  # (T, 1, R)
         write_kv(kv_cache, torch.cat([latent, k_pe.squeeze(1)], dim=-1), meta.slot_mapping)  # entries (T, L + R)
 
-        q_latent = torch.einsum("thd,hdl->thl", q_nope, self.w_uk)  # (T, H, L)
+        q_latent = kernels.matmul(torch.einsum, "thd,hdl->thl", q_nope, self.w_uk)  # (T, H, L)
         query = torch.cat([q_latent, q_pe], dim=-1)  # (T, H, L + R), laid out like a cache entry
         out_latent = query.new_empty(num_tokens, H, L)
         for group in meta.groups:
-            out = self._attend(pad_queries(query, group), gather_kv(kv_cache, group).to(query.dtype), group.mask)
+            entries = gather_kv(kv_cache, group).to(query.dtype)
+            out = self._attend(pad_queries(query, group), entries, group.mask, kernels)
             unpad_into(out_latent, out, group)
-        out = torch.einsum("thl,hvl->thv", out_latent, self.w_uv)  # (T, H, v)
-        return self.o_proj(out.reshape(num_tokens, H * self.v_head_dim))  # (T, H * v) -> (T, hidden)
+        out = kernels.matmul(torch.einsum, "thl,hvl->thv", out_latent, self.w_uv)  # (T, H, v)
+        return self.o_proj(out.reshape(num_tokens, H * self.v_head_dim), kernels)  # (T, H * v) -> (T, hidden)
 
-    def _attend(self, queries: torch.Tensor, entries: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _attend(
+        self, queries: torch.Tensor, entries: torch.Tensor, mask: torch.Tensor, kernels: StepKernels
+    ) -> torch.Tensor:
         """queries (n, max_q, H, L + R), entries (n, max_kv, L + R), mask (n, 1, max_q, max_kv)
         -> out_latent (n, max_q, H, L).
 
@@ -127,10 +140,10 @@ class MLAttention(nn.Module):
         """
         n, max_q, H, D = queries.shape
         rows = queries.reshape(n, max_q * H, D)  # (n, max_q * H, L + R)
-        scores = torch.bmm(rows, entries.transpose(1, 2)) * self.scale  # (n, max_q * H, max_kv)
+        scores = kernels.matmul(torch.bmm, rows, entries.transpose(1, 2)) * self.scale  # (n, max_q * H, max_kv)
         scores = scores.view(n, max_q, H, -1)  # (n, max_q, H, max_kv)
         scores = scores.masked_fill(~mask.transpose(1, 2), float("-inf"))  # mask as (n, max_q, 1, max_kv)
         probs = scores.softmax(dim=-1, dtype=torch.float32).to(queries.dtype)
         c_kv = entries[..., : self.kv_lora_rank]  # (n, max_kv, L): the latent is also the value
-        out = torch.bmm(probs.view(n, max_q * H, -1), c_kv)  # (n, max_q * H, L)
+        out = kernels.matmul(torch.bmm, probs.view(n, max_q * H, -1), c_kv)  # (n, max_q * H, L)
         return out.view(n, max_q, H, self.kv_lora_rank)  # (n, max_q, H, L)

@@ -7,6 +7,7 @@ from transformers.activations import ACT2FN
 
 from models.layers import cpu_kernels
 from models.layers.linear import Linear, MergedLinear
+from models.layers.step_kernels import StepKernels
 
 
 class GatedMLP(nn.Module):
@@ -21,8 +22,9 @@ class GatedMLP(nn.Module):
         self.act_fn = ACT2FN[hidden_act]
         self.is_silu = hidden_act == "silu"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kernels: StepKernels) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x, kernels)  # (num_tokens, 2 * intermediate_size)
         if self.is_silu and cpu_kernels.usable(x):
-            return self.down_proj(cpu_kernels.silu_and_mul(self.gate_up_proj(x)))
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))  # each (num_tokens, intermediate_size)
-        return self.down_proj(self.act_fn(gate) * up)
+            return self.down_proj(cpu_kernels.silu_and_mul(gate_up), kernels)
+        gate, up = self.gate_up_proj.split(gate_up)  # each (num_tokens, intermediate_size)
+        return self.down_proj(self.act_fn(gate) * up, kernels)

@@ -26,6 +26,7 @@ from transformers.activations import ACT2FN
 
 from models.layers.linear import Linear, MergedLinear
 from models.layers.mlp import GatedMLP
+from models.layers.step_kernels import StepKernels
 
 _TOPK_METHODS = {"softmax": ("greedy", "group_limited_greedy"), "sigmoid": ("noaux_tc",)}
 
@@ -182,7 +183,9 @@ class Experts(nn.Module):
             loaded += [f"{'gate_up' if proj == 'gate_up_proj' else 'down'}.{expert}.{n}" for n in layer.weight_param_names()]
         return loaded
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, kernels: StepKernels
+    ) -> torch.Tensor:
         """x (T, hidden), weights/expert_ids (T, top_k) -> weighted sum of the chosen experts (T, hidden).
 
         The T * top_k (token, expert) pairs are sorted by expert so that each expert runs
@@ -203,8 +206,8 @@ class Experts(nn.Module):
             if count == 0:
                 continue
             rows = slice(start, start + count)
-            gate, up = self.gate_up[expert](pairs_in[rows]).chunk(2, dim=-1)  # (count, inter) each
-            pairs_out[rows] = self.down[expert](self.act_fn(gate) * up)
+            gate, up = self.gate_up[expert](pairs_in[rows], kernels).chunk(2, dim=-1)  # (count, inter) each
+            pairs_out[rows] = self.down[expert](self.act_fn(gate) * up, kernels)
             start += count
         pairs_out *= weights.flatten()[order, None].to(pairs_out.dtype)
         return torch.zeros_like(x).index_add_(0, token_of_pair, pairs_out)
@@ -226,9 +229,9 @@ class MoE(nn.Module):
             else None
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, expert_ids = self.gate(x)
-        out = self.experts(x, weights, expert_ids)
+    def forward(self, x: torch.Tensor, kernels: StepKernels) -> torch.Tensor:
+        weights, expert_ids = self.gate(x)  # float32 logits: no reduced-precision matmul to choose for
+        out = self.experts(x, weights, expert_ids, kernels)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+            out = out + self.shared_experts(x, kernels)
         return out

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.layers import cpu_kernels
+from models.layers.step_kernels import StepKernels
 
 BLOCK = 32  # the quantized kernels' unit along K
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
@@ -127,7 +128,10 @@ class LinearMethod:
     def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None:
         raise NotImplementedError
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, kernels: StepKernels
+    ) -> torch.Tensor:
+        """x W^T + b on the kernels the step chose (models/layers/step_kernels.py)."""
         raise NotImplementedError
 
     def load(self, layer: nn.Module, rows: slice, weight: torch.Tensor | QuantizedWeight, name: str) -> None:
@@ -155,15 +159,15 @@ class DenseMethod(LinearMethod):
     def create_weights(self, layer, out_features, in_features):
         layer.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
 
-    def apply(self, layer, x, bias):
+    def apply(self, layer, x, bias, kernels):
         packed = layer.packed_weight
         if packed is None and layer.weight.is_mkldnn:
             packed = layer.weight
-        # One row with oneDNN switched off (the runner does that for single-token steps,
-        # engine/threads.py): torch's own gemv over the plain weight, when one is kept.
-        if packed is not None and (packed is layer.weight or x.shape[0] > 1 or torch.backends.mkldnn.enabled):
+        # One row in a step on torch's kernels (the runner chooses them for single-token
+        # steps, engine/threads.py): torch's own gemv over the plain weight, when one is kept.
+        if packed is not None and (packed is layer.weight or x.shape[0] > 1 or kernels.onednn):
             return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-        return F.linear(x, layer.weight, bias)
+        return kernels.matmul(F.linear, x, layer.weight, bias)
 
     def load(self, layer, rows, weight, name):
         dst = layer.weight[rows]
@@ -219,19 +223,21 @@ class QuantMethod(LinearMethod):
     def _stored(self, layer) -> QuantizedWeight:
         return QuantizedWeight(self.bits, layer.qweight, layer.scales, getattr(layer, "mins", None), layer.in_features)
 
-    def apply(self, layer, x, bias):
+    def apply(self, layer, x, bias, kernels):
         if x.device.type == "cpu" and cpu_kernels.available() and x.dim() == 2:
+            # By this product's rows, not the step's: the logits of a long prefill multiply
+            # one row, a routed expert a few.
             if x.shape[0] >= cpu_kernels.dequantize_rows():
                 weight = cpu_kernels.dequantize_weight(
                     layer.qweight, layer.scales, getattr(layer, "mins", None), self.bits,
                     layer.in_features // layer.scales.shape[1],
                 )
-                return F.linear(x, weight.to(x.dtype), bias)
+                return kernels.matmul(F.linear, x, weight.to(x.dtype), bias)
             return cpu_kernels.quant_linear(
                 x, layer.qweight, layer.scales, getattr(layer, "mins", None), bias, self.bits,
                 layer.in_features // layer.scales.shape[1], self.quantize_input,
             )
-        return F.linear(x, self.dense_weight(layer).to(x.dtype), bias)
+        return kernels.matmul(F.linear, x, self.dense_weight(layer).to(x.dtype), bias)
 
     def load(self, layer, rows, weight, name):
         expected = (len(range(*rows.indices(layer.out_features))), layer.in_features)

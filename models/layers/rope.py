@@ -46,8 +46,8 @@ class RotaryEmbedding(nn.Module):
     `interleaved=True` rotates adjacent pairs (x0, x1), (x2, x3), ... as DeepSeek's
     checkpoints expect; otherwise the two halves of the head are paired (Llama).
 
-    A model with many layers gathers `cos_sin(positions)` once per step and calls
-    `rotate` in each layer, instead of indexing the table 2 * num_layers times.
+    The model gathers `cos_sin(positions)` once per step (models/causal_lm.py) and each
+    layer calls `rotate`, instead of indexing the table 2 * num_layers times.
     """
 
     def __init__(self, config, max_positions: int, interleaved: bool = False):
@@ -75,10 +75,6 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos[positions].to(dtype)[:, None, :]  # (num_tokens, 1, rotary_dim)
         sin = self.signed_sin[positions].to(dtype)[:, None, :]
         return cos, sin
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin(positions, q.dtype)
-        return self.rotate(q, cos, sin), self.rotate(k, cos, sin)
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x (num_tokens, num_heads, rotary_dim) with cos/sin from `cos_sin`."""

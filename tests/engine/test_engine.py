@@ -196,8 +196,8 @@ class ExplodingModel:
             raise RuntimeError("injected forward failure")
         return self.model(*args)
 
-    def compute_logits(self, hidden):
-        return self.model.compute_logits(hidden)
+    def compute_logits(self, hidden, kernels):
+        return self.model.compute_logits(hidden, kernels)
 
 
 def test_every_block_returns_after_finish_abort_preemption_and_failures(loaded):

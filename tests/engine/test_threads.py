@@ -1,12 +1,15 @@
 """Step settings: the tuner follows whichever thread count runs steps faster; a fixed count
-holds; oneDNN is switched off around single-token reduced-precision steps, always."""
+holds; single-token reduced-precision steps run on torch's own kernels, always, and that
+choice reaches the model with the step, not through torch's process-wide oneDNN switch."""
 import pytest
 import torch
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.request import SamplingParams
+from engine import threads
 from engine.threads import StepSetting, StepTuner, applied, candidate_settings
+from models.layers.step_kernels import StepKernels
 
 TWO, ONE = StepSetting(2), StepSetting(1)
 
@@ -39,27 +42,31 @@ def test_tuner_moves_when_the_machine_changes_and_steps_of_other_sizes_are_apart
     assert run(tuner, {TWO: 1.0, ONE: 9.0}, 3, num_tokens=2048)[:2] == [TWO, ONE]  # a new step size is timed anew
 
 
-def test_single_token_reduced_precision_steps_run_with_onednn_off_and_only_threads_are_tuned():
+def test_single_token_reduced_precision_steps_run_on_torchs_kernels_and_only_threads_are_tuned(monkeypatch):
+    # As on a CPU where oneDNN takes bf16 matmuls (AVX-512 / AMX); where it takes none,
+    # switching it off would change no kernel, and the steps keep the default.
+    monkeypatch.setattr(threads, "onednn_takes", lambda dtype: dtype == torch.bfloat16)
     bf16 = candidate_settings(2, None, torch.bfloat16)
-    if not torch.backends.mkldnn.is_available():
-        pytest.skip("this torch build has no oneDNN")
+    torchs = StepKernels(onednn=False)
     # Never a choice between kernels: it would change bf16 rounding from one step to the next.
-    assert bf16(1) == (StepSetting(2, False), StepSetting(1, False))
+    assert bf16(1) == (StepSetting(2, torchs), StepSetting(1, torchs))
     assert bf16(2) == bf16(64) == (TWO, ONE)
     assert candidate_settings(2, None, torch.float32)(1) == (TWO, ONE)  # fp32 matmuls do not go to oneDNN
-    assert candidate_settings(4, 3, torch.bfloat16)(1) == (StepSetting(3, False),)  # a fixed count is the only count
+    assert candidate_settings(4, 3, torch.bfloat16)(1) == (StepSetting(3, torchs),)  # a fixed count is the only count
     assert candidate_settings(1, None, torch.float32)(64) == (ONE,)
+    monkeypatch.setattr(threads, "onednn_takes", lambda dtype: False)
+    assert candidate_settings(2, None, torch.bfloat16)(1) == (TWO, ONE)
 
 
-def test_applied_sets_and_restores_both():
-    threads, onednn = torch.get_num_threads(), torch.backends.mkldnn.enabled
-    with applied(StepSetting(threads + 1, not onednn)):
-        assert torch.get_num_threads() == threads + 1
-        assert torch.backends.mkldnn.enabled == (not onednn)
-    assert torch.get_num_threads() == threads and torch.backends.mkldnn.enabled == onednn
-    with pytest.raises(RuntimeError), applied(StepSetting(threads + 1, not onednn)):
+def test_applied_sets_and_restores_the_thread_count_and_leaves_onednn_alone():
+    caller, onednn = torch.get_num_threads(), torch.backends.mkldnn.enabled
+    with applied(StepSetting(caller + 1, StepKernels(onednn=False))):
+        assert torch.get_num_threads() == caller + 1
+        assert torch.backends.mkldnn.enabled == onednn  # the kernels travel with the step instead
+    assert torch.get_num_threads() == caller
+    with pytest.raises(RuntimeError), applied(StepSetting(caller + 1)):
         raise RuntimeError("a failed step")
-    assert torch.get_num_threads() == threads and torch.backends.mkldnn.enabled == onednn
+    assert torch.get_num_threads() == caller and torch.backends.mkldnn.enabled == onednn
 
 
 def test_tuner_refuses_nonsense():
@@ -86,3 +93,29 @@ def test_configured_thread_count_holds_during_steps_and_the_callers_comes_back(l
         hook.remove()
     assert seen == [caller + 1] * 3
     assert torch.get_num_threads() == caller
+
+
+def test_a_one_token_step_carries_torchs_kernels_to_the_model_and_leaves_onednn_on(loaded, monkeypatch):
+    monkeypatch.setattr(threads, "onednn_takes", lambda dtype: True)  # as for bf16 on an AVX-512 / AMX CPU
+    seen = []  # (where, num_tokens or rows, the step's kernels, torch's switch at that moment)
+    hook = loaded.model.register_forward_pre_hook(
+        lambda module, args: seen.append(("forward", args[0].numel(), args[3].kernels, torch.backends.mkldnn.enabled))
+    )
+    compute_logits = loaded.model.compute_logits
+
+    def spy(hidden, kernels):
+        seen.append(("logits", hidden.shape[0], kernels, torch.backends.mkldnn.enabled))
+        return compute_logits(hidden, kernels)
+
+    monkeypatch.setattr(loaded.model, "compute_logits", spy)
+    try:
+        core = EngineCore(loaded, EngineConfig(block_size=8, num_kv_blocks=32))
+        core.add_request("a", [5, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        while core.has_unfinished:
+            core.step()
+    finally:
+        hook.remove()
+    torchs = StepKernels(onednn=False)
+    assert seen == [("forward", 3, StepKernels(), True), ("logits", 1, StepKernels(), True)] + [
+        ("forward", 1, torchs, True), ("logits", 1, torchs, True)
+    ] * 2

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from models.layers.linear import Embedding, Linear, MergedLinear, can_pack_weights, pack_linear_weights
+from models.layers.step_kernels import StepKernels
 from models.loader import load_model
 from tests.models.conftest import paged_forward, shuffled_block_tables
 
@@ -28,11 +29,12 @@ def test_packed_linears_are_bit_identical_for_every_row_count(keep_plain):
         assert not layers[2].weight.is_mkldnn
         assert pack_linear_weights(layers, keep_plain) == 0  # packing twice is a no-op
         after = [layers(x) for x in xs]
-        torch.backends.mkldnn.enabled = False  # what a single-token step may run with
-        try:
-            single_row = layers(xs[0])
-        finally:
-            torch.backends.mkldnn.enabled = True
+        torchs = StepKernels(onednn=False)  # what a single-token step runs with
+        single_row = layers[2](layers[1](layers[0](xs[0], torchs), torchs))
+        if keep_plain:  # the plain weight on torch's own gemv, with torch's switch left on
+            with torch.backends.mkldnn.flags(enabled=False):
+                gemv = torch.nn.functional.linear(xs[0], layers[0].weight, layers[0].bias)
+            assert torch.backends.mkldnn.enabled and torch.equal(layers[0](xs[0], torchs), gemv)
     for b, a in zip(before, after):
         assert torch.equal(a, b)
     torch.testing.assert_close(single_row, before[0], rtol=1e-2, atol=1e-2)  # another kernel: rounding may differ
