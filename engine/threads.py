@@ -2,9 +2,9 @@
 
   oneDNN            torch sends bf16/fp16 matmuls to oneDNN. For a single row (a step of
                     one decode: every weight read once for one token) torch's own
-                    reduced-precision gemv, used with oneDNN off, is faster: forward +
-                    logits of one decode 48.7 -> 23.7 ms on a Zen 4 core pair; from 2 rows
-                    on oneDNN wins (8 rows: 49 vs 138 ms). So single-token steps run on
+                    reduced-precision gemv, used with oneDNN off, is faster (about half the
+                    time of a one-token step, measured on Zen 4); from 2 rows on oneDNN
+                    wins by a wide margin. So single-token steps run on
                     torch's kernels, always: a choice by timing would switch kernels between
                     steps, and with them the rounding of bf16 results, so that one seeded
                     request could sample differently from one run to the next. The choice
@@ -13,9 +13,9 @@
   intra-op threads  On a quiet machine a step is fastest with every core in torch's
                     OpenMP team. On a busy one (other processes, or our own event loop and
                     a load generator on the same box) a team thread is often descheduled,
-                    and the others wait for it at the barrier that ends every parallel op.
-                    On 2 shared cores we measured steps of 64 decodes 3-10x slower with
-                    2 threads than with 1, and at a quieter moment 1.5x faster. This is
+                    and the others wait for it at the barrier that ends every parallel op:
+                    on 2 shared cores, 2 threads can be several times slower than 1, and
+                    at a quieter moment faster. This is
                     chosen by timing (the kernels split work across threads, not sums, so
                     results do not depend on the count).
 
