@@ -105,6 +105,10 @@ def test_client_that_disconnects_before_a_non_streamed_reply_aborts_it(live):
 def test_full_queue_gets_429_with_retry_after(start_server):
     # One running and one waiting request fill it.
     server = start_server(engine_kwargs=dict(max_num_seqs=1, max_num_batched_tokens=64, max_waiting=1))
+    # Steps of at least 20 ms: the two held requests (100 tokens each) stay in flight for
+    # seconds, however fast the tiny model is, so the refusals below cannot race their end.
+    core, step = server.engine.core, server.engine.core.step
+    core.step = lambda: (time.sleep(0.02), step())[1]
     held = [_open_stream(server.url, {"model": M, "prompt": p, "stream": True, **LONG}) for p in PROMPTS[:2]]
     wait_until(lambda: server.engine.stats().num_waiting == 1, what="one request waiting")
     refused = server.http.post("/v1/completions", json={"model": M, "prompt": "hi", "max_tokens": 2})
