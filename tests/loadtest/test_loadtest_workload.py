@@ -175,3 +175,12 @@ def test_disconnect_plan_picks_exactly_the_fraction_mid_stream():
     assert all(1 <= after <= 9 for after in plan.values())
     assert plan == disconnect_plan(specs, 0.25, seed=3)
     assert disconnect_plan(specs, 0.0, seed=3) == {}
+
+
+def test_bench_grammars_times_llguidance_on_the_default_tokenizer(capsys):
+    from loadtest.bench_grammars import main
+
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert "vocabulary 49152" in out and "REJECTED" not in out
+    assert out.count("compile") >= 3 and "llguidance: tokenizer view" in out
