@@ -100,6 +100,24 @@ def wait_healthy(proc, url: str, timeout: float) -> None:
         time.sleep(0.1)
 
 
+class StreamReader:
+    """POST a streaming request from a thread, keeping its non-empty SSE lines as they arrive
+    (a stream the server cuts ends the thread's read with an exception, lines kept)."""
+
+    def __init__(self, url: str, body: dict, headers: dict | None = None, timeout: float = 60):
+        self.lines: list[str] = []
+        self.first = threading.Event()  # set on the first line
+        self.thread = threading.Thread(target=self._read, args=(url, body, headers, timeout))
+        self.thread.start()
+
+    def _read(self, url: str, body: dict, headers: dict | None, timeout: float) -> None:
+        with httpx.stream("POST", url, json=body, headers=headers, timeout=timeout) as response:
+            for line in response.iter_lines():
+                if line:
+                    self.lines.append(line)
+                    self.first.set()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     return save_checkpoint(make_hf_model("llama"), tmp_path_factory.mktemp("server-tiny-llama"))

@@ -6,14 +6,13 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import httpx
 import pytest
 
 from server.__main__ import build_parser
-from tests.server.conftest import wait_healthy
+from tests.server.conftest import StreamReader, wait_healthy
 
 REPO = Path(__file__).resolve().parents[2]
 FLAGS = ["--model", "--host", "--port", "--dtype", "--served-model-name", "--max-model-len", "--max-num-seqs",
@@ -69,22 +68,12 @@ def test_sigterm_lets_in_flight_requests_finish_then_exits_0(served_process):
     headers = {"Authorization": "Bearer env-key"}
     body = {"model": "tiny", "prompt": "Hello", "max_tokens": 60, "ignore_eos": True, "stream": True}
     assert httpx.post(f"{url}/v1/completions", json=body).status_code == 401  # key read from the environment
-    lines: list[str] = []
-    first_chunk = threading.Event()
-
-    def stream() -> None:
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=120) as response:
-            for line in response.iter_lines():
-                if line:
-                    lines.append(line)
-                    first_chunk.set()
-
-    reader = threading.Thread(target=stream)
-    reader.start()
-    assert first_chunk.wait(60)
+    reader = StreamReader(f"{url}/v1/completions", body, headers=headers, timeout=120)
+    assert reader.first.wait(60)
     os.kill(proc.pid, signal.SIGTERM)  # the server process's own pid
-    reader.join(120)
+    reader.thread.join(120)
     assert proc.wait(60) == 0, proc.stdout.read()
+    lines = reader.lines
     assert lines[-1] == "data: [DONE]"
     assert '"finish_reason":"length"' in lines[-2]
     with pytest.raises(httpx.TransportError):

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from tests.server.conftest import MODEL_NAME
+from tests.server.conftest import MODEL_NAME, StreamReader
 
 M = MODEL_NAME
 HUGE = "hello world, the quick brown fox " * 210_000  # ~7 MB, under the 8 MiB body limit
@@ -83,22 +83,12 @@ def test_streams_still_running_when_the_shutdown_timeout_ends_get_an_error_event
                                                                                           body):
     live = start_server(server_kwargs={"shutdown_timeout": 2})
     slow_down(live.engine, 0.2)  # 100 tokens: 20 s, far past the 2 s grace
-    lines: list[str] = []
-    first = threading.Event()
-
-    def read() -> None:
-        with httpx.stream("POST", f"{live.url}{path}", json=body, timeout=60) as response:
-            for line in response.iter_lines():  # a cut stream raises here (incomplete chunked read)
-                if line:
-                    lines.append(line)
-                    first.set()
-
-    reader = threading.Thread(target=read)
-    reader.start()
-    assert first.wait(30)
+    reader = StreamReader(f"{live.url}{path}", body)
+    assert reader.first.wait(30)
     live.server.handle_exit(signal.SIGTERM, None)  # what uvicorn's signal handler calls
-    reader.join(30)
-    assert not reader.is_alive()
+    reader.thread.join(30)
+    assert not reader.thread.is_alive()
+    lines = reader.lines
     assert lines[-1] == "data: [DONE]", lines[-3:]
     error = json.loads(lines[-2].removeprefix("data: "))["error"]
     assert error["code"] == "server_shutting_down" and error["type"] == "service_unavailable"
