@@ -39,6 +39,25 @@ def _report(name: str, setup_s: float, rows: list[tuple[str, float, list[float],
               f"{1e6 * statistics.median(steps):.0f} us, max {1e6 * max(steps):.0f} us{'' if ok else ', REJECTED'}")
 
 
+def _rows(tokenizer, compile_schema, step) -> list[tuple[str, float, list[float], bool]]:
+    """Per schema: compile_schema(schema) -> matcher, timed; then step(matcher, token) -> accepted,
+    timed for each token of the instance."""
+    rows = []
+    for schema_name, (schema, instance) in SCHEMAS.items():
+        start = time.perf_counter()
+        matcher = compile_schema(json.dumps(schema))
+        compile_s = time.perf_counter() - start
+        steps, ok = [], True
+        for token in tokenizer.encode(json.dumps(instance), add_special_tokens=False):
+            start = time.perf_counter()
+            ok = step(matcher, token)
+            steps.append(time.perf_counter() - start)
+            if not ok:
+                break
+        rows.append((schema_name, compile_s, steps, ok))
+    return rows
+
+
 def llguidance_rows(tokenizer, vocab_size: int) -> None:
     import llguidance
     import llguidance.hf
@@ -48,21 +67,13 @@ def llguidance_rows(tokenizer, vocab_size: int) -> None:
     view = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
     setup = time.perf_counter() - start
     mask = llguidance.torch.allocate_token_bitmask(1, vocab_size)
-    rows = []
-    for schema_name, (schema, instance) in SCHEMAS.items():
-        start = time.perf_counter()
-        matcher = llguidance.LLMatcher(view, llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema)))
-        compile_s = time.perf_counter() - start
-        steps, ok = [], True
-        for token in tokenizer.encode(json.dumps(instance), add_special_tokens=False):
-            start = time.perf_counter()
-            llguidance.torch.fill_next_token_bitmask(matcher, mask, 0)
-            ok = matcher.consume_token(token)
-            steps.append(time.perf_counter() - start)
-            if not ok:
-                break
-        rows.append((schema_name, compile_s, steps, ok))
-    _report("llguidance", setup, rows)
+
+    def step(matcher, token: int) -> bool:
+        llguidance.torch.fill_next_token_bitmask(matcher, mask, 0)
+        return matcher.consume_token(token)
+
+    compile_schema = lambda text: llguidance.LLMatcher(view, llguidance.LLMatcher.grammar_from_json_schema(text))  # noqa: E731
+    _report("llguidance", setup, _rows(tokenizer, compile_schema, step))
 
 
 def xgrammar_rows(tokenizer, vocab_size: int) -> None:
@@ -72,21 +83,13 @@ def xgrammar_rows(tokenizer, vocab_size: int) -> None:
     compiler = xgrammar.GrammarCompiler(xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size))
     setup = time.perf_counter() - start
     mask = xgrammar.allocate_token_bitmask(1, vocab_size)
-    rows = []
-    for schema_name, (schema, instance) in SCHEMAS.items():
-        start = time.perf_counter()
-        matcher = xgrammar.GrammarMatcher(compiler.compile_json_schema(json.dumps(schema), any_whitespace=True))
-        compile_s = time.perf_counter() - start
-        steps, ok = [], True
-        for token in tokenizer.encode(json.dumps(instance), add_special_tokens=False):
-            start = time.perf_counter()
-            matcher.fill_next_token_bitmask(mask, 0)
-            ok = matcher.accept_token(token)
-            steps.append(time.perf_counter() - start)
-            if not ok:
-                break
-        rows.append((schema_name, compile_s, steps, ok))
-    _report("xgrammar", setup, rows)
+
+    def step(matcher, token: int) -> bool:
+        matcher.fill_next_token_bitmask(mask, 0)
+        return matcher.accept_token(token)
+
+    compile_schema = lambda text: xgrammar.GrammarMatcher(compiler.compile_json_schema(text, any_whitespace=True))  # noqa: E731
+    _report("xgrammar", setup, _rows(tokenizer, compile_schema, step))
 
 
 def main(argv: list[str] | None = None) -> int:
