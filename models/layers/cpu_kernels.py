@@ -3,8 +3,8 @@
 Only where PyTorch has nothing that fits (csrc/): `paged_decode_attention` reads each
 decode's keys and values straight out of the paged cache instead of gathering a padded
 copy first; `rms_norm` and `silu_and_mul` do in one pass what eager PyTorch does in
-~8 and 2; `quant_linear` multiplies by 4- and 8-bit weights with integer dot products and
-`dequantize_weight` unpacks them for large steps (models/layers/quantization.py). They need a C++ compiler (g++ / clang) and ninja; the build takes ~20 s once
+~8 and 2; `quant_linear` multiplies by 4- and 8-bit weights with integer dot products, one tiled
+kernel for every step size (models/layers/quantization.py). They need a C++ compiler (g++ / clang) and ninja; the build takes ~20 s once
 per machine and is cached in torch's extensions directory ($TORCH_EXTENSIONS_DIR,
 default ~/.cache/torch_extensions). Without a compiler, or with PAGEDSERVE_CPU_KERNELS=0,
 the callers keep their pure-PyTorch path, which is also the reference the tests hold
@@ -35,7 +35,7 @@ _SOURCES = [
     Path(__file__).parent / "csrc" / name
     for name in ("paged_decode_attention.cpp", "elementwise.cpp", "quant_linear.cpp", "decode_ops.cpp")
 ]
-_OPS = ("paged_decode_attention", "rms_norm", "silu_and_mul", "quant_linear", "dequantize_weight", "rope_neox",
+_OPS = ("paged_decode_attention", "rms_norm", "silu_and_mul", "quant_linear", "rope_neox",
         "write_kv_planes")
 # (name, cpuinfo flags that must all be present, compiler flags they allow), in order.
 _X86_LEVELS = (
@@ -198,13 +198,6 @@ def quant_linear(
     return torch.ops.pagedserve.quant_linear(x, qweight, scales, mins, bias, bits, group_size, quantize_input)
 
 
-def dequantize_weight(
-    qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, bits: int, group_size: int
-) -> torch.Tensor:
-    """The float32 weight (N, K) of a quantized one (models/layers/quantization.py's layout)."""
-    return torch.ops.pagedserve.dequantize_weight(qweight, scales, mins, bits, group_size)
-
-
 def rope_neox(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """x (T, H, D) float32 -> x * cos + roll(x, D/2) * signed_sin, as RotaryEmbedding.rotate."""
     return torch.ops.pagedserve.rope_neox(x, cos, signed_sin)
@@ -213,16 +206,3 @@ def rope_neox(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> t
 def write_kv_planes(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store k, v (T, Hk, D) at their slots of a plane-major GQA cache (see attention.py), cast to its dtype."""
     torch.ops.pagedserve.write_kv_planes(kv_cache, k, v, slot_mapping)
-
-
-def dequantize_rows() -> int:
-    """Steps of at least this many rows multiply quantized weights by dequantizing them once and
-    running a dense GEMM; fewer go through `quant_linear`, whose cost grows with the rows much
-    faster than a GEMM's. Where the two meet depends on the CPU's vector width, not on timing,
-    so a request's results never depend on the machine's load. Measured on SmolLM2's shapes,
-    2 threads: AVX2 (Zen 3) ~32 rows; AVX-512 (Sapphire Rapids, whose float32 GEMM is twice as
-    wide) below 16."""
-    rows = _state.get("dequantize_rows")
-    if rows is None:
-        rows = _state["dequantize_rows"] = 8 if "avx512" in isa_levels() else 32
-    return rows

@@ -225,14 +225,8 @@ class QuantMethod(LinearMethod):
 
     def apply(self, layer, x, bias, kernels):
         if x.device.type == "cpu" and cpu_kernels.available() and x.dim() == 2:
-            # By this product's rows, not the step's: the logits of a long prefill multiply
-            # one row, a routed expert a few.
-            if x.shape[0] >= cpu_kernels.dequantize_rows():
-                weight = cpu_kernels.dequantize_weight(
-                    layer.qweight, layer.scales, getattr(layer, "mins", None), self.bits,
-                    layer.in_features // layer.scales.shape[1],
-                )
-                return kernels.matmul(F.linear, x, weight.to(x.dtype), bias)
+            # One kernel for every row count (a decode, a batch, a prefill): its result for a
+            # row depends on that row alone, never on the step's size or the thread count.
             return cpu_kernels.quant_linear(
                 x, layer.qweight, layer.scales, getattr(layer, "mins", None), bias, self.bits,
                 layer.in_features // layer.scales.shape[1], self.quantize_input,

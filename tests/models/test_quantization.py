@@ -116,15 +116,38 @@ def test_int16_activation_path_equals_its_emulation(bits, rows, scale_dtype):
     assert (got - exact).abs().max() < 1e-4 * exact.abs().max()
 
 
-@pytest.mark.parametrize("bits,group", [(8, 32), (4, 32), (4, 64), (8, None)])
+@pytest.mark.parametrize("bits,group", [(4, 32), (8, 32), (4, 64), (8, None)])
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16])
-def test_dequantize_weight_kernel_equals_the_reference(bits, group, scale_dtype):
+def test_a_rows_product_is_bit_identical_whatever_the_step_size_and_threads(bits, group, scale_dtype):
+    """A quantized layer runs one kernel for every row count (it used to dequantize and call
+    a float GEMM from 8 or 32 rows on), work split over outputs, never over a sum: a row
+    alone, among 1..256 rows at any offset (so any tile edge and alignment), with 1 or 2
+    threads, gives the same bits. Columns not a multiple of any tile width (37) and K with a
+    tail of groups (18 * 32) cover the kernel's edges."""
     needs_kernel()
-    qw = random_quantized(bits, 24, 128, group)
+    n, k = 37, 576
+    qw = random_quantized(bits, n, k, group)
     if scale_dtype == torch.float16:
         qw = half_factors(qw)
-    got = cpu_kernels.dequantize_weight(qw.qweight, qw.scales, qw.mins, bits, qw.group_size)
-    close_in_eps(got, qw.dequantize(), 2, 1)
+    layer = Linear(k, n, bias=True)
+    layer.set_quant_method(Q.QuantMethod(bits, group, scale_dtype=scale_dtype))
+    layer.load_weight(qw, "w")
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(300, k, generator=gen) * 3
+    with torch.no_grad():
+        layer.bias.copy_(torch.randn(n, generator=gen))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])
+        for num_threads in (1, 2):
+            torch.set_num_threads(num_threads)
+            for rows in (2, 3, 4, 5, 7, 8, 9, 16, 33, 64, 65, 256):
+                for start in (0, 1, 6, 300 - rows):
+                    got = layer(x[start : start + rows])
+                    assert torch.equal(got, alone[start : start + rows]), (num_threads, rows, start)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_kernel_refuses_shapes_it_cannot_take():

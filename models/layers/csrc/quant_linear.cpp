@@ -88,96 +88,254 @@ inline __m256i unpack_nibbles(const uint8_t* qs) {  // 16 bytes -> 32 values in 
   return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
 }
 
-// A weight group (32 values, unsigned 4-bit or signed 8-bit, one per byte) widened to int16.
-template <int Bits>
-inline void widen_group(__m256i wq, __m256i w16[2]) {
-  const __m128i lo = _mm256_castsi256_si128(wq), hi = _mm256_extracti128_si256(wq, 1);
-  w16[0] = Bits == 4 ? _mm256_cvtepu8_epi16(lo) : _mm256_cvtepi8_epi16(lo);
-  w16[1] = Bits == 4 ? _mm256_cvtepu8_epi16(hi) : _mm256_cvtepi8_epi16(hi);
-}
-
-// The widened group times 32 int16 activations: the 32 products summed into 8 int32 lanes, as float.
-inline __m256 dot_group_s16(const __m256i w16[2], const int16_t* x) {
-  const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-  const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16));
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  const __m256i acc = _mm256_dpwssd_epi32(_mm256_madd_epi16(w16[0], x0), w16[1], x1);
-#elif defined(__AVXVNNI__)
-  const __m256i acc = _mm256_dpwssd_avx_epi32(_mm256_madd_epi16(w16[0], x0), w16[1], x1);
-#else
-  // |127 * 32768 * 2| per madd lane, two of them: far inside int32.
-  const __m256i acc = _mm256_add_epi32(_mm256_madd_epi16(w16[0], x0), _mm256_madd_epi16(w16[1], x1));
-#endif
-  return _mm256_cvtepi32_ps(acc);
-}
-
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+
+// A 4-bit group's 16 bytes widened to 16 int16 lanes, byte j in lane j: its low nibble is
+// value j, its high nibble value j + 16 (GGUF's order), so `and 0x0F` gives values 0..15 and
+// `>> 4` values 16..31, in the order of the activations, with no shuffle across lanes.
+inline __m256i widen_nibble_pairs(const uint8_t* row, int64_t g) {
+  return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + g * (kBlock / 2))));
+}
 #endif
 
-// Integer dot product of weight group g of row `w` with one activation block.
-template <int Bits>
-inline int32_t group_dot(const uint8_t* w, int64_t g, const int16_t* xq) {
-  int32_t acc = 0;
-  if constexpr (Bits == 4) {
-    const uint8_t* qs = w + g * (kBlock / 2);
-    for (int j = 0; j < kBlock / 2; ++j) {
-      acc += static_cast<int32_t>(qs[j] & 0x0F) * xq[j];
-      acc += static_cast<int32_t>(qs[j] >> 4) * xq[j + kBlock / 2];
+// ---- One group's integer dot product, per ISA ---------------------------------------------
+//
+// `Isa` is the one piece that differs between the builds (cpu_kernels.py builds a library per
+// ISA level): how a weight group is widened to int16 (W), how 32 products are summed into
+// int32 lanes and converted (dot), and the float lanes they accumulate in (F). Everything
+// above it, the tiling, is one template.
+//
+//   acc (F)  +=  (float(int32 lanes of sum_j w[j] * x[j]) * activation scale) * weight scale
+//   result   =   hsum(acc) + sum_g min[g] * xsum[g] + bias          (per output element)
+//
+// Every output element runs exactly this sequence, group by group in order, whatever tile
+// it falls in, however many rows the step has and whichever thread computes it: the
+// integer dot is exact, and no float sum is ever split. That is what makes a row's result
+// independent of its neighbours and of the thread count.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+struct Isa {
+  using F = __m512;
+  using W = __m512i;  // 32 int16
+  static constexpr int kTileRows = 4, kTileCols = 4, kWideCols = 8;  // 32 registers
+  static F zero() { return _mm512_setzero_ps(); }
+  template <int Bits>
+  static W load(const uint8_t* row, int64_t g) {
+    if constexpr (Bits == 4) {
+      const __m256i h = widen_nibble_pairs(row, g);  // low nibbles | high nibbles, 16 int16 each
+      return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(h, _mm256_set1_epi16(0x0F))),
+                                _mm256_srli_epi16(h, 4), 1);
     }
-  } else {
-    const int8_t* qs = reinterpret_cast<const int8_t*>(w) + g * kBlock;
-    for (int j = 0; j < kBlock; ++j) acc += static_cast<int32_t>(qs[j]) * xq[j];
+    return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + g * kBlock)));
   }
+  // |127 * 32767 * 2| per madd lane: far inside int32.
+  using X = __m512i;
+  static X load_x(const int16_t* x) { return _mm512_loadu_si512(x); }
+  static F dot(const W& w, const X& x) { return _mm512_cvtepi32_ps(_mm512_madd_epi16(w, x)); }
+  static F broadcast(float s) { return _mm512_set1_ps(s); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fma(F a, F b, F acc) { return _mm512_fmadd_ps(a, b, acc); }
+  static float sum(F v) {
+    return hsum(_mm256_add_ps(_mm512_castps512_ps256(v),
+                              _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
+  }
+};
+#elif defined(__AVX2__)
+struct Isa {
+  using F = __m256;
+  struct W { __m256i lo, hi; };  // 16 + 16 int16
+  static constexpr int kTileRows = 4, kTileCols = 2, kWideCols = 4;  // 16 registers
+  static F zero() { return _mm256_setzero_ps(); }
+  template <int Bits>
+  static W load(const uint8_t* row, int64_t g) {
+    if constexpr (Bits == 4) {
+      const __m256i h = widen_nibble_pairs(row, g);
+      return {_mm256_and_si256(h, _mm256_set1_epi16(0x0F)), _mm256_srli_epi16(h, 4)};
+    }
+    const __m128i* q = reinterpret_cast<const __m128i*>(row + g * kBlock);
+    return {_mm256_cvtepi8_epi16(_mm_loadu_si128(q)), _mm256_cvtepi8_epi16(_mm_loadu_si128(q + 1))};
+  }
+  using X = W;
+  static X load_x(const int16_t* x) {
+    return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16))};
+  }
+  static F dot(const W& w, const X& x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    const __m256i acc = _mm256_dpwssd_epi32(_mm256_madd_epi16(w.lo, x.lo), w.hi, x.hi);
+#elif defined(__AVXVNNI__)
+    const __m256i acc = _mm256_dpwssd_avx_epi32(_mm256_madd_epi16(w.lo, x.lo), w.hi, x.hi);
+#else
+    const __m256i acc = _mm256_add_epi32(_mm256_madd_epi16(w.lo, x.lo), _mm256_madd_epi16(w.hi, x.hi));
+#endif
+    return _mm256_cvtepi32_ps(acc);
+  }
+  static F broadcast(float s) { return _mm256_set1_ps(s); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fma(F a, F b, F acc) { return _mm256_fmadd_ps(a, b, acc); }
+  static float sum(F v) { return hsum(v); }
+};
+#else
+struct Isa {
+  using F = float;
+  struct W { int16_t v[kBlock]; };
+  static constexpr int kTileRows = 2, kTileCols = 2, kWideCols = 4;
+  static F zero() { return 0.f; }
+  template <int Bits>
+  static W load(const uint8_t* row, int64_t g) {
+    W w;
+    for (int j = 0; j < kBlock; ++j) {
+      if constexpr (Bits == 4) {
+        const uint8_t byte = row[g * (kBlock / 2) + j % (kBlock / 2)];
+        w.v[j] = j < kBlock / 2 ? (byte & 0x0F) : (byte >> 4);
+      } else {
+        w.v[j] = reinterpret_cast<const int8_t*>(row)[g * kBlock + j];
+      }
+    }
+    return w;
+  }
+  using X = const int16_t*;
+  static X load_x(const int16_t* x) { return x; }
+  static F dot(const W& w, X x) {
+    int32_t acc = 0;
+    for (int j = 0; j < kBlock; ++j) acc += static_cast<int32_t>(w.v[j]) * x[j];
+    return static_cast<float>(acc);
+  }  static F broadcast(float s) { return s; }
+  static F mul(F a, F b) { return a * b; }
+  static F fma(F a, F b, F acc) { return std::fma(a, b, acc); }
+  static float sum(F v) { return v; }
+};
+#endif
+
+// What one product reads: the int16 activations, the weights, their factors.
+template <typename S>
+struct Operands {
+  const int16_t* xq;     // (M, K)
+  const float* xscale;   // (M, K/32)
+  const float* xsum;     // (M, K/32): xscale * sum of the block's xq
+  const uint8_t* w;      // (N, row_bytes)
+  const S* scales;       // (N, K/group_size)
+  const S* mins;         // like scales, or nullptr
+  const float* bias;     // (N,) or nullptr
+  float* out;            // (M, N)
+  int64_t M, N, K, nb, row_bytes, groups_per_scale, scales_per_row;
+};
+
+// sum_g min[g / groups_per_scale] * xsum[g] (the asymmetric 4-bit term), in one fixed order:
+// lane l of 8 takes groups l, l + 8, ...; then the lanes, then the last nb % 8 groups.
+template <typename S>
+float min_term(const S* mins, const float* xsum, int64_t nb, int64_t groups_per_scale) {
+  int64_t g = 0;
+  float acc = 0.f;
+#if defined(__AVX2__)
+  if (groups_per_scale == 1) {
+    __m256 lanes = _mm256_setzero_ps();
+    for (; g + 8 <= nb; g += 8) {
+      __m256 m;
+      if constexpr (std::is_same_v<S, float>) {
+        m = _mm256_loadu_ps(mins + g);
+      } else {
+        m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + g)));
+      }
+      lanes = _mm256_fmadd_ps(m, _mm256_loadu_ps(xsum + g), lanes);
+    }
+    acc = hsum(lanes);
+  }
+#endif
+  for (; g < nb; ++g) acc = std::fma(to_float(mins[g / groups_per_scale]), xsum[g], acc);
   return acc;
 }
 
-// Rows m0 .. m0+MB of the output for output column n. Each weight group is unpacked once
-// and used for all MB activation rows.
-template <int Bits, int MB, typename S>
-inline void rows_of_column(
-    const uint8_t* w, const S* scale, const S* min, int64_t groups_per_scale, int64_t nb,
-    const int16_t* xq, const float* xscale, const float* xsum, int64_t m0, int64_t K, float* acc_out) {
-#if defined(__AVX2__)
-  __m256 acc[MB];
-  for (int r = 0; r < MB; ++r) acc[r] = _mm256_setzero_ps();
-#else
-  float acc[MB] = {};
-#endif
-  float min_acc[MB] = {};
-  for (int64_t g = 0; g < nb; ++g) {
-    const float s = to_float(scale[g / groups_per_scale]);
-#if defined(__AVX2__)
-    __m256i w16[2];
-    widen_group<Bits>(Bits == 4 ? unpack_nibbles(w + g * (kBlock / 2))
-                                : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * kBlock)),
-                      w16);
-#endif
-    for (int r = 0; r < MB; ++r) {
-      const int64_t row = m0 + r;
-      const int16_t* xb = xq + row * K + g * kBlock;
-      const float xs = xscale[row * nb + g];
-#if defined(__AVX2__)
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(s * xs), dot_group_s16(w16, xb), acc[r]);
-#else
-      acc[r] += s * xs * static_cast<float>(group_dot<Bits>(w, g, xb));
-#endif
-      if constexpr (Bits == 4) {
-        if (min != nullptr) min_acc[r] += to_float(min[g / groups_per_scale]) * xsum[row * nb + g];
+// Not inlined: the same instructions finish every element, whatever tile computed its sum.
+template <typename S>
+__attribute__((noinline)) float finish(float dot_sum, const Operands<S>& op, int64_t m, int64_t n) {
+  float y = dot_sum;
+  if (op.mins != nullptr) y += min_term(op.mins + n * op.scales_per_row, op.xsum + m * op.nb, op.nb,
+                                        op.groups_per_scale);
+  if (op.bias != nullptr) y += op.bias[n];
+  return y;
+}
+
+// The micro-kernel: output rows m0 .. m0+RM, columns n0 .. n0+RN, over all of K. Each weight
+// group is widened once for the RM rows, each activation block read once per column.
+template <int Bits, int RM, int RN, typename S>
+void tile(const Operands<S>& op, int64_t m0, int64_t n0) {
+  typename Isa::F acc[RM][RN];
+  for (int r = 0; r < RM; ++r)
+    for (int c = 0; c < RN; ++c) acc[r][c] = Isa::zero();
+  const uint8_t* rows[RN];
+  for (int c = 0; c < RN; ++c) rows[c] = op.w + (n0 + c) * op.row_bytes;
+  for (int64_t sg = 0, g = 0; sg < op.scales_per_row; ++sg) {  // a scale's groups (G / 32 blocks of 32)
+    typename Isa::F ws[RN];
+    for (int c = 0; c < RN; ++c) ws[c] = Isa::broadcast(to_float(op.scales[(n0 + c) * op.scales_per_row + sg]));
+    for (const int64_t g_end = g + op.groups_per_scale; g < g_end; ++g) {
+      typename Isa::W w[RN];
+      for (int c = 0; c < RN; ++c) w[c] = Isa::template load<Bits>(rows[c], g);
+      for (int r = 0; r < RM; ++r) {
+        const typename Isa::X x = Isa::load_x(op.xq + (m0 + r) * op.K + g * kBlock);
+        const typename Isa::F xs = Isa::broadcast(op.xscale[(m0 + r) * op.nb + g]);
+        for (int c = 0; c < RN; ++c) acc[r][c] = Isa::fma(Isa::mul(Isa::dot(w[c], x), xs), ws[c], acc[r][c]);
       }
     }
   }
-  for (int r = 0; r < MB; ++r) {
-#if defined(__AVX2__)
-    acc_out[r] = hsum(acc[r]) + min_acc[r];
-#else
-    acc_out[r] = acc[r] + min_acc[r];
-#endif
+  for (int r = 0; r < RM; ++r)
+    for (int c = 0; c < RN; ++c) op.out[(m0 + r) * op.N + n0 + c] = finish(Isa::sum(acc[r][c]), op, m0 + r, n0 + c);
+}
+
+// tile<Bits, rm, rn> for run-time rm <= RM, rn <= RN (the edges of the output).
+template <int Bits, int RM, int RN, typename S>
+void tile_upto(const Operands<S>& op, int64_t m0, int64_t n0, int rm, int rn) {
+  if constexpr (RM > 1) {
+    if (rm < RM) return tile_upto<Bits, RM - 1, RN>(op, m0, n0, rm, rn);
   }
+  if constexpr (RN > 1) {
+    if (rn < RN) return tile_upto<Bits, RM, RN - 1>(op, m0, n0, rm, rn);
+  }
+  tile<Bits, RM, RN>(op, m0, n0);
+}
+
+// The block loop around the micro-kernel. Tasks are blocks of output columns x blocks of rows
+// (a row block kept small enough to stay in L2, a column block's weights in L1/L2); a thread
+// takes consecutive tasks, so it walks the row blocks under one column block, and reads
+// that block's weights from memory once. Tiles: RM x RN, or 2 x kWideCols for steps of one or
+// two rows (decodes), where there are no rows to reuse a weight group across.
+//
+//          n0 ->  [RN cols][RN cols] ...  (column block)
+//   m0  [RM rows]  tile     tile
+//    |  [RM rows]  tile     tile
+//    v   ...                                 (row block)
+template <int Bits, typename S>
+void int_qlinear(const Operands<S>& op) {
+  const int64_t x_row_bytes = op.K * 2;
+  const int64_t block_rows = std::clamp<int64_t>((256 << 10) / x_row_bytes / 4 * 4, 4, 64);
+  const int64_t threads = at::get_num_threads();
+  int64_t block_cols = std::clamp<int64_t>((64 << 10) / op.row_bytes / 8 * 8, 8, 64);
+  const int64_t row_blocks = (op.M + block_rows - 1) / block_rows;
+  // Enough column blocks for every thread to get several (one decode: all the parallelism).
+  while (block_cols > 8 && row_blocks * ((op.N + block_cols - 1) / block_cols) < 4 * threads) block_cols /= 2;
+  const int64_t col_blocks = (op.N + block_cols - 1) / block_cols;
+  at::parallel_for(0, col_blocks * row_blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t n_begin = task / row_blocks * block_cols, n_end = std::min(op.N, n_begin + block_cols);
+      const int64_t m_begin = task % row_blocks * block_rows, m_end = std::min(op.M, m_begin + block_rows);
+      if (op.M <= 2) {
+        for (int64_t n0 = n_begin; n0 < n_end; n0 += Isa::kWideCols)
+          tile_upto<Bits, 2, Isa::kWideCols>(op, m_begin, n0, static_cast<int>(m_end - m_begin),
+                                             static_cast<int>(std::min<int64_t>(Isa::kWideCols, n_end - n0)));
+        continue;
+      }
+      for (int64_t n0 = n_begin; n0 < n_end; n0 += Isa::kTileCols) {
+        const int rn = static_cast<int>(std::min<int64_t>(Isa::kTileCols, n_end - n0));
+        for (int64_t m0 = m_begin; m0 < m_end; m0 += Isa::kTileRows)
+          tile_upto<Bits, Isa::kTileRows, Isa::kTileCols>(
+              op, m0, n0, static_cast<int>(std::min<int64_t>(Isa::kTileRows, m_end - m0)), rn);
+      }
+    }
+  });
 }
 
 #if defined(__AVX2__)
@@ -287,19 +445,6 @@ void float_qlinear_impl(
                         });
 }
 
-template <int Bits, typename S>
-void qlinear_impl(
-    const int16_t* xq, const float* xscale, const float* xsum, int64_t M, int64_t K,
-    const uint8_t* qweight, const S* scales, const S* mins, int64_t N, int64_t group_size,
-    const float* bias, float* out) {
-  const int64_t nb = K / kBlock, groups_per_scale = group_size / kBlock;
-  for_each_column<Bits>(M, N, K, group_size, qweight, scales, mins, bias, out,
-                        [&](auto mb, const uint8_t* w, const S* s, const S* mn, int64_t m0, float* acc) {
-                          rows_of_column<Bits, decltype(mb)::value, S>(w, s, mn, groups_per_scale, nb, xq, xscale,
-                                                                       xsum, m0, K, acc);
-                        });
-}
-
 void check_scales(const at::Tensor& scales, const std::optional<at::Tensor>& mins, int64_t N, int64_t K,
                   int64_t group_size, int64_t bits) {
   TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.size(1) == K / group_size && scales.is_contiguous() &&
@@ -359,72 +504,23 @@ at::Tensor quant_linear(
   at::Tensor xsum = at::empty({M, K / kBlock}, x.options().dtype(at::kFloat));
   quantize_activations(xf.data_ptr<float>(), M, K, xq.data_ptr<int16_t>(), xscale.data_ptr<float>(),
                        xsum.data_ptr<float>());
-  const int16_t* q = xq.data_ptr<int16_t>();
   with_scales(scales, mins, [&](auto* sc, auto* mn) {
-    if (bits == 4) {
-      qlinear_impl<4>(q, xscale.data_ptr<float>(), xsum.data_ptr<float>(), M, K, w, sc, mn, N, group_size, bias_ptr, o);
-    } else {
-      qlinear_impl<8>(q, xscale.data_ptr<float>(), xsum.data_ptr<float>(), M, K, w, sc, mn, N, group_size, bias_ptr, o);
-    }
+    using S = std::remove_const_t<std::remove_pointer_t<decltype(sc)>>;
+    const Operands<S> op{xq.data_ptr<int16_t>(), xscale.data_ptr<float>(), xsum.data_ptr<float>(), w, sc, mn,
+                         bias_ptr, o, M, N, K, K / kBlock, bits == 4 ? K / 2 : K, group_size / kBlock,
+                         K / group_size};
+    if (bits == 4) int_qlinear<4>(op); else int_qlinear<8>(op);
   });
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
-}
-
-// qweight, scales, mins as above -> the float32 weight (N, K): for steps of many rows, where
-// one dequantization plus a dense GEMM beats the row-by-row kernel.
-at::Tensor dequantize_weight(
-    const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& mins, int64_t bits,
-    int64_t group_size) {
-  TORCH_CHECK(bits == 4 || bits == 8, "dequantize_weight: bits must be 4 or 8");
-  const int64_t N = qweight.size(0), K = bits == 4 ? qweight.size(1) * 2 : qweight.size(1);
-  TORCH_CHECK(K % kBlock == 0 && group_size % kBlock == 0 && K % group_size == 0 && qweight.is_contiguous(),
-              "dequantize_weight: bad shapes");
-  check_scales(scales, mins, N, K, group_size, bits);
-  at::Tensor out = at::empty({N, K}, scales.options().dtype(at::kFloat));
-  const auto* w = reinterpret_cast<const uint8_t*>(qweight.data_ptr());
-  float* dst = out.data_ptr<float>();
-  const int64_t nb = K / kBlock, groups_per_scale = group_size / kBlock, scales_per_row = K / group_size;
-  const int64_t row_bytes = bits == 4 ? K / 2 : K;
-  with_scales(scales, mins, [&](auto* sc, auto* mins_ptr) {
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* wr = w + n * row_bytes;
-      for (int64_t g = 0; g < nb; ++g) {
-        const float s = to_float(sc[n * scales_per_row + g / groups_per_scale]);
-        const float mn = mins_ptr ? to_float(mins_ptr[n * scales_per_row + g / groups_per_scale]) : 0.f;
-        float* o = dst + n * K + g * kBlock;
-#if defined(__AVX2__)
-        __m256 v[4];
-        if (bits == 4) dequantize_group<4>(wr, g, s, mn, v); else dequantize_group<8>(wr, g, s, mn, v);
-        for (int i = 0; i < 4; ++i) _mm256_storeu_ps(o + 8 * i, v[i]);
-#else
-        for (int j = 0; j < kBlock; ++j) {
-          int q;
-          if (bits == 4) {
-            const uint8_t byte = wr[g * (kBlock / 2) + j % (kBlock / 2)];
-            q = j < kBlock / 2 ? (byte & 0x0F) : (byte >> 4);
-          } else {
-            q = reinterpret_cast<const int8_t*>(wr)[g * kBlock + j];
-          }
-          o[j] = s * static_cast<float>(q) + mn;
-        }
-#endif
-      }
-    }
-  });
-  });
-  return out;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
-  m.def("dequantize_weight(Tensor qweight, Tensor scales, Tensor? mins, int bits, int group_size) -> Tensor");
   m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? bias, int bits, "
         "int group_size, bool quantize_input) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("quant_linear", &quant_linear);
-  m.impl("dequantize_weight", &dequantize_weight);
 }
