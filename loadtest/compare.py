@@ -2,6 +2,11 @@
 
     python -m loadtest.compare --llama-server ~/.cache/llama.cpp-0.3.36/llama.cpp/build/bin/llama-server
     python -m loadtest.compare                   # ours alone
+    python -m loadtest.compare --llama-server PATH --model smollm2-1.7b:q4_0   # a random-weight 1.7B shape
+    python -m loadtest.compare --llama-server PATH --model some/model.gguf
+
+`--model` is the GGUF both servers serve (default: SmolLM2-135M-Instruct Q4_1), or
+SHAPE:TYPE, a random-weight file of `loadtest.make_gguf`, written into the cache first if missing.
 
 Each server is started on a free 127.0.0.1 port with the same threads and the same KV
 capacity (llama-server `-c CTX -np SLOTS`, ours `--num-kv-blocks CTX/16 --max-num-seqs SLOTS`),
@@ -148,12 +153,40 @@ def report(results: list[dict], args) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
+def resolve_model(text: str | None) -> Path:
+    """--model: None -> the default model's GGUF; SHAPE:TYPE -> make_gguf's file (written if
+    missing); anything else must be an existing file."""
+    from loadtest.make_gguf import SHAPES, TYPES, ensure_gguf, parse_shortcut
     from models.fetch import default_model_path
 
+    if text is None:
+        return default_model_path()
+    if shortcut := parse_shortcut(text):
+        return ensure_gguf(*shortcut)
+    path = Path(text).expanduser()
+    if not path.is_file():
+        raise ValueError(f"--model {text!r}: no such file, nor SHAPE:TYPE with a shape of "
+                         f"{', '.join(sorted(SHAPES))} and a type of {', '.join(sorted(TYPES))}")
+    return path
+
+
+def check_executable(text: str) -> Path:
+    """--llama-server must name a program: an empty or wrong path would otherwise surface as
+    a bare 'Permission denied' (or '.': 'Is a directory') from Popen."""
+    path = Path(text).expanduser()
+    if not text.strip() or not path.is_file() or not os.access(path, os.X_OK):
+        raise ValueError(f"--llama-server {text!r}: no executable file there; build llama.cpp's llama-server "
+                         "(cmake -DLLAMA_BUILD_SERVER=ON) and pass the binary's path")
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+
     p = argparse.ArgumentParser(prog="python -m loadtest.compare", description=__doc__.split("\n\n")[0])
-    p.add_argument("--llama-server", type=Path, default=None, help="llama.cpp's llama-server binary (else ours alone)")
-    p.add_argument("--model", type=Path, default=None, help="a .gguf file (default: the default model's)")
+    p.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary (else ours alone)")
+    p.add_argument("--model", default=None,
+                   help="a .gguf file, or SHAPE:TYPE (e.g. smollm2-360m:q4_0) for loadtest.make_gguf's "
+                        "random-weight file (default: SmolLM2-135M-Instruct Q4_1)")
     p.add_argument("--quantization", default="auto", help="ours: --quantization")
     p.add_argument("--threads", type=int, default=None, help="both servers' threads (default: all cores)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
@@ -164,7 +197,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--slots", type=int, default=64, help="parallel sequences, both servers")
     p.add_argument("--out", type=Path, default=None, help="write every figure as JSON here")
     args = p.parse_args(argv)
-    args.model = args.model or default_model_path()
+    try:
+        if args.llama_server is not None:
+            args.llama_server = check_executable(args.llama_server)
+        args.model = resolve_model(args.model)
+    except ValueError as exc:
+        p.error(str(exc))
 
     from models.gguf import load_tokenizer
 
