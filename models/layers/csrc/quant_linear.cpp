@@ -121,7 +121,7 @@ inline __m256i widen_nibble_pairs(const uint8_t* row, int64_t g) {
 struct Isa {
   using F = __m512;
   using W = __m512i;  // 32 int16
-  static constexpr int kTileRows = 4, kTileCols = 4, kWideCols = 8;  // 32 registers
+  static constexpr int kTileRows = 4, kTileCols = 4, kWideCols = 4;  // 32 registers
   static F zero() { return _mm512_setzero_ps(); }
   template <int Bits>
   static W load(const uint8_t* row, int64_t g) {
@@ -148,7 +148,7 @@ struct Isa {
 struct Isa {
   using F = __m256;
   struct W { __m256i lo, hi; };  // 16 + 16 int16
-  static constexpr int kTileRows = 4, kTileCols = 2, kWideCols = 4;  // 16 registers
+  static constexpr int kTileRows = 3, kTileCols = 2, kWideCols = 2;  // 16 registers
   static F zero() { return _mm256_setzero_ps(); }
   template <int Bits>
   static W load(const uint8_t* row, int64_t g) {
@@ -183,7 +183,7 @@ struct Isa {
 struct Isa {
   using F = float;
   struct W { int16_t v[kBlock]; };
-  static constexpr int kTileRows = 2, kTileCols = 2, kWideCols = 4;
+  static constexpr int kTileRows = 2, kTileCols = 2, kWideCols = 2;
   static F zero() { return 0.f; }
   template <int Bits>
   static W load(const uint8_t* row, int64_t g) {
@@ -311,7 +311,8 @@ void tile_upto(const Operands<S>& op, int64_t m0, int64_t n0, int rm, int rn) {
 template <int Bits, typename S>
 void int_qlinear(const Operands<S>& op) {
   const int64_t x_row_bytes = op.K * 2;
-  const int64_t block_rows = std::clamp<int64_t>((256 << 10) / x_row_bytes / 4 * 4, 4, 64);
+  constexpr int64_t RM = Isa::kTileRows;
+  const int64_t block_rows = std::clamp<int64_t>((256 << 10) / x_row_bytes / RM * RM, RM, 64 / RM * RM);
   const int64_t threads = at::get_num_threads();
   int64_t block_cols = std::clamp<int64_t>((64 << 10) / op.row_bytes / 8 * 8, 8, 64);
   const int64_t row_blocks = (op.M + block_rows - 1) / block_rows;
