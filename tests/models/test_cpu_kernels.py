@@ -178,12 +178,13 @@ def _load_in_subprocess(extensions_dir, env_overrides, prelude=""):
 
 @pytest.fixture
 def prebuilt_extensions(tmp_path):
-    """A copy of this machine's build, in an extensions directory of its own (as the image has)."""
+    """A copy of the build this process loaded, in an extensions directory of its own (as the image has)."""
     needs_kernel()
-    built = cpu_kernels.build_directory()
-    if not (built / f"{cpu_kernels.build_name()}.so").exists():
+    name = cpu_kernels.build_name(cpu_kernels.loaded_target())
+    built = cpu_kernels.build_directory(cpu_kernels.loaded_target())
+    if not (built / f"{name}.so").exists():
         pytest.skip("no build in the default extensions directory")
-    shutil.copytree(built, tmp_path / cpu_kernels.build_name())
+    shutil.copytree(built, tmp_path / name)
     return tmp_path
 
 
@@ -203,17 +204,19 @@ def test_a_prebuilt_build_loads_from_a_read_only_directory(prebuilt_extensions):
     # (Root ignores file modes, so the read-only mount is simulated where the module asks.)
     prelude = ("import os; _access = os.access\n"
                "os.access = lambda p, mode, **kw: False if mode & os.W_OK else _access(p, mode, **kw)\n")
-    before = sorted(os.listdir(prebuilt_extensions / cpu_kernels.build_name()))
+    name = cpu_kernels.build_name(cpu_kernels.loaded_target())
+    before = sorted(os.listdir(prebuilt_extensions / name))
     out = _load_in_subprocess(prebuilt_extensions, {}, prelude)
     assert out.returncode == 0, out.stderr
     assert "AVAILABLE True" in out.stdout and "prebuilt" in out.stderr, out.stderr
-    assert sorted(os.listdir(prebuilt_extensions / cpu_kernels.build_name())) == before  # nothing written
+    assert sorted(os.listdir(prebuilt_extensions)) == [name]
+    assert sorted(os.listdir(prebuilt_extensions / name)) == before  # nothing written
 
 
 def test_a_stale_prebuilt_build_is_not_loaded_without_the_builder(prebuilt_extensions, monkeypatch):
-    library = prebuilt_extensions / cpu_kernels.build_name() / f"{cpu_kernels.build_name()}.so"
+    target = cpu_kernels.loaded_target()
+    library = prebuilt_extensions / cpu_kernels.build_name(target) / f"{cpu_kernels.build_name(target)}.so"
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(prebuilt_extensions))
-    monkeypatch.setenv("CXX", "pagedserve-no-such-compiler")
-    assert cpu_kernels._prebuilt() == library
+    assert cpu_kernels._current_library(target) == library
     os.utime(library, (0, 0))  # older than the sources
-    assert cpu_kernels._prebuilt() is None
+    assert cpu_kernels._current_library(target) is None

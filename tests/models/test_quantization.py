@@ -258,27 +258,6 @@ def test_layers_that_do_not_fit_the_format_stay_dense():
     assert Q.method_for(None, None, 96) is Q.DENSE
 
 
-def test_kernel_builds_are_keyed_to_the_cpu(monkeypatch, tmp_path):
-    cpuinfo = tmp_path / "cpuinfo"
-    real_read = cpu_kernels.Path.read_text
-
-    def fake_read(self, *args, **kwargs):
-        return cpuinfo.read_text() if str(self) == "/proc/cpuinfo" else real_read(self, *args, **kwargs)
-
-    monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: "x86_64")
-    monkeypatch.setattr(cpu_kernels.Path, "read_text", fake_read)
-    names = {}
-    for cpu, flags in {"zen3": "fpu sse2 avx avx2 fma f16c", "zen4": "avx2 fma f16c avx512f avx512bw avx512vl "
-                       "avx512dq avx512_vnni avx512_bf16", "old": "sse2 avx", "odd": "avx512f avx512_vnni"}.items():
-        cpuinfo.write_text(f"flags\t\t: {flags}\n")
-        names[cpu] = (cpu_kernels.build_name(), cpu_kernels.isa_flags())
-    assert names["zen3"] == ("pagedserve_cpu_kernels_avx2", ["-mavx2", "-mfma", "-mf16c"])
-    assert names["zen4"][0] == "pagedserve_cpu_kernels_avx2_avx512_avx512vnni"
-    assert "-mavx512vnni" in names["zen4"][1]
-    assert names["old"] == ("pagedserve_cpu_kernels_generic", [])
-    assert names["odd"] == ("pagedserve_cpu_kernels_generic", [])  # no AVX2: nothing above it either
-
-
 @pytest.mark.parametrize("quantization,bits", [("int8", 8), ("int4", 4)])
 def test_deepseek_mla_and_moe_experts_get_the_method_too(tmp_path, quantization, bits):
     from tests.models.test_deepseek import _COMMON, _randomize

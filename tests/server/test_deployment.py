@@ -171,6 +171,29 @@ def test_the_readme_gives_the_same_numbers():
     assert "--read-only" in docker and "/tmp" in docker
 
 
+def test_the_image_carries_a_kernel_build_for_every_cpu():
+    """The build stage builds every ISA target of the CPU kernels into the extensions directory
+    that the runtime stage copies and reads, so a CPU unlike the build machine's finds its own."""
+    stages: list[list[tuple[str, str]]] = []
+    for keyword, args in dockerfile_instructions():
+        if keyword == "FROM":
+            stages.append([])
+        elif stages:
+            stages[-1].append((keyword, args))
+    build, runtime = stages
+
+    def extensions_dir(stage):
+        found = [m[1] for keyword, args in stage if keyword == "ENV"
+                 for m in [re.search(r"TORCH_EXTENSIONS_DIR=(\S+)", args)] if m]
+        assert len(found) == 1, "TORCH_EXTENSIONS_DIR set once per stage"
+        return found[0]
+
+    assert extensions_dir(build) == extensions_dir(runtime)
+    assert any("python -m models.layers.cpu_kernels --build-all" in args for keyword, args in build if keyword == "RUN")
+    copied = [shlex.split(args)[-2:] for keyword, args in runtime if keyword == "COPY" and "--from=build" in args]
+    assert any(src == dst and Path(extensions_dir(runtime)).is_relative_to(dst) for src, dst in copied)
+
+
 # ------------------------------------------------------------------ compose
 
 def test_compose_checks_health_on_the_served_port():
