@@ -33,9 +33,9 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("paged_decode_attention.cpp", "elementwise.cpp", "quant_linear.cpp", "decode_ops.cpp")
+    for name in ("paged_attention.cpp", "elementwise.cpp", "quant_linear.cpp", "decode_ops.cpp")
 ]
-_OPS = ("paged_decode_attention", "rms_norm", "silu_and_mul", "quant_linear", "dequantize_weight", "rope_neox",
+_OPS = ("paged_attention", "rms_norm", "silu_and_mul", "quant_linear", "dequantize_weight", "rope_neox",
         "write_kv_planes")
 # (name, cpuinfo flags that must all be present, compiler flags they allow), in order.
 _X86_LEVELS = (
@@ -166,12 +166,15 @@ def _build() -> bool:
         return False
 
 
-def paged_decode_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float
+def paged_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+    query_start: torch.Tensor, scale: float, value_dim: int = 0,
 ) -> torch.Tensor:
-    """q (n, H, D), kv_cache (num_blocks, block_size, 2, Hk, D) plane-major (see attention.py),
-    block_table (n, num_blocks_used) int64, seq_lens (n,) int64 -> (n, H, D)."""
-    return torch.ops.pagedserve.paged_decode_attention(q, kv_cache, block_table, seq_lens, scale)
+    """q (T, H, Dk): the step's queries, sequence i's at rows query_start[i]..query_start[i+1]-1,
+    the last of its seq_lens[i] tokens; kv_cache GQA (num_blocks, block_size, 2, Hk, D) plane-major
+    or MLA (num_blocks, block_size, E) with values the first `value_dim` of E (csrc/paged_attention.cpp)
+    -> (T, H, Dv)."""
+    return torch.ops.pagedserve.paged_attention(q, kv_cache, block_table, seq_lens, query_start, scale, value_dim)
 
 
 def usable(x: torch.Tensor) -> bool:
