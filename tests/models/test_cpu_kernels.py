@@ -226,3 +226,33 @@ def test_a_stale_prebuilt_build_is_not_loaded_without_the_builder(prebuilt_exten
     assert cpu_kernels._prebuilt() == library
     os.utime(library, (0, 0))  # older than the sources
     assert cpu_kernels._prebuilt() is None
+
+
+def test_a_rows_norm_activation_and_rotation_do_not_depend_on_its_batch_address_or_threads():
+    # Each kernel splits rows across threads and reduces a row in one order: the same bits for a
+    # row alone, in a batch, starting at any address (a vectorizer that peeled for alignment
+    # would change the order), on 1 or 2 threads.
+    needs_kernel()
+    gen = torch.Generator().manual_seed(2)
+    width = 67  # rows of 268 bytes: every alignment mod 64 occurs
+    x, gate_up = torch.randn(300, width, generator=gen) * 3, torch.randn(300, 2 * width, generator=gen) * 4
+    weight = torch.randn(width, generator=gen)
+    qk, cos, sin = (torch.randn(300, 5, 20, generator=gen), torch.randn(300, 1, 20, generator=gen),
+                    torch.randn(300, 1, 20, generator=gen))
+    ops = {
+        "rms_norm": lambda rows: cpu_kernels.rms_norm(x[rows], weight, 1e-6),
+        "silu_and_mul": lambda rows: cpu_kernels.silu_and_mul(gate_up[rows]),
+        "rope_neox": lambda rows: cpu_kernels.rope_neox(qk[rows], cos[rows], sin[rows]),
+    }
+    before = torch.get_num_threads()
+    try:
+        for name, op in ops.items():
+            torch.set_num_threads(1)
+            batch = op(slice(0, 300))
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                assert torch.equal(op(slice(0, 300)), batch), name
+                for r in (0, 1, 2, 3, 150, 299):
+                    assert torch.equal(op(slice(r, r + 1))[0], batch[r]), (name, r, threads)  # a view: any address
+    finally:
+        torch.set_num_threads(before)

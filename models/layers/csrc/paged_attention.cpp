@@ -111,12 +111,12 @@ template <int kRows, int64_t kD>
 inline void dots(const float* const* q, const float* const* k, int64_t head_dim, float* const* s) {
   const int64_t D = kD > 0 ? kD : head_dim, D8 = D / 8 * 8;
   f32x8 a[kRows][4] = {};
-  for (int64_t d = 0; d < D8; d += 8) {
-    const f32x8 k0 = load8(k[0] + d), k1 = load8(k[1] + d), k2 = load8(k[2] + d), k3 = load8(k[3] + d);
-    for (int x = 0; x < kRows; ++x) {
-      const f32x8 qv = load8(q[x] + d);
-      a[x][0] = fma8(qv, k0, a[x][0]), a[x][1] = fma8(qv, k1, a[x][1]);
-      a[x][2] = fma8(qv, k2, a[x][2]), a[x][3] = fma8(qv, k3, a[x][3]);
+  // Key after key, each read front to back: consecutive keys of a cache block are consecutive in
+  // memory, so a decode's keys stream in the order the hardware prefetcher follows.
+  for (int i = 0; i < 4; ++i) {
+    for (int64_t d = 0; d < D8; d += 8) {
+      const f32x8 kv = load8(k[i] + d);
+      for (int x = 0; x < kRows; ++x) a[x][i] = fma8(load8(q[x] + d), kv, a[x][i]);
     }
   }
   for (int x = 0; x < kRows; ++x) {
@@ -279,7 +279,11 @@ struct Attention {
         }
       }
       for (int64_t r = r0; r < R; ++r) softmax_block(s + r * kKeys, n[r], b0, m[r], l[r], acc + r * Dv, Dv);
-      if (R - r0 <= kFewRows) {
+      if (R - r0 == 1) {  // one row (a decode without GQA): its output in registers across the keys
+        float* acc_r = acc + r0 * Dv;
+        const float* p = s + r0 * kKeys;
+        accumulate<1, kD>(&acc_r, &p, vrow, 0, n[r0], Dv);
+      } else if (R - r0 <= kFewRows) {
         // A decode's few rows: key by key, so each value row is read once from memory.
         for (int64_t t = 0; t < nk; ++t) {
           for (int64_t r = r0; r < R; ++r) {
