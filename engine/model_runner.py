@@ -48,14 +48,16 @@ class ModelRunner:
         self.kv_caches = self.kv_cache_spec.allocate(self.num_blocks, self.block_size, self.device)
         self.kv_cache_bytes = sum(c.numel() * c.element_size() for c in self.kv_caches)
         self.weight_bytes = loaded.weight_bytes
-        # CPU: intra-op threads (chosen by timing steps unless configured), set for each
-        # step in whichever thread runs it and the caller's put back after, and the step's
-        # kernels (torch's own for single-token steps), passed to the model with the step
-        # (engine/threads.py).
+        # CPU: intra-op threads (chosen by timing steps unless configured, or unless results
+        # would depend on the count), set for each step in whichever thread runs it and the
+        # caller's put back after, and the step's kernels (torch's own for single-token steps),
+        # passed to the model with the step (engine/threads.py).
         self.step_tuner = None
         if self.device.type == "cpu":
-            cpu_kernels.available()  # build (or load) them now, not during the first request
-            candidates = candidate_settings(torch.get_num_threads(), config.num_threads, loaded.config.dtype)
+            row_invariant = cpu_kernels.available() and self.model.row_invariant()  # builds (or loads) them now
+            candidates = candidate_settings(
+                torch.get_num_threads(), config.num_threads, loaded.config.dtype, row_invariant
+            )
             self.step_tuner = StepTuner(candidates)
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens, %d bytes per token, %.3f GiB (%s, %s)",

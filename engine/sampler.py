@@ -21,7 +21,9 @@ do not change when a client only changes its temperature, as with OpenAI.
 
 Penalties touch only the (row, token) pairs that occurred, so they cost
 O(tokens seen), not O(N * V). A seeded row's token depends only on its own
-logits and generator, whatever else is in the batch.
+logits and generator, whatever else is in the batch and whatever the thread count:
+every reduction over the vocabulary is one row's (softmax, log_softmax, cumsum, topk, max),
+none a torch `.sum()` over a row, which torch splits across threads when the row is alone.
 """
 from __future__ import annotations
 
@@ -372,7 +374,11 @@ def _top_k_top_p(logits: torch.Tensor, f: TopKTopP) -> torch.Tensor:
         probs = sub.softmax(dim=-1)  # (M, V)
         kept_mass = torch.ones_like(kth)  # top-p renormalises over what top-k kept, ties included
         if f.any_top_k:
-            kept_mass = torch.where(f.has_top_k, probs.masked_fill(sub < kth, 0.0).sum(-1, keepdim=True), 1.0)
+            # A running sum, not .sum(): torch splits the sum of one long row across threads (a
+            # lone row's mass then depends on the thread count and differs from the same row in a
+            # batch); cumsum adds each row's values in order, on one thread.
+            kept = probs.masked_fill(sub < kth, 0.0).cumsum(dim=-1)[:, -1:]  # (M, 1)
+            kept_mass = torch.where(f.has_top_k, kept, 1.0)
         threshold = torch.empty_like(kth)
         todo = torch.arange(sub.shape[0], device=sub.device)  # (M',) rows not decided yet
         sorted_probs, width = probs.gather(1, ids), f.width

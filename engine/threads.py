@@ -15,9 +15,14 @@
                     a load generator on the same box) a team thread is often descheduled,
                     and the others wait for it at the barrier that ends every parallel op:
                     on 2 shared cores, 2 threads can be several times slower than 1, and
-                    at a quieter moment faster. This is
-                    chosen by timing (the kernels split work across threads, not sums, so
-                    results do not depend on the count).
+                    at a quieter moment faster. So the count is chosen by timing, where
+                    results do not depend on it: when the model is row-invariant
+                    (CausalLM.row_invariant: quantized linear layers, whose kernel splits
+                    work across output rows and columns, never across a sum) and our CPU
+                    kernels serve attention and the rest. A model with dense linear layers
+                    runs them on torch's GEMMs, where for some row counts the thread count
+                    changes a row's rounding (MKL float32, measured: README "Determinism"):
+                    its steps keep one count, all the cores (or --num-threads).
 
 The tuner:
 
@@ -46,9 +51,12 @@ class StepSetting(NamedTuple):
 
 
 def candidate_settings(
-    cores: int, fixed_threads: int | None, dtype: torch.dtype
+    cores: int, fixed_threads: int | None, dtype: torch.dtype, row_invariant: bool = True
 ) -> Callable[[int], tuple[StepSetting, ...]]:
-    """The settings worth timing for a step of `num_tokens` tokens, most threads first."""
+    """The settings worth timing for a step of `num_tokens` tokens, most threads first.
+    `row_invariant`: whether results are the same whatever the thread count (see above)."""
+    if fixed_threads is None and not row_invariant:
+        fixed_threads = cores
     counts = (fixed_threads,) if fixed_threads is not None else tuple(sorted({cores, max(cores - 1, 1)}, reverse=True))
     single_token = StepKernels(onednn=False) if onednn_takes(dtype) else DEFAULT_KERNELS
 

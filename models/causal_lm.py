@@ -4,6 +4,7 @@
     compute_logits(hidden, kernels) -> (num_rows, vocab_size) float32
     kv_cache_spec(dtype) -> KVCacheSpec           what one token stores per layer
     load_weights(weights) -> set of parameter names filled
+    row_invariant() -> bool                      whether every product ignores the rest of the step
 
 The runner calls nothing else; the loader builds a model as `cls(hf_config, max_model_len)`
 and fills it through load_weights. A model class says only how to build one decoder layer
@@ -29,6 +30,7 @@ from torch import nn
 from models.layers.attention import AttentionMetadata, KVCacheSpec
 from models.layers.linear import Embedding, Linear, load_hf_weights
 from models.layers.norm import RMSNorm
+from models.layers.quantization import DenseMethod
 from models.layers.rope import RotaryEmbedding
 from models.layers.step_kernels import DEFAULT_KERNELS, StepKernels
 
@@ -95,6 +97,23 @@ class CausalLM(nn.Module):
         """hidden (num_rows, hidden_size), on the step's kernels -> float32 logits."""
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
         return head.linear(hidden, kernels).float()  # (num_rows, vocab_size)
+
+    def row_invariant(self) -> bool:
+        """Whether every product of the forward pass computes a token's row from that row alone, in
+        an order of sums that nothing else in the step changes: then (with our CPU kernels for
+        attention and the rest) a token's logits do not depend on its neighbours, on prefix-cache
+        hits or on the thread count. Quantized Linear methods run our kernel, which splits work
+        over output rows and columns, never over a sum; dense ones run torch's GEMMs (MKL, oneDNN),
+        whose rounding of a row changes with the step's number of rows, and for some with the
+        thread count. (A method may say which it is with a `row_invariant` attribute.) Modules
+        that multiply by dense weights outside a Linear say so with `dense_products = True`
+        (DeepSeek's absorbed attention, the MoE router)."""
+        products = [m for m in self.modules() if isinstance(m, Linear) and not isinstance(m, Embedding)]
+        if self.lm_head is None:  # tied: the embedding multiplies too
+            products.append(self.model.embed_tokens)
+        methods = {m.quant_method for m in products}
+        return (all(getattr(m, "row_invariant", not isinstance(m, DenseMethod)) for m in methods)
+                and not any(getattr(m, "dense_products", False) for m in self.modules()))
 
     def kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec:
         """What one token stores per layer, as the layers' attention declares it."""

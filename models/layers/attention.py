@@ -19,23 +19,30 @@ so that gathering a sequence's blocks (2 KiB runs) directly yields the
 entries would need a second, transposing copy of every gathered key and value.
 Block ids mean the same in both layouts, which is all the block manager sees.
 
-Sequences with one query token (decodes), fresh prefills and prefill chunks after
-cached tokens go into separate `AttentionGroup`s, so that a long prompt does not
-pad every decode up to its length and one chunk does not make every prompt gather.
-Each group is attended with one batched call; cached keys are gathered a block at
-a time (num_blocks * block_size keys per sequence):
+On CPU with our kernels built (cpu_kernels.py), every query row of the step goes through one
+C++ kernel (csrc/paged_attention.cpp): a query at position p attends keys 0..p read from the
+cache (this step's keys and values are written there first), each row computed alone in an order
+fixed by p. So a token's output is the same bits whether it is a decode, a row of a fresh prompt
+or of a chunk after cached (or prefix-cache-hit) tokens, whatever its neighbours in the step and
+the thread count; a 16-bit cache is read by prompts as well as decodes.
 
-    decodes          one query per sequence. On CPU, our C++ kernel (cpu_kernels.py)
-                     reads each sequence's keys and values where they lie, in float32,
-                     no gathered copy; elsewhere, or without a compiler: two bmm's and a
-                     softmax over the gathered blocks (SDPA's CPU kernel is ~10x slower
-                     for a single query row)
+Elsewhere (other devices, no compiler) the eager paths serve, and are the reference the kernel is
+tested against. Sequences with one query token (decodes), fresh prefills and prefill chunks after
+cached tokens go into separate `AttentionGroup`s, so that a long prompt does not pad every decode
+up to its length and one chunk does not make every prompt gather. Each group is attended with one
+batched call; cached keys are gathered a block at a time (num_blocks * block_size keys per sequence):
+
+    decodes          two bmm's and a softmax over the gathered blocks (SDPA's CPU kernel is
+                     ~10x slower for a single query row)
     fresh prefills   nothing cached yet: the keys are this step's own k/v, so no
                      gather and no mask, just causal SDPA
     other prefills   gathered context + boolean mask (chunks after cached tokens)
+
+These are not row-invariant: which path a token takes, and its padded batch, change its rounding.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -99,9 +106,14 @@ class AttentionMetadata:
     which kernels the matmuls run on. Built by the runner, read by every layer."""
 
     slot_mapping: torch.Tensor  # (num_tokens,) int64 cache slot that each new token's K/V is written to
-    groups: list[AttentionGroup]
     num_tokens: int
+    block_table: torch.Tensor  # (num_seqs, max blocks used) int64 cache blocks of each sequence, padding -> block 0
+    seq_lens: torch.Tensor  # (num_seqs,) int64 tokens of each sequence, this step's included
+    query_start: torch.Tensor  # (num_seqs + 1,) int64: sequence i's tokens are rows query_start[i]..[i+1]-1
     kernels: StepKernels = DEFAULT_KERNELS
+    # What `groups` is built from, on first use (the C++ kernel needs no groups: a CPU step never
+    # builds them): query lens, seq lens, padded tables, sequence of each token, block_size, device.
+    group_inputs: tuple = field(default=(), repr=False)
 
     @classmethod
     def build(
@@ -119,15 +131,7 @@ class AttentionMetadata:
         """
         if not (len(query_lens) == len(seq_lens) == len(block_tables)):
             raise ValueError("query_lens, seq_lens and block_tables must have one entry per sequence")
-        # The one Python pass: cut each table to the blocks its sequence uses, pad to a rectangle.
-        used = [(s + block_size - 1) // block_size for s in seq_lens]
-        width = max(used, default=0)
-        rows = []
-        for table, n in zip(block_tables, used):
-            if len(table) < n:
-                raise ValueError(f"block table of {len(table)} blocks is too short for {n * block_size} tokens")
-            rows.append(table[:n] + [0] * (width - n))
-        tables = torch.tensor(rows, dtype=torch.int64).view(len(rows), width)  # (num_seqs, width)
+        tables = _padded_tables(seq_lens, block_tables, block_size)  # (num_seqs, width)
         q_lens = torch.tensor(query_lens, dtype=torch.int64)
         s_lens = torch.tensor(seq_lens, dtype=torch.int64)
         num_tokens = sum(query_lens)
@@ -135,20 +139,40 @@ class AttentionMetadata:
         #   query_lens [3, 1, 2] -> seq [0 0 0 1 2 2], start [0 3 4], query number [0 1 2 0 0 1]
         seq = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)  # (num_tokens,)
         start = torch.cumsum(q_lens, 0) - q_lens  # (num_seqs,)
-        query_no = torch.arange(num_tokens) - start[seq]
-        pos = (s_lens - q_lens)[seq] + query_no  # absolute position of each new token
+        pos = (s_lens - q_lens)[seq] + torch.arange(num_tokens) - start[seq]  # absolute position of each new token
         slot_mapping = tables[seq, pos // block_size] * block_size + pos % block_size
-        # Decodes, fresh prefills (nothing cached: no gather) and prefill chunks after cached
-        # tokens attend differently; one chunk of a long prompt must not slow down the rest.
+        return cls(
+            slot_mapping=slot_mapping.to(device), num_tokens=num_tokens, block_table=tables.to(device),
+            seq_lens=s_lens.to(device), query_start=torch.cat((start, q_lens.sum().view(1))).to(device),
+            kernels=kernels, group_inputs=(q_lens, s_lens, tables, seq, block_size, device),
+        )
+
+    @functools.cached_property
+    def groups(self) -> list[AttentionGroup]:
+        """The eager paths' groups: decodes, fresh prefills (nothing cached: no gather) and
+        prefill chunks after cached tokens attend differently; one chunk of a long prompt must
+        not slow down the rest."""
+        q_lens, s_lens, tables, seq, block_size, device = self.group_inputs
+        query_no = torch.arange(self.num_tokens) - (torch.cumsum(q_lens, 0) - q_lens)[seq]
         is_decode = q_lens == 1
         is_fresh = ~is_decode & (q_lens == s_lens)
         kinds = [k for k in (is_decode, is_fresh, ~is_decode & ~is_fresh) if bool(k.any())]
-        groups = [
-            _build_group(k.nonzero().squeeze(1), k[seq], seq, query_no, q_lens, s_lens, tables, block_size,
-                         device)
+        return [
+            _build_group(k.nonzero().squeeze(1), k[seq], seq, query_no, q_lens, s_lens, tables, block_size, device)
             for k in kinds
         ]
-        return cls(slot_mapping=slot_mapping.to(device), groups=groups, num_tokens=num_tokens, kernels=kernels)
+
+
+def _padded_tables(seq_lens: list[int], block_tables: list[list[int]], block_size: int) -> torch.Tensor:
+    """Each table cut to the blocks its sequence uses, padded with block 0 to a rectangle."""
+    used = [(s + block_size - 1) // block_size for s in seq_lens]
+    width = max(used, default=0)
+    rows = []
+    for table, n in zip(block_tables, used):
+        if len(table) < n:
+            raise ValueError(f"block table of {len(table)} blocks is too short for {n * block_size} tokens")
+        rows.append(table[:n] + [0] * (width - n))
+    return torch.tensor(rows, dtype=torch.int64).view(len(rows), width)  # (num_seqs, width)
 
 
 def _build_group(idx, token_in_group, seq, query_no, q_lens, s_lens, tables, block_size, device):
@@ -238,18 +262,26 @@ def paged_attention(
     kv_cache: (num_blocks, block_size, 2, num_kv_heads, head_dim), used plane-major (see
     `kv_planes`). Returns (num_tokens, num_heads, head_dim).
     """
-    if k.device.type == "cpu" and k.stride(-1) == 1 and v.stride(-1) == 1 and cpu_kernels.available():
+    if kernel_serves(q, kv_cache) and k.stride(-1) == 1 and v.stride(-1) == 1:
         cpu_kernels.write_kv_planes(kv_cache, k, v, meta.slot_mapping)  # one pass, not four ops
-    else:
-        planes = kv_planes(kv_cache).flatten(2, 3)  # (2, Hk, num_slots, D)
-        new = torch.stack((k, v)).transpose(1, 2)  # (2, Hk, num_tokens, D)
-        planes.index_copy_(2, meta.slot_mapping, new.to(kv_cache.dtype))
+        return cpu_kernels.paged_attention(q, kv_cache, meta.block_table, meta.seq_lens, meta.query_start, scale)
+    planes = kv_planes(kv_cache).flatten(2, 3)  # (2, Hk, num_slots, D)
+    new = torch.stack((k, v)).transpose(1, 2)  # (2, Hk, num_tokens, D)
+    planes.index_copy_(2, meta.slot_mapping, new.to(kv_cache.dtype))
     if len(meta.groups) == 1 and meta.groups[0].token_range == (0, meta.num_tokens):
         return _attend(q, k, v, kv_cache, meta.groups[0], scale).reshape(q.shape)
     out = q.new_empty(q.shape)
     for group in meta.groups:
         unpad_into(out, _attend(q, k, v, kv_cache, group, scale), group)
     return out
+
+
+def kernel_serves(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether our C++ kernel attends these queries over this cache: on CPU, when built, for one
+    16/32-bit dtype or a 16-bit cache under float32 queries."""
+    reads = q.dtype == kv_cache.dtype or (q.dtype == torch.float32 and kv_cache.dtype in (torch.float16, torch.bfloat16))
+    return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16) and reads
+            and q.stride(-1) == 1 and cpu_kernels.available())
 
 
 def _gather_planes(kv_cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
@@ -268,22 +300,10 @@ def _gather_planes(kv_cache: torch.Tensor, group: AttentionGroup) -> torch.Tenso
     return kv.view(2, num_kv_heads, group.num_seqs, -1, head_dim)
 
 
-def _kernel_reads(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
-    """Whether the C++ decode kernel takes this pair: one dtype, or a 16-bit cache under float32."""
-    return q_dtype == cache_dtype or (q_dtype == torch.float32 and cache_dtype in (torch.float16, torch.bfloat16))
-
-
 def _attend(q, k, v, kv_cache, group: AttentionGroup, scale: float) -> torch.Tensor:
     """-> (num_seqs, max_query_len, num_heads, head_dim) for the group's padded queries."""
     if group.max_query_len == 1:
-        queries = pad_queries(q, group)  # (n, 1, num_heads, head_dim)
-        if q.device.type == "cpu" and _kernel_reads(q.dtype, kv_cache.dtype) and cpu_kernels.available():
-            n, _, num_heads, head_dim = queries.shape
-            out = cpu_kernels.paged_decode_attention(
-                queries.view(n, num_heads, head_dim), kv_cache, group.block_table, group.seq_lens, scale
-            )
-            return out.view(n, 1, num_heads, head_dim)
-        return _decode(queries, kv_cache, group, scale)
+        return _decode(pad_queries(q, group), kv_cache, group, scale)
     queries = pad_queries(q, group).transpose(1, 2)  # (n, num_heads, max_q, head_dim)
     if group.is_fresh:
         keys = pad_queries(k, group).transpose(1, 2)  # (n, num_kv_heads, max_q, head_dim)

@@ -1,8 +1,7 @@
 """CPU kernels of our own, built with torch's C++ extension builder, one build per ISA target.
 
-Only where PyTorch has nothing that fits (csrc/): `paged_decode_attention` reads each
-decode's keys and values straight out of the paged cache instead of gathering a padded
-copy first; `rms_norm` and `silu_and_mul` do in one pass what eager PyTorch does in
+Only where PyTorch has nothing that fits (csrc/): `paged_attention` reads every
+query row's keys and values straight out of the paged cache, in an order fixed by the row alone; `rms_norm` and `silu_and_mul` do in one pass what eager PyTorch does in
 ~8 and 2; `quant_linear` multiplies by 4- and 8-bit weights with integer dot products, one tiled
 kernel for every step size (models/layers/quantization.py). They need a C++ compiler (g++ / clang)
 and ninja; a build takes ~20-60 s once per machine and target and is cached in torch's extensions
@@ -42,9 +41,9 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("paged_decode_attention.cpp", "elementwise.cpp", "quant_linear.cpp", "decode_ops.cpp")
+    for name in ("paged_attention.cpp", "elementwise.cpp", "quant_linear.cpp", "decode_ops.cpp")
 ]
-_OPS = ("paged_decode_attention", "rms_norm", "silu_and_mul", "quant_linear", "rope_neox",
+_OPS = ("paged_attention", "rms_norm", "silu_and_mul", "quant_linear", "rope_neox",
         "write_kv_planes")
 
 _lock = threading.Lock()
@@ -201,12 +200,15 @@ def _summary(passed_over: dict[str, list[str]]) -> str:
     return "; ".join(f"{', '.join(names)}: {why}" for why, names in passed_over.items())
 
 
-def paged_decode_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float
+def paged_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+    query_start: torch.Tensor, scale: float, value_dim: int = 0,
 ) -> torch.Tensor:
-    """q (n, H, D), kv_cache (num_blocks, block_size, 2, Hk, D) plane-major (see attention.py),
-    block_table (n, num_blocks_used) int64, seq_lens (n,) int64 -> (n, H, D)."""
-    return torch.ops.pagedserve.paged_decode_attention(q, kv_cache, block_table, seq_lens, scale)
+    """q (T, H, Dk): the step's queries, sequence i's at rows query_start[i]..query_start[i+1]-1,
+    the last of its seq_lens[i] tokens; kv_cache GQA (num_blocks, block_size, 2, Hk, D) plane-major
+    or MLA (num_blocks, block_size, E) with values the first `value_dim` of E (csrc/paged_attention.cpp)
+    -> (T, H, Dv)."""
+    return torch.ops.pagedserve.paged_attention(q, kv_cache, block_table, seq_lens, query_start, scale, value_dim)
 
 
 def usable(x: torch.Tensor) -> bool:

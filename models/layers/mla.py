@@ -17,7 +17,8 @@ query instead (the absorbed form):
     out      = W_UV[h] (sum_j p_j c_kv_j)          W_UV applied once after the weighted sum
 
 so attention reads L + R numbers per cached token for all heads together, prefill and
-decode alike.
+decode alike: multi-query attention with keys of L + R numbers and values their first L, which
+is how the CPU kernel (csrc/paged_attention.cpp) takes it; the eager `_attend` is the reference.
 """
 from __future__ import annotations
 
@@ -26,7 +27,10 @@ import math
 import torch
 from torch import nn
 
-from models.layers.attention import AttentionMetadata, gather_kv, pad_queries, unpad_into, write_kv
+from models.layers import cpu_kernels
+from models.layers.attention import (
+    AttentionMetadata, gather_kv, kernel_serves, pad_queries, unpad_into, write_kv,
+)
 from models.layers.linear import Linear
 from models.layers.norm import RMSNorm
 from models.layers.rope import RotaryEmbedding
@@ -53,6 +57,10 @@ def mla_softmax_scale(hf_config) -> float:
 
 
 class MLAttention(nn.Module):
+    # W_UK and W_UV multiply in torch's batched matmuls: a row's rounding depends on its step
+    # (CausalLM.row_invariant).
+    dense_products = True
+
     def __init__(self, hf_config, rotary_emb: RotaryEmbedding):
         super().__init__()
         c = hf_config
@@ -121,11 +129,16 @@ class MLAttention(nn.Module):
 
         q_latent = kernels.matmul(torch.einsum, "thd,hdl->thl", q_nope, self.w_uk)  # (T, H, L)
         query = torch.cat([q_latent, q_pe], dim=-1)  # (T, H, L + R), laid out like a cache entry
-        out_latent = query.new_empty(num_tokens, H, L)
-        for group in meta.groups:
-            entries = gather_kv(kv_cache, group).to(query.dtype)
-            out = self._attend(pad_queries(query, group), entries, group.mask, kernels)
-            unpad_into(out_latent, out, group)
+        if kernel_serves(query, kv_cache):  # CPU: each row alone, the same in any step (attention.py)
+            out_latent = cpu_kernels.paged_attention(
+                query, kv_cache, meta.block_table, meta.seq_lens, meta.query_start, self.scale, L
+            )  # (T, H, L): values are the first L numbers of each entry
+        else:
+            out_latent = query.new_empty(num_tokens, H, L)
+            for group in meta.groups:
+                entries = gather_kv(kv_cache, group).to(query.dtype)
+                out = self._attend(pad_queries(query, group), entries, group.mask, kernels)
+                unpad_into(out_latent, out, group)
         out = kernels.matmul(torch.einsum, "thl,hvl->thv", out_latent, self.w_uv)  # (T, H, v)
         return self.o_proj(out.reshape(num_tokens, H * self.v_head_dim), kernels)  # (T, H * v) -> (T, hidden)
 

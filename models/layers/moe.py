@@ -76,6 +76,10 @@ class RouterConfig:
 
 
 class Router(nn.Module):
+    # Its float32 logits come from torch's GEMM: a row's rounding depends on its step, and so may
+    # the experts chosen (CausalLM.row_invariant).
+    dense_products = True
+
     def __init__(self, config: RouterConfig, hidden_size: int):
         super().__init__()
         self.config = config

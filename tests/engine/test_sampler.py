@@ -326,3 +326,28 @@ def test_penalty_tensors_grow_by_the_new_tokens_only_and_match_a_full_recount():
     for history, prompt, output in zip(histories, prompts, outputs):
         history.update(prompt, output)
         assert history.num_tokens_added == len(prompt) + len(output)  # each token once, never rebuilt
+
+
+def test_a_long_rows_nucleus_is_the_same_alone_in_a_batch_and_on_either_thread_count():
+    """SmolLM2's 49152 logits: torch splits a .sum() of one such row across 2 threads (and not
+    when the row is in a batch), so its rounding would follow the thread count and the batch.
+    top_p is put where the last bits of the top-k mass decide the nucleus's edge."""
+    vocab = 49152
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(0)) * 2
+    top_k = vocab - 1  # top-k and top-p together: top-p renormalises over the mass top-k kept
+    ordered = logits[0].softmax(-1).sort(descending=True).values
+    kept = ordered[:top_k].sum()
+    before = torch.get_num_threads()
+    try:
+        for rank in (10, 60, 200):
+            edge = (ordered[:rank].sum() / kept).item()
+            for step in range(-4, 5):
+                params = SamplingParams(top_k=top_k, top_p=edge * (1 + step * 6e-8))
+                seen = []
+                for threads, rows in ((1, 1), (2, 1), (2, 4)):
+                    torch.set_num_threads(threads)
+                    batch = batch_of([params] * rows, vocab_size=vocab)
+                    seen.append(sampling_probs(process_logits(logits[:rows], batch), batch)[0])
+                assert torch.equal(seen[0], seen[1]) and torch.equal(seen[0], seen[2]), (rank, step)
+    finally:
+        torch.set_num_threads(before)

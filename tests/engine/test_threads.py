@@ -119,3 +119,20 @@ def test_a_one_token_step_carries_torchs_kernels_to_the_model_and_leaves_onednn_
     assert seen == [("forward", 3, StepKernels(), True), ("logits", 1, StepKernels(), True)] + [
         ("forward", 1, torchs, True), ("logits", 1, torchs, True)
     ] * 2
+
+
+def test_the_thread_count_is_tuned_only_where_results_do_not_depend_on_it(loaded, tiny_llama):
+    from models.layers import cpu_kernels
+    from models.loader import load_model
+
+    torch.set_num_threads(2)  # the runner's cores (the fixture puts the count back)
+    # Dense float32 layers run on torch's GEMM, where a row's rounding can follow the thread count.
+    assert not loaded.model.row_invariant()
+    dense = EngineCore(loaded, EngineConfig(block_size=8, num_kv_blocks=32)).runner.step_tuner
+    assert dense.candidates(1) == dense.candidates(64) == (TWO,)
+    assert candidate_settings(2, 1, torch.float32, row_invariant=False)(64) == (ONE,)  # a configured count holds
+    if cpu_kernels.available():  # quantized layers: our kernel, split over outputs, never over a sum
+        quantized = load_model(tiny_llama[0], dtype="float32", quantization="int8")
+        assert quantized.model.row_invariant()
+        tuner = EngineCore(quantized, EngineConfig(block_size=8, num_kv_blocks=32)).runner.step_tuner
+        assert tuner.candidates(64) == (TWO, ONE)

@@ -1,4 +1,4 @@
-"""The C++ decode-attention kernel equals the PyTorch path it replaces, and is built where it can be."""
+"""The C++ kernels equal the PyTorch paths they replace, and are built where they can be."""
 from __future__ import annotations
 
 import os
@@ -27,27 +27,35 @@ def needs_kernel():
 
 
 def random_decodes(lengths, num_heads, num_kv_heads, head_dim, block_size, dtype, seed):
-    """A cache filled with random keys/values, the block tables and metadata of one decode per sequence."""
+    """A cache filled with random keys/values, the metadata of one decode per sequence and its queries."""
     gen = torch.Generator().manual_seed(seed)
     tables, num_blocks = shuffled_block_tables(lengths, block_size, seed=seed)
     cache = torch.randn(num_blocks, block_size, 2, num_kv_heads, head_dim, generator=gen).to(dtype)
     meta = AttentionMetadata.build([1] * len(lengths), lengths, tables, block_size)
     q = torch.randn(len(lengths), num_heads, head_dim, generator=gen).to(dtype)
-    return q, cache, meta.groups[0]
+    return q, cache, meta
+
+
+def kernel(q, cache, meta, scale):
+    return cpu_kernels.paged_attention(q, cache, meta.block_table, meta.seq_lens, meta.query_start, scale)
+
+
+def eager_decode(q, cache, meta, scale):
+    group = meta.groups[0]
+    return _decode(pad_queries(q, group), cache, group, scale).view(q.shape[0], q.shape[1], -1)
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3), (8, 2), (4, 1)], ids=["mha", "gqa3", "gqa4", "mqa"])
-@pytest.mark.parametrize("head_dim", [8, 64, 128])  # 64 and 128 are compiled as constants, others at run time
+@pytest.mark.parametrize("head_dim", [8, 20, 64, 128])  # 64 and 128 are compiled as constants, others at run time
 @pytest.mark.parametrize("block_size", [1, 7, 16])
 def test_kernel_equals_the_pytorch_decode_in_float32(num_heads, num_kv_heads, head_dim, block_size):
     needs_kernel()
     rng = random.Random(head_dim * block_size)
-    lengths = [1, block_size, block_size + 1] + [rng.randint(1, 90) for _ in range(9)]
-    q, cache, group = random_decodes(lengths, num_heads, num_kv_heads, head_dim, block_size, torch.float32, seed=7)
+    # Up to 300 keys: more than one of the kernel's 128-key softmax blocks.
+    lengths = [1, block_size, block_size + 1, 128, 129] + [rng.randint(1, 300) for _ in range(9)]
+    q, cache, meta = random_decodes(lengths, num_heads, num_kv_heads, head_dim, block_size, torch.float32, seed=7)
     scale = head_dim**-0.5
-    expected = _decode(pad_queries(q, group), cache, group, scale).view_as(q)
-    got = cpu_kernels.paged_decode_attention(q, cache, group.block_table, group.seq_lens, scale)
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(kernel(q, cache, meta, scale), eager_decode(q, cache, meta, scale), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -56,10 +64,10 @@ def test_kernel_in_reduced_precision_is_closer_to_float32_than_the_pytorch_path(
     # PyTorch path rounds scores and probabilities to the cache dtype.
     needs_kernel()
     lengths = [random.Random(i).randint(1, 300) for i in range(16)]
-    q, cache, group = random_decodes(lengths, 9, 3, 64, 16, dtype, seed=3)
-    exact = _decode(pad_queries(q.float(), group), cache.float(), group, 0.125).view_as(q)
-    eager = _decode(pad_queries(q, group), cache, group, 0.125).view_as(q).float()
-    got = cpu_kernels.paged_decode_attention(q, cache, group.block_table, group.seq_lens, 0.125)
+    q, cache, meta = random_decodes(lengths, 9, 3, 64, 16, dtype, seed=3)
+    exact = eager_decode(q.float(), cache.float(), meta, 0.125)
+    eager = eager_decode(q, cache, meta, 0.125).float()
+    got = kernel(q, cache, meta, 0.125)
     assert got.dtype == dtype
     kernel_err, eager_err = (got.float() - exact).abs().max(), (eager - exact).abs().max()
     assert kernel_err <= eager_err
@@ -72,25 +80,26 @@ def test_kernel_reads_a_16_bit_cache_under_float32_queries(cache_dtype):
     keys and values; equal to the PyTorch path on the widened cache up to float32 rounding."""
     needs_kernel()
     lengths = [random.Random(i).randint(1, 200) for i in range(12)]
-    q, cache, group = random_decodes(lengths, 9, 3, 64, 16, torch.float32, seed=5)
+    q, cache, meta = random_decodes(lengths, 9, 3, 64, 16, torch.float32, seed=5)
     cache = cache.to(cache_dtype)
-    expected = _decode(pad_queries(q, group), cache.float(), group, 0.125).view_as(q)
-    got = cpu_kernels.paged_decode_attention(q, cache, group.block_table, group.seq_lens, 0.125)
+    got = kernel(q, cache, meta, 0.125)
     assert got.dtype == torch.float32
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got, eager_decode(q, cache.float(), meta, 0.125), rtol=1e-5, atol=1e-6)
 
 
 def test_kernel_refuses_what_would_read_outside_the_cache():
     needs_kernel()
-    q, cache, group = random_decodes([5, 20], 4, 2, 8, 4, torch.float32, seed=0)
-    bad_table = group.block_table.clone()
+    q, cache, meta = random_decodes([5, 20], 4, 2, 8, 4, torch.float32, seed=0)
+    bad_table = meta.block_table.clone()
     bad_table[1, 0] = cache.shape[0]  # one past the last block
     with pytest.raises(RuntimeError, match="block id out of range"):
-        cpu_kernels.paged_decode_attention(q, cache, bad_table, group.seq_lens, 1.0)
+        cpu_kernels.paged_attention(q, cache, bad_table, meta.seq_lens, meta.query_start, 1.0)
     with pytest.raises(RuntimeError, match="sequence length out of range"):
-        cpu_kernels.paged_decode_attention(q, cache, group.block_table, group.seq_lens * 100, 1.0)
+        cpu_kernels.paged_attention(q, cache, meta.block_table, meta.seq_lens * 100, meta.query_start, 1.0)
+    with pytest.raises(RuntimeError, match="query_start"):
+        cpu_kernels.paged_attention(q, cache, meta.block_table, meta.seq_lens, meta.query_start + 1, 1.0)
     with pytest.raises(RuntimeError, match="must have q.s dtype"):
-        cpu_kernels.paged_decode_attention(q.double(), cache, group.block_table, group.seq_lens, 1.0)
+        cpu_kernels.paged_attention(q.half(), cache, meta.block_table, meta.seq_lens, meta.query_start, 1.0)
 
 
 @pytest.mark.parametrize("rows", [1, 5, 300])
@@ -220,3 +229,33 @@ def test_a_stale_prebuilt_build_is_not_loaded_without_the_builder(prebuilt_exten
     assert cpu_kernels._current_library(target) == library
     os.utime(library, (0, 0))  # older than the sources
     assert cpu_kernels._current_library(target) is None
+
+
+def test_a_rows_norm_activation_and_rotation_do_not_depend_on_its_batch_address_or_threads():
+    # Each kernel splits rows across threads and reduces a row in one order: the same bits for a
+    # row alone, in a batch, starting at any address (a vectorizer that peeled for alignment
+    # would change the order), on 1 or 2 threads.
+    needs_kernel()
+    gen = torch.Generator().manual_seed(2)
+    width = 67  # rows of 268 bytes: every alignment mod 64 occurs
+    x, gate_up = torch.randn(300, width, generator=gen) * 3, torch.randn(300, 2 * width, generator=gen) * 4
+    weight = torch.randn(width, generator=gen)
+    qk, cos, sin = (torch.randn(300, 5, 20, generator=gen), torch.randn(300, 1, 20, generator=gen),
+                    torch.randn(300, 1, 20, generator=gen))
+    ops = {
+        "rms_norm": lambda rows: cpu_kernels.rms_norm(x[rows], weight, 1e-6),
+        "silu_and_mul": lambda rows: cpu_kernels.silu_and_mul(gate_up[rows]),
+        "rope_neox": lambda rows: cpu_kernels.rope_neox(qk[rows], cos[rows], sin[rows]),
+    }
+    before = torch.get_num_threads()
+    try:
+        for name, op in ops.items():
+            torch.set_num_threads(1)
+            batch = op(slice(0, 300))
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                assert torch.equal(op(slice(0, 300)), batch), name
+                for r in (0, 1, 2, 3, 150, 299):
+                    assert torch.equal(op(slice(r, r + 1))[0], batch[r]), (name, r, threads)  # a view: any address
+    finally:
+        torch.set_num_threads(before)

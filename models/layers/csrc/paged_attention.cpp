@@ -1,0 +1,476 @@
+// Paged attention for CPUs: one computation for every query row of a step (a decode, a fresh
+// prompt, a chunk after cached tokens), reading keys and values where they lie in the paged cache.
+//
+// A row's output must not depend on what else is in its step, on the thread count, or on whether
+// its prefix came from the prefix cache. The eager paths attend decodes with two matmuls over
+// gathered blocks, fresh prompts with SDPA over the step's own k/v (not the rounded 16-bit cache)
+// and chunks with masked SDPA: one token came out three ways. Here a query at position p attends
+// keys 0..p read from the cache (written before attention), and every sum of its result runs in
+// an order fixed by p alone:
+//
+//   score    s_t = (scale q) . k_t        one 8-lane FMA chain along the head dim, the lanes summed
+//                                         by one tree (sum_lanes4), then the dim % 8 tail in order
+//   softmax  online over key blocks [0, 128), [128, 256), ... of absolute positions: each block's
+//            max, exps (exp8) and sum (8 lanes, one tree); running max, sum and output rescaled
+//   output   acc = fma(p_t, v_t, acc) in key order, element by element; divided by the sum at the end
+//
+// A task is (sequence, KV head, up to kMaxVecs query vectors: queries x the query heads of that KV
+// head); it reads each key block once for all its vectors, two vectors at a time, and one thread
+// computes it whole. Tasks are split across threads by their cost. Neither the tiling, the
+// pairing nor the split enters a row's sums: they are written on explicit vector types with FMA
+// intrinsics (no loop for the compiler to vectorize and peel by address, no chain for -ffast-math
+// to reassociate), so each is the same sequence of roundings whichever vectors share its task.
+//
+// Two cache layouts (models/layers/attention.py, mla.py); token t of sequence i lives at slot
+// block_table[i][t / block_size] * block_size + t % block_size:
+//   GQA  (num_blocks, block_size, 2, Hk, D), laid out plane-major (2, Hk, num_blocks, block_size, D)
+//   MLA  (num_blocks, block_size, E): one latent per token for all heads (Hk = 1); keys are the
+//        whole entry, values its first `value_dim` numbers (the absorbed form)
+//
+// Built at run time by models/layers/cpu_kernels.py; the eager paths are the reference.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__F16C__) || defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using f32x8 = float __attribute__((vector_size(32)));
+using f32x4 = float __attribute__((vector_size(16)));
+using i32x8 = int32_t __attribute__((vector_size(32)));
+
+constexpr int64_t kKeys = 128;  // keys per softmax block: a constant, never the tile's or cache's
+constexpr int64_t kMaxVecs = 32;  // query vectors per task
+constexpr int64_t kFewRows = 8;   // up to this many rows left in a block: values key by key
+
+inline f32x8 splat(float x) { return f32x8{x, x, x, x, x, x, x, x}; }
+inline f32x8 load8(const float* p) {
+  f32x8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void store8(float* p, const f32x8& v) { std::memcpy(p, &v, sizeof(v)); }
+
+// a * b + c as one instruction where the build has FMA: -ffast-math may reassociate a chain of
+// `acc += a * b`, but not an FMA, so every chain below runs in the order it is written.
+inline f32x8 fma8(f32x8 a, f32x8 b, f32x8 c) {
+#if defined(__FMA__)
+  return _mm256_fmadd_ps(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
+// The lane sums of 4 vectors, each by the same tree ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7)):
+// every add takes shuffles, so there is no chain for -ffast-math to reorder.
+inline f32x4 sum_lanes4(f32x8 a0, f32x8 a1, f32x8 a2, f32x8 a3) {
+  const f32x4 b0 = __builtin_shufflevector(a0, a0, 0, 1, 2, 3) + __builtin_shufflevector(a0, a0, 4, 5, 6, 7);
+  const f32x4 b1 = __builtin_shufflevector(a1, a1, 0, 1, 2, 3) + __builtin_shufflevector(a1, a1, 4, 5, 6, 7);
+  const f32x4 b2 = __builtin_shufflevector(a2, a2, 0, 1, 2, 3) + __builtin_shufflevector(a2, a2, 4, 5, 6, 7);
+  const f32x4 b3 = __builtin_shufflevector(a3, a3, 0, 1, 2, 3) + __builtin_shufflevector(a3, a3, 4, 5, 6, 7);
+  const f32x4 c01 = __builtin_shufflevector(b0, b1, 0, 4, 2, 6) + __builtin_shufflevector(b0, b1, 1, 5, 3, 7);
+  const f32x4 c23 = __builtin_shufflevector(b2, b3, 0, 4, 2, 6) + __builtin_shufflevector(b2, b3, 1, 5, 3, 7);
+  return __builtin_shufflevector(c01, c23, 0, 1, 4, 5) + __builtin_shufflevector(c01, c23, 2, 3, 6, 7);
+}
+
+// e^x lane by lane (Cephes' expf: 2^n e^r, |r| <= ln2 / 2, ~1e-7 relative), the same code for every
+// lane: no libm call whose vector and scalar versions round differently. x is clamped to [-87, 88].
+inline f32x8 exp8(f32x8 x) {
+  x = x < splat(-87.f) ? splat(-87.f) : x;
+  x = x > splat(88.f) ? splat(88.f) : x;
+  const f32x8 z = x * splat(1.44269504088896341f);
+  const i32x8 n = __builtin_convertvector(z + (z < splat(0.f) ? splat(-0.5f) : splat(0.5f)), i32x8);
+  const f32x8 nf = __builtin_convertvector(n, f32x8);
+  const f32x8 r = fma8(nf, splat(2.12194440e-4f), fma8(nf, splat(-0.693359375f), x));  // x - n ln2, in two parts
+  f32x8 p = splat(1.9875691500e-4f);
+  p = fma8(p, r, splat(1.3981999507e-3f));
+  p = fma8(p, r, splat(8.3334519073e-3f));
+  p = fma8(p, r, splat(4.1665795894e-2f));
+  p = fma8(p, r, splat(1.6666665459e-1f));
+  p = fma8(p, r, splat(5.0000001201e-1f));
+  p = fma8(p, r * r, r) + splat(1.f);
+  const i32x8 bits = (n + 127) << 23;
+  f32x8 two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  return p * two_n;
+}
+
+// Dot products of kRows (1 or 2) query rows with 4 key rows, D numbers each: s[x][i] = q[x] . k[i].
+// Each is the same computation whatever kRows: one 8-lane FMA chain along D, the lanes summed by
+// sum_lanes4, then the D % 8 tail in order. Two rows share the loads of the keys.
+template <int kRows, int64_t kD>
+inline void dots(const float* const* q, const float* const* k, int64_t head_dim, float* const* s) {
+  const int64_t D = kD > 0 ? kD : head_dim, D8 = D / 8 * 8;
+  f32x8 a[kRows][4] = {};
+  // Key after key, each read front to back: consecutive keys of a cache block are consecutive in
+  // memory, so a decode's keys stream in the order the hardware prefetcher follows.
+  for (int i = 0; i < 4; ++i) {
+    for (int64_t d = 0; d < D8; d += 8) {
+      const f32x8 kv = load8(k[i] + d);
+      for (int x = 0; x < kRows; ++x) a[x][i] = fma8(load8(q[x] + d), kv, a[x][i]);
+    }
+  }
+  for (int x = 0; x < kRows; ++x) {
+    f32x4 sum = sum_lanes4(a[x][0], a[x][1], a[x][2], a[x][3]);
+    for (int64_t e = D8; e < D; ++e) {
+      for (int i = 0; i < 4; ++i) sum[i] = __builtin_fmaf(q[x][e], k[i][e], sum[i]);
+    }
+    std::memcpy(s[x], &sum, sizeof(sum));
+  }
+}
+
+// acc[x][d] += p[x][t] v[t][d] for t = from..to-1 in order, one FMA each, for kRows rows at once
+// (sharing the loads of v): 64 / kRows numbers of each row at a time in registers.
+template <int kRows, int64_t kD>
+inline void accumulate(float* const* acc, const float* const* p, const float* const* v, int64_t from, int64_t to,
+                       int64_t value_dim) {
+  constexpr int kVecs = 8 / kRows;
+  const int64_t Dv = kD > 0 ? kD : value_dim;
+  int64_t d = 0;
+  for (; d + 8 * kVecs <= Dv; d += 8 * kVecs) {
+    f32x8 r[kRows][kVecs];
+    for (int x = 0; x < kRows; ++x) {
+      for (int j = 0; j < kVecs; ++j) r[x][j] = load8(acc[x] + d + 8 * j);
+    }
+    for (int64_t t = from; t < to; ++t) {
+      const float* vt = v[t] + d;
+      for (int x = 0; x < kRows; ++x) {
+        const f32x8 w = splat(p[x][t]);
+        for (int j = 0; j < kVecs; ++j) r[x][j] = fma8(w, load8(vt + 8 * j), r[x][j]);
+      }
+    }
+    for (int x = 0; x < kRows; ++x) {
+      for (int j = 0; j < kVecs; ++j) store8(acc[x] + d + 8 * j, r[x][j]);
+    }
+  }
+  for (; d + 8 <= Dv; d += 8) {
+    for (int x = 0; x < kRows; ++x) {
+      f32x8 r = load8(acc[x] + d);
+      for (int64_t t = from; t < to; ++t) r = fma8(splat(p[x][t]), load8(v[t] + d), r);
+      store8(acc[x] + d, r);
+    }
+  }
+  for (; d < Dv; ++d) {
+    for (int x = 0; x < kRows; ++x) {
+      float r = acc[x][d];
+      for (int64_t t = from; t < to; ++t) r = __builtin_fmaf(p[x][t], v[t][d], r);
+      acc[x][d] = r;
+    }
+  }
+}
+
+// acc[d] = fma(p, v[d], acc[d]) for each d: one key's term of one row, the same operation per
+// number as `accumulate`.
+template <int64_t kD>
+inline void axpy(float* acc, float p, const float* v, int64_t value_dim) {
+  const int64_t Dv = kD > 0 ? kD : value_dim;
+  const f32x8 w = splat(p);
+  int64_t d = 0;
+  for (; d + 8 <= Dv; d += 8) store8(acc + d, fma8(w, load8(v + d), load8(acc + d)));
+  for (; d < Dv; ++d) acc[d] = __builtin_fmaf(p, v[d], acc[d]);
+}
+
+inline float widen(float x) { return x; }
+inline float widen(c10::Half x) { return static_cast<float>(x); }
+inline float widen(c10::BFloat16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// One cache row as floats: the row itself for a float cache, else widened into `buf`.
+template <typename cache_t>
+inline const float* row_as_float(const cache_t* row, int64_t n, float* buf) {
+  if constexpr (std::is_same_v<cache_t, float>) {
+    return row;
+  } else {
+    int64_t d = 0;
+#if defined(__F16C__)
+    if constexpr (std::is_same_v<cache_t, c10::Half>) {
+      for (; d + 8 <= n; d += 8) {
+        _mm256_storeu_ps(buf + d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d))));
+      }
+    }
+#endif
+    for (; d < n; ++d) buf[d] = widen(row[d]);
+    return buf;
+  }
+}
+
+struct Layout {  // where key / value rows lie: row of (kv head h, slot s) = base + h * head_stride + s * slot_stride
+  int64_t head_stride, slot_stride, v_offset, block_size, Dk, Dv;
+  bool values_in_keys;  // MLA: a value row is the first Dv numbers of its key row
+};
+
+struct Task {
+  int64_t seq, head, first, count, cost;  // `count` query vectors from `first` (= query * G + head in group)
+};
+
+template <typename scalar_t, typename cache_t, int64_t kD>
+struct Attention {
+  const scalar_t* q;
+  int64_t q_stride0, q_stride1;  // token, head
+  const cache_t* cache;
+  const int64_t *tables, *seq_lens, *query_start;
+  int64_t table_stride, H, G;
+  Layout lay;
+  float scale;
+  scalar_t* out;
+
+  void run(const Task& task, std::vector<float>& buf) const {
+    const int64_t Dk = kD > 0 ? kD : lay.Dk, Dv = kD > 0 ? kD : lay.Dv, R = task.count;
+    const int64_t i = task.seq, h = task.head, q_len = query_start[i + 1] - query_start[i];
+    float* qf = buf.data();                // (R, Dk) scaled queries
+    float* acc = qf + kMaxVecs * Dk;       // (R, Dv)
+    float* kbuf = acc + kMaxVecs * Dv;     // (kKeys, Dk) widened keys (16-bit caches)
+    float* vbuf = kbuf + kKeys * Dk;       // (kKeys, Dv) widened values
+    float* zero = vbuf + kKeys * Dv;       // (Dk,) the key of padding columns
+    float* s = zero + Dk;                  // (R, kKeys) the rows' scores, then their exps
+    float m[kMaxVecs], l[kMaxVecs];
+    int64_t len[kMaxVecs];
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t vec = task.first + r, j = vec / G, head = h * G + vec % G;
+      const scalar_t* qr = q + (query_start[i] + j) * q_stride0 + head * q_stride1;
+      for (int64_t d = 0; d < Dk; ++d) qf[r * Dk + d] = widen(qr[d]) * scale;
+      len[r] = seq_lens[i] - q_len + j + 1;  // keys 0..position
+    }
+    std::fill(acc, acc + R * Dv, 0.f);
+    const int64_t* table = tables + i * table_stride;
+    const cache_t* kbase = cache + h * lay.head_stride;
+    const cache_t* vbase = kbase + lay.v_offset;
+    const float* krow[kKeys + 3];
+    const float* vrow[kKeys];
+    int64_t r0 = 0;  // rows before r0 have seen all their keys: lengths grow with r
+    for (int64_t b0 = 0; b0 < len[R - 1]; b0 += kKeys) {
+      const int64_t nk = std::min(kKeys, len[R - 1] - b0);
+      // Walk the block table from key b0: one division per block of keys, not per key.
+      for (int64_t t = 0, b = b0 / lay.block_size, o = b0 % lay.block_size; t < nk; ++t) {
+        const int64_t slot = table[b] * lay.block_size + o;
+        krow[t] = row_as_float(kbase + slot * lay.slot_stride, Dk, kbuf + t * Dk);
+        vrow[t] = lay.values_in_keys ? krow[t] : row_as_float(vbase + slot * lay.slot_stride, Dv, vbuf + t * Dv);
+        if (++o == lay.block_size) o = 0, ++b;
+      }
+      for (int64_t t = nk; t < nk + 3; ++t) krow[t] = zero;  // the columns past the block's end
+      while (len[r0] <= b0) ++r0;
+      int64_t n[kMaxVecs];  // each row's keys in this block
+      for (int64_t r = r0; r < R; ++r) n[r] = std::min(nk, len[r] - b0);
+      // Scores, 4 keys at a time for every row that needs them (the keys stay in L1), two rows at
+      // a time sharing the loads of the keys; a row left over goes alone.
+      for (int64_t t = 0; t < nk; t += 4) {
+        for (int64_t r = r0; r < R; r += 2) {
+          if (n[std::min(r + 1, R - 1)] <= t) continue;
+          const float* qs[2] = {qf + r * Dk, qf + (r + 1) * Dk};
+          float* out[2] = {s + r * kKeys + t, s + (r + 1) * kKeys + t};
+          if (r + 1 < R) {
+            dots<2, kD>(qs, krow + t, Dk, out);
+          } else {
+            dots<1, kD>(qs, krow + t, Dk, out);
+          }
+        }
+      }
+      for (int64_t r = r0; r < R; ++r) softmax_block(s + r * kKeys, n[r], b0, m[r], l[r], acc + r * Dv, Dv);
+      if (R - r0 == 1) {  // one row (a decode without GQA): its output in registers across the keys
+        float* acc_r = acc + r0 * Dv;
+        const float* p = s + r0 * kKeys;
+        accumulate<1, kD>(&acc_r, &p, vrow, 0, n[r0], Dv);
+      } else if (R - r0 <= kFewRows) {
+        // A decode's few rows: key by key, so each value row is read once from memory.
+        for (int64_t t = 0; t < nk; ++t) {
+          for (int64_t r = r0; r < R; ++r) {
+            if (t < n[r]) axpy<kD>(acc + r * Dv, s[r * kKeys + t], vrow[t], Dv);
+          }
+        }
+      } else {
+        // Many rows (a prompt's): two rows at a time hold a part of their outputs in registers
+        // across the block's keys, sharing the loads of the values.
+        for (int64_t r = r0; r < R; r += 2) {
+          float* accs[2] = {acc + r * Dv, acc + (r + 1) * Dv};
+          const float* ps[2] = {s + r * kKeys, s + (r + 1) * kKeys};
+          if (r + 1 < R) {
+            accumulate<2, kD>(accs, ps, vrow, 0, n[r], Dv);
+            accumulate<1, kD>(accs + 1, ps + 1, vrow, n[r], n[r + 1], Dv);  // n[r + 1] >= n[r]
+          } else {
+            accumulate<1, kD>(accs, ps, vrow, 0, n[r], Dv);
+          }
+        }
+      }
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t vec = task.first + r, j = vec / G, head = h * G + vec % G;
+      scalar_t* o = out + ((query_start[i] + j) * H + head) * Dv;
+      const float inv = 1.f / l[r];
+      for (int64_t d = 0; d < Dv; ++d) o[d] = static_cast<scalar_t>(acc[r * Dv + d] * inv);
+    }
+  }
+
+  // One row's scores s[0..n) of the key block at b0 -> their exps relative to the row's new running
+  // max m, in place; the running sum l and the output acc so far rescaled to that max.
+  static void softmax_block(float* s, int64_t n, int64_t b0, float& m, float& l, float* acc, int64_t Dv) {
+    const float block_max = *std::max_element(s, s + n);
+    const float m_new = b0 == 0 ? block_max : std::max(m, block_max);
+    const f32x8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
+    f32x8 sum{};
+    for (int64_t t = 0; t < n; t += 8) {
+      f32x8 e = exp8(load8(s + t) - splat(m_new));
+      e = lane + splat(static_cast<float>(t)) < splat(static_cast<float>(n)) ? e : splat(0.f);
+      store8(s + t, e);
+      sum += e;
+    }
+    const float block_sum = sum_lanes4(sum, f32x8{}, f32x8{}, f32x8{})[0];
+    if (b0 == 0) {
+      l = block_sum;
+    } else {
+      const float alpha = exp8(splat(m - m_new))[0];
+      l = l * alpha + block_sum;
+      for (int64_t d = 0; d < Dv; ++d) acc[d] *= alpha;
+    }
+    m = m_new;
+  }
+
+  size_t buffer_floats() const {
+    const int64_t Dk = lay.Dk, Dv = lay.Dv;
+    return kMaxVecs * (Dk + Dv) + kKeys * (Dk + Dv) + Dk + kMaxVecs * kKeys;
+  }
+};
+
+// Tasks in sequence, KV head, query order; split into `parts` contiguous runs of about equal cost.
+template <typename Kernel>
+void run_tasks(const Kernel& kernel, int64_t n, int64_t Hk) {
+  std::vector<Task> tasks;
+  int64_t total = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t q_len = kernel.query_start[i + 1] - kernel.query_start[i], vecs = q_len * kernel.G;
+    for (int64_t h = 0; h < Hk; ++h) {
+      for (int64_t first = 0; first < vecs; first += kMaxVecs) {
+        const int64_t count = std::min(kMaxVecs, vecs - first);
+        const int64_t last_len = kernel.seq_lens[i] - q_len + (first + count - 1) / kernel.G + 1;
+        tasks.push_back({i, h, first, count, count * last_len});
+        total += count * last_len;
+      }
+    }
+  }
+  // A few thousand (vector, key) pairs take microseconds: waking the thread team would cost more.
+  const int64_t parts = total < 16384 ? 1 : std::min<int64_t>(at::get_num_threads(), tasks.size());
+  std::vector<size_t> bounds(parts + 1, tasks.size());
+  bounds[0] = 0;
+  int64_t done = 0, part = 1;
+  for (size_t t = 0; t < tasks.size() && part < parts; ++t) {
+    done += tasks[t].cost;
+    if (done * parts >= part * total) bounds[part++] = t + 1;
+  }
+  at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(kernel.buffer_floats(), 0.f);
+    for (int64_t p = begin; p < end; ++p) {
+      for (size_t t = bounds[p]; t < bounds[p + 1]; ++t) kernel.run(tasks[t], buf);
+    }
+  });
+}
+
+template <typename scalar_t, typename cache_t>
+void dispatch(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& tables, const at::Tensor& seq_lens,
+              const at::Tensor& query_start, at::Tensor& out, const Layout& lay, int64_t Hk, double scale) {
+  auto run = [&](auto kernel) {
+    kernel.q = q.data_ptr<scalar_t>();
+    kernel.q_stride0 = q.stride(0), kernel.q_stride1 = q.stride(1);
+    kernel.cache = kv_cache.data_ptr<cache_t>();
+    kernel.tables = tables.data_ptr<int64_t>(), kernel.table_stride = tables.size(1);
+    kernel.seq_lens = seq_lens.data_ptr<int64_t>(), kernel.query_start = query_start.data_ptr<int64_t>();
+    kernel.H = q.size(1), kernel.G = q.size(1) / Hk;
+    kernel.lay = lay, kernel.scale = static_cast<float>(scale);
+    kernel.out = out.data_ptr<scalar_t>();
+    run_tasks(kernel, seq_lens.numel(), Hk);
+  };
+  const bool same_dims = lay.Dk == lay.Dv && !lay.values_in_keys;
+  if (same_dims && lay.Dk == 64) {
+    run(Attention<scalar_t, cache_t, 64>{});
+  } else if (same_dims && lay.Dk == 128) {
+    run(Attention<scalar_t, cache_t, 128>{});
+  } else {
+    run(Attention<scalar_t, cache_t, 0>{});
+  }
+}
+
+// q (T, H, Dk), unit stride along Dk; kv_cache GQA (num_blocks, block_size, 2, Hk, D) or MLA
+// (num_blocks, block_size, E) with value_dim <= E, in q's dtype or 16-bit under float32 q;
+// block_table (n, >= blocks used) int64; seq_lens (n,) int64; query_start (n + 1,) int64: the
+// queries of sequence i are rows query_start[i]..query_start[i+1]-1 of q, the last of its tokens.
+// Returns (T, H, Dv) in q's dtype.
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                           const at::Tensor& seq_lens, const at::Tensor& query_start, double scale,
+                           int64_t value_dim) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be (T, H, D) with unit stride along D");
+  TORCH_CHECK(kv_cache.is_contiguous() && (kv_cache.dim() == 5 || kv_cache.dim() == 3), "bad kv_cache");
+  const bool mixed = q.scalar_type() == at::kFloat &&
+                     (kv_cache.scalar_type() == at::kHalf || kv_cache.scalar_type() == at::kBFloat16);
+  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() || mixed,
+              "kv_cache must have q's dtype, or be float16/bfloat16 under float32 q");
+  TORCH_CHECK(block_table.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
+              query_start.scalar_type() == at::kLong, "int64 tables");
+  const int64_t n = seq_lens.numel(), T = q.size(0), H = q.size(1);
+  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == n && query_start.numel() == n + 1,
+              "one block table row and one length per sequence, query_start of n + 1");
+  const int64_t num_blocks = kv_cache.size(0), block_size = kv_cache.size(1);
+  Layout lay{};
+  int64_t Hk = 1;
+  lay.block_size = block_size;
+  if (kv_cache.dim() == 5) {  // GQA, plane-major
+    TORCH_CHECK(kv_cache.size(2) == 2, "GQA kv_cache must be (num_blocks, block_size, 2, Hk, D)");
+    Hk = kv_cache.size(3);
+    const int64_t D = kv_cache.size(4), plane = num_blocks * block_size * D;
+    TORCH_CHECK(value_dim == D || value_dim == 0, "value_dim of a GQA cache is its head dim");
+    lay = Layout{plane, D, Hk * plane, block_size, D, D, false};
+  } else {  // MLA latents
+    const int64_t E = kv_cache.size(2);
+    TORCH_CHECK(value_dim >= 1 && value_dim <= E, "value_dim must be in [1, entry size]");
+    lay = Layout{0, E, 0, block_size, E, value_dim, true};
+  }
+  TORCH_CHECK(q.size(2) == lay.Dk && H % Hk == 0, "q's head dim / head count do not match the cache");
+  auto tables = block_table.contiguous(), lens = seq_lens.contiguous(), starts = query_start.contiguous();
+  const int64_t *table_ptr = tables.data_ptr<int64_t>(), *len_ptr = lens.data_ptr<int64_t>();
+  const int64_t* start_ptr = starts.data_ptr<int64_t>();
+  TORCH_CHECK(start_ptr[0] == 0 && start_ptr[n] == T, "query_start must run from 0 to the number of rows of q");
+  for (int64_t i = 0; i < n; ++i) {  // a bad index would read outside the cache: check them all
+    const int64_t q_len = start_ptr[i + 1] - start_ptr[i];
+    TORCH_CHECK(q_len >= 0 && len_ptr[i] >= q_len && len_ptr[i] <= tables.size(1) * block_size,
+                "sequence length out of range");
+    for (int64_t b = 0; b < (len_ptr[i] + block_size - 1) / block_size; ++b) {
+      const int64_t block = table_ptr[i * tables.size(1) + b];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "block id out of range");
+    }
+  }
+  auto out = at::empty({T, H, lay.Dv}, q.options());
+  if (T == 0) return out;
+  if (mixed && kv_cache.scalar_type() == at::kHalf) {
+    dispatch<float, c10::Half>(q, kv_cache, tables, lens, starts, out, lay, Hk, scale);
+  } else if (mixed) {
+    dispatch<float, c10::BFloat16>(q, kv_cache, tables, lens, starts, out, lay, Hk, scale);
+  } else if (q.scalar_type() == at::kFloat) {
+    dispatch<float, float>(q, kv_cache, tables, lens, starts, out, lay, Hk, scale);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    dispatch<c10::BFloat16, c10::BFloat16>(q, kv_cache, tables, lens, starts, out, lay, Hk, scale);
+  } else if (q.scalar_type() == at::kHalf) {
+    dispatch<c10::Half, c10::Half>(q, kv_cache, tables, lens, starts, out, lay, Hk, scale);
+  } else {
+    TORCH_CHECK(false, "paged_attention takes float32, bfloat16 or float16");
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagedserve, m) {
+  m.def("paged_attention(Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, Tensor query_start, "
+        "float scale, int value_dim) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagedserve, CPU, m) { m.impl("paged_attention", &paged_attention); }
