@@ -191,9 +191,6 @@ def row_by_row(loaded):
     return loaded
 
 
-@pytest.mark.xfail(strict=False, reason="quantized products are row-invariant only with the quantized kernel "
-                   "being rewritten in models/layers/csrc/quant_linear.cpp (no dense GEMM for many rows, "
-                   "one sum order for every row count and thread count)")
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_logits_of_a_quantized_model_are_the_same_however_a_token_is_scheduled(make_checkpoint, quantization):
     from models.loader import load_model
