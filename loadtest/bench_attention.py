@@ -13,11 +13,11 @@ the eager paths (what serves without our kernels) instead of the C++ kernel.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
 
+from loadtest.bench_quant import best_ms
 from loadtest.compare import cpu_description
 from models.layers import cpu_kernels
 from models.layers.attention import AttentionMetadata, paged_attention
@@ -29,16 +29,6 @@ SHAPES = {
     "1.7B": (32, 32, 64, 2048, 8192),
 }
 BLOCK_SIZE = 16
-
-
-def best_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times) * 1e3
 
 
 def attention_case(shape, query_lens, seq_lens, gen):

@@ -44,6 +44,18 @@ def schedules(n: int) -> dict[str, list[list[tuple[int, int, int]]]]:
     }
 
 
+
+def schedule_block_tables(schedule, seed: int) -> tuple[dict[int, list[int]], int]:
+    """Shuffled block tables for every sequence a schedule of (sequence, start, count) steps
+    touches, each long enough for its last token: ({sequence: table}, blocks in the cache)."""
+    lengths: dict[int, int] = {}
+    for step in schedule:
+        for i, start, count in step:
+            lengths[i] = max(lengths.get(i, 0), start + count)
+    ids = sorted(lengths)
+    tables, num_blocks = shuffled_block_tables([lengths[i] for i in ids], BLOCK_SIZE, seed=seed)
+    return dict(zip(ids, tables)), num_blocks
+
 class Sequences:
     """Random queries, keys and values per token of each sequence, and a fresh paged cache for
     each run, its blocks shuffled differently every time."""
@@ -62,17 +74,12 @@ class Sequences:
 
     def run(self, schedule, seed: int) -> torch.Tensor:
         """Sequence 0's attention output for each of its tokens, (n, H, Dv)."""
-        lengths = {}
-        for step in schedule:
-            for i, start, count in step:
-                lengths[i] = max(lengths.get(i, 0), start + count)
-        ids = sorted(lengths)
-        tables, num_blocks = shuffled_block_tables([lengths[i] for i in ids], BLOCK_SIZE, seed=seed)
-        tables = dict(zip(ids, tables))
+        tables, num_blocks = schedule_block_tables(schedule, seed)
         h, hk, d = self.shape
         entry = (d,) if self.latent_values else (2, hk, d)
         cache = KVCacheSpec(1, entry, self.cache_dtype).allocate(num_blocks, BLOCK_SIZE, "cpu")[0]
-        out = torch.full((lengths[0], h, self.latent_values or d), float("nan"), dtype=self.dtype)
+        length = max(start + count for step in schedule for i, start, count in step if i == 0)
+        out = torch.full((length, h, self.latent_values or d), float("nan"), dtype=self.dtype)
         for step in schedule:
             meta = AttentionMetadata.build(
                 [c for _, _, c in step], [s + c for _, s, c in step], [tables[i] for i, _, _ in step], BLOCK_SIZE
@@ -145,13 +152,8 @@ def logits_per_schedule(model, cache_dtype) -> dict[str, torch.Tensor]:
     for threads in (1, 2):
         torch.set_num_threads(threads)
         for seed, (name, schedule) in enumerate(schedules(SEQ_LEN).items()):
-            lengths = {}
-            for step in schedule:
-                for i, start, count in step:
-                    lengths[i] = max(lengths.get(i, 0), start + count)
-            ids = sorted(lengths)
-            tables, num_blocks = shuffled_block_tables([lengths[i] for i in ids], BLOCK_SIZE, seed=seed)
-            tables = [dict(zip(ids, tables)).get(i, []) for i in range(max(ids) + 1)]
+            by_sequence, num_blocks = schedule_block_tables(schedule, seed)
+            tables = [by_sequence.get(i, []) for i in range(max(by_sequence) + 1)]
             caches = model.kv_cache_spec(cache_dtype).allocate(num_blocks, BLOCK_SIZE, "cpu")
             out = torch.empty(SEQ_LEN, vocab)
             for step in schedule:
