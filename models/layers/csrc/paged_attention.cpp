@@ -61,7 +61,9 @@ inline f32x8 load8(const float* p) {
 inline void store8(float* p, const f32x8& v) { std::memcpy(p, &v, sizeof(v)); }
 
 // a * b + c as one instruction where the build has FMA: -ffast-math may reassociate a chain of
-// `acc += a * b`, but not an FMA, so every chain below runs in the order it is written.
+// `acc += a * b`, but not an FMA, so every chain below runs in the order it is written. (Without
+// FMA, the generic build, the order is the compiler's: the same for every row in practice, but
+// not by construction.)
 inline f32x8 fma8(f32x8 a, f32x8 b, f32x8 c) {
 #if defined(__FMA__)
   return _mm256_fmadd_ps(a, b, c);
