@@ -61,7 +61,9 @@ inline f32x8 load8(const float* p) {
 inline void store8(float* p, const f32x8& v) { std::memcpy(p, &v, sizeof(v)); }
 
 // a * b + c as one instruction where the build has FMA: -ffast-math may reassociate a chain of
-// `acc += a * b`, but not an FMA, so every chain below runs in the order it is written.
+// `acc += a * b`, but not an FMA, so every chain below runs in the order it is written. (Without
+// FMA, the generic build, the order is the compiler's: the same for every row in practice, but
+// not by construction.)
 inline f32x8 fma8(f32x8 a, f32x8 b, f32x8 c) {
 #if defined(__FMA__)
   return _mm256_fmadd_ps(a, b, c);
@@ -105,18 +107,30 @@ inline f32x8 exp8(f32x8 x) {
 }
 
 // Dot products of kRows (1 or 2) query rows with 4 key rows, D numbers each: s[x][i] = q[x] . k[i].
-// Each is the same computation whatever kRows: one 8-lane FMA chain along D, the lanes summed by
-// sum_lanes4, then the D % 8 tail in order. Two rows share the loads of the keys.
-template <int kRows, int64_t kD>
+// Each is the same computation whatever kRows and order: one 8-lane FMA chain along D, the lanes
+// summed by sum_lanes4, then the D % 8 tail in order. Two rows share the loads of the keys.
+// kKeyMajor: key after key, each read front to back (consecutive keys of a cache block are
+// consecutive in memory: a decode's keys stream in the order the hardware prefetcher follows);
+// else all 4 keys at each step along D (a prompt's keys are in cache: fewer loads per FMA).
+template <int kRows, int64_t kD, bool kKeyMajor>
 inline void dots(const float* const* q, const float* const* k, int64_t head_dim, float* const* s) {
   const int64_t D = kD > 0 ? kD : head_dim, D8 = D / 8 * 8;
   f32x8 a[kRows][4] = {};
-  // Key after key, each read front to back: consecutive keys of a cache block are consecutive in
-  // memory, so a decode's keys stream in the order the hardware prefetcher follows.
-  for (int i = 0; i < 4; ++i) {
+  if constexpr (kKeyMajor) {
+    for (int i = 0; i < 4; ++i) {
+      for (int64_t d = 0; d < D8; d += 8) {
+        const f32x8 kv = load8(k[i] + d);
+        for (int x = 0; x < kRows; ++x) a[x][i] = fma8(load8(q[x] + d), kv, a[x][i]);
+      }
+    }
+  } else {
     for (int64_t d = 0; d < D8; d += 8) {
-      const f32x8 kv = load8(k[i] + d);
-      for (int x = 0; x < kRows; ++x) a[x][i] = fma8(load8(q[x] + d), kv, a[x][i]);
+      const f32x8 k0 = load8(k[0] + d), k1 = load8(k[1] + d), k2 = load8(k[2] + d), k3 = load8(k[3] + d);
+      for (int x = 0; x < kRows; ++x) {
+        const f32x8 qv = load8(q[x] + d);
+        a[x][0] = fma8(qv, k0, a[x][0]), a[x][1] = fma8(qv, k1, a[x][1]);
+        a[x][2] = fma8(qv, k2, a[x][2]), a[x][3] = fma8(qv, k3, a[x][3]);
+      }
     }
   }
   for (int x = 0; x < kRows; ++x) {
@@ -266,15 +280,18 @@ struct Attention {
       for (int64_t r = r0; r < R; ++r) n[r] = std::min(nk, len[r] - b0);
       // Scores, 4 keys at a time for every row that needs them (the keys stay in L1), two rows at
       // a time sharing the loads of the keys; a row left over goes alone.
+      const bool few = R - r0 <= kFewRows;
       for (int64_t t = 0; t < nk; t += 4) {
         for (int64_t r = r0; r < R; r += 2) {
           if (n[std::min(r + 1, R - 1)] <= t) continue;
           const float* qs[2] = {qf + r * Dk, qf + (r + 1) * Dk};
           float* out[2] = {s + r * kKeys + t, s + (r + 1) * kKeys + t};
-          if (r + 1 < R) {
-            dots<2, kD>(qs, krow + t, Dk, out);
+          if (r + 1 < R && few) {
+            dots<2, kD, true>(qs, krow + t, Dk, out);
+          } else if (r + 1 < R) {
+            dots<2, kD, false>(qs, krow + t, Dk, out);
           } else {
-            dots<1, kD>(qs, krow + t, Dk, out);
+            dots<1, kD, true>(qs, krow + t, Dk, out);
           }
         }
       }
@@ -283,7 +300,7 @@ struct Attention {
         float* acc_r = acc + r0 * Dv;
         const float* p = s + r0 * kKeys;
         accumulate<1, kD>(&acc_r, &p, vrow, 0, n[r0], Dv);
-      } else if (R - r0 <= kFewRows) {
+      } else if (few) {
         // A decode's few rows: key by key, so each value row is read once from memory.
         for (int64_t t = 0; t < nk; ++t) {
           for (int64_t r = r0; r < R; ++r) {
@@ -316,7 +333,15 @@ struct Attention {
   // One row's scores s[0..n) of the key block at b0 -> their exps relative to the row's new running
   // max m, in place; the running sum l and the output acc so far rescaled to that max.
   static void softmax_block(float* s, int64_t n, int64_t b0, float& m, float& l, float* acc, int64_t Dv) {
-    const float block_max = *std::max_element(s, s + n);
+    f32x8 most = splat(s[0]);  // a max is exact in any order
+    int64_t t8 = 0;
+    for (; t8 + 8 <= n; t8 += 8) {
+      const f32x8 x = load8(s + t8);
+      most = x > most ? x : most;
+    }
+    float block_max = most[0];
+    for (int i = 1; i < 8; ++i) block_max = std::max(block_max, most[i]);
+    for (; t8 < n; ++t8) block_max = std::max(block_max, s[t8]);
     const float m_new = b0 == 0 ? block_max : std::max(m, block_max);
     const f32x8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
     f32x8 sum{};
