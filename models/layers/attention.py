@@ -1,5 +1,6 @@
-"""Paged attention in plain PyTorch: the runner builds `AttentionMetadata` once per
-step, every layer reuses it (and reads the step's choice of kernels from it).
+"""Paged attention, our C++ kernel on CPU and plain PyTorch elsewhere: the runner builds
+`AttentionMetadata` once per step, every layer reuses it (and reads the step's choice of kernels
+from it).
 
 The KV cache of one layer is a tensor of shape (num_blocks, block_size, *entry_shape);
 flattened, slot `s = block_id * block_size + offset` holds one token's entry.
