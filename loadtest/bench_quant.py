@@ -94,6 +94,10 @@ def _torch_int8(w: torch.Tensor):
     return torch.round(w / s[:, None]).to(torch.int8), s.bfloat16()
 
 
+def _panels(qw: Q.QuantizedWeight) -> tuple:
+    return qw, Q.to_panels(qw)
+
+
 # name -> (weight (N, K) float32 -> what the product keeps, (kept, x by K, bf16 x by K) -> product)
 COLUMNS = {
     "dense f32": (lambda w: w, lambda w, x, xb: F.linear(x[w.shape[1]], w)),
@@ -102,10 +106,10 @@ COLUMNS = {
     "torch int4 g32 (bf16 act)": (_torch_int4, lambda w, x, xb: torch.ops.aten._weight_int4pack_mm_for_cpu(
         xb[w[2]], w[0], 32, w[1])),
     "f32 GEMM, int4 dequantized": (lambda w: Q.quantize_int4(w).dequantize(), lambda w, x, xb: F.linear(x[w.shape[1]], w)),
-    "ours int4 g32": (Q.quantize_int4, lambda w, x, xb: cpu_kernels.quant_linear(
-        x[w.in_features], w.qweight, w.scales, w.mins, None, 4, 32, True)),
-    "ours int8 g32": (lambda w: Q.quantize_int8(w, 32), lambda w, x, xb: cpu_kernels.quant_linear(
-        x[w.in_features], w.qweight, w.scales, None, None, 8, 32, True)),
+    "ours int4 g32": (lambda w: _panels(Q.quantize_int4(w)), lambda w, x, xb: Q.quantized_linear(
+        x[w[0].in_features], w[0], panels=w[1])),
+    "ours int8 g32": (lambda w: _panels(Q.quantize_int8(w, 32)), lambda w, x, xb: Q.quantized_linear(
+        x[w[0].in_features], w[0], panels=w[1])),
 }
 
 if __name__ == "__main__":

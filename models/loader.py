@@ -23,7 +23,9 @@ from torch import nn
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from models.config import ModelConfig, build_model_config, load_hf_config, read_eos_token_ids
-from models.layers.linear import Linear, MergedLinear, can_pack_weights, linear_weight_bytes, pack_linear_weights
+from models.layers.linear import (
+    Linear, MergedLinear, can_pack_weights, linear_weight_bytes, pack_linear_weights, process_weights_after_loading,
+)
 from models.layers.quantization import DENSE, QUANTIZATIONS, LinearMethod, method_for
 from models.registry import MODEL_REGISTRY, get_model_class
 
@@ -205,6 +207,7 @@ def build_model(
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise ValueError(f"{config.path}: checkpoint has no tensor for parameter(s) {shown}")
+    process_weights_after_loading(model)
     if can_pack_weights(config.dtype, device):
         # bf16 on CPU: oneDNN's own layout, not reordered at every call; small models also
         # keep the plain weights, for the faster single-row gemv (see pack_linear_weights).

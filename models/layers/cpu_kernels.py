@@ -228,11 +228,11 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def quant_linear(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
-    bias: torch.Tensor | None, bits: int, group_size: int, quantize_input: bool = False,
+    bias: torch.Tensor | None, bits: int, group_size: int, out_features: int,
 ) -> torch.Tensor:
-    """x (M, K) -> (M, N) in x's dtype, W as in models/layers/quantization.py; `quantize_input`:
-    x rounded to int16 per 32 values for integer dot products, else used as it is."""
-    return torch.ops.pagedserve.quant_linear(x, qweight, scales, mins, bias, bits, group_size, quantize_input)
+    """x (M, K) -> (M, N = out_features) in x's dtype, x rounded to int16 per 32 values and W in
+    panels of 8 columns (models/layers/quantization.py's `to_panels`)."""
+    return torch.ops.pagedserve.quant_linear(x, qweight, scales, mins, bias, bits, group_size, out_features)
 
 
 def rope_neox(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

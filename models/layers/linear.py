@@ -119,6 +119,12 @@ def pack_linear_weights(model: nn.Module, keep_plain: bool = False) -> int:
     return count
 
 
+def process_weights_after_loading(model: nn.Module) -> int:
+    """Every Linear's method puts its weights in the layout it runs on (quantized layers on CPU:
+    the kernel's panels), once, after loading. Returns the number of layers changed."""
+    return sum(m.quant_method.process_weights_after_loading(m) for m in model.modules() if isinstance(m, Linear))
+
+
 def linear_weight_bytes(model: nn.Module) -> int:
     """Bytes of every Linear's (and Embedding's) stored weight, quantized or not."""
     return sum(

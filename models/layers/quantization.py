@@ -21,9 +21,16 @@ G = 32 (asymmetric, the min at the group's minimum).
         qweight[n] = [ group 0: 16 bytes | group 1: 16 bytes ]
 
 On CPU the products run in models/layers/csrc/quant_linear.cpp (integer dot products, the
-activations rounded to int16 per 32 values); `dequantize` + F.linear is the
-reference that the kernel is tested against and the path where it is not built or where K
-is not a multiple of 32.
+activations rounded to int16 per 32 values), over the weights reordered once into panels of
+8 output columns (`to_panels`; the loader does it after loading, a layer used on its own at
+its first product):
+
+    qweight (P, K/32, 128 | 256) bytes, P = ceil(N / 8): panel p's group g holds columns
+            8p .. 8p+7's 2-byte units of group g, unit-major: [unit 0 of column 0..7 | unit 1 ...]
+    scales, mins (P, K/G, 8)
+
+`dequantize` + F.linear is the reference that the kernel is tested against and the path
+where it is not built, or for activations kept in float (`quantize_input=False`).
 """
 from __future__ import annotations
 
@@ -37,6 +44,7 @@ from models.layers import cpu_kernels
 from models.layers.step_kernels import StepKernels
 
 BLOCK = 32  # the quantized kernels' unit along K
+PANEL = 8  # output columns per panel of the CPU kernel's weight layout
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 
@@ -96,6 +104,47 @@ def dequantize(
     return w.view(n, in_features)
 
 
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.cat((t, t.new_zeros(rows - t.shape[0], *t.shape[1:]))) if rows > t.shape[0] else t
+
+
+def to_panels(qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """qweight, scales, mins in the CPU kernel's panels of 8 columns (N padded with zeros):
+    a reorder of 2-byte units, nothing more (csrc/quant_linear.cpp draws it)."""
+    n, k = qw.shape
+    padded = -(-n // PANEL) * PANEL
+    units = _pad_rows(qw.qweight, padded).reshape(padded // PANEL, PANEL, k // BLOCK, -1, 2)  # (P, 8, nb, u, 2)
+    qweight = units.permute(0, 2, 3, 1, 4).reshape(padded // PANEL, k // BLOCK, -1)
+
+    def factors(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        return _pad_rows(t, padded).view(padded // PANEL, PANEL, -1).transpose(1, 2).contiguous()
+
+    return qweight.contiguous(), factors(qw.scales), factors(qw.mins)
+
+
+def panel_rows(bits: int, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+               rows: torch.Tensor) -> QuantizedWeight:
+    """Rows `rows` (output columns) of panelled weights, back in the stored layout."""
+    panels, nb, _ = qweight.shape
+    panel, lane = rows // PANEL, rows % PANEL
+    q = qweight.view(panels, nb, -1, PANEL, 2)[panel, :, :, lane, :]  # (len(rows), nb, u, 2)
+
+    def lanes(factors: torch.Tensor | None) -> torch.Tensor | None:  # (P, S, 8) -> (len(rows), S)
+        return None if factors is None else factors[panel, :, lane]
+
+    return QuantizedWeight(bits, q.reshape(rows.numel(), -1), lanes(scales), lanes(mins), nb * BLOCK)
+
+
+def quantized_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None,
+                     panels: tuple | None = None) -> torch.Tensor:
+    """x W^T (+ bias) on the CPU kernel, from `qw` or its `to_panels(qw)` (tests, benchmarks:
+    a model's layers go through QuantMethod)."""
+    qweight, scales, mins = panels if panels is not None else to_panels(qw)
+    return cpu_kernels.quant_linear(x, qweight, scales, mins, bias, qw.bits, qw.group_size, qw.shape[0])
+
+
 def quantize_int8(weight: torch.Tensor, group_size: int | None = None) -> QuantizedWeight:
     """Round to nearest, symmetric, one scale per output channel (or per `group_size` values)."""
     n, k = weight.shape
@@ -144,6 +193,11 @@ class LinearMethod:
 
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: nn.Module) -> bool:
+        """Once all of the layer's weights are loaded: put them in the layout a kernel runs on,
+        once (True: they are in it now)."""
+        return False
 
     def compute_dtype(self, layer: nn.Module) -> torch.dtype:
         """The dtype of the layer's activations (its dense weight's, or the model's)."""
@@ -204,7 +258,8 @@ class QuantMethod(LinearMethod):
         self.group_size = group_size  # None: one group per row (int8 per channel)
         self.scale_dtype = scale_dtype
         # quantize_input: round activations to int16 per 32 values for integer dot products
-        # (csrc/quant_linear.cpp says why int16, not llama.cpp's int8); else float FMAs.
+        # (csrc/quant_linear.cpp says why int16, not llama.cpp's int8); else the reference,
+        # F.linear over the dequantized weight.
         self.quantize_input = quantize_input
         self.name = f"int{bits}"
 
@@ -220,20 +275,44 @@ class QuantMethod(LinearMethod):
         if self.bits == 4:
             layer.mins = nn.Parameter(torch.empty(out_features, groups, dtype=self.scale_dtype), requires_grad=False)
 
-    def _stored(self, layer) -> QuantizedWeight:
-        return QuantizedWeight(self.bits, layer.qweight, layer.scales, getattr(layer, "mins", None), layer.in_features)
+    def _stored(self, layer, rows: torch.Tensor | None = None) -> QuantizedWeight:
+        """The weight (or rows of it) in the stored layout, whether or not it is in panels."""
+        mins = getattr(layer, "mins", None)
+        if getattr(layer, "panelled", False):
+            rows = torch.arange(layer.out_features) if rows is None else rows
+            return panel_rows(self.bits, layer.qweight, layer.scales, mins, rows)
+        weight = QuantizedWeight(self.bits, layer.qweight, layer.scales, mins, layer.in_features)
+        return weight if rows is None else weight.rows(rows)
+
+    def process_weights_after_loading(self, layer) -> bool:
+        """Reorder the layer's weights into the CPU kernel's panels, once (False: they stay as
+        stored, for a device or a build without the kernel)."""
+        if getattr(layer, "panelled", False):
+            return True
+        if layer.qweight.device.type != "cpu" or not cpu_kernels.available():
+            return False
+        qweight, scales, mins = to_panels(self._stored(layer))
+        layer.qweight = nn.Parameter(qweight, requires_grad=False)
+        layer.scales = nn.Parameter(scales, requires_grad=False)
+        if mins is not None:
+            layer.mins = nn.Parameter(mins, requires_grad=False)
+        layer.panelled = True
+        return True
 
     def apply(self, layer, x, bias, kernels):
-        if x.device.type == "cpu" and cpu_kernels.available() and x.dim() == 2:
+        if (x.device.type == "cpu" and x.dim() == 2 and self.quantize_input
+                and self.process_weights_after_loading(layer)):
             # One kernel for every row count (a decode, a batch, a prefill): its result for a
             # row depends on that row alone, never on the step's size or the thread count.
             return cpu_kernels.quant_linear(
                 x, layer.qweight, layer.scales, getattr(layer, "mins", None), bias, self.bits,
-                layer.in_features // layer.scales.shape[1], self.quantize_input,
+                layer.in_features // layer.scales.shape[1], layer.out_features,
             )
         return kernels.matmul(F.linear, x, self.dense_weight(layer).to(x.dtype), bias)
 
     def load(self, layer, rows, weight, name):
+        if getattr(layer, "panelled", False):
+            raise RuntimeError(f"tensor {name!r}: the layer's weights are already reordered for the CPU kernel")
         expected = (len(range(*rows.indices(layer.out_features))), layer.in_features)
         _check_shape_of(tuple(weight.shape), expected, name)
         if not isinstance(weight, QuantizedWeight) or not self._compatible(weight, layer.in_features):
@@ -264,7 +343,7 @@ class QuantMethod(LinearMethod):
         return self._stored(layer).dequantize()
 
     def embedding(self, layer, ids):
-        rows = self._stored(layer).rows(ids.reshape(-1))
+        rows = self._stored(layer, ids.reshape(-1))
         return rows.dequantize(layer.compute_dtype).view(*ids.shape, layer.in_features)
 
     def weight_names(self):

@@ -133,7 +133,7 @@ w = torch.rand(128) + 0.5
 want = w * torch.nn.functional.rms_norm(x, (128,), eps=1e-6)
 assert torch.allclose(cpu_kernels.rms_norm(x, w, 1e-6), want, rtol=1e-5, atol=1e-6)
 qw = Q.quantize_int4(torch.randn(24, 128, generator=torch.Generator().manual_seed(1)), 32)
-got = cpu_kernels.quant_linear(x, qw.qweight, qw.scales, qw.mins, None, 4, 32, True)
+got = Q.quantized_linear(x, qw)
 exact = torch.nn.functional.linear(x, qw.dequantize())
 assert (got - exact).abs().max() < 1e-4 * exact.abs().max()
 print("OPS OK")

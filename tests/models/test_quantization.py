@@ -70,28 +70,6 @@ def half_factors(qw: Q.QuantizedWeight) -> Q.QuantizedWeight:
     return Q.QuantizedWeight(qw.bits, qw.qweight, qw.scales.half(), mins, qw.in_features)
 
 
-@pytest.mark.parametrize("bits,group", [(8, None), (8, 32), (4, 32), (4, 64)])
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
-@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16])
-def test_float_activation_kernel_equals_the_dequantized_reference(bits, group, rows, scale_dtype):
-    needs_kernel()
-    n, k = 40, 192
-    qw = random_quantized(bits, n, k, group)
-    if scale_dtype == torch.float16:
-        qw = half_factors(qw)
-    gen = torch.Generator().manual_seed(rows)
-    x, bias = torch.randn(rows, k, generator=gen), torch.randn(n, generator=gen)
-    want = torch.nn.functional.linear(x, qw.dequantize(), bias)
-    got = cpu_kernels.quant_linear(x, qw.qweight, qw.scales, qw.mins, bias, bits, qw.group_size, False)
-    assert got.dtype == torch.float32 and got.shape == (rows, n)
-    close_in_eps(got, want, 8, k)
-    # bf16 activations: the kernel computes in float32 and rounds the output once.
-    got16 = cpu_kernels.quant_linear(x.bfloat16(), qw.qweight, qw.scales, qw.mins, bias, bits, qw.group_size, False)
-    assert got16.dtype == torch.bfloat16
-    want16 = torch.nn.functional.linear(x.bfloat16().float(), qw.dequantize(), bias)
-    torch.testing.assert_close(got16.float(), want16, rtol=2 * torch.finfo(torch.bfloat16).eps, atol=1e-3)
-
-
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 6])
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16])
@@ -110,7 +88,7 @@ def test_int16_activation_path_equals_its_emulation(bits, rows, scale_dtype):
     d = blocks.abs().amax(-1, keepdim=True) / 32767
     x_rounded = (torch.round(blocks / d) * d).view(rows, k)
     want = torch.nn.functional.linear(x_rounded, qw.dequantize())
-    got = cpu_kernels.quant_linear(x, qw.qweight, qw.scales, qw.mins, None, bits, 32, True)
+    got = Q.quantized_linear(x, qw)
     close_in_eps(got, want, 64, k)
     exact = torch.nn.functional.linear(x, qw.dequantize())
     assert (got - exact).abs().max() < 1e-4 * exact.abs().max()
@@ -154,9 +132,11 @@ def test_kernel_refuses_shapes_it_cannot_take():
     needs_kernel()
     qw = random_quantized(4, 8, 64, 32)
     with pytest.raises(RuntimeError, match="multiples of 32"):
-        cpu_kernels.quant_linear(torch.randn(2, 48), qw.qweight[:, :24].contiguous(), qw.scales, qw.mins, None, 4, 32)
+        cpu_kernels.quant_linear(torch.randn(2, 48), *Q.to_panels(qw), None, 4, 32, 8)
     with pytest.raises(RuntimeError, match="bits"):
-        cpu_kernels.quant_linear(torch.randn(2, 64), qw.qweight, qw.scales, qw.mins, None, 3, 32)
+        cpu_kernels.quant_linear(torch.randn(2, 64), *Q.to_panels(qw), None, 3, 32, 8)
+    with pytest.raises(RuntimeError, match="panels do not hold"):
+        cpu_kernels.quant_linear(torch.randn(2, 64), *Q.to_panels(qw), None, 4, 32, 9)
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K])
@@ -316,3 +296,40 @@ def test_bench_quant_compares_like_with_like(capsys):
     assert (theirs - ours).abs().max() < 0.03 * ours.abs().max()  # bf16 activations and factors
     main(["--rows", "1", "--layers", "1", "--repeats", "1"])
     assert "| 1 |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("bits,group,n", [(4, 32, 37), (4, 64, 8), (8, 32, 19), (8, None, 16)])
+def test_panels_hold_the_stored_weight_and_give_back_any_rows(bits, group, n):
+    """`to_panels` only moves 2-byte units (N padded to the panel width); `panel_rows` gives
+    any rows back in the stored layout, which embedding lookups and the reference use."""
+    qw = random_quantized(bits, n, 128, group)
+    qweight, scales, mins = Q.to_panels(qw)
+    panels = -(-n // Q.PANEL)
+    assert qweight.shape == (panels, 4, 128 if bits == 4 else 256)
+    assert scales.shape == (panels, 128 // (group or 128), 8)
+    assert sorted(qweight.flatten().tolist()) == sorted(qw.qweight.flatten().tolist() + [0] * (qweight.numel() -
+                                                                                            qw.qweight.numel()))
+    rows = torch.tensor([n - 1, 0, 3 % n, n - 1])
+    back = Q.panel_rows(bits, qweight, scales, mins, rows)
+    assert torch.equal(back.qweight, qw.qweight[rows]) and torch.equal(back.scales, qw.scales[rows])
+    assert (back.mins is None) == (qw.mins is None) and (mins is None or torch.equal(back.mins, qw.mins[rows]))
+    assert torch.equal(back.dequantize(), qw.dequantize()[rows])
+
+
+def test_a_layer_in_panels_looks_up_and_multiplies_as_stored():
+    """The loader reorders quantized layers once (`process_weights_after_loading`); lookups
+    (a tied embedding) and the float reference read the panels back."""
+    needs_kernel()
+    qw = random_quantized(4, 21, 64, 32)
+    layer = Linear(64, 21)
+    layer.set_quant_method(Q.QuantMethod(4, 32))
+    layer.load_weight(qw, "w")
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(5))
+    before = layer.quant_method.dense_weight(layer)
+    assert layer.quant_method.process_weights_after_loading(layer) and layer.qweight.dim() == 3
+    assert torch.equal(layer.quant_method.dense_weight(layer), before)
+    ids = torch.tensor([[20, 0], [7, 7]])
+    assert torch.equal(layer.quant_method.embedding(layer, ids), before[ids])
+    close_in_eps(layer(x), torch.nn.functional.linear(x, before), 64, 64)
+    with pytest.raises(RuntimeError, match="already reordered"):
+        layer.load_weight(qw, "w")

@@ -7,29 +7,40 @@
 //     w[n, k] = scale[n, k / G] * q[n, k] + min[n, k / G]      q in [0, 15] (4 bits)
 //     w[n, k] = scale[n, k / G] * q[n, k]                      q in [-127, 127] (8 bits)
 //
-// with G a multiple of 32. 4-bit rows are packed as GGUF packs a block: byte j of a 32-wide
-// group holds element j in its low nibble and element j + 16 in its high nibble.
+// with G a multiple of 32.
 //
-// Two ways to multiply:
+// Activations are rounded to int16 per 32 values with one float scale, so a group's inner
+// product is an integer dot product:
 //
-//   int16 activations (the default): each row of x is quantized per 32 values to int16 with
-//   one float scale, so a group's inner product is an integer dot product,
+//     sum_k w x~ = scale * xscale * sum_k q xq  +  min * xscale * sum_k xq
 //
-//       sum_k w x~ = scale * xscale * sum_k q xq  +  min * xscale * sum_k xq
+// AVX2 computes it 16 products an instruction (madd: s16 x s16 -> s32 pairs, the weights
+// widened from 4/8 bits), AVX-VNNI / AVX512-VNNI with the accumulation fused (dpwssd).
+// llama.cpp rounds x to int8 instead (maddubs, 32 products an instruction); we tried that,
+// and SmolLM2's residual stream has outliers (|x| ~ 70 among values ~ 1) that int8 blocks
+// flatten: its greedy answer to "What is the capital of France?" stopped being Paris. int16
+// steps are 256 times finer (relative error ~1.5e-5 of a block's max). The min term uses the
+// quantized x~ too, so the result is exactly the dequantized weight times x~.
 //
-//   which AVX2 computes 16 products per instruction (madd: s16 x s16 -> s32 pairs, the
-//   weights widened from 4/8 bits), AVX-VNNI / AVX512-VNNI with the accumulation fused
-//   (dpwssd). llama.cpp rounds x to int8 instead (maddubs, 32 products an instruction); we
-//   tried that, and SmolLM2's residual stream has outliers (|x| ~ 70 among values ~ 1) that
-//   int8 blocks flatten: its greedy answer to "What is the capital of France?" stopped being
-//   Paris. int16 steps are 256 times finer (relative error ~1.5e-5 of a block's max).
-//   The min term uses the quantized x~ too, so the result is exactly the dequantized weight
-//   times x~: w is centred, so its error sum_k w (x - x~) stays small, where the exact sum of
-//   x would add the uncentred min * sum_k (x - x~).
+// Weights in panels. quantization.py's `to_panels` reorders a layer's weights once, after
+// loading, so that a vector's 8 lanes are 8 output columns (a panel) rather than 8 partial
+// sums of one column: the per-group float work (convert, scale, accumulate) then serves 8
+// outputs an instruction, no output needs a horizontal sum, and a panel's weights, scales
+// and mins are each one contiguous stream. Within a panel, group g is one block of 16-byte
+// chunks; lane i of chunk c holds column i's pair of values (k, k + 1):
 //
-//   float activations: each weight group is dequantized to floats and multiplied with x as it
-//   is, equal to the PyTorch reference up to summation order (tests, and the exact mode).
+//     8 bits, chunk p = 0..15:  int8 q[i, 2p], q[i, 2p + 1] for i = 0..7      (k = 2p)
+//     4 bits, chunk c = 0..7:   bytes q[i, 2c + t] | q[i, 16 + 2c + t] << 4    (t = 0, 1)
 //
+// so one chunk widened to 16 int16 (`pmovzxbw`, then `and 0x0F` / `>> 4` for 4 bits) is the
+// 8 columns' pair, which `madd` multiplies by the row's pair x[k], x[k + 1] broadcast to
+// every lane. A 4-bit chunk is the GGUF group's byte pair (2c, 2c + 1) of each column: the
+// reorder moves 2-byte units, nothing else (`to_panels`, `from_panels`).
+//
+// Determinism: every output element runs the same instruction sequence, group by group in
+// order, whatever tile it falls in, however many rows the step has and whichever thread
+// computes it: the integer dot is exact, and no float sum is ever split. A row's result
+// depends on that row alone.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
@@ -37,6 +48,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <type_traits>
 
@@ -47,17 +59,7 @@
 namespace {
 
 constexpr int64_t kBlock = 32;  // values per quantization block of weights and activations
-
-// Scales and mins are float32, or float16 where that holds them exactly (GGUF's Q4_0, Q4_1 and
-// Q8_0 store fp16 factors): a sixth less to read per weight at one row, where reading is the cost.
-inline float to_float(float x) { return x; }
-inline float to_float(c10::Half x) {
-#if defined(__F16C__)
-  return _cvtsh_ss(x.x);
-#else
-  return static_cast<float>(x);
-#endif
-}
+constexpr int kLanes = 8;       // output columns per panel
 
 // x (M, K) float -> xq (M, K) int16, xscale (M, K/32), xsum (M, K/32) = xscale * sum of xq.
 void quantize_activations(const float* x, int64_t M, int64_t K, int16_t* xq, float* xscale, float* xsum) {
@@ -81,437 +83,302 @@ void quantize_activations(const float* x, int64_t M, int64_t K, int16_t* xq, flo
   });
 }
 
-#if defined(__AVX2__)
-inline __m256i unpack_nibbles(const uint8_t* qs) {  // 16 bytes -> 32 values in [0, 15], GGUF order
-  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  const __m256i both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
-  return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// A 4-bit group's 16 bytes widened to 16 int16 lanes, byte j in lane j: its low nibble is
-// value j, its high nibble value j + 16 (GGUF's order), so `and 0x0F` gives values 0..15 and
-// `>> 4` values 16..31, in the order of the activations, with no shuffle across lanes.
-inline __m256i widen_nibble_pairs(const uint8_t* row, int64_t g) {
-  return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + g * (kBlock / 2))));
-}
-#endif
-
-// ---- One group's integer dot product, per ISA ---------------------------------------------
+// ---- 8 lanes, per ISA ---------------------------------------------------------------------
 //
 // `Isa` is the one piece that differs between the builds (cpu_kernels.py builds a library per
-// ISA level): how a weight group is widened to int16 (W), how 32 products are summed into
-// int32 lanes and converted (dot), and the float lanes they accumulate in (F). Everything
-// above it, the tiling, is one template.
+// ISA level): 8 float lanes (F), 8 int32 lanes (I), a chunk of 16 int16 (W), and the
+// integer dot step. Every build computes, per lane, per group:
 //
-//   acc (F)  +=  (float(int32 lanes of sum_j w[j] * x[j]) * activation scale) * weight scale
-//   result   =   hsum(acc) + sum_g min[g] * xsum[g] + bias          (per output element)
+//   acc  =  fma(float(sum of the group's 32 products) * xscale, scale, acc)
+//   acc  =  fma(xsum, min, acc)                                   (asymmetric 4 bits)
 //
-// Every output element runs exactly this sequence, group by group in order, whatever tile
-// it falls in, however many rows the step has and whichever thread computes it: the
-// integer dot is exact, and no float sum is ever split. That is what makes a row's result
-// independent of its neighbours and of the thread count.
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-struct Isa {
-  using F = __m512;
-  using W = __m512i;  // 32 int16
-  static constexpr int kTileRows = 4, kTileCols = 4, kWideCols = 4;  // 32 registers
-  static F zero() { return _mm512_setzero_ps(); }
-  template <int Bits>
-  static W load(const uint8_t* row, int64_t g) {
-    if constexpr (Bits == 4) {
-      const __m256i h = widen_nibble_pairs(row, g);  // low nibbles | high nibbles, 16 int16 each
-      return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(h, _mm256_set1_epi16(0x0F))),
-                                _mm256_srli_epi16(h, 4), 1);
-    }
-    return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + g * kBlock)));
-  }
-  // |127 * 32767 * 2| per madd lane: far inside int32.
-  using X = __m512i;
-  static X load_x(const int16_t* x) { return _mm512_loadu_si512(x); }
-  static F dot(const W& w, const X& x) { return _mm512_cvtepi32_ps(_mm512_madd_epi16(w, x)); }
-  static F broadcast(float s) { return _mm512_set1_ps(s); }
-  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
-  static F fma(F a, F b, F acc) { return _mm512_fmadd_ps(a, b, acc); }
-  static float sum(F v) {
-    return hsum(_mm256_add_ps(_mm512_castps512_ps256(v),
-                              _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
-  }
-};
-#elif defined(__AVX2__)
+// then adds the bias; only the register file differs (the tiles below).
+#if defined(__AVX2__)
 struct Isa {
   using F = __m256;
-  struct W { __m256i lo, hi; };  // 16 + 16 int16
-  static constexpr int kTileRows = 3, kTileCols = 2, kWideCols = 2;  // 16 registers
-  static F zero() { return _mm256_setzero_ps(); }
-  template <int Bits>
-  static W load(const uint8_t* row, int64_t g) {
-    if constexpr (Bits == 4) {
-      const __m256i h = widen_nibble_pairs(row, g);
-      return {_mm256_and_si256(h, _mm256_set1_epi16(0x0F)), _mm256_srli_epi16(h, 4)};
-    }
-    const __m128i* q = reinterpret_cast<const __m128i*>(row + g * kBlock);
-    return {_mm256_cvtepi8_epi16(_mm_loadu_si128(q)), _mm256_cvtepi8_epi16(_mm_loadu_si128(q + 1))};
-  }
-  using X = W;
-  static X load_x(const int16_t* x) {
-    return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)),
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16))};
-  }
-  static F dot(const W& w, const X& x) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    const __m256i acc = _mm256_dpwssd_epi32(_mm256_madd_epi16(w.lo, x.lo), w.hi, x.hi);
-#elif defined(__AVXVNNI__)
-    const __m256i acc = _mm256_dpwssd_avx_epi32(_mm256_madd_epi16(w.lo, x.lo), w.hi, x.hi);
+  using I = __m256i;
+  using W = __m256i;
+#if defined(__AVX512F__)
+  static constexpr int kRegisters = 32;
 #else
-    const __m256i acc = _mm256_add_epi32(_mm256_madd_epi16(w.lo, x.lo), _mm256_madd_epi16(w.hi, x.hi));
+  static constexpr int kRegisters = 16;
 #endif
-    return _mm256_cvtepi32_ps(acc);
+  static I izero() { return _mm256_setzero_si256(); }
+  static F zero() { return _mm256_setzero_ps(); }
+  static W widen_u8(const uint8_t* p) {
+    return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
+  static W widen_s8(const uint8_t* p) {
+    return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static W low_nibbles(W w) { return _mm256_and_si256(w, _mm256_set1_epi16(0x0F)); }
+  static W high_nibbles(W w) { return _mm256_srli_epi16(w, 4); }
+  static W pair(const int16_t* x) {  // x[0], x[1] in every lane
+    int32_t v;
+    std::memcpy(&v, x, sizeof v);
+    return _mm256_set1_epi32(v);
+  }
+  // |127 * 32767 * 2| per madd lane, 16 pairs a group: far inside int32.
+  static I dot(I acc, W w, W x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpwssd_epi32(acc, w, x);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpwssd_avx_epi32(acc, w, x);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x));
+#endif
+  }
+  // An opaque step on the running sum: keeps the compiler from reassociating a group's 16
+  // madds + adds into a tree, which spilled every partial product to the stack.
+  static void order(I& v) { __asm__("" : "+x"(v)); }
+  static F to_float(I v) { return _mm256_cvtepi32_ps(v); }
   static F broadcast(float s) { return _mm256_set1_ps(s); }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static F load(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
   static F fma(F a, F b, F acc) { return _mm256_fmadd_ps(a, b, acc); }
-  static float sum(F v) { return hsum(v); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
 };
 #else
-struct Isa {
-  using F = float;
-  struct W { int16_t v[kBlock]; };
-  static constexpr int kTileRows = 2, kTileCols = 2, kWideCols = 2;
-  static F zero() { return 0.f; }
-  template <int Bits>
-  static W load(const uint8_t* row, int64_t g) {
-    W w;
-    for (int j = 0; j < kBlock; ++j) {
-      if constexpr (Bits == 4) {
-        const uint8_t byte = row[g * (kBlock / 2) + j % (kBlock / 2)];
-        w.v[j] = j < kBlock / 2 ? (byte & 0x0F) : (byte >> 4);
-      } else {
-        w.v[j] = reinterpret_cast<const int8_t*>(row)[g * kBlock + j];
-      }
-    }
-    return w;
+struct Isa {  // plain C++: the same lane arithmetic, one lane at a time
+  template <typename T, int L> struct V { T v[L]; };
+  using F = V<float, kLanes>;
+  using I = V<int32_t, kLanes>;
+  using W = V<int16_t, 2 * kLanes>;
+  static constexpr int kRegisters = 16;
+  static I izero() { return I{}; }
+  static F zero() { return F{}; }
+  static W widen_u8(const uint8_t* p) { W w; for (int j = 0; j < 2 * kLanes; ++j) w.v[j] = p[j]; return w; }
+  static W widen_s8(const uint8_t* p) {
+    W w; for (int j = 0; j < 2 * kLanes; ++j) w.v[j] = static_cast<int8_t>(p[j]); return w;
   }
-  using X = const int16_t*;
-  static X load_x(const int16_t* x) { return x; }
-  static F dot(const W& w, X x) {
-    int32_t acc = 0;
-    for (int j = 0; j < kBlock; ++j) acc += static_cast<int32_t>(w.v[j]) * x[j];
-    return static_cast<float>(acc);
-  }  static F broadcast(float s) { return s; }
-  static F mul(F a, F b) { return a * b; }
-  static F fma(F a, F b, F acc) { return std::fma(a, b, acc); }
-  static float sum(F v) { return v; }
+  static W low_nibbles(W w) { for (auto& e : w.v) e &= 0x0F; return w; }
+  static W high_nibbles(W w) { for (auto& e : w.v) e = static_cast<int16_t>(e >> 4); return w; }
+  static W pair(const int16_t* x) { W w; for (int j = 0; j < 2 * kLanes; ++j) w.v[j] = x[j % 2]; return w; }
+  static I dot(I acc, W w, W x) {
+    for (int i = 0; i < kLanes; ++i) acc.v[i] += w.v[2 * i] * x.v[2 * i] + w.v[2 * i + 1] * x.v[2 * i + 1];
+    return acc;
+  }
+  static void order(I&) {}
+  static F to_float(I v) { F f; for (int i = 0; i < kLanes; ++i) f.v[i] = static_cast<float>(v.v[i]); return f; }
+  static F broadcast(float s) { F f; for (auto& e : f.v) e = s; return f; }
+  template <typename S>
+  static F load(const S* p) { F f; for (int i = 0; i < kLanes; ++i) f.v[i] = static_cast<float>(p[i]); return f; }
+  static F mul(F a, F b) { for (int i = 0; i < kLanes; ++i) a.v[i] *= b.v[i]; return a; }
+  static F add(F a, F b) { for (int i = 0; i < kLanes; ++i) a.v[i] += b.v[i]; return a; }
+  static F fma(F a, F b, F acc) { for (int i = 0; i < kLanes; ++i) acc.v[i] = std::fma(a.v[i], b.v[i], acc.v[i]); return acc; }
+  static void store(float* p, F v) { std::memcpy(p, v.v, sizeof v.v); }
+  static void prefetch(const void*) {}
 };
 #endif
 
-// What one product reads: the int16 activations, the weights, their factors.
+// What one product reads: the int16 activations, the panelled weights, their factors.
 template <typename S>
 struct Operands {
   const int16_t* xq;     // (M, K)
   const float* xscale;   // (M, K/32)
   const float* xsum;     // (M, K/32): xscale * sum of the block's xq
-  const uint8_t* w;      // (N, row_bytes)
-  const S* scales;       // (N, K/group_size)
+  const uint8_t* w;      // (P, nb, chunk bytes): see the top of the file
+  const S* scales;       // (P, K/G, 8)
   const S* mins;         // like scales, or nullptr
   const float* bias;     // (N,) or nullptr
   float* out;            // (M, N)
-  int64_t M, N, K, nb, row_bytes, groups_per_scale, scales_per_row;
+  int64_t M, N, K, nb, panel_bytes, groups_per_scale, scales_per_row;
 };
 
-// sum_g min[g / groups_per_scale] * xsum[g] (the asymmetric 4-bit term), in one fixed order:
-// lane l of 8 takes groups l, l + 8, ...; then the lanes, then the last nb % 8 groups.
-template <typename S>
-float min_term(const S* mins, const float* xsum, int64_t nb, int64_t groups_per_scale) {
-  int64_t g = 0;
-  float acc = 0.f;
-#if defined(__AVX2__)
-  if (groups_per_scale == 1) {
-    __m256 lanes = _mm256_setzero_ps();
-    for (; g + 8 <= nb; g += 8) {
-      __m256 m;
-      if constexpr (std::is_same_v<S, float>) {
-        m = _mm256_loadu_ps(mins + g);
-      } else {
-        m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + g)));
-      }
-      lanes = _mm256_fmadd_ps(m, _mm256_loadu_ps(xsum + g), lanes);
-    }
-    acc = hsum(lanes);
-  }
-#endif
-  for (; g < nb; ++g) acc = std::fma(to_float(mins[g / groups_per_scale]), xsum[g], acc);
-  return acc;
-}
-
-// Not inlined: the same instructions finish every element, whatever tile computed its sum.
-template <typename S>
-__attribute__((noinline)) float finish(float dot_sum, const Operands<S>& op, int64_t m, int64_t n) {
-  float y = dot_sum;
-  if (op.mins != nullptr) y += min_term(op.mins + n * op.scales_per_row, op.xsum + m * op.nb, op.nb,
-                                        op.groups_per_scale);
-  if (op.bias != nullptr) y += op.bias[n];
-  return y;
-}
-
-// The micro-kernel: output rows m0 .. m0+RM, columns n0 .. n0+RN, over all of K. Each weight
-// group is widened once for the RM rows, each activation block read once per column.
-template <int Bits, int RM, int RN, typename S>
-void tile(const Operands<S>& op, int64_t m0, int64_t n0) {
-  typename Isa::F acc[RM][RN];
+// The micro-kernel: output rows m0 .. m0+RM, panels p0 .. p0+RP (8 columns each), over all
+// of K. Each weight chunk is widened once for the RM rows, each row's pair broadcast once
+// for the RP panels; the integer sums live in registers for a group, the float sums too.
+template <int Bits, int RM, int RP, typename S>
+__attribute__((noinline)) void tile(const Operands<S>& op, int64_t m0, int64_t p0) {
+  constexpr int kGroupBytes = Bits == 4 ? kBlock / 2 * kLanes : kBlock * kLanes;
+  typename Isa::F acc[RM][RP];
   for (int r = 0; r < RM; ++r)
-    for (int c = 0; c < RN; ++c) acc[r][c] = Isa::zero();
-  const uint8_t* rows[RN];
-  for (int c = 0; c < RN; ++c) rows[c] = op.w + (n0 + c) * op.row_bytes;
-  for (int64_t sg = 0, g = 0; sg < op.scales_per_row; ++sg) {  // a scale's groups (G / 32 blocks of 32)
-    typename Isa::F ws[RN];
-    for (int c = 0; c < RN; ++c) ws[c] = Isa::broadcast(to_float(op.scales[(n0 + c) * op.scales_per_row + sg]));
-    for (const int64_t g_end = g + op.groups_per_scale; g < g_end; ++g) {
-      typename Isa::W w[RN];
-      for (int c = 0; c < RN; ++c) w[c] = Isa::template load<Bits>(rows[c], g);
-      for (int r = 0; r < RM; ++r) {
-        const typename Isa::X x = Isa::load_x(op.xq + (m0 + r) * op.K + g * kBlock);
-        const typename Isa::F xs = Isa::broadcast(op.xscale[(m0 + r) * op.nb + g]);
-        for (int c = 0; c < RN; ++c) acc[r][c] = Isa::fma(Isa::mul(Isa::dot(w[c], x), xs), ws[c], acc[r][c]);
+    for (int p = 0; p < RP; ++p) acc[r][p] = Isa::zero();
+  const uint8_t* w = op.w + p0 * op.panel_bytes;
+  const S* scales = op.scales + p0 * op.scales_per_row * kLanes;
+  const S* mins = op.mins != nullptr ? op.mins + p0 * op.scales_per_row * kLanes : nullptr;
+  int64_t sg = 0, left = op.groups_per_scale;  // the group's scale index, and groups left in it
+  for (int64_t g = 0; g < op.nb; ++g) {
+    typename Isa::I dots[RM][RP];
+    for (int r = 0; r < RM; ++r)
+      for (int p = 0; p < RP; ++p) dots[r][p] = Isa::izero();
+    const uint8_t* chunks = w + g * kGroupBytes;
+    for (int p = 0; p < RP; ++p) Isa::prefetch(chunks + p * op.panel_bytes + 8 * kGroupBytes);
+    if constexpr (Bits == 4) {
+      for (int c = 0; c < 8; ++c) {
+        typename Isa::W lo[RP], hi[RP];
+        for (int p = 0; p < RP; ++p) {
+          const typename Isa::W both = Isa::widen_u8(chunks + p * op.panel_bytes + c * 16);
+          lo[p] = Isa::low_nibbles(both);
+          hi[p] = Isa::high_nibbles(both);
+        }
+        for (int r = 0; r < RM; ++r) {
+          const int16_t* x = op.xq + (m0 + r) * op.K + g * kBlock + 2 * c;
+          const typename Isa::W xa = Isa::pair(x), xb = Isa::pair(x + 16);
+          for (int p = 0; p < RP; ++p) {
+            dots[r][p] = Isa::dot(Isa::dot(dots[r][p], lo[p], xa), hi[p], xb);
+            Isa::order(dots[r][p]);
+          }
+        }
+      }
+    } else {
+      for (int c = 0; c < 16; c += 2) {  // two chunks a step, as a 4-bit chunk's two halves
+        typename Isa::W q0[RP], q1[RP];
+        for (int p = 0; p < RP; ++p) {
+          q0[p] = Isa::widen_s8(chunks + p * op.panel_bytes + c * 16);
+          q1[p] = Isa::widen_s8(chunks + p * op.panel_bytes + c * 16 + 16);
+        }
+        for (int r = 0; r < RM; ++r) {
+          const int16_t* x = op.xq + (m0 + r) * op.K + g * kBlock + 2 * c;
+          const typename Isa::W xa = Isa::pair(x), xb = Isa::pair(x + 2);
+          for (int p = 0; p < RP; ++p) {
+            dots[r][p] = Isa::dot(Isa::dot(dots[r][p], q0[p], xa), q1[p], xb);
+            Isa::order(dots[r][p]);
+          }
+        }
       }
     }
+    for (int r = 0; r < RM; ++r) {
+      const typename Isa::F xs = Isa::broadcast(op.xscale[(m0 + r) * op.nb + g]);
+      for (int p = 0; p < RP; ++p) {
+        const int64_t at = p * op.scales_per_row * kLanes + sg * kLanes;
+        acc[r][p] = Isa::fma(Isa::mul(Isa::to_float(dots[r][p]), xs), Isa::load(scales + at), acc[r][p]);
+      }
+      if (mins != nullptr) {
+        const typename Isa::F xm = Isa::broadcast(op.xsum[(m0 + r) * op.nb + g]);
+        for (int p = 0; p < RP; ++p)
+          acc[r][p] = Isa::fma(xm, Isa::load(mins + p * op.scales_per_row * kLanes + sg * kLanes), acc[r][p]);
+      }
+    }
+    if (--left == 0) {
+      ++sg;
+      left = op.groups_per_scale;
+    }
   }
-  for (int r = 0; r < RM; ++r)
-    for (int c = 0; c < RN; ++c) op.out[(m0 + r) * op.N + n0 + c] = finish(Isa::sum(acc[r][c]), op, m0 + r, n0 + c);
+  for (int r = 0; r < RM; ++r) {
+    for (int p = 0; p < RP; ++p) {
+      const int64_t n0 = (p0 + p) * kLanes;
+      float* dst = op.out + (m0 + r) * op.N + n0;
+      typename Isa::F y = acc[r][p];
+      if (n0 + kLanes <= op.N) {
+        if (op.bias != nullptr) y = Isa::add(y, Isa::load(op.bias + n0));
+        Isa::store(dst, y);
+      } else {  // the last panel of an N that is not a multiple of 8: its lanes past N are padding
+        float lanes[kLanes], bias[kLanes] = {};
+        if (op.bias != nullptr) std::copy(op.bias + n0, op.bias + op.N, bias);
+        Isa::store(lanes, Isa::add(y, Isa::load(bias)));
+        std::copy(lanes, lanes + (op.N - n0), dst);
+      }
+    }
+  }
 }
 
-// tile<Bits, rm, rn> for run-time rm <= RM, rn <= RN (the edges of the output).
-template <int Bits, int RM, int RN, typename S>
-void tile_upto(const Operands<S>& op, int64_t m0, int64_t n0, int rm, int rn) {
+// tile<Bits, rm, rp> for run-time rm <= RM, rp <= RP (the edges of the output).
+template <int Bits, int RM, int RP, typename S>
+void tile_upto(const Operands<S>& op, int64_t m0, int64_t p0, int rm, int rp) {
   if constexpr (RM > 1) {
-    if (rm < RM) return tile_upto<Bits, RM - 1, RN>(op, m0, n0, rm, rn);
+    if (rm < RM) return tile_upto<Bits, RM - 1, RP>(op, m0, p0, rm, rp);
   }
-  if constexpr (RN > 1) {
-    if (rn < RN) return tile_upto<Bits, RM, RN - 1>(op, m0, n0, rm, rn);
+  if constexpr (RP > 1) {
+    if (rp < RP) return tile_upto<Bits, RM, RP - 1>(op, m0, p0, rm, rp);
   }
-  tile<Bits, RM, RN>(op, m0, n0);
+  tile<Bits, RM, RP>(op, m0, p0);
 }
 
-// The block loop around the micro-kernel. Tasks are blocks of output columns x blocks of rows
-// (a row block kept small enough to stay in L2, a column block's weights in L1/L2); a thread
-// takes consecutive tasks, so it walks the row blocks under one column block, and reads
-// that block's weights from memory once. Tiles: RM x RN, or 2 x kWideCols for steps of one or
-// two rows (decodes), where there are no rows to reuse a weight group across.
-//
-//          n0 ->  [RN cols][RN cols] ...  (column block)
-//   m0  [RM rows]  tile     tile
-//    |  [RM rows]  tile     tile
-//    v   ...                                 (row block)
+// Tiles (rows x panels) that fit the register file: 2 * RP widened chunks, RM * RP integer
+// sums, RM * RP float sums and two broadcast pairs. Steps of one or two rows (decodes) take
+// more panels, having no rows to share a chunk with.
+constexpr int kTileRows = 4;
+constexpr int kTilePanels = Isa::kRegisters >= 32 ? 4 : 2;
+constexpr int kDecodePanels = Isa::kRegisters >= 32 ? 6 : 3;
+
+// The block loop around the micro-kernel. Tasks are blocks of panels x blocks of rows (a row
+// block kept small enough to stay in L2, a panel block's weights in L2); a thread takes
+// consecutive tasks, so it walks the row blocks under one panel block and reads that block's
+// weights from memory once.
 template <int Bits, typename S>
 void int_qlinear(const Operands<S>& op) {
-  const int64_t x_row_bytes = op.K * 2;
-  constexpr int64_t RM = Isa::kTileRows;
-  const int64_t block_rows = std::clamp<int64_t>((256 << 10) / x_row_bytes / RM * RM, RM, 64 / RM * RM);
-  const int64_t threads = at::get_num_threads();
-  int64_t block_cols = std::clamp<int64_t>((64 << 10) / op.row_bytes / 8 * 8, 8, 64);
+  const int64_t panels = (op.N + kLanes - 1) / kLanes;
+  const int64_t block_rows = std::clamp<int64_t>((256 << 10) / (op.K * 2) / kTileRows * kTileRows, kTileRows, 64);
   const int64_t row_blocks = (op.M + block_rows - 1) / block_rows;
-  // Enough column blocks for every thread to get several (one decode: all the parallelism).
-  while (block_cols > 8 && row_blocks * ((op.N + block_cols - 1) / block_cols) < 4 * threads) block_cols /= 2;
-  const int64_t col_blocks = (op.N + block_cols - 1) / block_cols;
-  at::parallel_for(0, col_blocks * row_blocks, 1, [&](int64_t begin, int64_t end) {
+  const int64_t threads = at::get_num_threads();
+  int64_t block_panels = std::clamp<int64_t>((256 << 10) / op.panel_bytes / 12 * 12, 12, 48);
+  // Enough panel blocks for every thread to get several (one decode: all the parallelism).
+  while (block_panels > 12 && row_blocks * ((panels + block_panels - 1) / block_panels) < 4 * threads)
+    block_panels /= 2;
+  const int64_t panel_blocks = (panels + block_panels - 1) / block_panels;
+  at::parallel_for(0, panel_blocks * row_blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t n_begin = task / row_blocks * block_cols, n_end = std::min(op.N, n_begin + block_cols);
+      const int64_t p_begin = task / row_blocks * block_panels, p_end = std::min(panels, p_begin + block_panels);
       const int64_t m_begin = task % row_blocks * block_rows, m_end = std::min(op.M, m_begin + block_rows);
       if (op.M <= 2) {
-        for (int64_t n0 = n_begin; n0 < n_end; n0 += Isa::kWideCols)
-          tile_upto<Bits, 2, Isa::kWideCols>(op, m_begin, n0, static_cast<int>(m_end - m_begin),
-                                             static_cast<int>(std::min<int64_t>(Isa::kWideCols, n_end - n0)));
+        for (int64_t p0 = p_begin; p0 < p_end; p0 += kDecodePanels)
+          tile_upto<Bits, 2, kDecodePanels>(op, m_begin, p0, static_cast<int>(m_end - m_begin),
+                                            static_cast<int>(std::min<int64_t>(kDecodePanels, p_end - p0)));
         continue;
       }
-      for (int64_t n0 = n_begin; n0 < n_end; n0 += Isa::kTileCols) {
-        const int rn = static_cast<int>(std::min<int64_t>(Isa::kTileCols, n_end - n0));
-        for (int64_t m0 = m_begin; m0 < m_end; m0 += Isa::kTileRows)
-          tile_upto<Bits, Isa::kTileRows, Isa::kTileCols>(
-              op, m0, n0, static_cast<int>(std::min<int64_t>(Isa::kTileRows, m_end - m0)), rn);
+      for (int64_t p0 = p_begin; p0 < p_end; p0 += kTilePanels) {
+        const int rp = static_cast<int>(std::min<int64_t>(kTilePanels, p_end - p0));
+        for (int64_t m0 = m_begin; m0 < m_end; m0 += kTileRows)
+          tile_upto<Bits, kTileRows, kTilePanels>(op, m0, p0, static_cast<int>(std::min<int64_t>(kTileRows, m_end - m0)),
+                                                  rp);
       }
     }
   });
 }
 
-#if defined(__AVX2__)
-// Weight group g of row w as 32 floats (4 vectors): scale * q (+ min).
-template <int Bits>
-inline void dequantize_group(const uint8_t* w, int64_t g, float s, float mn, __m256 out[4]) {
-  const __m256 vs = _mm256_set1_ps(s), vm = _mm256_set1_ps(mn);
-  __m256i q;
-  if constexpr (Bits == 4) {
-    q = unpack_nibbles(w + g * (kBlock / 2));
-  } else {
-    q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * kBlock));
-  }
-  const __m128i halves[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
-  for (int h = 0; h < 2; ++h) {
-    for (int part = 0; part < 2; ++part) {
-      const __m128i bytes = part == 0 ? halves[h] : _mm_srli_si128(halves[h], 8);
-      const __m256i ints = Bits == 4 ? _mm256_cvtepu8_epi32(bytes) : _mm256_cvtepi8_epi32(bytes);
-      out[h * 2 + part] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), vs, vm);
-    }
-  }
-}
-#endif
-
-// The float-activation path: each weight group is dequantized to floats and multiplied
-// with x as it is, for layers whose inputs an int8 rounding would hurt (the logits).
-template <int Bits, int MB, typename S>
-inline void float_rows_of_column(
-    const uint8_t* w, const S* scale, const S* min, int64_t groups_per_scale, int64_t nb,
-    const float* x, int64_t m0, int64_t K, float* acc_out) {
-#if defined(__AVX2__)
-  __m256 acc[MB];
-  for (int r = 0; r < MB; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < nb; ++g) {
-    __m256 wf[4];
-    dequantize_group<Bits>(w, g, to_float(scale[g / groups_per_scale]),
-                           min ? to_float(min[g / groups_per_scale]) : 0.f, wf);
-    for (int r = 0; r < MB; ++r) {
-      const float* xb = x + (m0 + r) * K + g * kBlock;
-      for (int v = 0; v < 4; ++v) acc[r] = _mm256_fmadd_ps(wf[v], _mm256_loadu_ps(xb + 8 * v), acc[r]);
-    }
-  }
-  for (int r = 0; r < MB; ++r) acc_out[r] = hsum(acc[r]);
-#else
-  for (int r = 0; r < MB; ++r) {
-    const float* xr = x + (m0 + r) * K;
-    float acc = 0.f;
-    for (int64_t g = 0; g < nb; ++g) {
-      const float s = to_float(scale[g / groups_per_scale]);
-      const float mn = min ? to_float(min[g / groups_per_scale]) : 0.f;
-      for (int j = 0; j < kBlock; ++j) {
-        int q;
-        if constexpr (Bits == 4) {
-          const uint8_t byte = w[g * (kBlock / 2) + j % (kBlock / 2)];
-          q = j < kBlock / 2 ? (byte & 0x0F) : (byte >> 4);
-        } else {
-          q = reinterpret_cast<const int8_t*>(w)[g * kBlock + j];
-        }
-        acc += (s * static_cast<float>(q) + mn) * xr[g * kBlock + j];
-      }
-    }
-    acc_out[r] = acc;
-  }
-#endif
-}
-
-// The loop both paths share: output columns split across threads, each weight row walked once
-// per block of up to 4 activation rows. rows(mb, w, s, mn, m0, acc) fills acc[0, mb) with
-// rows m0 .. m0+mb of column n (mb a std::integral_constant, so each block size is compiled).
-template <int Bits, typename S, typename Rows>
-void for_each_column(int64_t M, int64_t N, int64_t K, int64_t group_size, const uint8_t* qweight, const S* scales,
-                     const S* mins, const float* bias, float* out, Rows&& rows) {
-  const int64_t scales_per_row = K / group_size;
-  const int64_t row_bytes = Bits == 4 ? K / 2 : K;
-  constexpr int MB = 4;
-  const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(64, N / (4 * at::get_num_threads())));
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    float acc[MB];
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* w = qweight + n * row_bytes;
-      const S* s = scales + n * scales_per_row;
-      const S* mn = mins != nullptr ? mins + n * scales_per_row : nullptr;
-      const float b = bias != nullptr ? bias[n] : 0.f;
-      int64_t m0 = 0;
-      for (; m0 + MB <= M; m0 += MB) {
-        rows(std::integral_constant<int, MB>{}, w, s, mn, m0, acc);
-        for (int r = 0; r < MB; ++r) out[(m0 + r) * N + n] = acc[r] + b;
-      }
-      const int64_t rest = M - m0;  // 0-3 rows left: one more pass over the weights, not one per row
-      if (rest == 3) rows(std::integral_constant<int, 3>{}, w, s, mn, m0, acc);
-      if (rest == 2) rows(std::integral_constant<int, 2>{}, w, s, mn, m0, acc);
-      if (rest == 1) rows(std::integral_constant<int, 1>{}, w, s, mn, m0, acc);
-      for (int64_t r = 0; r < rest; ++r) out[(m0 + r) * N + n] = acc[r] + b;
-    }
-  });
-}
-
-template <int Bits, typename S>
-void float_qlinear_impl(
-    const float* x, int64_t M, int64_t K, const uint8_t* qweight, const S* scales, const S* mins,
-    int64_t N, int64_t group_size, const float* bias, float* out) {
-  const int64_t nb = K / kBlock, groups_per_scale = group_size / kBlock;
-  for_each_column<Bits>(M, N, K, group_size, qweight, scales, mins, bias, out,
-                        [&](auto mb, const uint8_t* w, const S* s, const S* mn, int64_t m0, float* acc) {
-                          float_rows_of_column<Bits, decltype(mb)::value, S>(w, s, mn, groups_per_scale, nb, x,
-                                                                             m0, K, acc);
-                        });
-}
-
-void check_scales(const at::Tensor& scales, const std::optional<at::Tensor>& mins, int64_t N, int64_t K,
-                  int64_t group_size, int64_t bits) {
-  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.size(1) == K / group_size && scales.is_contiguous() &&
-              (scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf),
-              "quantized weight: scales must be float32 or float16 (N, K/group_size)");
-  if (mins.has_value()) {
-    TORCH_CHECK(bits == 4 && mins->sizes() == scales.sizes() && mins->scalar_type() == scales.scalar_type() &&
-                mins->is_contiguous(), "quantized weight: mins must be like scales (4 bits only)");
-  }
-}
-
-// fn(scales pointer, mins pointer or nullptr), typed float or c10::Half as the scales are.
-template <typename Fn>
-void with_scales(const at::Tensor& scales, const std::optional<at::Tensor>& mins, Fn&& fn) {
-  if (scales.scalar_type() == at::kHalf) {
-    fn(scales.data_ptr<c10::Half>(), mins.has_value() ? mins->data_ptr<c10::Half>() : nullptr);
-  } else {
-    fn(scales.data_ptr<float>(), mins.has_value() ? mins->data_ptr<float>() : nullptr);
-  }
-}
-
-// x (M, K) float32 or bfloat16; qweight (N, K/2) uint8 (4 bits) or (N, K) int8 (8 bits);
-// scales, mins (N, K/group_size) float32 or float16 (mins only for asymmetric 4 bits); bias (N,)
-// -> (M, N) in x's dtype. quantize_input: int16 activations and integer dot products (fast),
-// else float FMAs on x as it is.
+// x (M, K) float32 or bfloat16; qweight (P, K/32, 128) uint8 (4 bits) or (P, K/32, 256) int8
+// (8 bits), P = ceil(N / 8) panels; scales, mins (P, K/group_size, 8) float32 or float16
+// (mins only for asymmetric 4 bits); bias (N,) -> (M, N) in x's dtype.
 at::Tensor quant_linear(
     const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
     const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias, int64_t bits,
-    int64_t group_size, bool quantize_input) {
+    int64_t group_size, int64_t N) {
   TORCH_CHECK(bits == 4 || bits == 8, "quant_linear: bits must be 4 or 8");
-  TORCH_CHECK(x.dim() == 2 && qweight.dim() == 2 && scales.dim() == 2, "quant_linear: 2-D tensors expected");
-  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
+  TORCH_CHECK(x.dim() == 2 && qweight.dim() == 3 && scales.dim() == 3, "quant_linear: x 2-D, panelled weights 3-D");
+  const int64_t M = x.size(0), K = x.size(1), P = qweight.size(0);
   TORCH_CHECK(K % kBlock == 0 && group_size % kBlock == 0 && K % group_size == 0,
               "quant_linear: K and group_size must be multiples of 32, K of group_size");
-  TORCH_CHECK(qweight.size(1) == (bits == 4 ? K / 2 : K), "quant_linear: qweight's columns do not match x's K");
-  check_scales(scales, mins, N, K, group_size, bits);
-  TORCH_CHECK(qweight.is_contiguous(), "quant_linear: contiguous weights expected");
-  at::Tensor bias_f;
-  if (bias.has_value()) bias_f = bias->to(at::kFloat).contiguous();
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const float* bias_ptr = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
-  const auto* w = reinterpret_cast<const uint8_t*>(qweight.data_ptr());
-  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
-  float* o = out.data_ptr<float>();
-  if (!quantize_input) {
-    with_scales(scales, mins, [&](auto* sc, auto* mn) {
-      if (bits == 4) {
-        float_qlinear_impl<4>(xf.data_ptr<float>(), M, K, w, sc, mn, N, group_size, bias_ptr, o);
-      } else {
-        float_qlinear_impl<8>(xf.data_ptr<float>(), M, K, w, sc, mn, N, group_size, bias_ptr, o);
-      }
-    });
-    return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+  TORCH_CHECK(N > 0 && (N + kLanes - 1) / kLanes == P, "quant_linear: ", P, " panels do not hold ", N, " columns");
+  TORCH_CHECK(qweight.size(1) == K / kBlock && qweight.size(2) == (bits == 4 ? 128 : 256) && qweight.is_contiguous() &&
+              qweight.element_size() == 1, "quant_linear: qweight must be (panels, K/32, ", bits == 4 ? 128 : 256,
+              ") bytes, K of x");
+  TORCH_CHECK(scales.size(0) == P && scales.size(1) == K / group_size && scales.size(2) == kLanes &&
+              scales.is_contiguous() && (scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf),
+              "quant_linear: scales must be float32 or float16 (panels, K/group_size, 8)");
+  if (mins.has_value()) {
+    TORCH_CHECK(bits == 4 && mins->sizes() == scales.sizes() && mins->scalar_type() == scales.scalar_type() &&
+                mins->is_contiguous(), "quant_linear: mins must be like scales (4 bits only)");
   }
+  at::Tensor bias_f;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == N, "quant_linear: bias must have N elements");
+    bias_f = bias->to(at::kFloat).contiguous();
+  }
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
   at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kShort));
   at::Tensor xscale = at::empty({M, K / kBlock}, x.options().dtype(at::kFloat));
   at::Tensor xsum = at::empty({M, K / kBlock}, x.options().dtype(at::kFloat));
   quantize_activations(xf.data_ptr<float>(), M, K, xq.data_ptr<int16_t>(), xscale.data_ptr<float>(),
                        xsum.data_ptr<float>());
-  with_scales(scales, mins, [&](auto* sc, auto* mn) {
+  const auto run = [&](auto* sc, auto* mn) {
     using S = std::remove_const_t<std::remove_pointer_t<decltype(sc)>>;
-    const Operands<S> op{xq.data_ptr<int16_t>(), xscale.data_ptr<float>(), xsum.data_ptr<float>(), w, sc, mn,
-                         bias_ptr, o, M, N, K, K / kBlock, bits == 4 ? K / 2 : K, group_size / kBlock,
+    const Operands<S> op{xq.data_ptr<int16_t>(), xscale.data_ptr<float>(), xsum.data_ptr<float>(),
+                         reinterpret_cast<const uint8_t*>(qweight.data_ptr()), sc, mn,
+                         bias.has_value() ? bias_f.data_ptr<float>() : nullptr, out.data_ptr<float>(),
+                         M, N, K, K / kBlock, qweight.size(1) * qweight.size(2), group_size / kBlock,
                          K / group_size};
     if (bits == 4) int_qlinear<4>(op); else int_qlinear<8>(op);
-  });
+  };
+  if (scales.scalar_type() == at::kHalf) {
+    run(scales.data_ptr<c10::Half>(), mins.has_value() ? mins->data_ptr<c10::Half>() : nullptr);
+  } else {
+    run(scales.data_ptr<float>(), mins.has_value() ? mins->data_ptr<float>() : nullptr);
+  }
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
@@ -519,7 +386,7 @@ at::Tensor quant_linear(
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? bias, int bits, "
-        "int group_size, bool quantize_input) -> Tensor");
+        "int group_size, int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
