@@ -16,10 +16,12 @@ import torch
 from torch import nn
 
 from models.causal_lm import CausalLM, DecoderLayer
-from models.layers.attention import AttentionMetadata, paged_attention
+from models.layers import cpu_kernels
+from models.layers.attention import AttentionMetadata, kernel_serves, paged_attention
 from models.layers.linear import Linear, MergedLinear
 from models.layers.mlp import GatedMLP
 from models.layers.norm import RMSNorm
+from models.layers.quantization import QuantMethod
 from models.layers.rope import RotaryEmbedding
 
 
@@ -94,6 +96,49 @@ class LlamaDecoderLayer(DecoderLayer):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         mlp_bias = bool(getattr(config, "mlp_bias", False))
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, bias=mlp_bias)
+        self._one_op: tuple | None = None  # the one-op form's weight arguments, once known
+
+    def forward(
+        self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        args = self._one_op_args(x, kv_cache)
+        if args is None:
+            return super().forward(rope, x, kv_cache, attn_metadata)
+        # The same kernels in the same order as the modules below, in one call: bit-identical
+        # results without ~14 ops' worth of Python and dispatch (csrc/decoder_layer.cpp).
+        attn, meta = self.self_attn, attn_metadata
+        return cpu_kernels.llama_decoder_layer(
+            x, self.input_layernorm.weight, self.post_attention_layernorm.weight, self.input_layernorm.eps, *args,
+            (attn.num_heads, attn.num_kv_heads, attn.head_dim), *rope, kv_cache, meta.slot_mapping,
+            meta.block_table, meta.seq_lens, meta.query_start, attn.scale,
+        )
+
+    def _one_op_args(self, x: torch.Tensor, kv_cache: torch.Tensor) -> tuple | None:
+        """(weights, info) for csrc/decoder_layer.cpp when this step can run the layer as one op:
+        float32 on CPU, every projection on the quantized kernel, a plain Llama/Qwen2 layer."""
+        if x.dtype != torch.float32 or not kernel_serves(x.unsqueeze(1), kv_cache):
+            return None
+        if self._one_op is None:  # the kernels are loaded by now (kernel_serves)
+            self._one_op = self._weights_for_one_op() or ()
+        return self._one_op or None
+
+    def _weights_for_one_op(self) -> tuple | None:
+        attn, mlp = self.self_attn, self.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if (attn.qk_norm or attn.rotary_emb.interleaved or not mlp.is_silu or not hasattr(torch.ops.pagedserve,
+                                                                                            "llama_decoder_layer")
+                or self.input_layernorm.weight.dtype != torch.float32):
+            return None
+        weights, info = [], []
+        for linear in linears:
+            method = linear.quant_method
+            if not (isinstance(method, QuantMethod) and method.quantize_input
+                    and method.process_weights_after_loading(linear)):
+                return None
+            weights += [linear.qweight, linear.scales, getattr(linear, "mins", None), linear.bias]
+            info += [method.bits, linear.in_features // linear.scales.shape[1], linear.out_features]
+        return weights, info
 
 
 class LlamaForCausalLM(CausalLM):

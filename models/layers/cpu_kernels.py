@@ -41,10 +41,10 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("paged_attention.cpp", "elementwise.cpp", "quant_linear.cpp", "decode_ops.cpp")
+    for name in ("paged_attention.cpp", "elementwise.cpp", "quant_linear.cpp", "decode_ops.cpp", "decoder_layer.cpp")
 ]
 _OPS = ("paged_attention", "rms_norm", "silu_and_mul", "quant_linear", "rope_neox",
-        "write_kv_planes")
+        "write_kv_planes", "llama_decoder_layer")
 
 _lock = threading.Lock()
 # "loaded": whether torch.ops.pagedserve is usable; "target": the target whose build is loaded.
@@ -243,6 +243,20 @@ def rope_neox(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> t
 def write_kv_planes(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store k, v (T, Hk, D) at their slots of a plane-major GQA cache (see attention.py), cast to its dtype."""
     torch.ops.pagedserve.write_kv_planes(kv_cache, k, v, slot_mapping)
+
+
+def llama_decoder_layer(
+    x: torch.Tensor, input_norm: torch.Tensor, post_norm: torch.Tensor, eps: float, weights: list, info: list[int],
+    heads: tuple[int, int, int], cos: torch.Tensor, signed_sin: torch.Tensor, kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, query_start: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """A Llama decoder layer whose 4 projections run on quant_linear, as one op (csrc/decoder_layer.cpp):
+    weights = [qweight, scales, mins, bias] x (qkv, o, gate_up, down), info = [bits, group_size,
+    out_features] x 4, heads = (H, Hk, head_dim) -> the layer's output (T, hidden)."""
+    return torch.ops.pagedserve.llama_decoder_layer(x, input_norm, post_norm, eps, weights, info, heads, cos,
+                                                    signed_sin, kv_cache, slot_mapping, block_table, seq_lens,
+                                                    query_start, scale)
 
 
 def _compiler_emits(target: cpu_isa.Target) -> bool:
