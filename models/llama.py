@@ -137,7 +137,8 @@ class LlamaDecoderLayer(DecoderLayer):
                     and method.process_weights_after_loading(linear)):
                 return None
             weights += [linear.qweight, linear.scales, getattr(linear, "mins", None), linear.bias]
-            info += [method.bits, linear.in_features // linear.scales.shape[1], linear.out_features]
+            info += [method.bits, linear.in_features // linear.scales.shape[1], linear.out_features,
+                     int(linear.min_per_scale)]
         return weights, info
 
 

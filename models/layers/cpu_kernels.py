@@ -228,11 +228,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def quant_linear(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
-    bias: torch.Tensor | None, bits: int, group_size: int, out_features: int,
+    bias: torch.Tensor | None, bits: int, group_size: int, out_features: int, min_per_scale: float = 0.0,
 ) -> torch.Tensor:
     """x (M, K) -> (M, N = out_features) in x's dtype, x rounded to int16 per 32 values and W in
-    panels of 8 columns (models/layers/quantization.py's `to_panels`)."""
-    return torch.ops.pagedserve.quant_linear(x, qweight, scales, mins, bias, bits, group_size, out_features)
+    panels of 8 columns (models/layers/quantization.py's `to_panels`); 4 bits without mins:
+    min = scale * min_per_scale (Q4_0's -8), or none."""
+    return torch.ops.pagedserve.quant_linear(x, qweight, scales, mins, bias, bits, group_size, out_features,
+                                             min_per_scale)
 
 
 def rope_neox(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -252,8 +254,8 @@ def llama_decoder_layer(
     scale: float,
 ) -> torch.Tensor:
     """A Llama decoder layer whose 4 projections run on quant_linear, as one op (csrc/decoder_layer.cpp):
-    weights = [qweight, scales, mins, bias] x (qkv, o, gate_up, down), info = [bits, group_size,
-    out_features] x 4, heads = (H, Hk, head_dim) -> the layer's output (T, hidden)."""
+    weights = [qweight, scales, mins, bias] x (qkv, o, gate_up, down), info = [bits, group_size, out_features,
+    min_per_scale] x 4, heads = (H, Hk, head_dim) -> the layer's output (T, hidden)."""
     return torch.ops.pagedserve.llama_decoder_layer(x, input_norm, post_norm, eps, weights, info, heads, cos,
                                                     signed_sin, kv_cache, slot_mapping, block_table, seq_lens,
                                                     query_start, scale)

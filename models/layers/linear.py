@@ -132,6 +132,7 @@ def linear_weight_bytes(model: nn.Module) -> int:
         for m in model.modules()
         if isinstance(m, Linear)
         for name in m.weight_param_names()
+        if getattr(m, name) is not None  # Q4_0's mins, dropped once made from the scales
     )
 
 

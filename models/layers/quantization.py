@@ -142,7 +142,7 @@ def quantized_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | 
     """x W^T (+ bias) on the CPU kernel, from `qw` or its `to_panels(qw)` (tests, benchmarks:
     a model's layers go through QuantMethod)."""
     qweight, scales, mins = panels if panels is not None else to_panels(qw)
-    return cpu_kernels.quant_linear(x, qweight, scales, mins, bias, qw.bits, qw.group_size, qw.shape[0])
+    return cpu_kernels.quant_linear(x, qweight, scales, mins, bias, qw.bits, qw.group_size, qw.shape[0], 0.0)
 
 
 def quantize_int8(weight: torch.Tensor, group_size: int | None = None) -> QuantizedWeight:
@@ -278,6 +278,8 @@ class QuantMethod(LinearMethod):
     def _stored(self, layer, rows: torch.Tensor | None = None) -> QuantizedWeight:
         """The weight (or rows of it) in the stored layout, whether or not it is in panels."""
         mins = getattr(layer, "mins", None)
+        if mins is None and getattr(layer, "min_per_scale", 0):
+            mins = layer.scales * layer.min_per_scale  # exact: a power of two
         if getattr(layer, "panelled", False):
             rows = torch.arange(layer.out_features) if rows is None else rows
             return panel_rows(self.bits, layer.qweight, layer.scales, mins, rows)
@@ -286,16 +288,21 @@ class QuantMethod(LinearMethod):
 
     def process_weights_after_loading(self, layer) -> bool:
         """Reorder the layer's weights into the CPU kernel's panels, once (False: they stay as
-        stored, for a device or a build without the kernel)."""
+        stored, for a device or a build without the kernel). Mins that are the scales times -8
+        (GGUF's Q4_0: w = d (q - 8)) are dropped and made from the scales as the kernel runs:
+        a sixth fewer bytes to read per weight, the same numbers."""
         if getattr(layer, "panelled", False):
             return True
         if layer.qweight.device.type != "cpu" or not cpu_kernels.available():
             return False
-        qweight, scales, mins = to_panels(self._stored(layer))
+        stored = self._stored(layer)
+        offset = self.bits == 4 and stored.mins is not None and torch.equal(stored.mins, stored.scales * -8)
+        qweight, scales, mins = to_panels(stored)
         layer.qweight = nn.Parameter(qweight, requires_grad=False)
         layer.scales = nn.Parameter(scales, requires_grad=False)
         if mins is not None:
-            layer.mins = nn.Parameter(mins, requires_grad=False)
+            layer.mins = None if offset else nn.Parameter(mins, requires_grad=False)
+        layer.min_per_scale = -8.0 if offset else 0.0
         layer.panelled = True
         return True
 
@@ -305,8 +312,8 @@ class QuantMethod(LinearMethod):
             # One kernel for every row count (a decode, a batch, a prefill): its result for a
             # row depends on that row alone, never on the step's size or the thread count.
             return cpu_kernels.quant_linear(
-                x, layer.qweight, layer.scales, getattr(layer, "mins", None), bias, self.bits,
-                layer.in_features // layer.scales.shape[1], layer.out_features,
+                x, layer.qweight, layer.scales, layer.mins if self.bits == 4 else None, bias, self.bits,
+                layer.in_features // layer.scales.shape[1], layer.out_features, layer.min_per_scale,
             )
         return kernels.matmul(F.linear, x, self.dense_weight(layer).to(x.dtype), bias)
 

@@ -333,3 +333,22 @@ def test_a_layer_in_panels_looks_up_and_multiplies_as_stored():
     close_in_eps(layer(x), torch.nn.functional.linear(x, before), 64, 64)
     with pytest.raises(RuntimeError, match="already reordered"):
         layer.load_weight(qw, "w")
+
+
+def test_q4_0_mins_are_made_from_the_scales_with_the_same_bits():
+    """GGUF's Q4_0 (w = d (q - 8)) arrives with mins = -8 d: the layer drops them (a sixth fewer
+    bytes a weight) and the kernel makes them from the scales, exactly; other mins stay."""
+    needs_kernel()
+    q4_1 = half_factors(random_quantized(4, 21, 128, 32))
+    q4_0 = Q.QuantizedWeight(4, q4_1.qweight, q4_1.scales, q4_1.scales * -8, 128)
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(2))
+    for qw, dropped in ((q4_0, True), (q4_1, False)):
+        layer = Linear(128, 21)
+        layer.set_quant_method(Q.QuantMethod(4, 32, scale_dtype=torch.float16))
+        layer.load_weight(qw, "w")
+        assert layer.quant_method.process_weights_after_loading(layer)
+        assert (layer.mins is None) == dropped
+        assert torch.equal(layer(x), Q.quantized_linear(x, qw))  # with the mins as stored
+        assert torch.equal(layer.quant_method.dense_weight(layer), qw.dequantize())
+    with pytest.raises(RuntimeError, match="power of two"):
+        cpu_kernels.quant_linear(x, *Q.to_panels(q4_0)[:2], None, None, 4, 32, 21, -7.0)

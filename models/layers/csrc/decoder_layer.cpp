@@ -23,15 +23,15 @@ at::Tensor quant_linear(const at::Tensor& x, const c10::List<Opt>& weights, at::
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("pagedserve::quant_linear", "")
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const Opt&,
-                                         const Opt&, int64_t, int64_t, int64_t)>();
+                                         const Opt&, int64_t, int64_t, int64_t, double)>();
   const Opt qweight = weights.get(4 * i), scales = weights.get(4 * i + 1);
   TORCH_CHECK(qweight.has_value() && scales.has_value(), "decoder_layer: projection ", i, " has no weights");
-  return op.call(x, *qweight, *scales, weights.get(4 * i + 2), weights.get(4 * i + 3), info[3 * i], info[3 * i + 1],
-                 info[3 * i + 2]);
+  return op.call(x, *qweight, *scales, weights.get(4 * i + 2), weights.get(4 * i + 3), info[4 * i], info[4 * i + 1],
+                 info[4 * i + 2], static_cast<double>(info[4 * i + 3]));
 }
 
 // weights: for qkv, o, gate_up, down in turn: qweight, scales, mins or None, bias or None;
-// info: for each, bits, group_size, out_features; heads: H, Hk, head_dim.
+// info: for each, bits, group_size, out_features, min_per_scale; heads: H, Hk, head_dim.
 at::Tensor llama_decoder_layer(
     const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& post_norm, double eps,
     const c10::List<Opt>& weights, at::IntArrayRef info, at::IntArrayRef heads, const at::Tensor& cos,
@@ -49,7 +49,7 @@ at::Tensor llama_decoder_layer(
                             const at::Tensor&, double, int64_t)>();
   static auto silu_and_mul = c10::Dispatcher::singleton().findSchemaOrThrow("pagedserve::silu_and_mul", "")
                                  .typed<at::Tensor(const at::Tensor&)>();
-  TORCH_CHECK(weights.size() == 16 && info.size() == 12 && heads.size() == 3, "decoder_layer: 4 projections");
+  TORCH_CHECK(weights.size() == 16 && info.size() == 16 && heads.size() == 3, "decoder_layer: 4 projections");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "decoder_layer: x (T, hidden) float32");
   const int64_t T = x.size(0), H = heads[0], Hk = heads[1], D = heads[2];
   const at::Tensor qkv = quant_linear(rms_norm.call(x, input_norm, eps), weights, info, 0).view({T, H + 2 * Hk, D});

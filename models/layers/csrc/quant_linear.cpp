@@ -183,6 +183,7 @@ struct Operands {
   const uint8_t* w;      // (P, nb, chunk bytes): see the top of the file
   const S* scales;       // (P, K/G, 8)
   const S* mins;         // like scales, or nullptr
+  float min_per_scale;   // without mins: min = scale * this (Q4_0's -8), or 0
   const float* bias;     // (N,) or nullptr
   float* out;            // (M, N)
   int64_t M, N, K, nb, panel_bytes, groups_per_scale, scales_per_row;
@@ -241,16 +242,22 @@ __attribute__((noinline)) void tile(const Operands<S>& op, int64_t m0, int64_t p
         }
       }
     }
+    // The group's factors, once for the RM rows: scales, and mins as stored or made from the
+    // scales (scale * -8 is exact: the same numbers as stored mins).
+    typename Isa::F ws[RP], mn[RP];
+    const bool has_min = mins != nullptr || op.min_per_scale != 0.f;
+    for (int p = 0; p < RP; ++p) {
+      const int64_t at = p * op.scales_per_row * kLanes + sg * kLanes;
+      ws[p] = Isa::load(scales + at);
+      if (mins != nullptr) mn[p] = Isa::load(mins + at);
+      else if (has_min) mn[p] = Isa::mul(ws[p], Isa::broadcast(op.min_per_scale));
+    }
     for (int r = 0; r < RM; ++r) {
       const typename Isa::F xs = Isa::broadcast(op.xscale[(m0 + r) * op.nb + g]);
-      for (int p = 0; p < RP; ++p) {
-        const int64_t at = p * op.scales_per_row * kLanes + sg * kLanes;
-        acc[r][p] = Isa::fma(Isa::mul(Isa::to_float(dots[r][p]), xs), Isa::load(scales + at), acc[r][p]);
-      }
-      if (mins != nullptr) {
+      for (int p = 0; p < RP; ++p) acc[r][p] = Isa::fma(Isa::mul(Isa::to_float(dots[r][p]), xs), ws[p], acc[r][p]);
+      if (has_min) {
         const typename Isa::F xm = Isa::broadcast(op.xsum[(m0 + r) * op.nb + g]);
-        for (int p = 0; p < RP; ++p)
-          acc[r][p] = Isa::fma(xm, Isa::load(mins + p * op.scales_per_row * kLanes + sg * kLanes), acc[r][p]);
+        for (int p = 0; p < RP; ++p) acc[r][p] = Isa::fma(xm, mn[p], acc[r][p]);
       }
     }
     if (--left == 0) {
@@ -332,11 +339,12 @@ void int_qlinear(const Operands<S>& op) {
 
 // x (M, K) float32 or bfloat16; qweight (P, K/32, 128) uint8 (4 bits) or (P, K/32, 256) int8
 // (8 bits), P = ceil(N / 8) panels; scales, mins (P, K/group_size, 8) float32 or float16
-// (mins only for asymmetric 4 bits); bias (N,) -> (M, N) in x's dtype.
+// (mins only for asymmetric 4 bits; or none, and min = scale * min_per_scale, a power of two
+// such as Q4_0's -8, which reads a sixth fewer bytes a weight); bias (N,) -> (M, N) in x's dtype.
 at::Tensor quant_linear(
     const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
     const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias, int64_t bits,
-    int64_t group_size, int64_t N) {
+    int64_t group_size, int64_t N, double min_per_scale) {
   TORCH_CHECK(bits == 4 || bits == 8, "quant_linear: bits must be 4 or 8");
   TORCH_CHECK(x.dim() == 2 && qweight.dim() == 3 && scales.dim() == 3, "quant_linear: x 2-D, panelled weights 3-D");
   const int64_t M = x.size(0), K = x.size(1), P = qweight.size(0);
@@ -349,6 +357,9 @@ at::Tensor quant_linear(
   TORCH_CHECK(scales.size(0) == P && scales.size(1) == K / group_size && scales.size(2) == kLanes &&
               scales.is_contiguous() && (scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf),
               "quant_linear: scales must be float32 or float16 (panels, K/group_size, 8)");
+  int exponent = 0;
+  TORCH_CHECK(min_per_scale == 0 || (bits == 4 && !mins.has_value() && std::fabs(std::frexp(min_per_scale, &exponent)) == 0.5),
+              "quant_linear: min_per_scale must be 0, or a power of two for 4 bits without mins");
   if (mins.has_value()) {
     TORCH_CHECK(bits == 4 && mins->sizes() == scales.sizes() && mins->scalar_type() == scales.scalar_type() &&
                 mins->is_contiguous(), "quant_linear: mins must be like scales (4 bits only)");
@@ -369,6 +380,7 @@ at::Tensor quant_linear(
     using S = std::remove_const_t<std::remove_pointer_t<decltype(sc)>>;
     const Operands<S> op{xq.data_ptr<int16_t>(), xscale.data_ptr<float>(), xsum.data_ptr<float>(),
                          reinterpret_cast<const uint8_t*>(qweight.data_ptr()), sc, mn,
+                         static_cast<float>(min_per_scale),
                          bias.has_value() ? bias_f.data_ptr<float>() : nullptr, out.data_ptr<float>(),
                          M, N, K, K / kBlock, qweight.size(1) * qweight.size(2), group_size / kBlock,
                          K / group_size};
@@ -386,7 +398,7 @@ at::Tensor quant_linear(
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? bias, int bits, "
-        "int group_size, int out_features) -> Tensor");
+        "int group_size, int out_features, float min_per_scale=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
