@@ -249,6 +249,7 @@ struct Attention {
     float* kbuf = acc + kMaxVecs * Dv;     // (kKeys, Dk) widened keys (16-bit caches)
     float* vbuf = kbuf + kKeys * Dk;       // (kKeys, Dv) widened values
     float* zero = vbuf + kKeys * Dv;       // (Dk,) the key of padding columns
+    std::fill(zero, zero + Dk, 0.f);
     float* s = zero + Dk;                  // (R, kKeys) the rows' scores, then their exps
     float m[kMaxVecs], l[kMaxVecs];
     int64_t len[kMaxVecs];
@@ -401,7 +402,10 @@ void run_tasks(const Kernel& kernel, int64_t n, int64_t Hk) {
     if (done * parts >= part * total) bounds[part++] = t + 1;
   }
   at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf(kernel.buffer_floats(), 0.f);
+    // One scratch buffer per thread for the life of the process (~100 KB): not allocated and
+    // zeroed at every call, which cost a lone decode more than its arithmetic.
+    thread_local std::vector<float> buf;
+    if (buf.size() < kernel.buffer_floats()) buf.resize(kernel.buffer_floats());
     for (int64_t p = begin; p < end; ++p) {
       for (size_t t = bounds[p]; t < bounds[p + 1]; ++t) kernel.run(tasks[t], buf);
     }
