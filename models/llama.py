@@ -98,13 +98,13 @@ class LlamaDecoderLayer(DecoderLayer):
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, bias=mlp_bias)
         self._one_op: tuple | None = None  # the one-op form's weight arguments, once known
 
-    def forward(
+    def as_one_op(
         self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | None:
         args = self._one_op_args(x, kv_cache)
         if args is None:
-            return super().forward(rope, x, kv_cache, attn_metadata)
+            return None
         # The same kernels in the same order as the modules below, in one call: bit-identical
         # results without ~14 ops' worth of Python and dispatch (csrc/decoder_layer.cpp).
         attn, meta = self.self_attn, attn_metadata
