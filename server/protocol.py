@@ -39,6 +39,13 @@ MAX_JSON_DEPTH = 32
 # is held back from the stream, so a long one delays output by that much).
 MAX_STOP_STRINGS, MAX_STOP_LENGTH = 4, 1024
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's bounds
+MAX_TEMPLATE_KWARGS = 16
+_TEMPLATE_VARIABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+# What the server itself gives apply_chat_template (or transformers reads from its kwargs).
+_TEMPLATE_RESERVED = frozenset({"messages", "conversation", "tools", "documents", "add_generation_prompt",
+                                "continue_final_message", "tokenize", "chat_template", "return_dict",
+                                "tokenizer_kwargs", "return_assistant_tokens_mask", "padding", "truncation",
+                                "max_length", "return_tensors"})
 
 
 # For the OpenAPI document of the fields typed Any above (their checks are hand-written).
@@ -285,9 +292,29 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM/SGLang: variables for the chat template, e.g. {"enable_thinking": false} (Qwen3).
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.template_message() for m in self.messages]
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """chat_template_kwargs, checked: a few named JSON scalars that do not replace what the
+        server passes the template itself."""
+        kwargs = self.chat_template_kwargs or {}
+        if len(kwargs) > MAX_TEMPLATE_KWARGS:
+            raise invalid(f"'chat_template_kwargs' takes at most {MAX_TEMPLATE_KWARGS} variables, got {len(kwargs)}",
+                          param="chat_template_kwargs")
+        for key, value in kwargs.items():
+            param = f"chat_template_kwargs.{key[:64]}"
+            if not _TEMPLATE_VARIABLE.fullmatch(key) or key in _TEMPLATE_RESERVED:
+                raise invalid(f"'chat_template_kwargs' keys must be template variable names other than "
+                              f"{', '.join(sorted(_TEMPLATE_RESERVED))}; got {key[:64]!r}", param=param)
+            if not (value is None or isinstance(value, (bool, int, float))
+                    or (isinstance(value, str) and len(value) <= MAX_STOP_LENGTH)):
+                raise invalid(f"'chat_template_kwargs' values must be null, booleans, numbers or strings of at most "
+                              f"{MAX_STOP_LENGTH} characters", param=param)
+        return dict(kwargs)
 
     def check_messages(self) -> None:
         """The roles' rules for tool calls, which pydantic cannot express."""

@@ -42,6 +42,13 @@ BAD_REQUESTS = [
     (CMPL, {"model": M, "prompt": "hi", "max_tokens": 3, "max_completion_tokens": 4}, 400, "max_completion_tokens",
      "differ"),
     (CMPL, {"model": M, "prompt": "hi", "skip_special_tokens": "no"}, 400, "skip_special_tokens", "boolean"),
+    # chat_template_kwargs: a few named scalars, not what the server passes the template itself
+    (CHAT, {"model": M, "messages": USER, "chat_template_kwargs": {f"v{i}": 1 for i in range(17)}}, 400,
+     "chat_template_kwargs", "at most 16"),
+    (CHAT, {"model": M, "messages": USER, "chat_template_kwargs": {"tools": []}}, 400, "chat_template_kwargs.tools",
+     "keys must be"),
+    (CHAT, {"model": M, "messages": USER, "chat_template_kwargs": {"enable_thinking": {"a": 1}}}, 400,
+     "chat_template_kwargs.enable_thinking", "values must be"),
     # OpenAI's metadata bounds: 16 pairs, keys of 64 characters, string values of 512
     (CHAT, {"model": M, "messages": USER, "metadata": {str(i): "v" for i in range(17)}}, 400, "metadata", "16 pairs"),
     (CMPL, {"model": M, "prompt": "hi", "metadata": {"k": "v" * 513}}, 400, "metadata.k", "512"),
@@ -242,6 +249,22 @@ def test_router_fields_at_values_we_honour_and_metadata_are_accepted(live):
                                       "continue_final_message": False, **router, **meta})
     assert chat.status_code == 200, chat.text
     live.wait_idle()
+
+
+def test_chat_template_kwargs_reach_the_template(live):
+    """{"enable_thinking": false} and the like are variables of the model's own template."""
+    from server.serving_chat import encode_chat
+    from tests.models.conftest import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                               "{% if enable_thinking is defined and not enable_thinking %} no-think{% endif %}")
+    plain = tokenizer.decode(encode_chat(tokenizer, USER))
+    told = tokenizer.decode(encode_chat(tokenizer, USER, template_kwargs={"enable_thinking": False}))
+    assert "no-think" not in plain and told.endswith("no-think")
+    chat = live.http.post(CHAT, json={"model": M, "messages": USER, "max_tokens": 2,
+                                      "chat_template_kwargs": {"enable_thinking": False}})
+    assert chat.status_code == 200, chat.text
 
 
 def test_vllm_named_gauges_sit_beside_ours(live):
