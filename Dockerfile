@@ -50,14 +50,16 @@ ENV PIP_NO_CACHE_DIR=1 \
 # g++ builds our CPU kernels (models/layers/csrc) here, for every CPU; the runtime stage has no compiler.
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 
-# torch alone from its index (--no-deps: that index need not hold the locked versions of torch's
+# pip and setuptools (which torch imports at start, through cpp_extension) as locked; torch alone
+# from its index (--no-deps: that index need not hold the locked versions of torch's
 # dependencies); `pip install -c constraints.txt .` below installs those, pinned, from PyPI.
+WORKDIR /src
+COPY constraints.txt ./
 RUN python -m venv /opt/venv \
- && pip install --upgrade pip \
+ && pip install -c constraints.txt --upgrade pip setuptools \
  && pip install --no-deps --index-url "${TORCH_INDEX}" "${TORCH_SPEC}"
 
-WORKDIR /src
-COPY pyproject.toml README.md constraints.txt ./
+COPY pyproject.toml README.md ./
 COPY server ./server
 COPY engine ./engine
 COPY models ./models

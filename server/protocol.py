@@ -38,6 +38,14 @@ MAX_JSON_DEPTH = 32
 # OpenAI's 4 stop sequences, each at most this many characters (text that could start one
 # is held back from the stream, so a long one delays output by that much).
 MAX_STOP_STRINGS, MAX_STOP_LENGTH = 4, 1024
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's bounds
+MAX_TEMPLATE_KWARGS = 16
+_TEMPLATE_VARIABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+# What the server itself gives apply_chat_template (or transformers reads from its kwargs).
+_TEMPLATE_RESERVED = frozenset({"messages", "conversation", "tools", "documents", "add_generation_prompt",
+                                "continue_final_message", "tokenize", "chat_template", "return_dict",
+                                "tokenizer_kwargs", "return_assistant_tokens_mask", "padding", "truncation",
+                                "max_length", "return_tensors"})
 
 
 # For the OpenAPI document of the fields typed Any above (their checks are hand-written).
@@ -112,6 +120,9 @@ class _SamplingFields(_Strict):
     guided_choice: list[str] | None = Field(None, min_length=1, max_length=MAX_CHOICES)
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    skip_special_tokens: bool | None = None  # vLLM/SGLang: False keeps special tokens in the text
+    # OpenAI's metadata: stored nowhere, accepted within OpenAI's bounds (checked in check_common).
+    metadata: dict[str, str] | None = None
 
     def stop_strings(self) -> tuple[str, ...]:
         stop = self.stop
@@ -132,6 +143,14 @@ class _SamplingFields(_Strict):
 
     def check_common(self, vocab_size: int) -> None:
         """Cross-field checks pydantic cannot express; raise a 400 naming the field."""
+        if self.metadata is not None:
+            if len(self.metadata) > MAX_METADATA_PAIRS:
+                raise invalid(f"'metadata' takes at most {MAX_METADATA_PAIRS} pairs, got {len(self.metadata)}",
+                              param="metadata")
+            for key, value in self.metadata.items():
+                if len(key) > MAX_METADATA_KEY or len(value) > MAX_METADATA_VALUE:
+                    raise invalid(f"'metadata' keys are at most {MAX_METADATA_KEY} characters and values at most "
+                                  f"{MAX_METADATA_VALUE}", param=f"metadata.{key[:MAX_METADATA_KEY]}")
         if self.stream_options is not None and not self.stream:
             raise invalid("'stream_options' is only allowed when 'stream' is true", param="stream_options")
         for key, value in (self.logit_bias or {}).items():
@@ -273,9 +292,29 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM/SGLang: variables for the chat template, e.g. {"enable_thinking": false} (Qwen3).
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.template_message() for m in self.messages]
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """chat_template_kwargs, checked: a few named JSON scalars that do not replace what the
+        server passes the template itself."""
+        kwargs = self.chat_template_kwargs or {}
+        if len(kwargs) > MAX_TEMPLATE_KWARGS:
+            raise invalid(f"'chat_template_kwargs' takes at most {MAX_TEMPLATE_KWARGS} variables, got {len(kwargs)}",
+                          param="chat_template_kwargs")
+        for key, value in kwargs.items():
+            param = f"chat_template_kwargs.{key[:64]}"
+            if not _TEMPLATE_VARIABLE.fullmatch(key) or key in _TEMPLATE_RESERVED:
+                raise invalid(f"'chat_template_kwargs' keys must be template variable names other than "
+                              f"{', '.join(sorted(_TEMPLATE_RESERVED))}; got {key[:64]!r}", param=param)
+            if not (value is None or isinstance(value, (bool, int, float))
+                    or (isinstance(value, str) and len(value) <= MAX_STOP_LENGTH)):
+                raise invalid(f"'chat_template_kwargs' values must be null, booleans, numbers or strings of at most "
+                              f"{MAX_STOP_LENGTH} characters", param=param)
+        return dict(kwargs)
 
     def check_messages(self) -> None:
         """The roles' rules for tool calls, which pydantic cannot express."""
@@ -313,12 +352,21 @@ class DetokenizeRequest(_Strict):
 
 # Fields OpenAI defines that this server does not implement, with the values
 # that mean "off" (OpenAI's own defaults), which are honoured exactly and so accepted.
-_UNSUPPORTED_COMPLETION = {"best_of": (None, 1), "suffix": (None,)}
+# The fields LLM-aware routers add to every request they forward (vllm-router, SGLang's router),
+# likewise: accepted with the values we honour. Without a reasoning parser the reasoning switches
+# change nothing, so any boolean is honoured.
+_BOOLEANS = (None, True, False)
+_ROUTER_FIELDS = {
+    "no_stop_trim": (None, False), "return_hidden_states": (None, False), "separate_reasoning": _BOOLEANS,
+    "stream_reasoning": _BOOLEANS, "include_reasoning": _BOOLEANS,
+}
+_UNSUPPORTED_COMPLETION = {"best_of": (None, 1), "suffix": (None,), **_ROUTER_FIELDS}
 _UNSUPPORTED_CHAT = {
     "functions": (None, []), "function_call": (None, "none"), "modalities": (None, ["text"]),
     "audio": (None,), "prediction": (None,), "reasoning_effort": (None,), "verbosity": (None,),
-    "service_tier": (None, "auto", "default"), "store": (None, False), "metadata": (None,),
+    "service_tier": (None, "auto", "default"), "store": (None, False),
     "web_search_options": (None,), "prompt_cache_key": (None,), "safety_identifier": (None,),
+    "continue_final_message": (None, False), **_ROUTER_FIELDS,
 }
 _UNSUPPORTED_MESSAGE_KEYS = ("name", "function_call", "audio", "refusal")
 
@@ -347,6 +395,7 @@ def parse_body(raw: bytes, model_cls: type[BaseModel]) -> BaseModel:
     _check_values(data)
     if model_cls is CompletionRequest:
         data = _reject_unsupported(data, _UNSUPPORTED_COMPLETION)
+        data = _completion_tokens_alias(data)
         if data.get("echo") and data.get("logprobs") is not None:
             raise not_supported("echo", "echo together with logprobs needs prompt logprobs, "
                                         "which this server does not compute")
@@ -436,6 +485,20 @@ def _reject_unsupported(data: dict, unsupported: dict[str, tuple]) -> dict:
         if key in data and data[key] not in allowed:
             raise not_supported(key)
     return {key: value for key, value in data.items() if key not in unsupported}
+
+
+def _completion_tokens_alias(data: dict) -> dict:
+    """/v1/completions: `max_completion_tokens` (what SGLang's router renames `max_tokens` to) as
+    `max_tokens`; both, and different, is a 400."""
+    if "max_completion_tokens" not in data:
+        return data
+    data = dict(data)
+    value = data.pop("max_completion_tokens")
+    if data.get("max_tokens") is not None and value is not None and data["max_tokens"] != value:
+        raise invalid("'max_tokens' and 'max_completion_tokens' differ; send one", param="max_completion_tokens")
+    if value is not None:
+        data["max_tokens"] = value
+    return data
 
 
 def _reject_unsupported_messages(messages: Any) -> None:

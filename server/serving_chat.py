@@ -26,7 +26,8 @@ from server.tool_parsers import ToolCallStream
 
 
 def encode_chat(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
-                tools: list[dict] | None = None, max_chars: int = 0, max_model_len: int = 0) -> list[int]:
+                tools: list[dict] | None = None, max_chars: int = 0, max_model_len: int = 0,
+                template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Messages -> prompt token ids through the model's own chat template; a rendered text over
     `max_chars` characters (when given) is refused before it is tokenized. CPU work: call it
     through ServerState.off_loop."""
@@ -34,7 +35,7 @@ def encode_chat(tokenizer, messages: list[dict[str, Any]], add_generation_prompt
         raise invalid("This model has no chat template; use /v1/completions with a plain prompt.", param="messages")
     try:
         text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                             tokenize=False)
+                                             tokenize=False, **(template_kwargs or {}))
     except Exception as exc:  # noqa: BLE001 - a template may raise anything (e.g. "roles must alternate")
         raise invalid(f"The chat template rejected these messages: {exc}", param="messages") from None
     check_prompt_chars(text, max_chars, max_model_len, "messages")
@@ -58,7 +59,8 @@ async def create_chat_completion(request: Request) -> Response:
     await compile_or_400(engine, structured, param)
     messages, tool_defs = chat_messages(body, engine.tokenizer)
     prompt_ids = await state.off_loop(encode_chat, engine.tokenizer, messages, tools=tool_defs,
-                                      max_chars=state.max_prompt_chars, max_model_len=state.limits.max_model_len)
+                                      max_chars=state.max_prompt_chars, max_model_len=state.limits.max_model_len,
+                                      template_kwargs=body.template_kwargs())
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if requested is None:
         max_tokens = default_max_tokens(state, len(prompt_ids), "messages")

@@ -72,7 +72,9 @@ class ServerState:
         if self.tool_call_parser == "auto":
             self.tool_call_parser = parser_for_template(getattr(engine.tokenizer, "chat_template", None))
         logger.info("tool calls are read with the %s parser", self.tool_call_parser)
-        self.metrics.watch_engine(engine.stats)
+        config = getattr(engine, "config", None)
+        self.metrics.watch_engine(engine.stats, self.served_model_name,
+                                  getattr(config, "enable_prefix_caching", True))
         self.engine = engine
 
     async def off_loop(self, fn, *args, **kwargs):
@@ -184,7 +186,7 @@ def sampling_params(body, *, max_tokens: int, logprobs: int | None, structured: 
         ignore_eos=bool(body.ignore_eos),
         min_tokens=body.min_tokens or 0,
         structured=structured,
-        skip_special_tokens=skip_special_tokens,
+        skip_special_tokens=skip_special_tokens and body.skip_special_tokens is not False,
     )
     seeds = [None] * body.num_choices
     if body.seed is not None:

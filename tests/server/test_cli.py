@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -33,6 +34,27 @@ def test_help_explains_every_flag():
     for flag in FLAGS:
         assert flag in out.stdout, flag
     assert "PAGEDSERVE_API_KEY" in out.stdout
+
+
+def test_help_states_each_default_once():
+    out = subprocess.run([sys.executable, "-m", "server", "--help"], cwd=REPO, capture_output=True, text=True,
+                         timeout=60).stdout
+    entries = re.split(r"\n  (?=-)", out)
+    assert "(default: None)" not in out
+    assert not [e for e in entries if e.count("default") > 1], "a flag's help names its default twice"
+
+
+@pytest.mark.parametrize("model,says", [
+    ("/nonexistent/model", "no such checkpoint directory or .gguf file"),
+    ("HuggingFaceTB/SmolLM2-135M-Instruct", "hub ids are not downloaded"),
+])
+def test_a_model_that_is_not_there_is_one_line_before_any_server_starts(model, says):
+    out = subprocess.run([sys.executable, "-m", "server", "--model", model, "--port", "1"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    lines = (out.stdout + out.stderr).strip().splitlines()
+    assert len(lines) == 1 and says in lines[0] and model in lines[0], lines
+    assert "Traceback" not in out.stderr and "Uvicorn" not in out.stderr
 
 
 def test_bad_flag_values_exit_with_usage_error():

@@ -219,6 +219,12 @@ def test_compose_takes_the_api_key_from_the_environment_and_mounts_checkpoints()
     assert service["build"] == "." and (ROOT / "compose.yaml").parent == (ROOT / "Dockerfile").parent
 
 
+def test_compose_publishes_on_loopback_unless_told_otherwise():
+    """No API key by default, so the port is the host's loopback unless PAGEDSERVE_BIND says otherwise."""
+    ports = compose_service()["ports"]
+    assert ports and all(re.fullmatch(r"\$\{PAGEDSERVE_BIND:-127\.0\.0\.1\}:.+:8000", str(p)) for p in ports), ports
+
+
 def test_compose_runs_read_only_with_a_writable_tmp():
     service = compose_service()
     assert service["read_only"] is True

@@ -34,6 +34,25 @@ BAD_REQUESTS = [
      "required"),
     (CHAT, {"model": M, "messages": [{"role": "user", "content": None}]}, 400, "messages[0].content", "required"),
     (CMPL, {"model": M, "prompt": "hi", "best_of": 2}, 400, "best_of", "not supported"),
+    # fields routers add (vllm-router, SGLang's router): values we do not honour are refused
+    (CMPL, {"model": M, "prompt": "hi", "no_stop_trim": True}, 400, "no_stop_trim", "not supported"),
+    (CHAT, {"model": M, "messages": USER, "return_hidden_states": True}, 400, "return_hidden_states", "not supported"),
+    (CHAT, {"model": M, "messages": USER, "continue_final_message": True}, 400, "continue_final_message",
+     "not supported"),
+    (CMPL, {"model": M, "prompt": "hi", "max_tokens": 3, "max_completion_tokens": 4}, 400, "max_completion_tokens",
+     "differ"),
+    (CMPL, {"model": M, "prompt": "hi", "skip_special_tokens": "no"}, 400, "skip_special_tokens", "boolean"),
+    # chat_template_kwargs: a few named scalars, not what the server passes the template itself
+    (CHAT, {"model": M, "messages": USER, "chat_template_kwargs": {f"v{i}": 1 for i in range(17)}}, 400,
+     "chat_template_kwargs", "at most 16"),
+    (CHAT, {"model": M, "messages": USER, "chat_template_kwargs": {"tools": []}}, 400, "chat_template_kwargs.tools",
+     "keys must be"),
+    (CHAT, {"model": M, "messages": USER, "chat_template_kwargs": {"enable_thinking": {"a": 1}}}, 400,
+     "chat_template_kwargs.enable_thinking", "values must be"),
+    # OpenAI's metadata bounds: 16 pairs, keys of 64 characters, string values of 512
+    (CHAT, {"model": M, "messages": USER, "metadata": {str(i): "v" for i in range(17)}}, 400, "metadata", "16 pairs"),
+    (CMPL, {"model": M, "prompt": "hi", "metadata": {"k": "v" * 513}}, 400, "metadata.k", "512"),
+    (CMPL, {"model": M, "prompt": "hi", "metadata": {"k": 1}}, 400, "metadata.k", "string"),
     (CMPL, {"model": M, "prompt": "hi", "suffix": "x"}, 400, "suffix", "not supported"),
     (CMPL, {"model": M, "prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo", "not supported"),
     (CHAT, {"model": M, "messages": [{"role": "function", "content": "x", "name": "f"}]}, 400,
@@ -192,9 +211,20 @@ def test_oversize_body_is_413(live):
 
 
 def test_unknown_route_and_wrong_method_use_openai_body(live):
-    assert_openai_error(live.http.post("/v1/nope", json={}), 404)
-    assert_openai_error(live.http.get(CMPL), 405)
+    """A route no handler takes names itself and what is served; an OpenAI endpoint we do not
+    serve is a 501 naming the API, so a client reports that rather than a missing model."""
+    error = assert_openai_error(live.http.post("/v1/nope", json={}), 404, None, "Unknown route: POST /v1/nope")
+    assert error["code"] == "not_found" and "POST /v1/chat/completions" in error["message"]
+    assert assert_openai_error(live.http.get(CMPL), 405, None, "GET is not allowed")["code"] == "method_not_allowed"
     assert_openai_error(live.http.get("/v1/models/gpt-4"), 404, "model", "does not exist")
+    for path, api in (("/v1/embeddings", "embeddings"), ("/v1/messages", "Anthropic's Messages API"),
+                      ("/v1/audio/speech", "audio"), ("/v1/responses", "Responses API")):
+        error = assert_openai_error(live.http.post(path, json={"model": M}), 501, None, api)
+        assert error["code"] == "not_implemented" and "does not serve" in error["message"]
+    import openai
+    with pytest.raises(openai.APIStatusError) as raised:
+        live.client().embeddings.create(model=M, input="hi")
+    assert raised.value.status_code == 501 and "embeddings" in raised.value.message
 
 
 def test_off_values_of_unsupported_fields_are_accepted(live):
@@ -203,6 +233,51 @@ def test_off_values_of_unsupported_fields_are_accepted(live):
     body.pop("best_of")
     assert live.http.post(CHAT, json=body).status_code == 200
     assert live.http.post(CMPL, json={"model": M, "prompt": "hi", "max_tokens": 2, "best_of": 1}).status_code == 200
+
+
+def test_router_fields_at_values_we_honour_and_metadata_are_accepted(live):
+    """What vllm-router / SGLang's router add to every request, at their defaults (or what we
+    honour), does not stop a request; SGLang's max_completion_tokens works on completions."""
+    router = {"no_stop_trim": False, "ignore_eos": False, "skip_special_tokens": True, "separate_reasoning": True,
+              "stream_reasoning": True, "return_hidden_states": False, "include_reasoning": True}
+    meta = {"metadata": {"user": "u1", "k" * 64: "v" * 512}}
+    done = live.http.post(CMPL, json={"model": M, "prompt": "Hello", "max_completion_tokens": 3, "temperature": 0,
+                                      **router, **meta})
+    assert done.status_code == 200, done.text
+    assert done.json()["usage"]["completion_tokens"] == 3
+    chat = live.http.post(CHAT, json={"model": M, "messages": USER, "max_completion_tokens": 2,
+                                      "continue_final_message": False, **router, **meta})
+    assert chat.status_code == 200, chat.text
+    live.wait_idle()
+
+
+def test_chat_template_kwargs_reach_the_template(live):
+    """{"enable_thinking": false} and the like are variables of the model's own template."""
+    from server.serving_chat import encode_chat
+    from tests.models.conftest import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                               "{% if enable_thinking is defined and not enable_thinking %} no-think{% endif %}")
+    plain = tokenizer.decode(encode_chat(tokenizer, USER))
+    told = tokenizer.decode(encode_chat(tokenizer, USER, template_kwargs={"enable_thinking": False}))
+    assert "no-think" not in plain and told.endswith("no-think")
+    chat = live.http.post(CHAT, json={"model": M, "messages": USER, "max_tokens": 2,
+                                      "chat_template_kwargs": {"enable_thinking": False}})
+    assert chat.status_code == 200, chat.text
+
+
+def test_vllm_named_gauges_sit_beside_ours(live):
+    """The gauges routers and autoscalers read (Gateway API Inference Extension, llm-d, KEDA),
+    under vLLM's names and model_name label, agree with ours."""
+    text = live.http.get("/metrics").text
+    label = f'model_name="{M}"'
+    assert f"vllm:num_requests_running{{{label}}}" in text and f"vllm:num_requests_waiting{{{label}}}" in text
+    usage = live.metric("vllm:kv_cache_usage_perc", label)
+    used, total = live.metric("pagedserve:kv_blocks_used"), live.metric("pagedserve:kv_blocks_total")
+    assert 0 <= usage <= 1 and usage == pytest.approx(used / total)
+    info = next(line for line in text.splitlines() if line.startswith("vllm:cache_config_info{"))
+    assert f'num_gpu_blocks="{int(total)}"' in info and 'block_size="' in info and info.endswith(" 1.0")
 
 
 def test_server_still_serves_after_a_burst_of_bad_requests(live):
