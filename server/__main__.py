@@ -166,7 +166,19 @@ def main(argv: list[str] | None = None) -> None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         loaded = load_model(args.model, dtype=args.dtype, device=device, max_model_len=args.max_model_len,
                             quantization=args.quantization)
-        return AsyncEngine(loaded, config)
+        engine = AsyncEngine(loaded, config, start=False)
+        warm_up(engine.core, loaded.tokenizer)
+        describe["model"] = (f"{loaded.config.dtype}".replace("torch.", "") + f", weights {loaded.quantization}, "
+                             f"{torch.get_num_threads()} threads")
+        return engine
+
+    describe: dict[str, str] = {}
+
+    def on_ready(engine) -> None:
+        limits = engine.limits
+        print(f"pagedserve ready: http://{args.host}:{args.port}/v1  model {served}  ({describe.get('model', '')}); "
+              f"context {limits.max_model_len} tokens, up to {limits.max_num_seqs} sequences, KV cache "
+              f"{limits.num_kv_cache_tokens} tokens", flush=True)
 
     failed: list[BaseException] = []
 
@@ -174,8 +186,9 @@ def main(argv: list[str] | None = None) -> None:
         failed.append(exc)
         server.should_exit = True
 
-    app = create_app(engine_factory=load_engine, on_load_error=on_load_error,
-                     served_model_name=args.served_model_name or served_name(args.model),
+    served = args.served_model_name or served_name(args.model)
+    app = create_app(engine_factory=load_engine, on_load_error=on_load_error, on_ready=on_ready,
+                     served_model_name=served,
                      api_key=api_key, read_timeout=args.read_timeout, tool_call_parser=args.tool_call_parser)
     # On SIGTERM the server ends the streams still running just before --shutdown-timeout,
     # each with an error event and [DONE] (server/http_server.py).
@@ -188,6 +201,22 @@ def main(argv: list[str] | None = None) -> None:
     server.run()
     if failed:
         sys.exit(1)
+
+
+def warm_up(core, tokenizer) -> None:
+    """One short request through the engine before /health turns 200, so the first client's request
+    does not pay for first-touch costs (thread pools, kernel dispatch, allocations): ~1-3 s on a
+    CPU. Its prompt stays in the prefix cache like any other."""
+    import time
+
+    from engine.request import SamplingParams
+
+    start = time.monotonic()
+    ids = tokenizer.encode("Hello", add_special_tokens=False) or [0]
+    core.add_request("warm-up", ids, SamplingParams(max_tokens=2, temperature=0.0))
+    while core.has_unfinished:
+        core.step()
+    logging.getLogger("pagedserve.server").info("warm-up: one request in %.0f ms", (time.monotonic() - start) * 1e3)
 
 
 def _exit_cleanly(_signum, _frame) -> None:

@@ -44,6 +44,7 @@ def create_app(
     read_timeout: float | None = DEFAULT_READ_TIMEOUT_S,
     engine_factory: Callable[[], Any] | None = None,
     on_load_error: Callable[[BaseException], None] | None = None,
+    on_ready: Callable[[Any], None] | None = None,
     tool_call_parser: str = "auto",
 ) -> FastAPI:
     """The engine's limits (engine.limits) bound the queue: at most max_num_seqs + max_waiting
@@ -63,6 +64,8 @@ def create_app(
         ready_engine.start()  # idempotent: AsyncEngine starts its thread when built
         state.attach(ready_engine)
         logger.info("model %s ready", served_model_name)
+        if on_ready is not None:
+            on_ready(ready_engine)
 
     async def load_in_background() -> None:
         try:

@@ -95,6 +95,10 @@ def test_sigterm_lets_in_flight_requests_finish_then_exits_0(served_process):
     os.kill(proc.pid, signal.SIGTERM)  # the server process's own pid
     reader.thread.join(120)
     assert proc.wait(60) == 0, proc.stdout.read()
+    # Warmed up before /health turned 200, then one line saying where and what it serves.
+    ready = [line for line in proc.stdout.read().splitlines() if line.startswith("pagedserve ready:")]
+    assert len(ready) == 1 and f"{url}/v1  model tiny  (float32, weights dense" in ready[0], ready
+    assert all(word in ready[0] for word in ("threads", "context", "sequences", "KV cache 512 tokens")), ready
     lines = reader.lines
     assert lines[-1] == "data: [DONE]"
     assert '"finish_reason":"length"' in lines[-2]
