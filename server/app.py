@@ -28,6 +28,7 @@ from server.protocol import (ChatCompletionRequest, CompletionRequest, Detokeniz
 from server.serving_chat import create_chat_completion
 from server.serving_common import ServerState
 from server.serving_completion import create_completion
+from server.serving_responses import create_response
 from server.serving_tokenize import detokenize, tokenize
 from server.timeouts import DEFAULT_READ_TIMEOUT_S, BodyTimeoutMiddleware
 
@@ -136,6 +137,7 @@ def create_app(
                       openapi_extra=openapi_body(CompletionRequest))
     app.add_api_route("/v1/chat/completions", create_chat_completion, methods=["POST"],
                       openapi_extra=openapi_body(ChatCompletionRequest))
+    app.add_api_route("/v1/responses", create_response, methods=["POST"])
     app.add_api_route("/tokenize", tokenize, methods=["POST"], openapi_extra=openapi_body(TokenizeRequest))
     app.add_api_route("/detokenize", detokenize, methods=["POST"], openapi_extra=openapi_body(DetokenizeRequest))
     _publish_request_schemas(app)

@@ -39,7 +39,7 @@ _ERROR_TYPES = {
 # OpenAI (and Anthropic) endpoints this server does not serve: a 501 that says so, so a client
 # reports the missing API rather than a missing model or a typo.
 _UNSERVED = {
-    "/v1/responses": "OpenAI's Responses API", "/v1/embeddings": "embeddings",
+    "/v1/embeddings": "embeddings",
     "/v1/messages": "Anthropic's Messages API", "/v1/audio": "audio", "/v1/images": "images",
     "/v1/moderations": "moderations", "/v1/files": "files", "/v1/batches": "batches",
     "/v1/fine_tuning": "fine-tuning", "/v1/fine-tunes": "fine-tuning", "/v1/assistants": "assistants",
@@ -47,7 +47,8 @@ _UNSERVED = {
     "/v1/realtime": "the Realtime API", "/v1/edits": "edits", "/v1/engines": "engines",
     "/v1/rerank": "reranking", "/v1/score": "scoring", "/v1/classify": "classification",
 }
-SERVED_ROUTES = ("POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /v1/models/{model}",
+SERVED_ROUTES = ("POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses", "GET /v1/models",
+                 "GET /v1/models/{model}",
                  "POST /tokenize",
                  "POST /detokenize", "GET /health", "GET /metrics")
 

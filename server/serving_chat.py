@@ -7,7 +7,7 @@ the arguments in pieces) and the rest stays content.
 from __future__ import annotations
 
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -46,6 +46,17 @@ def encode_chat(tokenizer, messages: list[dict[str, Any]], add_generation_prompt
 async def create_chat_completion(request: Request) -> Response:
     arrival = time.monotonic()
     state, engine, body = await parse_request(request, ChatCompletionRequest)
+
+    def view(request_id: str, tools: ToolPlan | None) -> _ChatView:
+        return _ChatView(request_id, int(time.time()), state.served_model_name, state.logprobs, body, tools)
+
+    return await serve_chat(request, state, engine, body, arrival, "chatcmpl", view)
+
+
+async def serve_chat(request: Request, state, engine, body: ChatCompletionRequest, arrival: float, id_prefix: str,
+                     make_view: Callable[[str, ToolPlan | None], Any]) -> Response:
+    """A validated chat request through the template, the grammar and the engine, rendered by
+    make_view(request id, tool plan): the chat endpoint's view, or the Responses API's."""
     body.check_common(state.limits.vocab_size)
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid("'top_logprobs' requires 'logprobs' to be true", param="top_logprobs")
@@ -72,11 +83,10 @@ async def create_chat_completion(request: Request) -> Response:
     keep_special = tools is not None and tools.parser.needs_special_tokens  # the parser reads its markers
     params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, structured=structured,
                              skip_special_tokens=not keep_special)
-    request_id = new_request_id("chatcmpl")
+    request_id = new_request_id(id_prefix)
     choices = make_choices(request_id, [prompt_ids], params)
-    view = _ChatView(request_id, int(time.time()), state.served_model_name, state.logprobs, body, tools)
-
-    return await respond(request, state, choices, view, arrival, request_id, body.user, bool(body.stream))
+    return await respond(request, state, choices, make_view(request_id, tools), arrival, request_id, body.user,
+                         bool(body.stream))
 
 
 class _ChatView:

@@ -29,6 +29,7 @@ from engine.structured import StructuredOutput
 from server.cpu_work import new_cpu_pool, off_loop, prompt_char_limit
 from server.errors import APIError, invalid, model_not_found
 from server.protocol import parse_body
+from server.protocol_responses import ResponseStore
 from server.metrics import ServerMetrics
 from server.serving_logprobs import LogprobFormatter
 from server.tool_parsers import parser_for_template
@@ -63,6 +64,7 @@ class ServerState:
     # Parsing, chat templates and tokenization run here, never on the event loop.
     cpu_pool: ThreadPoolExecutor = field(default_factory=new_cpu_pool)
     shutting_down: bool = False  # end_streams() was called: new requests get 503
+    responses: ResponseStore = field(default_factory=ResponseStore)  # for previous_response_id
     open_streams: set[asyncio.Queue] = field(default_factory=set)  # of the requests in stream_choices
 
     def attach(self, engine) -> None:
