@@ -22,7 +22,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -37,6 +37,55 @@ _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_sepa
 MAX_SPEC_CHARS = 256 * 1024
 _MAX_LEXER_STATES = 50_000  # ~1-2 kB each: at most ~100 MB for one grammar's lexer
 _CACHE_SIZE = 256
+
+
+# Bounds a JSON schema gets where it sets none of its own: a JSON number or string has no end of
+# its own, and a weak model can write digits or characters until max_tokens (SmolLM2 wrote 8,157
+# digits of a float). Numbers: at most 15 integer digits and 6 decimals, no exponent; strings up
+# to 1,024 characters; arrays up to 1,024 items. A schema's own minimum / maximum / multipleOf /
+# maxLength / pattern / format / maxItems / enum / const wins.
+MAX_NUMBER = 10**15
+NUMBER_STEP = 1e-6
+DEFAULT_MAX_LENGTH = 1024
+DEFAULT_MAX_ITEMS = 1024
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_VALUES = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames")
+
+
+def bounded(schema: Any) -> Any:
+    """`schema` with the default bounds above added to each subschema that types a number,
+    string or array without bounding it (a copy; the input is not changed)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: bounded(sub) for name, sub in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [bounded(sub) for sub in out[key]]
+    for key in _SCHEMA_VALUES:
+        if isinstance(out.get(key), list):  # draft-4 tuple items
+            out[key] = [bounded(sub) for sub in out[key]]
+        elif isinstance(out.get(key), dict):
+            out[key] = bounded(out[key])
+    types = out.get("type")
+    types = set(types) if isinstance(types, list) else {types}
+    if "enum" in out or "const" in out:
+        return out
+    if types & {"integer", "number"}:
+        if not {"minimum", "exclusiveMinimum"} & out.keys():
+            out["minimum"] = -MAX_NUMBER
+        if not {"maximum", "exclusiveMaximum"} & out.keys():
+            out["maximum"] = MAX_NUMBER
+        if "number" in types and "multipleOf" not in out:
+            out["multipleOf"] = NUMBER_STEP
+    if "string" in types and not {"maxLength", "pattern", "format"} & out.keys():
+        out["maxLength"] = DEFAULT_MAX_LENGTH
+    if "array" in types and "maxItems" not in out:
+        out["maxItems"] = DEFAULT_MAX_ITEMS
+    return out
 
 
 class GrammarError(ValueError):
@@ -60,7 +109,8 @@ class StructuredOutput:
 
     @classmethod
     def json_schema(cls, schema: dict | bool) -> StructuredOutput:
-        return cls("json", json.dumps(schema, separators=(",", ":"), ensure_ascii=False))
+        """JSON matching `schema`, with the default bounds of `bounded` where it sets none."""
+        return cls("json", json.dumps(bounded(schema), separators=(",", ":"), ensure_ascii=False))
 
     @classmethod
     def json_object(cls) -> StructuredOutput:

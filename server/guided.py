@@ -110,7 +110,21 @@ def plan_tools(body, parser_name: str) -> ToolPlan | None:
 
 
 def _parameters(function) -> dict:
-    return function.parameters if function.parameters is not None else {"type": "object", "properties": {}}
+    """A function's parameters as the grammar of its arguments: objects that do not say whether
+    they take undeclared keys take none (a model otherwise adds keys the tool does not have)."""
+    return _closed(function.parameters if function.parameters is not None else {"type": "object", "properties": {}})
+
+
+def _closed(schema: Any) -> Any:
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if isinstance(out.get("properties"), dict):
+        out["properties"] = {name: _closed(sub) for name, sub in out["properties"].items()}
+        out.setdefault("additionalProperties", False)
+    if isinstance(out.get("items"), dict):
+        out["items"] = _closed(out["items"])
+    return out
 
 
 def _spec(schema: dict) -> StructuredOutput:

@@ -162,3 +162,36 @@ def test_tool_call_round_trip_on_the_real_model(client, stream):
     answer = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], max_tokens=40,
                                             temperature=0).choices[0]
     assert answer.message.content and not answer.message.tool_calls
+
+
+def _readme_examples(section: str) -> list[str]:
+    text = (REPO / "README.md").read_text()
+    body = text.split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
+    return [block.split("\n", 1)[1].rsplit("```", 1)[0] for block in body.split("```python")[1:]]
+
+
+def test_the_readme_structured_output_examples_run_verbatim_and_finish(server):
+    """The README's `parse(City)` and tool-call blocks, as written (default temperature, no
+    max_tokens), 10 and 3 times: each finishes in seconds, with a City and a tool call. Number,
+    string and array lengths are bounded in the grammar (engine/structured.py: `bounded`), so a
+    float's digits cannot run to the end of the context as they once did."""
+    import time
+
+    city_block, tool_block = _readme_examples("Structured output and tool calls")[:2]
+    city_block = city_block.replace("http://127.0.0.1:8000/v1", f"{server}/v1")
+    for block, runs in ((city_block, 10), (tool_block, 3)):
+        scope: dict = {}
+        for _ in range(runs):
+            start = time.monotonic()
+            exec(city_block, scope)  # the client (and City) as the README builds them
+            if block is tool_block:
+                try:
+                    exec(tool_block, scope)
+                except TypeError:  # no tool_calls: say what came back instead
+                    reply = scope.get("reply")
+                    raise AssertionError(f"no tool call: {reply.finish_reason if reply else None} "
+                                         f"{(reply.message.content or '')[:500] if reply else ''!r}") from None
+                assert scope["call"].function.name == "get_weather"
+                assert set(json.loads(scope["call"].function.arguments)) <= {"city"}
+            assert type(scope["city"]).__name__ == "City"
+            assert time.monotonic() - start < 60

@@ -131,3 +131,25 @@ def test_a_preempted_constrained_request_still_produces_valid_output(loaded):
         else:  # cut by max_tokens: still a prefix the grammar allows
             assert r.finish_reason == "length"
     assert any(r.finish_reason == "stop" for r in results)
+
+
+def test_schemas_get_bounds_where_they_set_none():
+    """A number or string has no end of its own: unbounded ones get the documented defaults,
+    a schema's own bounds (and enums, consts, patterns) win, nested schemas too."""
+    from engine.structured import DEFAULT_MAX_ITEMS, DEFAULT_MAX_LENGTH, MAX_NUMBER, NUMBER_STEP, bounded
+
+    schema = {"type": "object", "properties": {
+        "n": {"type": "number"}, "i": {"type": ["integer", "null"], "maximum": 9}, "s": {"type": "string"},
+        "p": {"type": "string", "pattern": "^a+$"}, "e": {"type": "string", "enum": ["x"]},
+        "a": {"type": "array", "items": {"type": "number", "multipleOf": 0.5}}},
+        "$defs": {"d": {"anyOf": [{"type": "string", "maxLength": 3}, {"type": "integer"}]}}}
+    out = bounded(schema)
+    props = out["properties"]
+    assert props["n"] == {"type": "number", "minimum": -MAX_NUMBER, "maximum": MAX_NUMBER, "multipleOf": NUMBER_STEP}
+    assert props["i"] == {"type": ["integer", "null"], "maximum": 9, "minimum": -MAX_NUMBER}
+    assert props["s"]["maxLength"] == DEFAULT_MAX_LENGTH and "maxLength" not in props["p"] and props["e"] == schema[
+        "properties"]["e"]
+    assert props["a"]["maxItems"] == DEFAULT_MAX_ITEMS and props["a"]["items"]["multipleOf"] == 0.5
+    assert out["$defs"]["d"]["anyOf"] == [{"type": "string", "maxLength": 3},
+                                          {"type": "integer", "minimum": -MAX_NUMBER, "maximum": MAX_NUMBER}]
+    assert "minimum" not in schema["properties"]["n"]  # the caller's schema is left as it was
