@@ -6,7 +6,8 @@ process exits with status 1.
 
 SIGTERM: uvicorn stops accepting connections, lets in-flight requests finish
 (up to --shutdown-timeout seconds), the app shuts the engine down, and the
-process exits 0. This is the only module that reads the environment
+process exits 0. Ctrl-C (SIGINT) drains the same way and exits 130; a second
+Ctrl-C exits at once, with one line. This is the only module that reads the environment
 (PAGEDSERVE_API_KEY).
 """
 from __future__ import annotations
@@ -198,9 +199,12 @@ def main(argv: list[str] | None = None) -> None:
     # handler was installed before it; make that handler a clean exit, so a requested
     # shutdown ends with status 0 rather than death by signal (143).
     signal.signal(signal.SIGTERM, _exit_cleanly)
+    signal.signal(signal.SIGINT, _exit_interrupted)  # Ctrl-C: drained as SIGTERM is, then status 130
     server.run()
     if failed:
         sys.exit(1)
+    if server.exit_signal == signal.SIGINT:
+        sys.exit(130)  # stopped by Ctrl-C (after draining): the shell's convention
 
 
 def warm_up(core, tokenizer) -> None:
@@ -221,6 +225,10 @@ def warm_up(core, tokenizer) -> None:
 
 def _exit_cleanly(_signum, _frame) -> None:
     raise SystemExit(0)
+
+
+def _exit_interrupted(_signum, _frame) -> None:
+    raise SystemExit(130)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,9 @@ request a 503, and uvicorn then finds nothing left to cancel.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import sys
 from types import FrameType
 from typing import Callable
 
@@ -31,12 +34,20 @@ class PagedServer(uvicorn.Server):
         self.end_streams = end_streams
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining = False
+        self.exit_signal: int | None = None  # the first signal that asked us to stop
 
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit and sig == signal.SIGINT:
+            # A second Ctrl-C: the user wants out now, not uvicorn's cancellation tracebacks.
+            sys.stderr.write("pagedserve: second interrupt, exiting without waiting for requests in flight\n")
+            sys.stderr.flush()
+            os._exit(130)
+        if self.exit_signal is None:
+            self.exit_signal = sig
         # A signal handler (or another thread, in tests): hand the work to the event loop.
         if not self._draining and self._loop is not None and not self._loop.is_closed():
             self._draining = True

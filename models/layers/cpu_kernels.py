@@ -138,6 +138,9 @@ def _build_and_load(target: cpu_isa.Target) -> None:
 
     directory = build_directory(target.name)
     directory.mkdir(parents=True, exist_ok=True)
+    if _current_library(target.name) is None:  # a build is coming (else torch only loads it)
+        logger.warning("building the CPU kernels for %s in %s (once per machine and target, ~30-90 s)",
+                       target.name, directory)
     load(
         name=build_name(target.name),
         sources=[str(source) for source in _SOURCES],

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -127,3 +128,45 @@ def test_served_model_name_of_the_current_directory_is_its_name(tmp_path, monkey
 
     monkeypatch.chdir(tmp_path)
     assert served_name(".") == tmp_path.name and served_name("./") == tmp_path.name
+
+
+def test_ctrl_c_drains_and_exits_130_and_a_second_one_exits_at_once_quietly(served_process):
+    proc, url = served_process
+    headers = {"Authorization": "Bearer env-key"}
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 100, "ignore_eos": True, "stream": True}
+    reader = StreamReader(f"{url}/v1/completions", body, headers=headers, timeout=120)
+    assert reader.first.wait(60)
+    os.kill(proc.pid, signal.SIGINT)  # the server process's own pid
+    reader.thread.join(120)
+    assert reader.lines[-1] == "data: [DONE]"  # drained: the stream finished
+    assert proc.wait(60) == 130
+    out = proc.stdout.read()
+    assert "Traceback" not in out and "CancelledError" not in out, out
+
+
+def test_a_second_ctrl_c_exits_at_once_with_one_line(tiny_model_dir):
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "server", "--model", str(tiny_model_dir), "--port", str(port), "--dtype", "float32",
+         "--num-kv-blocks", "64", "--block-size", "8", "--shutdown-timeout", "60", "--log-level", "warning",
+         "--max-num-seqs", "1"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, url, timeout=180)
+        body = {"model": str(tiny_model_dir.name), "prompt": "Hello", "max_tokens": 100, "ignore_eos": True,
+                "stream": True}
+        # One at a time, 40 x 100 tokens: a drain of seconds, which the second Ctrl-C cuts short.
+        readers = [StreamReader(f"{url}/v1/completions", body, timeout=120) for _ in range(40)]
+        assert readers[0].first.wait(60)
+        os.kill(proc.pid, signal.SIGINT)
+        time.sleep(0.5)
+        os.kill(proc.pid, signal.SIGINT)  # the stream is still running: this one does not wait for it
+        code = proc.wait(10)
+        out = proc.stdout.read()
+        assert code == 130, out
+        assert "second interrupt" in out and "Traceback" not in out and "CancelledError" not in out, out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(30)
