@@ -24,6 +24,7 @@ DEFAULT_MAX_WAITING = 1024
 
 def build_parser() -> argparse.ArgumentParser:
     from models.fetch import DEFAULT_MODEL
+    from server.reasoning import PARSERS as REASONING_PARSERS
     from server.tool_parsers import PARSERS
 
     p = argparse.ArgumentParser(
@@ -75,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", default="auto", choices=["auto", *PARSERS],
                    help="how tool calls are read from the output; auto = from the model's chat template "
                         "(hermes when it has none)")
+    p.add_argument("--reasoning-parser", default="auto", choices=["auto", "none", *REASONING_PARSERS],
+                   help="return a reasoning model's <think>...</think> as reasoning_content, apart from content; "
+                        "auto = from the chat template (none when it has no thinking tags)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="log verbosity")
     return p
@@ -190,7 +194,8 @@ def main(argv: list[str] | None = None) -> None:
     served = args.served_model_name or served_name(args.model)
     app = create_app(engine_factory=load_engine, on_load_error=on_load_error, on_ready=on_ready,
                      served_model_name=served,
-                     api_key=api_key, read_timeout=args.read_timeout, tool_call_parser=args.tool_call_parser)
+                     api_key=api_key, read_timeout=args.read_timeout, tool_call_parser=args.tool_call_parser,
+                     reasoning_parser=args.reasoning_parser)
     # On SIGTERM the server ends the streams still running just before --shutdown-timeout,
     # each with an error event and [DONE] (server/http_server.py).
     server = make_server(app, host=args.host, port=args.port, log_level=args.log_level,

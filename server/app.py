@@ -47,6 +47,7 @@ def create_app(
     on_load_error: Callable[[BaseException], None] | None = None,
     on_ready: Callable[[Any], None] | None = None,
     tool_call_parser: str = "auto",
+    reasoning_parser: str = "auto",
 ) -> FastAPI:
     """The engine's limits (engine.limits) bound the queue: at most max_num_seqs + max_waiting
     engine requests are admitted at once, and the rest get 429. A request body that has not
@@ -58,7 +59,8 @@ def create_app(
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be positive, got {max_body_bytes}")
     state = ServerState(served_model_name=served_model_name, metrics=ServerMetrics(),
-                        max_body_bytes=max_body_bytes, api_key=api_key or None, tool_call_parser=tool_call_parser)
+                        max_body_bytes=max_body_bytes, api_key=api_key or None, tool_call_parser=tool_call_parser,
+                        reasoning_parser=reasoning_parser)
     created = int(time.time())
 
     async def attach(ready_engine: Any) -> None:

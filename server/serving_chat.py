@@ -17,6 +17,8 @@ from server.cpu_work import check_prompt_chars
 from server.errors import invalid
 from server.guided import ToolPlan, chat_messages, compile_or_400, plan_tools, structured_output
 from server.protocol import ChatCompletionRequest
+from server.reasoning import ReasoningStream
+from server.reasoning import split as split_reasoning
 from server.respond import check_succeeded, respond
 from server.serving_common import (Choice, check_context, default_max_tokens, make_choices, new_request_id,
                                    parse_request, sampling_params, usage)
@@ -48,7 +50,8 @@ async def create_chat_completion(request: Request) -> Response:
     state, engine, body = await parse_request(request, ChatCompletionRequest)
 
     def view(request_id: str, tools: ToolPlan | None) -> _ChatView:
-        return _ChatView(request_id, int(time.time()), state.served_model_name, state.logprobs, body, tools)
+        return _ChatView(request_id, int(time.time()), state.served_model_name, state.logprobs, body, tools,
+                         state.reasoning_parser)
 
     return await serve_chat(request, state, engine, body, arrival, "chatcmpl", view)
 
@@ -93,10 +96,12 @@ class _ChatView:
     """Renders choices as OpenAI chat.completion objects and chat.completion.chunk deltas."""
 
     def __init__(self, request_id: str, created: int, model: str, logprobs: LogprobFormatter,
-                 body: ChatCompletionRequest, tools: ToolPlan | None = None):
+                 body: ChatCompletionRequest, tools: ToolPlan | None = None, reasoning: str | None = None):
         self.request_id, self.created, self.model = request_id, created, model
         self.logprobs, self.body, self.tools = logprobs, body, tools
+        self.reasoning = reasoning  # server/reasoning.py's parser, or None: all text is content
         self._tool_streams: dict[int, ToolCallStream] = {}  # choice index -> its calls so far
+        self._thinking: dict[int, ReasoningStream] = {}  # choice index -> its reasoning so far
 
     def _tool_stream(self, index: int) -> ToolCallStream | None:
         if self.tools is None:
@@ -112,14 +117,17 @@ class _ChatView:
     def response(self, choices: list[Choice]) -> dict[str, Any]:
         rendered = []
         for c in choices:
-            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            thought, text = split_reasoning(self.reasoning, c.text, True) if self.reasoning else (None, c.text)
+            message: dict[str, Any] = {"role": "assistant", "content": text}
             finish_reason = c.final.finish_reason
             stream = self._tool_stream(c.index)
             if stream is not None:
-                content, tool_calls = stream.final(c.text)
+                content, tool_calls = stream.final(text)
                 if tool_calls:
                     message = {"role": "assistant", "content": content, "tool_calls": tool_calls}
                     finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+            if self.reasoning:
+                message["reasoning_content"] = thought or None
             rendered.append({"index": c.index, "message": message, "logprobs": self._logprobs(c.logprobs),
                              "finish_reason": finish_reason})
         return self._envelope("chat.completion", rendered, usage=usage(choices, self.body.num_choices))
@@ -140,11 +148,18 @@ class _ChatView:
             logprobs = self._logprobs(output.logprobs or [])
             stream = self._tool_stream(choice.index)
             finish_reason = output.finish_reason
+            new_text, text = output.text, choice.text
+            if self.reasoning:
+                thinking = self._thinking.setdefault(choice.index, ReasoningStream(self.reasoning))
+                thought, new_text = thinking.feed(choice.text, final=output.finished)
+                text = thinking.content
+                if thought:
+                    yield self._chunk(choice.index, {"reasoning_content": thought})
             if stream is None:
-                if output.text or logprobs:
-                    yield self._chunk(choice.index, {"content": output.text}, logprobs=logprobs)
+                if new_text or logprobs:
+                    yield self._chunk(choice.index, {"content": new_text}, logprobs=logprobs)
             else:
-                content, tool_calls = stream.feed(choice.text, final=output.finished)
+                content, tool_calls = stream.feed(text, final=output.finished)
                 if content or logprobs:
                     yield self._chunk(choice.index, {"content": content}, logprobs=logprobs)
                 if tool_calls:

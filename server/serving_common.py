@@ -32,6 +32,7 @@ from server.protocol import parse_body
 from server.protocol_responses import ResponseStore
 from server.metrics import ServerMetrics
 from server.serving_logprobs import LogprobFormatter
+from server.reasoning import parser_for_template as reasoning_for_template
 from server.tool_parsers import parser_for_template
 
 M = TypeVar("M")
@@ -61,6 +62,7 @@ class ServerState:
     logprobs: LogprobFormatter | None = None
     max_prompt_chars: int = 0  # a longer text certainly exceeds max_model_len tokens (cpu_work)
     tool_call_parser: str = "auto"  # resolved from the chat template by attach()
+    reasoning_parser: str | None = "auto"  # server/reasoning.py's, resolved by attach(); None: no split
     # Parsing, chat templates and tokenization run here, never on the event loop.
     cpu_pool: ThreadPoolExecutor = field(default_factory=new_cpu_pool)
     shutting_down: bool = False  # end_streams() was called: new requests get 503
@@ -74,6 +76,12 @@ class ServerState:
         if self.tool_call_parser == "auto":
             self.tool_call_parser = parser_for_template(getattr(engine.tokenizer, "chat_template", None))
         logger.info("tool calls are read with the %s parser", self.tool_call_parser)
+        if self.reasoning_parser == "auto":
+            self.reasoning_parser = reasoning_for_template(getattr(engine.tokenizer, "chat_template", None))
+        if self.reasoning_parser in (None, "none"):
+            self.reasoning_parser = None
+        else:
+            logger.info("reasoning is returned apart, read with the %s parser", self.reasoning_parser)
         config = getattr(engine, "config", None)
         self.metrics.watch_engine(engine.stats, self.served_model_name,
                                   getattr(config, "enable_prefix_caching", True))

@@ -19,7 +19,7 @@ from tests.server.conftest import StreamReader, wait_healthy
 REPO = Path(__file__).resolve().parents[2]
 FLAGS = ["--model", "--host", "--port", "--dtype", "--served-model-name", "--max-model-len", "--max-num-seqs",
          "--max-num-batched-tokens", "--block-size", "--kv-cache-memory", "--num-kv-blocks", "--max-waiting",
-         "--api-key", "--log-level", "--shutdown-timeout", "--read-timeout"]
+         "--api-key", "--log-level", "--shutdown-timeout", "--read-timeout", "--reasoning-parser"]
 
 
 def free_port() -> int:
