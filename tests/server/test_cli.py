@@ -47,11 +47,12 @@ def test_help_states_each_default_once():
 
 @pytest.mark.parametrize("model,says", [
     ("/nonexistent/model", "no such checkpoint directory or .gguf file"),
-    ("HuggingFaceTB/SmolLM2-135M-Instruct", "hub ids are not downloaded"),
+    ("HuggingFaceTB/SmolLM2-135M-Instruct", "not in the Hugging Face cache"),
 ])
-def test_a_model_that_is_not_there_is_one_line_before_any_server_starts(model, says):
+def test_a_model_that_is_not_there_is_one_line_before_any_server_starts(model, says, tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)}  # an empty cache, no network
     out = subprocess.run([sys.executable, "-m", "server", "--model", model, "--port", "1"], cwd=REPO,
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 2
     lines = (out.stdout + out.stderr).strip().splitlines()
     assert len(lines) == 1 and says in lines[0] and model in lines[0], lines
@@ -170,3 +171,23 @@ def test_a_second_ctrl_c_exits_at_once_with_one_line(tiny_model_dir):
         if proc.poll() is None:
             proc.kill()
         proc.wait(30)
+
+
+def test_a_hub_id_loads_from_the_hugging_face_cache_offline(tiny_model_dir, tmp_path):
+    """`--model org/name` goes through huggingface_hub: here a cache laid out as the hub's
+    (models--org--name/snapshots/<revision>, refs/main) with HF_HUB_OFFLINE=1, so nothing is fetched."""
+    import shutil
+
+    repo = tmp_path / "hub" / "models--testorg--tiny-llama"
+    snapshot = repo / "snapshots" / ("0" * 40)
+    shutil.copytree(tiny_model_dir, snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub")}
+    code = ("from models.loader import load_model; from server.__main__ import check_model_arg, served_name; "
+            "loaded = load_model('testorg/tiny-llama', dtype='float32'); "
+            "print(check_model_arg('testorg/tiny-llama'), served_name('testorg/tiny-llama'), loaded.config.path)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                         env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[:2] == ["None", "testorg/tiny-llama"] and str(snapshot) in out.stdout
