@@ -82,6 +82,9 @@ class ToolPlan:
     max_calls: int | None  # 1 when parallel_tool_calls is false
 
 
+MAX_FORCED_CALLS = 16  # tool_choice "required": a small model otherwise calls again and again, to max_tokens
+
+
 def plan_tools(body, parser_name: str) -> ToolPlan | None:
     """None when no tool can be called (no tools, or tool_choice "none")."""
     tools, choice = body.tools or [], body.tool_choice
@@ -99,9 +102,8 @@ def plan_tools(body, parser_name: str) -> ToolPlan | None:
         calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": _parameters(f)},
                   "required": ["name", "parameters"], "additionalProperties": False}
                  for name, f in by_name.items()]
-        schema = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls}, "minItems": 1}
-        if max_calls:
-            schema["maxItems"] = max_calls
+        schema = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls}, "minItems": 1,
+                  "maxItems": max_calls or MAX_FORCED_CALLS}
         return ToolPlan(JsonParser(), _spec(schema), max_calls)
     name = choice.function.name
     if name not in by_name:

@@ -365,9 +365,12 @@ class ToolCallStream:
 
     def final(self, text: str) -> tuple[str | None, list[dict]]:
         """(content, tool_calls) of the finished output. Calls whose arguments are not
-        JSON are left in the content, as a model's text, rather than sent as calls."""
+        JSON are left in the content, as a model's text, rather than sent as calls; but an
+        output cut short inside its last call keeps the calls before it."""
         parsed = self.parser.parse(text, final=True)
         calls = [c for c in parsed.calls if c.name is not None][:self.max_calls]
+        if len(calls) > 1 and not _is_json_object(calls[-1].arguments):
+            calls = calls[:-1]  # cut off (max_tokens) inside its last call: the calls it completed stand
         if not calls or any(not _is_json_object(c.arguments) for c in calls):
             return text, []
         while len(self.ids) < len(calls):

@@ -87,3 +87,15 @@ def test_parser_for_template_and_hermes_fallback_messages():
     assert out[2] == {"role": "assistant", "content": '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'}
     assert out[3] == {"role": "user", "content": "<tool_response>\n42\n</tool_response>"}
     assert hermes_messages(messages, [])[0] == messages[0]
+
+
+def test_forced_calls_cut_off_by_max_tokens_keep_the_calls_they_completed():
+    """tool_choice "required" at finish "length": the calls before the one cut short are returned
+    as calls, not left as raw JSON in the content."""
+    from server.tool_parsers import JsonParser
+
+    text = '[{"name": "f", "parameters": {"a": 1}}, {"name": "f", "parameters": {"a": 2}}, {"name": "f", "param'
+    content, calls = ToolCallStream(JsonParser()).final(text)
+    assert content is None and [json.loads(c["function"]["arguments"]) for c in calls] == [{"a": 1}, {"a": 2}]
+    # a call cut off alone, or garbage between calls, stays text
+    assert ToolCallStream(JsonParser()).final('[{"name": "f", "parameters": {"a"')[1] == []
