@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from engine.speculative import SpeculativeConfig
+
 DEFAULT_KV_CACHE_MEMORY_GIB = 1.0
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -37,6 +39,8 @@ class EngineConfig:
     # into one, and a stream that stays full this many seconds (its reader stopped) is aborted.
     max_pending_outputs: int = 64
     stalled_stream_timeout: float = 30.0
+    # Speculative decoding (engine/speculative.py); None: off.
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self):
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

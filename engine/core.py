@@ -99,6 +99,7 @@ class EngineCore:
         except Exception as e:  # a scheduler bug: end everything rather than spin on it
             logger.exception("scheduling failed; ending every request")
             return self.fail_all(f"scheduling failed: {type(e).__name__}: {e}")
+        start = time.perf_counter()
         try:
             result = self.runner.execute(scheduler_output)
         except Exception as e:
@@ -110,17 +111,25 @@ class EngineCore:
                 outputs += self._fail(s.request_id, message)
             self._maybe_audit()
             return outputs
+        seconds = time.perf_counter() - start
         self.num_computed_tokens += scheduler_output.num_batched_tokens
+        speculator = self.scheduler.speculator
+        if speculator is not None:
+            speculator.observe_step(scheduler_output.num_batched_tokens,
+                                    sum(len(s.draft_token_ids) for s in scheduler_output.scheduled), seconds)
         outputs = []
         for request_id, message in result.errors.items():
             outputs += self._fail(request_id, message)
-        for request in self.scheduler.update(scheduler_output, result.sampled):
-            self.num_generation_tokens += 1
+        for request, num_new in self.scheduler.update(scheduler_output, result.sampled):
             try:
-                outputs.append(self._token_output(request, result.logprobs.get(request.request_id)))
+                output = self._tokens_output(request, num_new, result.logprobs.get(request.request_id))
             except Exception as e:  # noqa: BLE001 - e.g. the detokenizer; this request only
                 logger.exception("output processing failed for request %s", request.request_id)
+                self.num_generation_tokens += num_new
                 outputs.append(self._error_output(request, f"{type(e).__name__}: {e}"))
+                continue
+            self.num_generation_tokens += len(output.token_ids)
+            outputs.append(output)
         self._maybe_audit()
         return outputs
 
@@ -132,25 +141,36 @@ class EngineCore:
         finished = self.scheduler.finish_all(RequestStatus.FINISHED_ABORTED)
         return [self._final_output(request, self._flush(request.request_id)) for request in finished]
 
-    def _token_output(self, request: Request, logprob: TokenLogprob | None) -> RequestOutput:
-        token_id = request.output_token_ids[-1]
-        if request.status is RequestStatus.FINISHED_STOPPED and (
-                token_id in request.eos_token_ids or token_id == request.stop_reason):
-            # Ended by EOS or a stop token id: that token's text stays out of the output.
-            text, stop_string = self._flush(request.request_id), None
-        else:
-            text, stop_string = self._detokenizers[request.request_id].append(token_id)
-        if stop_string is not None:
-            # A stop string wins over length reached on the same token.
-            self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED, stop_string)
-            self._detokenizers.pop(request.request_id, None)
-        elif request.status.is_finished:  # (after EOS or a stop token it was flushed above)
-            text += self._flush(request.request_id)
-        logprobs = [logprob] if request.params.logprobs is not None and logprob is not None else None
+    def _tokens_output(self, request: Request, num_new: int, logprobs: list | None) -> RequestOutput:
+        """The output for a request's `num_new` new tokens (more than one after accepted drafts),
+        detokenized one by one: a stop string ends the request at the token that completes it,
+        and the tokens after it are taken back (text, usage and logprobs alike)."""
+        token_ids = request.output_token_ids[-num_new:]
+        logprobs = list(logprobs[:num_new]) if request.params.logprobs is not None and logprobs else None
+        detokenizer = self._detokenizers[request.request_id]
+        text = ""
+        for i, token_id in enumerate(token_ids):
+            last = i == len(token_ids) - 1
+            if last and request.status is RequestStatus.FINISHED_STOPPED and (
+                    token_id in request.eos_token_ids or token_id == request.stop_reason):
+                # Ended by EOS or a stop token id: that token's text stays out of the output.
+                text += self._flush(request.request_id)
+                break
+            piece, stop_string = detokenizer.append(token_id)
+            text += piece
+            if stop_string is not None:
+                # A stop string wins over length reached on the same token.
+                request.drop_last_outputs(len(token_ids) - 1 - i)
+                token_ids, logprobs = token_ids[: i + 1], logprobs[: i + 1] if logprobs else logprobs
+                self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED, stop_string)
+                self._detokenizers.pop(request.request_id, None)
+                break
+            if last and request.status.is_finished:
+                text += self._flush(request.request_id)
         if request.status.is_finished:
             error = "the output left its grammar" if request.status is RequestStatus.FINISHED_ERROR else None
-            return self._final_output(request, text, [token_id], logprobs, error)
-        return self._output(request, text, [token_id], logprobs)
+            return self._final_output(request, text, token_ids, logprobs, error)
+        return self._output(request, text, token_ids, logprobs)
 
     def _fail(self, request_id: str, message: str) -> list[RequestOutput]:
         """End an unfinished request with finish_reason "error" (nothing if it is already gone)."""

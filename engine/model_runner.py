@@ -17,6 +17,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.sampler import SamplingBatch, TokenHistory, make_generator, sample
+from engine.structured import allowed_tokens
 from engine.step import RunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.threads import StepTuner, applied, candidate_settings
 from models.layers import cpu_kernels
@@ -100,18 +101,18 @@ class ModelRunner:
 
     def _execute(self, scheduled: list[ScheduledRequest], kernels: StepKernels) -> RunnerOutput:
         hidden = self._forward(scheduled, kernels)  # (num_tokens, hidden_size)
-        ends, offset = [], 0
+        rows, samplers, offset = [], [], 0
         for s in scheduled:
             offset += len(s.token_ids)
-            ends.append(offset - 1)
-        samplers = [(s, end) for s, end in zip(scheduled, ends) if s.samples]
+            if s.samples:  # its last row, and a decode's draft rows: 1 + len(drafts) rows at the end
+                rows += range(offset - 1 - len(s.draft_token_ids), offset)
+                samplers.append(s)
         if not samplers:
             return RunnerOutput()
-        if len(samplers) < hidden.shape[0]:  # prefill chunks: only their last rows sample
-            rows = torch.tensor([end for _, end in samplers], dtype=torch.int64, device=hidden.device)
-            hidden = hidden[rows]  # (num_samplers, hidden_size)
-        logits = self.model.compute_logits(hidden, kernels)  # (num_samplers, vocab) float32
-        return self._sample(logits, [s for s, _ in samplers])
+        if len(rows) < hidden.shape[0]:  # prefill chunks: only their last rows sample
+            hidden = hidden[torch.tensor(rows, dtype=torch.int64, device=hidden.device)]  # (num_rows, hidden_size)
+        logits = self.model.compute_logits(hidden, kernels)  # (num_rows, vocab) float32
+        return self._sample(logits, samplers)
 
     def _forward(self, scheduled: list[ScheduledRequest], kernels: StepKernels) -> torch.Tensor:
         query_lens = [len(s.token_ids) for s in scheduled]
@@ -134,41 +135,78 @@ class ModelRunner:
         try:
             return self._sample_rows(logits, requests)
         except Exception:
-            logger.exception("sampling failed for a batch of %d; retrying row by row", len(requests))
+            logger.exception("sampling failed for a batch of %d; retrying request by request", len(requests))
         for generator, state in zip(generators, states):
             generator.set_state(state)
-        # One bad request must not cost the others their token: sample each row alone. A
+        # One bad request must not cost the others their token: sample each request alone. A
         # failure is that request's error, never the step's (which would end the whole batch).
-        result = RunnerOutput()
-        for i, request in enumerate(requests):
+        result, start = RunnerOutput(), 0
+        for request in requests:
+            num_rows = 1 + len(request.draft_token_ids)
             try:
-                one = self._sample_rows(logits[i : i + 1], [request])
+                one = self._sample_rows(logits[start : start + num_rows], [request])
             except Exception as e:  # noqa: BLE001 - reported as this request's error
                 logger.exception("sampling failed for request %s", request.request_id)
                 result.errors[request.request_id] = f"sampling failed: {type(e).__name__}: {e}"
-                continue
-            result.sampled.update(one.sampled)
-            result.logprobs.update(one.logprobs)
+            else:
+                result.sampled.update(one.sampled)
+                result.logprobs.update(one.logprobs)
+            start += num_rows
         return result
 
     def _sample_rows(self, logits: torch.Tensor, requests: list[ScheduledRequest]) -> RunnerOutput:
+        """Sample every row, then verify drafts (engine/speculative.py): a request with k drafts
+        has k + 1 rows, row j sampled as if drafts 0..j-1 had been emitted (its output, penalties,
+        min_tokens and grammar mask include them; its generator draws in row order), and keeps
+        the tokens up to and including the first that differs from its draft."""
+        params, outputs, histories, generators, prompts = [], [], [], [], []
+        for s in requests:
+            for j in range(1 + len(s.draft_token_ids)):
+                params.append(s.params)
+                prompts.append(s.prompt_token_ids)
+                outputs.append(s.output_token_ids + s.draft_token_ids[:j] if j else s.output_token_ids)
+                histories.append(s.token_history if j == 0 else None)  # the cache follows emitted tokens only
+                generators.append(s.generator)
+        vocab_size = logits.shape[-1]
+        allowed = None
+        constrained = [s for s in requests if s.grammar is not None]
+        if constrained:
+            first_rows, row = [], 0
+            for s in requests:
+                if s.grammar is not None:
+                    first_rows += range(row, row + 1 + len(s.draft_token_ids))
+                row += 1 + len(s.draft_token_ids)
+            masks = allowed_tokens([s.grammar for s in constrained], vocab_size,
+                                   [s.draft_token_ids for s in constrained])
+            allowed = (torch.tensor(first_rows, dtype=torch.int64, device=logits.device), masks.to(logits.device))
         batch = SamplingBatch.from_params(
-            [s.params for s in requests],
-            [s.prompt_token_ids for s in requests],
-            [s.output_token_ids for s in requests],
-            [s.generator for s in requests],
-            vocab_size=logits.shape[-1],
+            params, prompts, outputs, generators,
+            vocab_size=vocab_size,
             device=logits.device,
             eos_token_ids=self.model_config.eos_token_ids,
-            histories=[s.token_history for s in requests],
-            grammars=[s.grammar for s in requests],
+            histories=histories,
+            allowed=allowed,
         )
+        drafted = [s for s in requests if s.draft_token_ids and s.generator is not None and not s.params.greedy]
+        states = {s.request_id: s.generator.get_state() for s in drafted}
         out = sample(logits, batch)
-        vocab_size = logits.shape[-1]
-        bad = [(s.request_id, t) for s, t in zip(requests, out.token_ids) if not 0 <= t < vocab_size]
+        request_ids = [s.request_id for s in requests for _ in range(1 + len(s.draft_token_ids))]
+        bad = [(rid, t) for rid, t in zip(request_ids, out.token_ids) if not 0 <= t < vocab_size]
         if bad:  # fed back into the next forward, it would fail the whole batch there
             raise ValueError(f"sampled token ids {bad} are outside the vocabulary (size {vocab_size})")
-        return RunnerOutput(
-            sampled={s.request_id: t for s, t in zip(requests, out.token_ids)},
-            logprobs={s.request_id: lp for s, lp in zip(requests, out.logprobs)},
-        )
+        result, row = RunnerOutput(), 0
+        for s in requests:
+            drafts = s.draft_token_ids
+            run = []
+            for j, token_id in enumerate(out.token_ids[row : row + 1 + len(drafts)]):
+                run.append(token_id)
+                if j == len(drafts) or token_id != drafts[j]:
+                    break
+            result.sampled[s.request_id] = run
+            result.logprobs[s.request_id] = out.logprobs[row : row + len(run)]
+            row += 1 + len(drafts)
+            if s.request_id in states:  # the generator drew for every row: as if it drew for the run only
+                s.generator.set_state(states[s.request_id])
+                for _ in run:
+                    torch.rand((1,), device=logits.device, generator=s.generator)
+        return result

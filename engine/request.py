@@ -111,6 +111,7 @@ class Request:
     generator: object | None = None  # the sampler's per-request RNG; opaque here
     token_history: object | None = None  # the sampler's per-request penalty cache; opaque here
     grammar: object | None = None  # its structured output's GrammarMatcher (engine/structured.py)
+    draft_state: object | None = None  # its speculative decoding's state (engine/speculative.py)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -137,6 +138,11 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    def drop_last_outputs(self, num: int) -> None:
+        """Take back the last `num` output tokens (what a stop string inside a run cut off)."""
+        if num > 0:
+            del self.output_token_ids[-num:], self.all_token_ids[-num:]
 
     def append_output(self, token_id: int, now: float) -> None:
         self.output_token_ids.append(token_id)

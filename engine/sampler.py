@@ -193,12 +193,14 @@ class SamplingBatch:
         default_generator: torch.Generator | None = None,
         histories: Sequence[TokenHistory | None] | None = None,
         grammars: Sequence[GrammarMatcher | None] | None = None,
+        allowed: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> SamplingBatch:
         """`eos_token_ids` is either the model's EOS ids (shared by every row) or one list
         per row; rows with `ignore_eos` do not have EOS masked by min_tokens. `histories`:
         each row's TokenHistory kept from earlier steps (brought up to date here); rows
         without one get a fresh one. `grammars`: each row's matcher, None where the row is
-        unconstrained; every constrained row's mask is computed here, in one call."""
+        unconstrained; every constrained row's mask is computed here, in one call. `allowed`:
+        the masks computed already instead (constrained rows, (C, V) bool), e.g. with drafts."""
         num_rows = len(params)
         if not len(prompt_token_ids) == len(output_token_ids) == len(generators) == num_rows:
             raise ValueError(
@@ -247,9 +249,8 @@ class SamplingBatch:
             frequency = tensor([p.frequency_penalty for p in params], torch.float32)[row_of] * torch.cat(num)
             counts = (index, frequency, tensor([p.presence_penalty for p in params], torch.float32)[row_of])
 
-        allowed = None
         constrained = [i for i, g in enumerate(grammars or ()) if g is not None]
-        if constrained:
+        if constrained and allowed is None:
             mask = allowed_tokens([grammars[i] for i in constrained], vocab_size).to(device)
             allowed = (tensor(constrained), mask)
 

@@ -20,6 +20,7 @@ from typing import Callable, Mapping
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, EngineLimits
 from engine.request import QueueFullError, Request, RequestStatus
+from engine.speculative import Speculator
 from engine.stats import EngineStats
 from engine.step import ScheduledRequest, SchedulerOutput
 
@@ -37,6 +38,7 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order: the last one is preempted first
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.speculator = Speculator(config.speculative) if config.speculative is not None else None
 
     # ------------------------------------------------------------ admission
     def add_request(self, request: Request) -> None:
@@ -105,13 +107,19 @@ class Scheduler:
         # Decodes first, then running prefill chunks: a long prompt never starves decodes.
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        speculating = self._speculating(decodes)
         for request in decodes + prefills:
             if budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            table = bm.append_slots(request, request.num_computed_tokens + num_new)
+            drafts = self._drafts(request, budget) if request in speculating else []
+            table = bm.append_slots(request, request.num_computed_tokens + num_new + len(drafts))
+            if table is None and drafts:  # drafts go before anyone is preempted
+                self.speculator.stats.num_cut_by_budget += len(drafts)
+                drafts = []
+                table = bm.append_slots(request, request.num_computed_tokens + num_new)
             while table is None:
                 victim = self.running[-1]  # the most recently admitted
                 undone = scheduled.pop(victim.request_id, None)
@@ -124,9 +132,9 @@ class Scheduler:
                 table = bm.append_slots(request, request.num_computed_tokens + num_new)
             if table is None:
                 continue
-            scheduled[request.request_id] = self._scheduled(request, num_new, table)
+            scheduled[request.request_id] = self._scheduled(request, num_new, table, drafts)
             pending.update(bm.hashes_to_cache(request, request.num_computed_tokens + num_new))
-            budget -= num_new
+            budget -= num_new + len(drafts)
 
         # Then waiting requests, first come first served. After a preemption the pool is
         # tight: admitting more would only preempt again.
@@ -158,11 +166,26 @@ class Scheduler:
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
         )
 
-    def _scheduled(self, request: Request, num_new: int, table: list[int]) -> ScheduledRequest:
+    def _speculating(self, decodes: list[Request]) -> set[Request]:
+        """The decodes that may carry drafts this step: none above the batch size where
+        speculation stops paying, and none while a request waits to be admitted."""
+        if self.speculator is None or len(self.running) > self.speculator.config.max_batch_size:
+            return set()
+        return set(decodes)
+
+    def _drafts(self, request: Request, budget: int) -> list[int]:
+        """Drafts for a decode: within the step's token budget, and such that the whole run
+        (drafts plus one token) stays within max_tokens and the context."""
+        limit = min(budget - 1, request.params.max_tokens - request.num_output_tokens - 1,
+                    self.limits.max_model_len - request.num_tokens - 1)
+        return self.speculator.propose(request, limit) if limit > 0 else []
+
+    def _scheduled(self, request: Request, num_new: int, table: list[int], drafts: list[int] = ()) -> ScheduledRequest:
         start = request.num_computed_tokens
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start : start + num_new],
+            token_ids=request.all_token_ids[start : start + num_new] + list(drafts),
+            draft_token_ids=list(drafts),
             start_position=start,
             block_table=list(table),
             samples=start + num_new == request.num_tokens,
@@ -186,13 +209,15 @@ class Scheduler:
         self.num_preemptions += 1
 
     # --------------------------------------------------------------- update
-    def update(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> list[Request]:
+    def update(self, output: SchedulerOutput, sampled: Mapping[str, list[int]]) -> list[tuple[Request, int]]:
         """Advance the scheduled requests after the model ran.
 
-        `sampled` maps request id -> the token sampled for it (requests that sample and
-        are missing had their sampling fail; the engine finishes them). Returns the
-        requests that got a new token, finished ones included (already out of the
-        scheduler, their blocks freed).
+        `sampled` maps request id -> the tokens sampled for it: one, or after drafts the
+        accepted drafts and one token of its own (requests that sample and are missing had
+        their sampling fail; the engine finishes them). The tokens are taken one by one and
+        stops checked after each: what follows a stop is dropped. Returns the requests that
+        got new tokens, with how many, finished ones included (already out of the scheduler,
+        their blocks freed).
         """
         progressed = []
         now = self.clock()
@@ -200,16 +225,27 @@ class Scheduler:
             request = self.requests.get(s.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # finished while the step ran (abort, error)
-            request.num_computed_tokens += len(s.token_ids)
-            self.block_manager.cache_blocks(request, request.num_computed_tokens)
-            if not s.samples or s.request_id not in sampled:
-                continue
-            token_id = sampled[s.request_id]
-            request.append_output(token_id, now)
-            status, stop_reason = self._check_stop(request, token_id)
-            if status is not None:
-                self.finish_request(request, status, stop_reason)
-            progressed.append(request)
+            num_drafts = len(s.draft_token_ids)
+            run = sampled.get(s.request_id) if s.samples else None
+            # KV is valid for the tokens computed but the drafts, and for the drafts accepted.
+            num_accepted = len(run) - 1 if run else 0
+            request.num_computed_tokens += len(s.token_ids) - num_drafts + num_accepted
+            if self.speculator is not None and run:
+                self.speculator.record(request, num_drafts, num_accepted)
+            num_new, stop = 0, None
+            for token_id in run or ():
+                request.append_output(token_id, now)
+                num_new += 1
+                status, stop_reason = self._check_stop(request, token_id)
+                if status is not None:
+                    stop = status, stop_reason
+                    break
+            # (Tokens after a stop were computed but are not the request's: not cached.)
+            self.block_manager.cache_blocks(request, min(request.num_computed_tokens, request.num_tokens))
+            if stop is not None:
+                self.finish_request(request, *stop)
+            if num_new:
+                progressed.append((request, num_new))
         return progressed
 
     def _check_stop(self, request: Request, token_id: int) -> tuple[RequestStatus | None, int | None]:

@@ -15,7 +15,7 @@ from engine.request import SamplingParams, TokenLogprob
 @dataclass
 class ScheduledRequest:
     request_id: str
-    token_ids: list[int]  # the tokens to compute this step
+    token_ids: list[int]  # the tokens to compute this step (a decode's drafts last)
     start_position: int  # position of token_ids[0] (= num_computed_tokens before the step)
     block_table: list[int]
     samples: bool  # the chunk reaches the end of the request: sample its next token
@@ -26,6 +26,9 @@ class ScheduledRequest:
     generator: object | None
     token_history: object | None = None
     grammar: object | None = None  # the request's GrammarMatcher, when its output is constrained
+    # A decode's drafts (engine/speculative.py): the last len(draft_token_ids) of token_ids, not
+    # tokens of the request until the runner accepts them; each adds a row that samples.
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -37,6 +40,7 @@ class SchedulerOutput:
 
 @dataclass
 class RunnerOutput:
-    sampled: dict[str, int] = field(default_factory=dict)  # request id -> new token
-    logprobs: dict[str, TokenLogprob | None] = field(default_factory=dict)
+    # request id -> its new tokens: one, or with drafts the accepted ones and one of its own
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprob | None]] = field(default_factory=dict)  # one per token sampled
     errors: dict[str, str] = field(default_factory=dict)  # request id -> why its sampling failed

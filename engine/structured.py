@@ -160,6 +160,14 @@ class GrammarMatcher:
     def error(self) -> str | None:
         return self._m.get_error() if self._m.is_error() else None
 
+    def forced_tokens(self, limit: int) -> list[int]:
+        """The next tokens the grammar allows alone (up to `limit`): drafts that cannot miss."""
+        return self._m.compute_ff_tokens()[:limit]
+
+    def valid_prefix(self, token_ids: Sequence[int]) -> int:
+        """How many of `token_ids`, in order from here, the grammar accepts (nothing consumed)."""
+        return self._m.validate_tokens(list(token_ids)) if token_ids else 0
+
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         bitmask_row = bitmask[row]
         self._m.unsafe_compute_mask_ptr(bitmask_row.data_ptr(), bitmask_row.numel() * 4)
@@ -169,9 +177,23 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def allowed_tokens(matchers: Sequence[GrammarMatcher], vocab_size: int) -> torch.Tensor:
+def allowed_tokens(matchers: Sequence[GrammarMatcher], vocab_size: int,
+                   drafts: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
     """(len(matchers), vocab_size) bool: which tokens each matcher allows next. Several rows are
-    computed in one llguidance call, on its own threads (the model is idle while it runs)."""
+    computed in one llguidance call, on its own threads (the model is idle while it runs).
+
+    With `drafts` (speculative decoding; each matcher's drafts, which it accepts: the
+    speculator cut them at the first it refuses), each matcher has 1 + len(drafts) rows: what
+    it allows now, then after each draft, the matcher left where it was."""
+    if drafts is not None and any(drafts):
+        offsets = [0]
+        for d in drafts:
+            offsets.append(offsets[-1] + 1 + len(d))
+        bitmask = torch.empty((offsets[-1], bitmask_words(vocab_size)), dtype=torch.int32)
+        _executor().unsafe_compute_mask_ptr_with_draft_token(
+            [(m._m, row, list(d)) for m, row, d in zip(matchers, offsets, drafts)], bitmask.data_ptr(),
+            bitmask.shape[1] * 4, bitmask.shape[0])
+        return unpack_bitmask(bitmask, vocab_size)
     bitmask = torch.empty((len(matchers), bitmask_words(vocab_size)), dtype=torch.int32)
     if len(matchers) == 1:
         matchers[0].fill(bitmask, 0)

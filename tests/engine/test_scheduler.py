@@ -29,10 +29,15 @@ class FakePagedModel:
                 pos = s.start_position + i
                 self.slots[s.block_table[pos // bs] * bs + pos % bs] = token_id
             self.num_computed_tokens += len(s.token_ids)
-            if s.samples:
+            if s.samples:  # the last row, and a draft's rows: keep tokens up to the first miss
                 end = s.start_position + len(s.token_ids)
-                context = [self.slots[s.block_table[p // bs] * bs + p % bs] for p in range(end)]
-                sampled[s.request_id] = 1 + sum((i + 1) * t for i, t in enumerate(context)) % (VOCAB - 1)
+                run = []
+                for j, row_end in enumerate(range(end - len(s.draft_token_ids), end + 1)):
+                    context = [self.slots[s.block_table[p // bs] * bs + p % bs] for p in range(row_end)]
+                    run.append(1 + sum((i + 1) * t for i, t in enumerate(context)) % (VOCAB - 1))
+                    if j == len(s.draft_token_ids) or run[-1] != s.draft_token_ids[j]:
+                        break
+                sampled[s.request_id] = run
         return sampled
 
 

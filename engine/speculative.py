@@ -1,0 +1,197 @@
+"""Speculative decoding: drafts proposed per request, checked by one step of the model.
+
+    decode without:   [t]                  1 row of logits  -> 1 token
+    decode with k=3:  [t d0 d1 d2]         4 rows of logits -> sample row 0; if it is d0, row 1; ...
+                                           -> the accepted run: up to 3 drafts and one token of its own
+
+On a CPU one stream is bound by reading every weight once per step; a step of k+1 rows reads
+them once too, so each accepted draft is nearly free. Drafts are proposed here (plain Python,
+no torch: the scheduler asks before it schedules a decode) and verified by the runner.
+
+Exact, not approximate. The drafts are deterministic (no draft probabilities), so the runner
+samples row j with the normal sampler, as if drafts 0..j-1 had been emitted (penalties,
+min_tokens and the grammar see them), drawing from the request's own generator exactly as
+decoding without drafts would, and stops at the first row whose token differs from its draft.
+A row's logits are bit-identical however many rows its step has (the quantized kernels and the
+one-op layers are row-invariant: tests/models/test_row_invariance.py), so greedy and seeded
+requests get the same tokens and logprobs with speculation on or off.
+
+Drafts are never tokens until accepted: they are not in `all_token_ids`, never hashed into the
+prefix cache, and the KV written at rejected positions is overwritten by the next step.
+
+Proposers behind `Proposer`: n-gram lookup over the prompt and the output so far (vLLM's
+`ngram`, llama.cpp's lookup decoding), and, for constrained requests, the grammar's forced
+tokens (llguidance's fast-forward) and a cut of any draft at the first token the grammar
+refuses. A draft model, EAGLE or an MTP layer would add draft probabilities and a rejection
+sampler; the interface leaves room for that.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 3  # k: drafts per step at most
+    ngram_min: int = 2  # the shortest suffix of prompt + output looked up
+    ngram_max: int = 4  # the longest, tried first
+    # No drafts while more than this many requests run: each request's draft rows then cost a
+    # whole row of the step's compute (see README "Speculative decoding" for the measurement).
+    max_batch_size: int = 4
+
+    def __post_init__(self):
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max <= 16:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max <= 16, got {self.ngram_min} and {self.ngram_max}")
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be at least 1, got {self.max_batch_size}")
+
+
+class NgramIndex:
+    """One request's n-grams of prompt + output, each mapped to where its most recent
+    occurrence ends; extended by the new tokens only, so a proposal costs O(new tokens).
+
+        tokens   a b c d x a b c ?        suffix "a b c" (n=3) last occurred at 0..2
+        draft    d x a                    what followed it, up to k tokens
+    """
+
+    def __init__(self, ngram_min: int, ngram_max: int):
+        self._sizes = tuple(range(ngram_max, ngram_min - 1, -1))  # longest first
+        self._tables: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self._sizes}
+        self._indexed = 0  # n-grams ending before this position are in the tables
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        # Index every n-gram that has a token after it: those ending before the last token.
+        end = len(tokens) - 1
+        for i in range(self._indexed, end):  # the n-gram tokens[i-n+1 .. i]; what follows starts at i+1
+            for n in self._sizes:
+                if i + 1 >= n:
+                    self._tables[n][tuple(tokens[i + 1 - n : i + 1])] = i + 1
+        self._indexed = max(self._indexed, end)
+        for n in self._sizes:
+            if len(tokens) > n:
+                start = self._tables[n].get(tuple(tokens[len(tokens) - n :]))
+                if start is not None:
+                    return list(tokens[start : start + k])
+        return []
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens a step yields with k drafts when each is accepted with probability `acceptance`
+    (given the ones before it): 1 + a + a^2 + ... + a^k."""
+    return sum(acceptance**i for i in range(k + 1))
+
+
+@dataclass
+class DraftState:
+    """A request's speculation: its n-gram index and how well its drafts have done."""
+
+    index: NgramIndex
+    acceptance: float = 0.7  # per draft position, given the ones before it were accepted (a prior)
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted: int = 0
+
+
+@dataclass
+class SpecStats:
+    """Counters, with vLLM's metric names where they exist (server/metrics.py)."""
+
+    num_drafts: int = 0  # steps in which a request carried drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    num_cut_by_grammar: int = 0  # draft tokens cut because the grammar refuses them
+    num_cut_by_budget: int = 0  # draft tokens dropped for the token budget, KV blocks or max_tokens
+
+
+class Proposer(Protocol):
+    def propose(self, request, k: int) -> list[int]:
+        """Up to k draft tokens to follow request.all_token_ids (deterministic)."""
+
+
+class Speculator:
+    """Proposes each decode's drafts (for the scheduler) and learns from their verification.
+
+    k per request: the one that maximises expected tokens per unit of step time, from the
+    request's running acceptance rate and the cost of a row of drafts relative to the step
+    (`draft_row_cost`, measured by the engine and updated as it runs).
+    """
+
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+        self.stats = SpecStats(accepted_per_position=[0] * config.num_speculative_tokens)
+        # The time of one more row in a decode step, relative to the step (an estimate until
+        # the engine has timed steps with drafts: ModelRunner reports them).
+        self.draft_row_cost = 0.1
+        self._step_seconds: dict[int, float] = {}  # rows -> running mean time of steps without drafts
+
+    def state(self, request) -> DraftState:
+        if request.draft_state is None:
+            request.draft_state = DraftState(NgramIndex(self.config.ngram_min, self.config.ngram_max))
+        return request.draft_state
+
+    def choose_k(self, acceptance: float) -> int:
+        best_k, best = 0, 1.0
+        for k in range(1, self.config.num_speculative_tokens + 1):
+            value = expected_tokens(acceptance, k) / (1.0 + self.draft_row_cost * k)
+            if value > best:
+                best_k, best = k, value
+        return best_k
+
+    def propose(self, request, limit: int) -> list[int]:
+        """Drafts for a request about to decode: at most `limit` (its max_tokens and context
+        left), cut at the first token its grammar refuses."""
+        state = self.state(request)
+        k = min(self.choose_k(state.acceptance), limit)
+        if k <= 0:
+            return []
+        drafts = state.index.propose(request.all_token_ids, k)
+        grammar = request.grammar
+        if grammar is not None:
+            forced = grammar.forced_tokens(k)
+            if forced:  # what the grammar allows alone beats a guess
+                drafts = forced
+            valid = grammar.valid_prefix(drafts)
+            self.stats.num_cut_by_grammar += len(drafts) - valid
+            drafts = drafts[:valid]
+        return drafts
+
+    def record(self, request, num_drafts: int, num_accepted: int) -> None:
+        """A step verified `num_drafts` drafts of the request and accepted the first `num_accepted`."""
+        if num_drafts == 0:
+            return
+        state = self.state(request)
+        state.num_drafts += 1
+        state.num_draft_tokens += num_drafts
+        state.num_accepted += num_accepted
+        # Per position: accepted ones were each a success; the first rejected one a failure.
+        trials = min(num_accepted + 1, num_drafts)
+        rate = num_accepted / trials
+        weight = min(0.5, 0.15 * trials)
+        state.acceptance = (1 - weight) * state.acceptance + weight * rate
+        stats = self.stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += num_drafts
+        stats.num_accepted_tokens += num_accepted
+        for position in range(num_accepted):
+            stats.accepted_per_position[position] += 1
+
+    def observe_step(self, num_rows: int, num_draft_rows: int, seconds: float) -> None:
+        """A step's time. Steps without drafts set the time of each row count; a step with
+        drafts, against the time of its rows without them, gives what a draft row costs."""
+        if num_draft_rows == 0:
+            known = self._step_seconds.get(num_rows)
+            self._step_seconds[num_rows] = seconds if known is None else 0.8 * known + 0.2 * seconds
+            return
+        base = self._step_seconds.get(num_rows - num_draft_rows)
+        if base:
+            cost = max(0.0, seconds / base - 1.0) / num_draft_rows
+            self.draft_row_cost = 0.8 * self.draft_row_cost + 0.2 * min(cost, 1.0)
