@@ -177,8 +177,9 @@ class Scheduler:
         """Drafts for a decode: within the step's token budget, and such that the whole run
         (drafts plus one token) stays within max_tokens and the context."""
         limit = min(budget - 1, request.params.max_tokens - request.num_output_tokens - 1,
-                    self.limits.max_model_len - request.num_tokens - 1)
-        return self.speculator.propose(request, limit) if limit > 0 else []
+                    self.limits.max_model_len - request.num_tokens - 1,
+                    self.speculator.config.num_speculative_tokens)
+        return self.speculator.propose(request, limit)[:limit] if limit > 0 else []
 
     def _scheduled(self, request: Request, num_new: int, table: list[int], drafts: list[int] = ()) -> ScheduledRequest:
         start = request.num_computed_tokens
