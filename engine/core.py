@@ -237,6 +237,7 @@ class EngineCore:
             num_audit_discrepancies=self.num_audit_discrepancies,
             num_finished=dict(self.num_finished),
             num_grammars_compiled=self.grammars.num_compiled,
+            speculative=self.scheduler.speculator.snapshot() if self.scheduler.speculator is not None else None,
             num_structured_requests=self.num_structured_requests,
             weight_bytes=self.runner.weight_bytes,
             kv_cache_bytes=self.runner.kv_cache_bytes,

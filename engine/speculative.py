@@ -184,6 +184,11 @@ class Speculator:
         for position in range(num_accepted):
             stats.accepted_per_position[position] += 1
 
+    def snapshot(self) -> SpecStats:
+        stats = self.stats
+        return SpecStats(stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
+                         list(stats.accepted_per_position), stats.num_cut_by_grammar, stats.num_cut_by_budget)
+
     def observe_step(self, num_rows: int, num_draft_rows: int, seconds: float) -> None:
         """A step's time. Steps without drafts set the time of each row count; a step with
         drafts, against the time of its rows without them, gives what a draft row costs."""

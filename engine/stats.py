@@ -30,6 +30,8 @@ class EngineStats:
     num_grammars_compiled: int = 0  # structured-output grammars compiled, since start
     num_structured_requests: int = 0  # requests under a grammar (hit rate: 1 - compiled / these)
     num_finished: dict[str, int] = field(default_factory=dict)  # finish_reason -> requests
+    # Speculative decoding (engine/speculative.py), since start; None when it is off.
+    speculative: object | None = None  # a SpecStats snapshot
     weight_bytes: int = 0  # model parameters resident, quantized weights as stored
     kv_cache_bytes: int = 0  # the KV pool, allocated at start
 

@@ -80,6 +80,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reasoning-parser", default="auto", choices=["auto", "none", *REASONING_PARSERS],
                    help="return a reasoning model's <think>...</think> as reasoning_content, apart from content; "
                         "auto = from the chat template (none when it has no thinking tags)")
+    spec = p.add_argument_group("speculative decoding (README: Speculative decoding)")
+    spec.add_argument("--speculative", default=None, choices=["ngram"],
+                      help="draft tokens to verify in one step: ngram = lookup of the last tokens in the prompt and "
+                           "output (and a grammar's forced tokens); outputs are the same as without (default: off)")
+    spec.add_argument("--num-speculative-tokens", type=int, default=3, help="drafts per step at most")
+    spec.add_argument("--prompt-lookup-min", type=int, default=2, help="shortest n-gram looked up")
+    spec.add_argument("--prompt-lookup-max", type=int, default=4, help="longest n-gram looked up (tried first)")
+    spec.add_argument("--speculative-max-batch-size", type=int, default=4,
+                      help="no drafts while more requests than this run (where they stop paying)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="log verbosity")
     return p
@@ -127,7 +136,17 @@ def engine_config(args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
         max_waiting=None if args.max_waiting < 0 else args.max_waiting, num_threads=args.num_threads,
-        kv_cache_dtype=args.kv_cache_dtype)
+        kv_cache_dtype=args.kv_cache_dtype, speculative=speculative_config(args))
+
+
+def speculative_config(args: argparse.Namespace):
+    from engine.speculative import SpeculativeConfig
+
+    if args.speculative is None:
+        return None
+    return SpeculativeConfig(method=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
+                             ngram_min=args.prompt_lookup_min, ngram_max=args.prompt_lookup_max,
+                             max_batch_size=args.speculative_max_batch_size)
 
 
 def served_name(model: str) -> str:
@@ -189,7 +208,9 @@ def main(argv: list[str] | None = None) -> None:
         limits = engine.limits
         print(f"pagedserve ready: http://{args.host}:{args.port}/v1  model {served}  ({describe.get('model', '')}); "
               f"context {limits.max_model_len} tokens, up to {limits.max_num_seqs} sequences, KV cache "
-              f"{limits.num_kv_cache_tokens} tokens", flush=True)
+              f"{limits.num_kv_cache_tokens} tokens"
+              + (f"; speculative {args.speculative}, up to {args.num_speculative_tokens} drafts a step while "
+                 f"{args.speculative_max_batch_size} or fewer requests run" if args.speculative else ""), flush=True)
 
     failed: list[BaseException] = []
 

@@ -149,6 +149,28 @@ class _EngineCollector:
             gauge = GaugeMetricFamily(name, doc, labels=labels)
             gauge.add_metric(values, value)
             yield gauge
+        spec = getattr(s, "speculative", None)
+        if spec is not None:  # vLLM's speculative decoding counters
+            for name, doc, value in (
+                ("vllm:spec_decode_num_drafts", "Steps in which a request carried drafts.", spec.num_drafts),
+                ("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.", spec.num_draft_tokens),
+                ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens),
+            ):
+                counter = CounterMetricFamily(name, doc, labels=labels)
+                counter.add_metric(values, value)
+                yield counter
+            per_position = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                               "Draft tokens accepted, by their position in the draft.",
+                                               labels=[*labels, "position"])
+            for position, value in enumerate(spec.accepted_per_position):
+                per_position.add_metric([*values, str(position)], value)
+            yield per_position
+            cut = CounterMetricFamily("pagedserve:spec_decode_num_cut_draft_tokens",
+                                      "Draft tokens cut before verification: by the grammar, or for the token "
+                                      "budget, KV blocks or max_tokens.", labels=["reason"])
+            cut.add_metric(["grammar"], spec.num_cut_by_grammar)
+            cut.add_metric(["budget"], spec.num_cut_by_budget)
+            yield cut
         info = GaugeMetricFamily("vllm:cache_config_info", "The KV cache's configuration (vLLM's name); value 1.",
                                  labels=["block_size", "num_gpu_blocks", "enable_prefix_caching"])
         info.add_metric([str(s.kv_block_size), str(s.num_kv_blocks_total), str(self._prefix_caching)], 1.0)
