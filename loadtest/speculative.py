@@ -1,0 +1,236 @@
+"""Speculative decoding on and off, side by side: one stream's output tokens per second.
+
+    python -m loadtest.speculative                                  # SmolLM2-135M, ours on and off
+    python -m loadtest.speculative --model smollm2-360m:q4_0 --llama-server PATH
+
+Workloads, made offline: `code-edit` (functions of engine/block_manager.py, "rename this
+variable and give the whole function back"), `quote` (repeat a paragraph of
+loadtest/data/perplexity.txt), `summary` (summarise one, quoting it), `chat` (open questions)
+and `json` (a JSON schema to fill). Each runs at temperature 0 and at 0.8 with a seed per request, so
+both configurations of a server produce the same tokens (ours: exactly; llama.cpp: its own
+answer). Servers run one after the other on the same cores: pagedserve without drafts, with
+`--speculative ngram`, and where given llama-server without and with `--spec-type ngram-simple`.
+Requests go one at a time (c=1: output tok/s = completion tokens / wall time), then a mixed
+run at `--concurrency` streams (default 16). The acceptance rate is read from /metrics
+(vLLM's `spec_decode` counters). Prints a table with the CPU named; `--out` writes JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import httpx
+
+from loadtest.compare import check_executable, cpu_description, free_port, resolve_model, wait_healthy
+
+DATA = Path(__file__).parent / "data"
+SOURCE = Path(__file__).parent.parent / "engine" / "block_manager.py"
+QUESTIONS = [
+    "Write a short poem about the sea at night.",
+    "What are three good habits for learning a new language?",
+    "Explain in a few sentences why the sky is blue.",
+    "Suggest a name and a short story idea for a friendly robot.",
+]
+RENAMES = [("request", "req"), ("block_id", "block"), ("table", "block_table"), ("num_tokens", "count")]
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "city": {"type": "string"},
+                   "hobbies": {"type": "array", "items": {"type": "string"}, "maxItems": 4}},
+    "required": ["name", "age", "city", "hobbies"],
+}
+
+
+def functions(path: Path, count: int) -> list[tuple[str, str]]:
+    """(source, a variable it uses) of the first `count` methods of `path` that use one of RENAMES."""
+    text = path.read_text()
+    found = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.FunctionDef) and len(found) < count:
+            source = textwrap.dedent(" " * node.col_offset + ast.get_source_segment(text, node))
+            names = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} | {a.arg for a in node.args.args}
+            old = next((o for o, _ in RENAMES if o in names), None)
+            if old is not None and 8 <= source.count("\n") <= 30:
+                found.append((source, old))
+    return found
+
+
+def workloads(num: int) -> dict[str, list[dict]]:
+    """Workload name -> request bodies (chat), `num` each."""
+    paragraphs = [p.strip() for p in (DATA / "perplexity.txt").read_text().split("\n\n") if p.strip()]
+    rename = dict(RENAMES)
+
+    def chat(text: str, **extra) -> dict:
+        return {"messages": [{"role": "user", "content": text}], **extra}
+
+    return {
+        "code-edit": [chat(f"Here is a Python function:\n\n```python\n{src}\n```\n\nRename the variable `{old}` to "
+                           f"`{rename[old]}` everywhere in it. Reply with the whole function in a code block, "
+                           f"nothing else.") for src, old in functions(SOURCE, num)],
+        "quote": [chat(f"Repeat the following passage exactly, word for word:\n\n{paragraphs[i % len(paragraphs)]}")
+                  for i in range(num)],
+        "summary": [chat(f"Summarise this passage in two sentences, quoting its key phrases:\n\n"
+                         f"{paragraphs[i % len(paragraphs)]}") for i in range(num)],
+        "chat": [chat(QUESTIONS[i % len(QUESTIONS)]) for i in range(num)],
+        "json": [chat(f"Describe a fictional person number {i + 1} as JSON with name, age, city and hobbies.",
+                      response_format={"type": "json_schema",
+                                       "json_schema": {"name": "person", "schema": PERSON_SCHEMA}})
+                 for i in range(num)],
+    }
+
+
+def spec_counters(url: str) -> tuple[float, float]:
+    """(draft tokens, accepted tokens) from /metrics: vLLM's names (both servers that expose them)."""
+    drafts = accepted = 0.0
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return drafts, accepted
+    for line in text.splitlines():
+        if line.startswith("vllm:spec_decode_num_draft_tokens_total"):
+            drafts = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("vllm:spec_decode_num_accepted_tokens_total"):
+            accepted = float(line.rsplit(" ", 1)[1])
+    return drafts, accepted
+
+
+async def one(client: httpx.AsyncClient, url: str, body: dict) -> int:
+    response = await client.post(f"{url}/v1/chat/completions", json={"model": "model", **body})
+    response.raise_for_status()
+    return response.json()["usage"]["completion_tokens"]
+
+
+async def run_serial(url: str, bodies: list[dict]) -> tuple[int, float]:
+    async with httpx.AsyncClient(timeout=600) as client:
+        await one(client, url, {**bodies[0], "max_tokens": 8})  # warm the path, not measured
+        start, tokens = time.perf_counter(), 0
+        for body in bodies:
+            tokens += await one(client, url, body)
+        return tokens, time.perf_counter() - start
+
+
+async def run_concurrent(url: str, bodies: list[dict], concurrency: int) -> tuple[int, float]:
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=concurrency)) as client:
+        queue = list(bodies)
+        tokens = 0
+
+        async def worker():
+            nonlocal tokens
+            while queue:
+                tokens += await one(client, url, queue.pop())
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return tokens, time.perf_counter() - start
+
+
+def commands(args, port: int) -> dict[str, list[str]]:
+    ours = [sys.executable, "-m", "server", "--model", str(args.model), "--port", str(port),
+            "--served-model-name", "model", "--log-level", "warning", "--max-num-seqs", str(max(16, args.concurrency)),
+            *(["--num-threads", str(args.threads)] if args.threads else [])]
+    spec = ["--speculative", "ngram", "--num-speculative-tokens", str(args.k)]
+    out = {"pagedserve": ours, "pagedserve --speculative ngram": ours + spec}
+    if args.llama_server:
+        theirs = [str(args.llama_server), "-m", str(args.model), "--host", "127.0.0.1", "--port", str(port),
+                  "-c", str(4096 * max(16, args.concurrency)), "-np", str(max(16, args.concurrency)),
+                  "-t", str(args.threads or os.cpu_count()), "-a", "model", "--log-disable", "--metrics"]
+        out["llama-server"] = theirs
+        out["llama-server --spec-type ngram-simple"] = theirs + ["--spec-type", "ngram-simple",
+                                                               "--spec-draft-n-max", str(args.k)]
+    return out
+
+
+def measure(name: str, command: list[str], port: int, args, loads: dict[str, list[dict]]) -> dict:
+    url = f"http://127.0.0.1:{port}"
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    results = {}
+    try:
+        wait_healthy(url, process)
+        time.sleep(2.0)
+        for workload, bodies in loads.items():
+            for temperature in args.temperatures:
+                sized = [{**b, "max_tokens": args.max_tokens, "temperature": temperature,
+                          **({"seed": 1000 + i} if temperature > 0 else {})} for i, b in enumerate(bodies)]
+                before = spec_counters(url)
+                tokens, seconds = asyncio.run(run_serial(url, sized))
+                after = spec_counters(url)
+                drafted, accepted = after[0] - before[0], after[1] - before[1]
+                results[f"{workload} t={temperature} c=1"] = {
+                    "tok_s": tokens / seconds, "tokens": tokens,
+                    "acceptance": accepted / drafted if drafted else None}
+                print(f"  {name}: {workload} t={temperature} c=1: {tokens / seconds:.1f} tok/s "
+                      f"({tokens} tokens)" + (f", {accepted / drafted:.0%} of {drafted:.0f} drafts accepted" if drafted else ""),
+                      flush=True)
+        mixed = [{**b, "max_tokens": args.max_tokens, "temperature": 0.8, "seed": i}
+                 for i, b in enumerate(sum((loads[w] for w in loads), []) * 2)]
+        tokens, seconds = asyncio.run(run_concurrent(url, mixed, args.concurrency))
+        results[f"mixed t=0.8 c={args.concurrency}"] = {"tok_s": tokens / seconds, "tokens": tokens, "acceptance": None}
+        print(f"  {name}: mixed c={args.concurrency}: {tokens / seconds:.1f} tok/s", flush=True)
+        return results
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def report(results: dict[str, dict], args) -> str:
+    names = list(results)
+    rows = list(next(iter(results.values())))
+    lines = [f"CPU: {cpu_description()}; threads {args.threads or os.cpu_count()}; model {args.model.name}; "
+             f"k={args.k}; {args.requests} requests per workload, max_tokens {args.max_tokens}; output tok/s",
+             "| run | " + " | ".join(names) + " | ours on/off | ours on / llama.cpp on |",
+             "|---|" + "---|" * (len(names) + 2)]
+    for row in rows:
+        cells = []
+        for name in names:
+            r = results[name][row]
+            cells.append(f"{r['tok_s']:.1f}" + (f" ({r['acceptance']:.0%})" if r["acceptance"] is not None else ""))
+        ours = results["pagedserve --speculative ngram"][row]["tok_s"] / results["pagedserve"][row]["tok_s"]
+        theirs = results.get("llama-server --spec-type ngram-simple")
+        versus = f"{results['pagedserve --speculative ngram'][row]['tok_s'] / theirs[row]['tok_s']:.2f}x" if theirs else "-"
+        lines.append(f"| {row} | " + " | ".join(cells) + f" | **{ours:.2f}x** | {versus} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m loadtest.speculative", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="a GGUF file, or SHAPE:TYPE (loadtest.make_gguf); default SmolLM2-135M")
+    p.add_argument("--llama-server", default=None, help="llama-server binary (loadtest/llama_server.sh)")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--k", type=int, default=3, help="drafts per step at most, both servers")
+    p.add_argument("--requests", type=int, default=4, help="requests per workload and temperature")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.8])
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--workloads", nargs="+", default=None, help="a subset of code-edit quote summary chat json")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    args.model = resolve_model(args.model)
+    if args.llama_server is not None:
+        args.llama_server = check_executable(args.llama_server)
+    loads = workloads(args.requests)
+    if args.workloads:
+        loads = {name: loads[name] for name in args.workloads}
+    results = {}
+    for name, command in commands(args, free_port()).items():
+        port = int(command[command.index("--port") + 1])
+        print(f"{name}: {' '.join(command)}", flush=True)
+        results[name] = measure(name, command, port, args, loads)
+    table = report(results, args)
+    print(table)
+    if args.out:
+        args.out.write_text(json.dumps({"cpu": cpu_description(), "results": results, "table": table}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
