@@ -124,7 +124,8 @@ async def run_concurrent(url: str, bodies: list[dict], concurrency: int) -> tupl
         async def worker():
             nonlocal tokens
             while queue:
-                tokens += await one(client, url, queue.pop())
+                done = await one(client, url, queue.pop())
+                tokens += done  # (not `tokens += await ...`: that reads tokens before the await)
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
