@@ -108,7 +108,10 @@ def main(argv: list[str] | None = None) -> None:
     rng = random.Random(0)
     max_seqs, max_len = 64, 257
     num_blocks = max_seqs * ((max_len + BLOCK_SIZE - 1) // BLOCK_SIZE) + 1
-    kv_caches = model.kv_cache_spec(loaded.config.dtype).allocate(num_blocks, BLOCK_SIZE, device)
+    from engine.model_runner import resolve_kv_cache_dtype
+
+    cache_dtype = resolve_kv_cache_dtype("auto", loaded)  # the engine's: float16 under float32 + quantized
+    kv_caches = model.kv_cache_spec(cache_dtype).allocate(num_blocks, BLOCK_SIZE, device)
     for cache in kv_caches:
         cache.normal_()  # real-looking values: zeros could take faster paths in exp/softmax
     weights = linear_layers(model)
@@ -118,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     def baseline(linears, rows, repeats):
         return matmul_baseline(linears, rows, repeats, clock, dtype, device)
 
-    print(f"model {args.model} {loaded.config.dtype} weights {loaded.quantization}, threads {torch.get_num_threads()}, repeats {args.repeats}, "
+    print(f"model {args.model} {loaded.config.dtype} weights {loaded.quantization}, KV cache {cache_dtype}, threads {torch.get_num_threads()}, repeats {args.repeats}, "
           f"{args.clock} clock")
     print(f"{'phase':<34}{'median ms':>10}{'p10 ms':>9}{'base ms':>9}{'x base':>8}")
 

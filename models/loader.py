@@ -236,10 +236,22 @@ def _load_checkpoint_dir(checkpoint_dir: Path, dtype, device, max_model_len, qua
     eos = read_eos_token_ids(checkpoint_dir, hf_config)
     if not eos and tokenizer.eos_token_id is not None:
         eos = (tokenizer.eos_token_id,)
+    dtype = _activation_dtype(dtype, device, quantized=quantization in ("int8", "int4"))
     config = build_model_config(hf_config, architecture, checkpoint_dir, dtype, device, max_model_len, eos)
     stream = _SafetensorsStream(files)
     model = build_model(config, stream, device, lambda: stream.current_file, choose_methods(quantization))
     return _loaded(model, config, tokenizer)
+
+
+def _activation_dtype(dtype, device, quantized: bool):
+    """`--dtype auto` with quantized weights on CPU: float32 activations. The integer kernel
+    rounds activations to int16 from float32 and a Llama layer runs as one op in float32;
+    bfloat16 (auto's choice for dense weights on CPUs with AVX512-BF16/AMX) would only round
+    the residual stream and leave the one-op path: 12.7 against 9.6 ms a token for SmolLM2-135M
+    Q4_1 on an AMD EPYC Zen 4 (AVX512-BF16), 2 threads."""
+    if dtype == "auto" and quantized and torch.device(device).type == "cpu":
+        return torch.float32
+    return dtype
 
 
 def _loaded(model: nn.Module, config: ModelConfig, tokenizer) -> LoadedModel:
@@ -259,8 +271,11 @@ def _load_gguf(path: Path, dtype, device, max_model_len, quantization) -> Loaded
         )
     if not eos and tokenizer.eos_token_id is not None:
         eos = (tokenizer.eos_token_id,)
-    config = build_model_config(hf_config, architecture, path, dtype, device, max_model_len, tuple(eos))
     types = weights.stored_types()
+    quantized = quantization in ("int8", "int4") or (
+        quantization == "auto" and any(serving_format(t) for t in types.values()))
+    dtype = _activation_dtype(dtype, device, quantized)
+    config = build_model_config(hf_config, architecture, path, dtype, device, max_model_len, tuple(eos))
     requantized = Counter(t.name for t in types.values() if serving_format(t) and t not in EXACT_FORMATS)
     if quantization == "auto" and requantized:
         logger.info("%s: GGUF types with no exact int4/int8 form, requantized at load (round to nearest): %s",
