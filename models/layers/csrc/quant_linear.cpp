@@ -60,6 +60,7 @@ namespace {
 
 constexpr int64_t kBlock = 32;  // values per quantization block of weights and activations
 constexpr int kLanes = 8;       // output columns per panel
+constexpr int kPrefetchGroups = 24;  // how far ahead a panel's stream is prefetched
 
 // x (M, K) float -> xq (M, K) int16, xscale (M, K/32), xsum (M, K/32) = xscale * sum of xq.
 void quantize_activations(const float* x, int64_t M, int64_t K, int16_t* xq, float* xscale, float* xsum) {
@@ -207,7 +208,11 @@ __attribute__((noinline)) void tile(const Operands<S>& op, int64_t m0, int64_t p
     for (int r = 0; r < RM; ++r)
       for (int p = 0; p < RP; ++p) dots[r][p] = Isa::izero();
     const uint8_t* chunks = w + g * kGroupBytes;
-    for (int p = 0; p < RP; ++p) Isa::prefetch(chunks + p * op.panel_bytes + 8 * kGroupBytes);
+    // Every cache line of the group kPrefetchGroups ahead in each panel's stream (one line of the
+    // two or four, 8 groups ahead, read 360M's layers at 11-13 GB/s on a Zen 4; this, 13-20).
+    for (int p = 0; p < RP; ++p)
+      for (int line = 0; line < kGroupBytes; line += 64)
+        Isa::prefetch(chunks + p * op.panel_bytes + kPrefetchGroups * kGroupBytes + line);
     if constexpr (Bits == 4) {
       for (int c = 0; c < 8; ++c) {
         typename Isa::W lo[RP], hi[RP];
