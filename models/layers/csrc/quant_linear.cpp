@@ -120,6 +120,11 @@ struct Isa {
     return _mm256_set1_epi32(v);
   }
   // |127 * 32767 * 2| per madd lane, 16 pairs a group: far inside int32.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) || defined(__AVXVNNI__)
+  static constexpr bool kFusedDot = true;
+#else
+  static constexpr bool kFusedDot = false;
+#endif
   static I dot(I acc, W w, W x) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     return _mm256_dpwssd_epi32(acc, w, x);
@@ -130,9 +135,10 @@ struct Isa {
 #endif
   }
   // An opaque step on the running sum: keeps the compiler from reassociating a group's 16
-  // madds + adds into a tree, which spilled every partial product to the stack (tiles of more
-  // than one row; a lone row's tile has the registers, and its reads from memory overlap
-  // better without it: 360M's decode linears 13-16 -> 16-22 GB/s on a Zen 4).
+  // madds + adds into a tree, which spilled every partial product to the stack. A lone row's
+  // tile with a fused dot (VNNI) has nothing to reassociate and its reads overlap better
+  // without it (360M's decode linears 13-16 -> 16-22 GB/s on a Zen 4); with madd + add
+  // (AVX2) even that tile needs it (5.6 -> 2.9 cycles a group on a Zen 3).
   static void order(I& v) { __asm__("" : "+x"(v)); }
   static F to_float(I v) { return _mm256_cvtepi32_ps(v); }
   static F broadcast(float s) { return _mm256_set1_ps(s); }
@@ -164,6 +170,7 @@ struct Isa {  // plain C++: the same lane arithmetic, one lane at a time
     for (int i = 0; i < kLanes; ++i) acc.v[i] += w.v[2 * i] * x.v[2 * i] + w.v[2 * i + 1] * x.v[2 * i + 1];
     return acc;
   }
+  static constexpr bool kFusedDot = true;
   static void order(I&) {}
   static F to_float(I v) { F f; for (int i = 0; i < kLanes; ++i) f.v[i] = static_cast<float>(v.v[i]); return f; }
   static F broadcast(float s) { F f; for (auto& e : f.v) e = s; return f; }
@@ -228,7 +235,7 @@ __attribute__((noinline)) void tile(const Operands<S>& op, int64_t m0, int64_t p
           const typename Isa::W xa = Isa::pair(x), xb = Isa::pair(x + 16);
           for (int p = 0; p < RP; ++p) {
             dots[r][p] = Isa::dot(Isa::dot(dots[r][p], lo[p], xa), hi[p], xb);
-            if constexpr (RM > 1) Isa::order(dots[r][p]);
+            if constexpr (RM > 1 || !Isa::kFusedDot) Isa::order(dots[r][p]);
           }
         }
       }
@@ -244,7 +251,7 @@ __attribute__((noinline)) void tile(const Operands<S>& op, int64_t m0, int64_t p
           const typename Isa::W xa = Isa::pair(x), xb = Isa::pair(x + 2);
           for (int p = 0; p < RP; ++p) {
             dots[r][p] = Isa::dot(Isa::dot(dots[r][p], q0[p], xa), q1[p], xb);
-            if constexpr (RM > 1) Isa::order(dots[r][p]);
+            if constexpr (RM > 1 || !Isa::kFusedDot) Isa::order(dots[r][p]);
           }
         }
       }
