@@ -3,10 +3,11 @@
     python -m loadtest.bench_step [--model SmolLM2-135M-Instruct] [--dtype bfloat16] [--threads 2]
 
 Phases: AttentionMetadata.build for 64 decodes, forward passes for batches of
-1/16/64 decodes (contexts 128-256), for one 128-token prefill and for a mixed
+1/16/64 decodes (contexts 128-256), for one request's speculative verification
+(1, 2, 4, 6 rows after 200 tokens), for one 128-token prefill and for a mixed
 step as the scheduler makes them under load (32 decodes, 14 fresh 128-token
 prompts, one 128-token chunk after 128 cached tokens), and compute_logits for
-1 and 64 rows.  Each phase is repeated and reported as median and p10 (the
+1, 4 and 64 rows.  Each phase is repeated and reported as median and p10 (the
 machine is shared: p10 is what the code costs when nobody else holds the cores,
 the median what it costs today).
 
@@ -104,7 +105,8 @@ def main(argv: list[str] | None = None) -> None:
 
     loaded = load_model(args.model, dtype=args.dtype, quantization=args.quantization)
     model, device = loaded.model, next(loaded.model.parameters()).device
-    phases = set(args.phases.split(",")) if args.phases != "all" else {"build", "decode", "prefill", "mixed", "logits"}
+    phases = set(args.phases.split(",")) if args.phases != "all" else {"build", "decode", "verify", "prefill", "mixed",
+                                                                        "logits"}
     rng = random.Random(0)
     max_seqs, max_len = 64, 257
     num_blocks = max_seqs * ((max_len + BLOCK_SIZE - 1) // BLOCK_SIZE) + 1
@@ -146,6 +148,12 @@ def main(argv: list[str] | None = None) -> None:
                 meta = batch.build()
                 fwd = timeit(lambda: model(batch.input_ids, batch.positions, kv_caches, meta), args.repeats, 3, clock)
                 report(f"forward decode b{n} ctx128-256", fwd, baseline(weights, n, args.repeats))
+        if "verify" in phases:  # one request's speculative step: its token and k drafts, k+1 rows
+            for rows in (1, 2, 4, 6):
+                batch = Batch([rows], [200], num_blocks, device, seed=3)
+                meta = batch.build()
+                fwd = timeit(lambda: model(batch.input_ids, batch.positions, kv_caches, meta), args.repeats, 3, clock)
+                report(f"forward 1 request, {rows} rows ctx200", fwd, baseline(weights, rows, args.repeats))
         if "prefill" in phases:
             batch = Batch([128], [128], num_blocks, device)
             meta = batch.build()
@@ -162,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
             report(f"forward mixed step {sum(query_lens)} tokens", fwd,
                    baseline(weights, sum(query_lens), repeats))
         if "logits" in phases:
-            for n in (1, 64):
+            for n in (1, 4, 64):
                 hidden = torch.randn(n, logits_layer.in_features, dtype=dtype, device=device)
                 report(
                     f"compute_logits {n} rows",

@@ -60,7 +60,8 @@ namespace {
 
 constexpr int64_t kBlock = 32;  // values per quantization block of weights and activations
 constexpr int kLanes = 8;       // output columns per panel
-constexpr int kPrefetchGroups = 24;  // how far ahead a panel's stream is prefetched
+constexpr int kPrefetchGroups = 24;  // how far ahead a tile's stream is prefetched
+constexpr int kBalancedPanels = 24;  // a one-row-block step's panels per task, about
 
 // x (M, K) float -> xq (M, K) int16, xscale (M, K/32), xsum (M, K/32) = xscale * sum of xq.
 void quantize_activations(const float* x, int64_t M, int64_t K, int16_t* xq, float* xscale, float* xsum) {
@@ -148,7 +149,7 @@ struct Isa {
   static F add(F a, F b) { return _mm256_add_ps(a, b); }
   static F fma(F a, F b, F acc) { return _mm256_fmadd_ps(a, b, acc); }
   static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
-  static void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+  static void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
 };
 #else
 struct Isa {  // plain C++: the same lane arithmetic, one lane at a time
@@ -217,11 +218,18 @@ __attribute__((noinline)) void tile(const Operands<S>& op, int64_t m0, int64_t p
     for (int r = 0; r < RM; ++r)
       for (int p = 0; p < RP; ++p) dots[r][p] = Isa::izero();
     const uint8_t* chunks = w + g * kGroupBytes;
-    // Every cache line of the group kPrefetchGroups ahead in each panel's stream (one line of the
-    // two or four, 8 groups ahead, read 360M's layers at 11-13 GB/s on a Zen 4; this, 13-20).
-    for (int p = 0; p < RP; ++p)
-      for (int line = 0; line < kGroupBytes; line += 64)
-        Isa::prefetch(chunks + p * op.panel_bytes + kPrefetchGroups * kGroupBytes + line);
+    // Every cache line of the group kPrefetchGroups ahead in the order the tiles read them: this
+    // tile's panels, then (past their last group) the next tile's, which follow in memory. Into
+    // L2: a decode's whole step is a stream from memory, and L1 prefetches held the fill buffers
+    // the loads need. 360M's decode linears on a Zen 4: 14-16 -> 19-21 GB/s (prefetching each
+    // panel's own stream into L1, 24 groups ahead, was slower than not prefetching: it overran
+    // short panels into data already read).
+    {
+      const int64_t ahead = g + kPrefetchGroups;
+      const uint8_t* at = w + ahead / op.nb * RP * op.panel_bytes + ahead % op.nb * kGroupBytes;
+      for (int p = 0; p < RP; ++p)
+        for (int line = 0; line < kGroupBytes; line += 64) Isa::prefetch(at + p * op.panel_bytes + line);
+    }
     if constexpr (Bits == 4) {
       for (int c = 0; c < 8; ++c) {
         typename Isa::W lo[RP], hi[RP];
@@ -330,6 +338,10 @@ void int_qlinear(const Operands<S>& op) {
   // Enough panel blocks for every thread to get several (one decode: all the parallelism).
   while (block_panels > 12 && row_blocks * ((panels + block_panels - 1) / block_panels) < 4 * threads)
     block_panels /= 2;
+  if (row_blocks == 1) {  // one row block (decodes): as many blocks for each thread, of equal size
+    const int64_t tasks = threads * ((panels + threads * kBalancedPanels - 1) / (threads * kBalancedPanels));
+    block_panels = (panels + tasks - 1) / tasks;
+  }
   const int64_t panel_blocks = (panels + block_panels - 1) / block_panels;
   at::parallel_for(0, panel_blocks * row_blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
