@@ -140,7 +140,13 @@ struct Isa {
   // tile with a fused dot (VNNI) has nothing to reassociate and its reads overlap better
   // without it (360M's decode linears 13-16 -> 16-22 GB/s on a Zen 4); with madd + add
   // (AVX2) even that tile needs it (5.6 -> 2.9 cycles a group on a Zen 3).
+  // "v": any of AVX-512's 32 vector registers ("x" allows only the first 16, and made gcc
+  // spill 9 of a 4 x 4 tile's 16 sums to the stack and shuffle the rest every chunk).
+#if defined(__AVX512VL__)
+  static void order(I& v) { __asm__("" : "+v"(v)); }
+#else
   static void order(I& v) { __asm__("" : "+x"(v)); }
+#endif
   static F to_float(I v) { return _mm256_cvtepi32_ps(v); }
   static F broadcast(float s) { return _mm256_set1_ps(s); }
   static F load(const float* p) { return _mm256_loadu_ps(p); }
@@ -206,9 +212,12 @@ struct Operands {
 template <int Bits, int RM, int RP, typename S>
 __attribute__((noinline)) void tile(const Operands<S>& op, int64_t m0, int64_t p0) {
   constexpr int kGroupBytes = Bits == 4 ? kBlock / 2 * kLanes : kBlock * kLanes;
-  typename Isa::F acc[RM][RP];
+  // The float sums, touched once a group, live in memory: in registers they crowded out the
+  // integer sums, which every chunk updates (gcc spilled those instead: a 4 x 4 tile ran at
+  // half the dot rate). The asm below keeps them there; the arithmetic is the same either way.
+  alignas(64) float acc[RM][RP][kLanes];
   for (int r = 0; r < RM; ++r)
-    for (int p = 0; p < RP; ++p) acc[r][p] = Isa::zero();
+    for (int p = 0; p < RP; ++p) Isa::store(acc[r][p], Isa::zero());
   const uint8_t* w = op.w + p0 * op.panel_bytes;
   const S* scales = op.scales + p0 * op.scales_per_row * kLanes;
   const S* mins = op.mins != nullptr ? op.mins + p0 * op.scales_per_row * kLanes : nullptr;
@@ -243,7 +252,7 @@ __attribute__((noinline)) void tile(const Operands<S>& op, int64_t m0, int64_t p
           const typename Isa::W xa = Isa::pair(x), xb = Isa::pair(x + 16);
           for (int p = 0; p < RP; ++p) {
             dots[r][p] = Isa::dot(Isa::dot(dots[r][p], lo[p], xa), hi[p], xb);
-            if constexpr (RM > 1 || !Isa::kFusedDot) Isa::order(dots[r][p]);
+            if constexpr (!Isa::kFusedDot) Isa::order(dots[r][p]);
           }
         }
       }
@@ -259,7 +268,7 @@ __attribute__((noinline)) void tile(const Operands<S>& op, int64_t m0, int64_t p
           const typename Isa::W xa = Isa::pair(x), xb = Isa::pair(x + 2);
           for (int p = 0; p < RP; ++p) {
             dots[r][p] = Isa::dot(Isa::dot(dots[r][p], q0[p], xa), q1[p], xb);
-            if constexpr (RM > 1 || !Isa::kFusedDot) Isa::order(dots[r][p]);
+            if constexpr (!Isa::kFusedDot) Isa::order(dots[r][p]);
           }
         }
       }
@@ -276,12 +285,14 @@ __attribute__((noinline)) void tile(const Operands<S>& op, int64_t m0, int64_t p
     }
     for (int r = 0; r < RM; ++r) {
       const typename Isa::F xs = Isa::broadcast(op.xscale[(m0 + r) * op.nb + g]);
-      for (int p = 0; p < RP; ++p) acc[r][p] = Isa::fma(Isa::mul(Isa::to_float(dots[r][p]), xs), ws[p], acc[r][p]);
+      for (int p = 0; p < RP; ++p)
+        Isa::store(acc[r][p], Isa::fma(Isa::mul(Isa::to_float(dots[r][p]), xs), ws[p], Isa::load(acc[r][p])));
       if (has_min) {
         const typename Isa::F xm = Isa::broadcast(op.xsum[(m0 + r) * op.nb + g]);
-        for (int p = 0; p < RP; ++p) acc[r][p] = Isa::fma(xm, mn[p], acc[r][p]);
+        for (int p = 0; p < RP; ++p) Isa::store(acc[r][p], Isa::fma(xm, mn[p], Isa::load(acc[r][p])));
       }
     }
+    if constexpr (Isa::kRegisters >= 32) __asm__("" : "+m"(acc));
     if (--left == 0) {
       ++sg;
       left = op.groups_per_scale;
@@ -291,7 +302,7 @@ __attribute__((noinline)) void tile(const Operands<S>& op, int64_t m0, int64_t p
     for (int p = 0; p < RP; ++p) {
       const int64_t n0 = (p0 + p) * kLanes;
       float* dst = op.out + (m0 + r) * op.N + n0;
-      typename Isa::F y = acc[r][p];
+      typename Isa::F y = Isa::load(acc[r][p]);
       if (n0 + kLanes <= op.N) {
         if (op.bias != nullptr) y = Isa::add(y, Isa::load(op.bias + n0));
         Isa::store(dst, y);
