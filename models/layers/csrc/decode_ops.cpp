@@ -7,6 +7,12 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <type_traits>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 // x (T, H, D) float32, any strides with unit stride along D; cos, signed_sin (T, D) float32
@@ -63,7 +69,18 @@ void write_kv_planes(at::Tensor& kv_cache, const at::Tensor& k, const at::Tensor
             for (int64_t h = 0; h < Hk; ++h) {
               const scalar_t* from = src[p] + t * st[p] + h * sh[p];
               cache_t* to = cache + ((p * Hk + h) * slots + sp[t]) * D;
-              for (int64_t d = 0; d < D; ++d) to[d] = static_cast<cache_t>(static_cast<float>(from[d]));
+              int64_t d = 0;
+#if defined(__F16C__)
+              // float32 -> float16 eight at a time, rounded to nearest even as c10::Half's is
+              // (one at a time in software, 1.7B's 32 heads took ~20 us a layer).
+              if constexpr (std::is_same_v<scalar_t, float> && std::is_same_v<cache_t, c10::Half>) {
+                for (; d + 8 <= D; d += 8) {
+                  const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(reinterpret_cast<const float*>(from) + d), _MM_FROUND_TO_NEAREST_INT);
+                  _mm_storeu_si128(reinterpret_cast<__m128i*>(to + d), h);
+                }
+              }
+#endif
+              for (; d < D; ++d) to[d] = static_cast<cache_t>(static_cast<float>(from[d]));
             }
           }
         }

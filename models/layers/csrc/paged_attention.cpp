@@ -202,11 +202,13 @@ inline float widen(c10::BFloat16 x) {
   return f;
 }
 
-// A cache row's lines, asked for now, read later.
+// A cache row's lines, asked for now, read later: into L2 (a block's rows asked for into L1 held
+// the fill buffers the reads need: 1.7B's 32 heads, 200 keys, 16-bit cache, cold, 205 -> 140 us
+// a layer on a Zen 4; 360M 44 -> 38).
 template <typename cache_t>
 inline void prefetch_row(const cache_t* row, int64_t n) {
   const char* bytes = reinterpret_cast<const char*>(row);
-  for (int64_t at = 0; at < n * static_cast<int64_t>(sizeof(cache_t)); at += 64) __builtin_prefetch(bytes + at);
+  for (int64_t at = 0; at < n * static_cast<int64_t>(sizeof(cache_t)); at += 64) __builtin_prefetch(bytes + at, 0, 2);
 }
 
 // One cache row as floats: the row itself for a float cache, else widened into `buf`.
