@@ -4,6 +4,7 @@ A Responses request maps onto the chat endpoint's machinery field by field, so t
 sampling, structured output and tool calls are the chat endpoint's own:
 
     input (a string, or message / function_call / function_call_output items)   -> messages
+                                         (reasoning items passed back are dropped, as templates do)
     instructions                         -> a system message first (not carried to a follow-up)
     previous_response_id                 -> that response's messages and output first (ResponseStore)
     max_output_tokens                    -> max_completion_tokens
@@ -166,6 +167,8 @@ def input_messages(items: Any) -> list[dict[str, Any]]:
                 messages[-1]["tool_calls"].append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "reasoning":
+            continue  # an earlier turn's thinking, passed back: the templates drop it, and so do we
         elif kind == "function_call_output":
             output = item.get("output")
             text = output if isinstance(output, str) else _text_of(output, f"{param}.output")

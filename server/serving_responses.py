@@ -2,6 +2,8 @@
 is rendered as a `response` object, or streamed as the Responses API's typed events:
 
     response.created, response.in_progress
+    reasoning:     response.output_item.added, response.reasoning_text.delta ...,
+                   response.reasoning_text.done, response.output_item.done
     a message:     response.output_item.added, response.content_part.added,
                    response.output_text.delta ..., response.output_text.done,
                    response.content_part.done, response.output_item.done
@@ -9,7 +11,11 @@ is rendered as a `response` object, or streamed as the Responses API's typed eve
                    response.function_call_arguments.done, response.output_item.done
     response.completed (or response.incomplete at max_output_tokens)
 
-Each event carries `type` and `sequence_number`, as the official client parses them.
+Each event carries `type` and `sequence_number`, as the official client parses them. With a
+reasoning parser (server/reasoning.py), the model's thinking is a `reasoning` item (its text as
+`reasoning_text` content, no summary) before the message and tool calls, which are read from the
+text after it; a follow-up through `previous_response_id` continues from the answer alone, as
+the chat templates of reasoning models drop earlier turns' thinking.
 """
 from __future__ import annotations
 
@@ -24,6 +30,8 @@ from fastapi.responses import Response
 from server.errors import APIError
 from server.guided import ToolPlan
 from server.protocol_responses import ResponsesRequest, ResponseStore, input_messages, parse_responses_body
+from server.reasoning import CLOSE, ReasoningStream
+from server.reasoning import split as split_reasoning
 from server.respond import check_succeeded
 from server.serving_chat import serve_chat
 from server.serving_common import Choice, read_body, usage
@@ -45,7 +53,8 @@ async def create_response(request: Request) -> Response:
 
     def view(request_id: str, tools: ToolPlan | None) -> _ResponsesView:
         keep = store if body.store is not False else None
-        return _ResponsesView(request_id, state.served_model_name, body, tools, keep, conversation)
+        return _ResponsesView(request_id, state.served_model_name, body, tools, keep, conversation,
+                              state.reasoning_parser, engine.tokenizer)
 
     try:
         return await serve_chat(request, state, engine, chat, arrival, "resp", view)
@@ -63,20 +72,27 @@ class _ResponsesView:
     """One choice rendered as a Responses API `response`, whole or as typed events."""
 
     def __init__(self, request_id: str, model: str, body: ResponsesRequest, tools: ToolPlan | None,
-                 store: ResponseStore | None, conversation: list[dict[str, Any]]):
+                 store: ResponseStore | None, conversation: list[dict[str, Any]], reasoning: str | None = None,
+                 tokenizer=None):
         self.id, self.model, self.body, self.tools = request_id, model, body, tools
         self.store, self.conversation = store, conversation
+        self.reasoning, self.tokenizer = reasoning, tokenizer  # the parser, or None: all text is the answer
         self.created_at = time.time()
         self.message_id = _item_id("msg")
+        self.reasoning_id = _item_id("rs")
+        self._thought = ""  # the reasoning text, once known (usage counts its tokens)
         self._sequence = 0
 
     # ---------------------------------------------------------------- whole
     def response(self, choices: list[Choice]) -> dict[str, Any]:
         choice = choices[0]
-        content, calls = choice.text, []
+        thought, answer = split_reasoning(self.reasoning, choice.text, True) if self.reasoning else ("", choice.text)
+        content, calls = answer, []
         if self.tools is not None:
-            content, calls = ToolCallStream(self.tools.parser, self.tools.max_calls).final(choice.text)
-        output = ([self._message(content or "", "completed")] if content or not calls else [])
+            content, calls = ToolCallStream(self.tools.parser, self.tools.max_calls).final(answer)
+        self._thought = thought
+        output = [self._reasoning_item(thought, "completed")] if thought else []
+        output += ([self._message(content or "", "completed")] if content or not (calls or thought) else [])
         output += [self._call_item(call["id"], call["function"]["name"], call["function"]["arguments"], "completed")
                    for call in calls]
         return self._finished(choice, output)
@@ -88,14 +104,28 @@ class _ResponsesView:
         stream = ToolCallStream(self.tools.parser, self.tools.max_calls) if self.tools is not None else None
         output: list[dict[str, Any]] = []  # items opened so far, in order
         text = ""
+        thinking = ReasoningStream(self.reasoning) if self.reasoning else None
         calls: dict[int, dict[str, Any]] = {}  # tool call index -> its output item
         choice = None
         async for choice, out in events:
             check_succeeded(choice, out)
+            new_text, answer = out.text, choice.text
+            if thinking is not None:
+                thought, new_text = thinking.feed(choice.text, final=out.finished)
+                answer = thinking.content
+                if thought:
+                    if not self._thought:
+                        output.append(self._reasoning_item("", "in_progress"))
+                        yield self._event("response.output_item.added", output_index=len(output) - 1,
+                                          item=self._reasoning_item("", "in_progress"))
+                    self._thought += thought
+                    yield self._event("response.reasoning_text.delta", item_id=self.reasoning_id,
+                                      output_index=self._index_of(output, self.reasoning_id), content_index=0,
+                                      delta=thought)
             if stream is None:
-                content, deltas = out.text, []
+                content, deltas = new_text, []
             else:
-                content, deltas = stream.feed(choice.text, final=out.finished)
+                content, deltas = stream.feed(answer, final=out.finished)
                 deltas = deltas or []
             if content:
                 if not text and not any(item["type"] == "message" for item in output):
@@ -123,7 +153,11 @@ class _ResponsesView:
                     yield self._event("response.function_call_arguments.delta", item_id=calls[index]["id"],
                                       output_index=self._index_of(output, calls[index]["id"]), delta=piece)
         for index, item in enumerate(output):
-            if item["type"] == "message":
+            if item["type"] == "reasoning":
+                yield self._event("response.reasoning_text.done", item_id=self.reasoning_id, output_index=index,
+                                  content_index=0, text=self._thought)
+                output[index] = self._reasoning_item(self._thought, "completed")
+            elif item["type"] == "message":
                 yield self._event("response.output_text.done", item_id=self.message_id, output_index=index,
                                   content_index=0, text=text, logprobs=[])
                 yield self._event("response.content_part.done", item_id=self.message_id, output_index=index,
@@ -151,7 +185,7 @@ class _ResponsesView:
             "input_tokens": counts["prompt_tokens"],
             "input_tokens_details": {"cached_tokens": counts["prompt_tokens_details"]["cached_tokens"]},
             "output_tokens": counts["completion_tokens"],
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": self._reasoning_tokens(choice)},
             "total_tokens": counts["total_tokens"],
             "timings": counts["timings"],  # ours, as in chat usage (the X-Timing headers read it)
         }
@@ -173,6 +207,29 @@ class _ResponsesView:
             "tool_choice": b.tool_choice if b.tool_choice is not None else "auto",
             "tools": b.tools or [], "truncation": "disabled", "user": b.user, "usage": None,
         }
+
+    def _reasoning_tokens(self, choice: Choice) -> int:
+        """How many of the output's tokens are thinking: all of them while </think> has not come,
+        else those up to the first whose text reaches past it (a binary search over decoded
+        prefixes: re-encoding the thinking's text would not give back the tokens sampled)."""
+        if not self._thought:
+            return 0
+        ids, end = choice.token_ids, choice.text.find(CLOSE)
+        if end < 0 or self.tokenizer is None:
+            return len(ids)
+        end += len(CLOSE)
+        low, high = 0, len(ids)
+        while low < high:
+            mid = (low + high) // 2
+            if len(self.tokenizer.decode(ids[:mid])) >= end:
+                high = mid
+            else:
+                low = mid + 1
+        return low
+
+    def _reasoning_item(self, text: str, status: str) -> dict[str, Any]:
+        return {"type": "reasoning", "id": self.reasoning_id, "summary": [], "status": status,
+                "content": [{"type": "reasoning_text", "text": text}] if text else []}
 
     def _message(self, text: str, status: str, parts: bool = True) -> dict[str, Any]:
         return {"type": "message", "id": self.message_id, "status": status, "role": "assistant",
@@ -201,6 +258,8 @@ def _as_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A response's output items as the chat messages a follow-up continues from."""
     messages: list[dict[str, Any]] = []
     for item in output:
+        if item["type"] == "reasoning":
+            continue  # a follow-up continues from the answer, as reasoning models' templates do
         if item["type"] == "message":
             messages.append({"role": "assistant", "content": item["content"][0]["text"] if item["content"] else ""})
         else:

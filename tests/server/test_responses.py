@@ -141,3 +141,63 @@ def test_what_cannot_be_honoured_is_a_400_naming_the_field(live, body, param, sa
 def test_an_output_bound_over_the_context_names_max_output_tokens(live):
     assert_openai_error(live.http.post("/v1/responses", json={"model": M, "input": "hi", "max_output_tokens": 10**6}),
                         400, "max_output_tokens", "max_output_tokens is too large")
+
+
+@pytest.fixture(scope="module")
+def thinking(tmp_path_factory):
+    """The tiny Llama read with the deepseek_r1 parser: an output that never closes </think> is all
+    thinking (the random model's text never writes the tag)."""
+    path = save_checkpoint(make_hf_model("llama", max_position_embeddings=2048), tmp_path_factory.mktemp("think"))
+    engine = AsyncEngine(load_model(path, dtype="float32", device="cpu"), EngineConfig(**ENGINE_DEFAULTS))
+    server = LiveServer(create_app(engine, served_model_name=MODEL_NAME, reasoning_parser="deepseek_r1"),
+                        engine).start()
+    yield server
+    server.stop()
+
+
+def test_reasoning_is_an_item_of_its_own_whole_and_streamed(thinking):
+    client = thinking.client()
+    chat = client.chat.completions.create(model=M, messages=[{"role": "user", "content": "Hello"}], max_tokens=12,
+                                          temperature=0).choices[0].message
+    assert chat.reasoning_content and not chat.content
+    whole = client.responses.create(model=M, input="Hello", max_output_tokens=12, temperature=0)
+    assert [item.type for item in whole.output] == ["reasoning"] and whole.status == "incomplete"
+    item = whole.output[0]
+    assert item.id.startswith("rs_") and item.summary == [] and item.content[0].type == "reasoning_text"
+    assert item.content[0].text == chat.reasoning_content and whole.output_text == ""
+    assert whole.usage.output_tokens_details.reasoning_tokens == whole.usage.output_tokens == 12
+    with client.responses.stream(model=M, input="Hello", max_output_tokens=12, temperature=0) as stream:
+        events = list(stream)
+    kinds = [event.type for event in events]
+    assert kinds[2] == "response.output_item.added" and events[2].item.type == "reasoning"
+    assert kinds[-3:] == ["response.reasoning_text.done", "response.output_item.done", "response.incomplete"]
+    assert set(kinds[3:-3]) == {"response.reasoning_text.delta"}
+    final = events[-1].response
+    streamed = "".join(event.delta for event in events if event.type == "response.reasoning_text.delta")
+    assert streamed == events[-3].text == chat.reasoning_content == final.output[0].content[0].text
+    assert final.usage.output_tokens_details.reasoning_tokens == 12
+    # the item passed back as input (manual context management) is accepted, and dropped
+    follow = client.responses.create(model=M, max_output_tokens=4, temperature=0, input=[
+        {"role": "user", "content": "Hello"}, item.model_dump(exclude_none=True), {"role": "user", "content": "More"}])
+    assert follow.output and follow.output[0].type == "reasoning"
+    thinking.wait_idle()
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("<think>abc</think>xyz", len("<think>abc</think>")),  # up to the token that completes </think>
+    ("<think>abc", len("<think>abc")),                      # never closed: every token
+    ("plain answer", 0),
+])
+def test_reasoning_tokens_count_the_sampled_tokens_up_to_the_close(text, expected):
+    from server.serving_common import Choice
+    from server.serving_responses import _ResponsesView
+
+    class Chars:  # one token a character
+        @staticmethod
+        def decode(ids):
+            return "".join(map(chr, ids))
+
+    choice = Choice(0, "r", [], None, text_parts=[text], token_ids=[ord(c) for c in text])
+    view = _ResponsesView("r", M, None, None, None, [], reasoning="qwen3", tokenizer=Chars())
+    view._thought = "abc" if "<think>" in text else ""
+    assert view._reasoning_tokens(choice) == expected
