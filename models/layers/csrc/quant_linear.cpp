@@ -137,10 +137,12 @@ struct Isa {
 #endif
   }
   // An opaque step on the running sum: keeps the compiler from reassociating a group's 16
-  // madds + adds into a tree, which spilled every partial product to the stack. A lone row's
-  // tile with a fused dot (VNNI) has nothing to reassociate and its reads overlap better
-  // without it (360M's decode linears 13-16 -> 16-22 GB/s on a Zen 4); with madd + add
-  // (AVX2) even that tile needs it (5.6 -> 2.9 cycles a group on a Zen 3).
+  // madds + adds into a tree, which spilled every partial product to the stack. With madd + add
+  // (AVX2, AVX-512 without VNNI) every tile needs it, even a lone row's (5.6 -> 2.9 cycles a
+  // group on a Zen 3). A fused dot (VNNI) has nothing to reassociate: AVX512-VNNI runs without
+  // it (a lone row's reads overlap better, 360M's decode linears 13-16 -> 16-22 GB/s on a Zen 4;
+  // 4 x 4 tiles stop spilling); AVX-VNNI, 16 registers and not measured here, keeps it on tiles
+  // of more than one row, as before.
   // "v": any of AVX-512's 32 vector registers ("x" allows only the first 16, and made gcc
   // spill 9 of a 4 x 4 tile's 16 sums to the stack and shuffle the rest every chunk).
 #if defined(__AVX512VL__)
@@ -261,7 +263,7 @@ __attribute__((noinline)) void tile(const Operands<S>& op, int64_t m0, int64_t p
           const typename Isa::W xa = Isa::pair(x), xb = Isa::pair(x + 16);
           for (int p = 0; p < RP; ++p) {
             dots[r][p] = Isa::dot(Isa::dot(dots[r][p], lo[p], xa), hi[p], xb);
-            if constexpr (!Isa::kFusedDot) Isa::order(dots[r][p]);
+            if constexpr (!Isa::kFusedDot || (RM > 1 && Isa::kRegisters < 32)) Isa::order(dots[r][p]);
           }
         }
       }
@@ -277,7 +279,7 @@ __attribute__((noinline)) void tile(const Operands<S>& op, int64_t m0, int64_t p
           const typename Isa::W xa = Isa::pair(x), xb = Isa::pair(x + 2);
           for (int p = 0; p < RP; ++p) {
             dots[r][p] = Isa::dot(Isa::dot(dots[r][p], q0[p], xa), q1[p], xb);
-            if constexpr (!Isa::kFusedDot) Isa::order(dots[r][p]);
+            if constexpr (!Isa::kFusedDot || (RM > 1 && Isa::kRegisters < 32)) Isa::order(dots[r][p]);
           }
         }
       }
