@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 
 from loadtest.benchmark import run_benchmark
-from loadtest.compare import cpu_description, free_port, wait_healthy
+from loadtest.compare import cpu_description, free_port, stop_server, wait_healthy
 from loadtest.config import BenchmarkConfig
 
 ITEMS = {"type": "object", "properties": {
@@ -131,8 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  none: {runs['none'][-1]}\n  json_schema: {runs['json_schema'][-1]}", flush=True)
         result["throughput"] = runs
     finally:
-        process.terminate()
-        process.wait(timeout=60)
+        stop_server(process)
 
     tok_s = {k: statistics.median(r["output_tok_s"] for r in v) for k, v in runs.items()}
     itl = {k: statistics.median(r["itl_p50_ms"] for r in v) for k, v in runs.items()}

@@ -74,6 +74,16 @@ def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 600.0) ->
     raise TimeoutError(f"{url} not healthy after {timeout:.0f} s")
 
 
+def stop_server(process: subprocess.Popen, timeout: float = 60.0) -> None:
+    """SIGTERM the server we started (by its handle), SIGKILL it if it has not drained in `timeout`."""
+    process.terminate()
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 def server_commands(args, port: int) -> dict[str, list[str]]:
     commands = {
         "pagedserve": [
@@ -120,12 +130,7 @@ def measure(name: str, command: list[str], port: int, args, tokenizer_dir: str) 
         result["busy_rss_mb"] = rss_mb(process.pid)
         return result
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_server(process)
 
 
 def report(results: list[dict], args) -> str:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import httpx
 
-from loadtest.compare import check_executable, cpu_description, free_port, resolve_model, wait_healthy
+from loadtest.compare import check_executable, cpu_description, free_port, resolve_model, stop_server, wait_healthy
 
 DATA = Path(__file__).parent / "data"
 SOURCE = Path(__file__).parent.parent / "engine" / "block_manager.py"
@@ -176,12 +176,7 @@ def measure(name: str, command: list[str], port: int, args, loads: dict[str, lis
         print(f"  {name}: mixed c={args.concurrency}: {tokens / seconds:.1f} tok/s", flush=True)
         return results
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_server(process)
 
 
 def report(results: dict[str, dict], args) -> str:

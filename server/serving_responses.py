@@ -221,7 +221,9 @@ class _ResponsesView:
         low, high = 0, len(ids)
         while low < high:
             mid = (low + high) // 2
-            if len(self.tokenizer.decode(ids[:mid])) >= end:
+            text = self.tokenizer.decode(ids[:mid], skip_special_tokens=choice.params.skip_special_tokens,
+                                         clean_up_tokenization_spaces=False)  # as the detokenizer decodes
+            if len(text) >= end:
                 high = mid
             else:
                 low = mid + 1

@@ -189,15 +189,16 @@ def test_reasoning_is_an_item_of_its_own_whole_and_streamed(thinking):
     ("plain answer", 0),
 ])
 def test_reasoning_tokens_count_the_sampled_tokens_up_to_the_close(text, expected):
+    from engine.request import SamplingParams
     from server.serving_common import Choice
     from server.serving_responses import _ResponsesView
 
     class Chars:  # one token a character
         @staticmethod
-        def decode(ids):
+        def decode(ids, **_):
             return "".join(map(chr, ids))
 
-    choice = Choice(0, "r", [], None, text_parts=[text], token_ids=[ord(c) for c in text])
+    choice = Choice(0, "r", [], SamplingParams(), text_parts=[text], token_ids=[ord(c) for c in text])
     view = _ResponsesView("r", M, None, None, None, [], reasoning="qwen3", tokenizer=Chars())
     view._thought = "abc" if "<think>" in text else ""
     assert view._reasoning_tokens(choice) == expected

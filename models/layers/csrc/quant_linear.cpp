@@ -446,7 +446,7 @@ at::Tensor quant_linear(
                          reinterpret_cast<const uint8_t*>(qweight.data_ptr()), sc, mn,
                          static_cast<float>(min_per_scale),
                          bias.has_value() ? bias_f.data_ptr<float>() : nullptr, out.data_ptr<float>(),
-                         M, N, K, K / kBlock, qweight.size(1) * qweight.size(2), group_size / kBlock,
+                         M, N, K, nb, qweight.size(1) * qweight.size(2), group_size / kBlock,
                          K / group_size};
     if (bits == 4) int_qlinear<4>(op); else int_qlinear<8>(op);
   };
