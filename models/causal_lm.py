@@ -68,7 +68,7 @@ class DecoderModel(nn.Module):
 
     def __init__(self, hf_config, rotary_emb: RotaryEmbedding, make_layer: Callable[[int], DecoderLayer]):
         super().__init__()
-        self.embed_tokens = Embedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.embed_tokens = Embedding(hf_config.vocab_size, hf_config.hidden_size, parallel="column")
         self.rotary_emb = rotary_emb  # one cos/sin table; the layers' attention holds it too
         self.layers = nn.ModuleList(make_layer(i) for i in range(hf_config.num_hidden_layers))
         self.norm = RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
@@ -95,7 +95,8 @@ class CausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         # Tied: logits reuse the embedding's storage; a second Parameter sharing it would
         # come apart when the loader moves the model off the meta device.
-        self.lm_head = None if self.tie_word_embeddings else Linear(hf_config.hidden_size, hf_config.vocab_size)
+        self.lm_head = (None if self.tie_word_embeddings
+                        else Linear(hf_config.hidden_size, hf_config.vocab_size, parallel="column"))
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -105,9 +106,10 @@ class CausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden: torch.Tensor, kernels: StepKernels = DEFAULT_KERNELS) -> torch.Tensor:
-        """hidden (num_rows, hidden_size), on the step's kernels -> float32 logits."""
+        """hidden (num_rows, hidden_size), on the step's kernels -> float32 logits. Tensor
+        parallel: each rank's slice of the vocabulary, gathered on rank 0 (others: their slice)."""
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return head.linear(hidden, kernels).float()  # (num_rows, vocab_size)
+        return head.tp.gather_last_dim(head.linear(hidden, kernels)).float()  # (num_rows, vocab_size)
 
     def row_invariant(self) -> bool:
         """Whether every product of the forward pass computes a token's row from that row alone, in

@@ -17,6 +17,7 @@ from torch import nn
 
 from models.causal_lm import CausalLM, DecoderLayer
 from models.layers import cpu_kernels
+from models.layers import parallel as tp_state
 from models.layers.attention import AttentionMetadata, kernel_serves, paged_attention
 from models.layers.linear import Linear, MergedLinear
 from models.layers.mlp import GatedMLP
@@ -30,29 +31,34 @@ def _head_dim(config) -> int:
 
 
 class LlamaAttention(nn.Module):
+    """Tensor parallel (models/layers/parallel.py): a rank holds num_heads / N query heads and
+    their KV heads (replicated when N exceeds them), q/k/v column-parallel, o_proj row-parallel;
+    num_heads and num_kv_heads are then this rank's."""
+
     def __init__(self, config, rotary_emb: RotaryEmbedding):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_attention_heads {self.num_heads} not a multiple of num_key_value_heads {self.num_kv_heads}"
-            )
+        num_heads = config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_attention_heads {num_heads} not a multiple of num_key_value_heads {num_kv_heads}")
+        tp = tp_state.current()
+        heads, kv_heads = tp.split(num_heads, "num_attention_heads"), tp_state.kv_head_slice(num_kv_heads, tp)
+        self.num_heads, self.num_kv_heads = heads.stop - heads.start, kv_heads.stop - kv_heads.start
         self.head_dim = _head_dim(config)
         self.scale = self.head_dim**-0.5
         attention_bias = bool(getattr(config, "attention_bias", False))
         is_qwen2 = config.model_type == "qwen2"
+        d = self.head_dim
+        kv_rows = slice(kv_heads.start * d, kv_heads.stop * d)
         self.qkv_proj = MergedLinear(
             config.hidden_size,
-            {
-                "q_proj": self.num_heads * self.head_dim,
-                "k_proj": self.num_kv_heads * self.head_dim,
-                "v_proj": self.num_kv_heads * self.head_dim,
-            },
+            {"q_proj": num_heads * d, "k_proj": num_kv_heads * d, "v_proj": num_kv_heads * d},
             bias=attention_bias or is_qwen2,
+            parallel="column",
+            shard_parts={"q_proj": slice(heads.start * d, heads.stop * d), "k_proj": kv_rows, "v_proj": kv_rows},
         )
         o_bias = attention_bias and not is_qwen2  # Qwen2: biases on q/k/v only
-        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=o_bias)
+        self.o_proj = Linear(num_heads * d, config.hidden_size, bias=o_bias, parallel="row")
         self.qk_norm = config.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
@@ -117,7 +123,8 @@ class LlamaDecoderLayer(DecoderLayer):
     def _one_op_args(self, x: torch.Tensor, kv_cache: torch.Tensor) -> tuple | None:
         """(weights, info) for csrc/decoder_layer.cpp when this step can run the layer as one op:
         float32 on CPU, every projection on the quantized kernel, a plain Llama/Qwen2 layer."""
-        if x.dtype != torch.float32 or not kernel_serves(x.unsqueeze(1), kv_cache):
+        if (x.dtype != torch.float32 or not kernel_serves(x.unsqueeze(1), kv_cache)
+                or self.self_attn.o_proj.parallel):  # tensor parallel: all-reduces inside the layer
             return None
         if self._one_op is None:  # the kernels are loaded by now (kernel_serves)
             self._one_op = self._weights_for_one_op() or ()

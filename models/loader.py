@@ -27,6 +27,7 @@ from models.fetch import hub_snapshot, is_hub_id
 from models.layers.linear import (
     Linear, MergedLinear, can_pack_weights, linear_weight_bytes, pack_linear_weights, process_weights_after_loading,
 )
+from models.layers import parallel as tp_state
 from models.layers.quantization import DENSE, QUANTIZATIONS, LinearMethod, method_for
 from models.registry import MODEL_REGISTRY, get_model_class
 
@@ -114,11 +115,18 @@ def load_model(
     device: str | torch.device = "cpu",
     max_model_len: int | None = None,
     quantization: str = "auto",
+    tensor_parallel: tp_state.TensorParallel | None = None,
 ) -> LoadedModel:
     """`model`: a checkpoint directory, a .gguf file, a Hugging Face hub id (safetensors, through its
     cache; models.fetch.hub_snapshot), or the default alias ("SmolLM2-135M-Instruct"/"smollm2").
-    `quantization`: see `choose_methods`."""
+    `quantization`: see `choose_methods`. `tensor_parallel`: build this rank's part of every
+    layer (models/layers/parallel.py); every rank reads the whole checkpoint, one tensor at a time."""
     choose_methods(quantization)  # validates the name before any file is read
+    with tp_state.building(tensor_parallel):
+        return _load_model(model, dtype, device, max_model_len, quantization)
+
+
+def _load_model(model, dtype, device, max_model_len, quantization) -> LoadedModel:
     if str(model).strip().lower() in _DEFAULT_ALIASES:
         from models.fetch import default_model_path  # lazy: downloads only when asked for
 

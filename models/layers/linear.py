@@ -15,8 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.layers import parallel as tp_state
 from models.layers.quantization import DENSE, LinearMethod, QuantizedWeight
 from models.layers.step_kernels import DEFAULT_KERNELS, StepKernels, onednn_takes
+
+PARALLEL_MODES = (None, "column", "row")
 
 
 class Linear(nn.Module):
@@ -25,12 +28,33 @@ class Linear(nn.Module):
     Dense by default; the loader may give a layer another method before the weights are
     materialized (`set_quant_method`), and a dense bf16 weight may also be held packed in
     oneDNN's layout (`pack_linear_weights`).
+
+    `parallel`: "column" or "row" splits the layer over the tensor-parallel ranks it is
+    built for (models/layers/parallel.py); `in_features`/`out_features` are then this
+    rank's, and loading takes this rank's part of each checkpoint tensor. A row-parallel
+    layer adds its ranks' partial sums with one all-reduce, unless `reduce` is False (the
+    caller reduces a sum of several, as MoE does).
     """
 
     packed_weight: torch.Tensor | None = None
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, parallel: str | None = None,
+                 reduce: bool = True):
         super().__init__()
+        if parallel not in PARALLEL_MODES:
+            raise ValueError(f"parallel must be one of {PARALLEL_MODES}, got {parallel!r}")
+        self.tp = tp_state.current() if parallel else tp_state.SINGLE
+        self.parallel = parallel if self.tp.enabled else None
+        self.reduce = reduce
+        # This rank's output rows / input columns of the checkpoint's weight.
+        self.out_part, self.in_part = slice(0, out_features), slice(0, in_features)
+        if self.parallel == "column":
+            self.out_part = self.tp.split(out_features, "the output features of a column-parallel layer")
+        elif self.parallel == "row":
+            self.in_part = self.tp.split(in_features, "the input features of a row-parallel layer")
+        self.checkpoint_in_features = in_features  # the checkpoint's (whole) weight: (out, in)
+        self.checkpoint_out_features = out_features
+        in_features, out_features = _length(self.in_part), _length(self.out_part)
         self.in_features, self.out_features = in_features, out_features
         self.quant_method: LinearMethod = DENSE
         DENSE.create_weights(self, out_features, in_features)
@@ -57,13 +81,44 @@ class Linear(nn.Module):
     def linear(self, x: torch.Tensor, kernels: StepKernels = DEFAULT_KERNELS) -> torch.Tensor:
         """x W^T + b on the step's `kernels` (AttentionMetadata.kernels); `forward` too,
         except for an Embedding, whose forward looks rows up."""
-        return self.quant_method.apply(self, x, self.bias, kernels)
+        if self.parallel != "row":
+            return self.quant_method.apply(self, x, self.bias, kernels)
+        partial = self.quant_method.apply(self, x, self.bias if self.tp.rank == 0 else None, kernels)
+        return self.tp.all_reduce(partial) if self.reduce else partial
 
     forward = linear
 
-    def load_weight(self, weight, name: str, rows: slice = slice(None)) -> None:
-        """Copy a checkpoint weight (a tensor or a QuantizedWeight) into rows `rows` of W."""
-        self.quant_method.load(self, rows, weight, name)
+    def load_weight(self, weight, name: str, rows: slice = slice(None), part: tuple[slice, int] | None = None) -> None:
+        """Copy a checkpoint weight (a tensor or a QuantizedWeight) into rows `rows` of W:
+        this rank's part of it (`part`: its output rows in `weight` and the rows `weight`
+        has; default `out_part` of the layer's checkpoint rows)."""
+        self.quant_method.load(self, rows, self.rank_part(weight, name, part), name)
+
+    def load_bias(self, bias: torch.Tensor, name: str, rows: slice = slice(None),
+                  part: tuple[slice, int] | None = None) -> None:
+        if self.bias is None:
+            raise ValueError(f"tensor {name!r}: the layer has no bias")
+        if self.parallel == "column" or part is not None:
+            bias = _narrow_rows(bias, *(part or (self.out_part, self.checkpoint_out_features)), name)
+        copy_weight(self.bias[rows], bias, name)
+
+    def rank_part(self, weight, name: str, part: tuple[slice, int] | None = None):
+        """This rank's part of a checkpoint weight: its output rows (column-parallel) or its
+        input columns (row-parallel: whole quantization groups only)."""
+        if self.parallel == "column" or part is not None:
+            weight = _narrow_rows(weight, *(part or (self.out_part, self.checkpoint_out_features)), name)
+        if self.parallel == "row":
+            if not isinstance(weight, QuantizedWeight) and hasattr(self.quant_method, "quantize"):
+                # Quantized at load: the whole weight, as one rank would, then this rank's inputs
+                # (int8's one scale per row stays the row's, not the half-row's).
+                _check_columns(weight, self.checkpoint_in_features, name)
+                weight = self.quant_method.quantize(weight)
+            if isinstance(weight, QuantizedWeight):
+                weight = weight.columns(self.in_part, name)
+            else:
+                _check_columns(weight, self.checkpoint_in_features, name)
+                weight = weight[:, self.in_part]
+        return weight
 
     def weight_param_names(self) -> tuple[str, ...]:
         return self.quant_method.weight_names()
@@ -78,11 +133,22 @@ class Embedding(Linear):
     quantized embedding is looked up by dequantizing only the rows asked for, and a tied
     model's logits run through the same method as any other linear layer (`linear`)."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int):
-        super().__init__(embedding_dim, num_embeddings, bias=False)
+    def __init__(self, num_embeddings: int, embedding_dim: int, parallel: str | None = None):
+        if parallel not in (None, "column"):
+            raise ValueError("an embedding splits over its vocabulary (parallel='column') only")
+        if parallel:
+            tp_state.current().split(num_embeddings, "vocab_size")  # the error names it
+        super().__init__(embedding_dim, num_embeddings, bias=False, parallel=parallel)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.embedding(self, ids)
+        if self.parallel is None:
+            return self.quant_method.embedding(self, ids)
+        # This rank's rows of the vocabulary; the other ids look up zeros, and the all-reduce
+        # adds each id's one non-zero row.
+        local = ids - self.out_part.start
+        outside = (local < 0) | (local >= self.out_features)
+        rows = self.quant_method.embedding(self, local.masked_fill(outside, 0))
+        return self.tp.all_reduce(rows.masked_fill(outside.unsqueeze(-1), 0))
 
 
 def can_pack_weights(dtype: torch.dtype, device: torch.device | str) -> bool:
@@ -137,13 +203,30 @@ def linear_weight_bytes(model: nn.Module) -> int:
 
 
 class MergedLinear(Linear):
-    """One Linear whose output is the concatenation of named HF projections."""
+    """One Linear whose output is the concatenation of named HF projections.
 
-    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool):
-        super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
-        self.shard_sizes = dict(shard_sizes)
-        self.shard_offsets, offset = {}, 0
+    Column-parallel (`parallel="column"`), each projection is split on its own: a rank
+    holds its part of q, of k and of v (of gate and of up), concatenated. `shard_parts`
+    names a projection's rows for this rank where an even split is not it (replicated
+    KV heads); `shard_sizes` are the checkpoint's sizes.
+    """
+
+    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool, parallel: str | None = None,
+                 shard_parts: dict[str, slice] | None = None):
+        if parallel not in (None, "column"):
+            raise ValueError("a merged projection splits along its output (parallel='column') only")
+        tp = tp_state.current() if parallel else tp_state.SINGLE
+        parts = dict(shard_parts or {})
         for name, size in shard_sizes.items():
+            if name not in parts:
+                parts[name] = tp.split(size, f"the output features of {name} ({size})") if tp.enabled else slice(0, size)
+        super().__init__(in_features, sum(_length(p) for p in parts.values()), bias=bias)
+        self.tp, self.parallel = tp, parallel if tp.enabled else None
+        self.shard_parts = parts  # rows of each checkpoint projection this rank holds
+        self.checkpoint_shard_sizes = dict(shard_sizes)
+        self.shard_sizes = {name: _length(parts[name]) for name in shard_sizes}
+        self.shard_offsets, offset = {}, 0
+        for name, size in self.shard_sizes.items():
             self.shard_offsets[name] = offset
             offset += size
 
@@ -154,6 +237,31 @@ class MergedLinear(Linear):
 
     def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return out.split(list(self.shard_sizes.values()), dim=-1)
+
+    def load_shard(self, shard: str, weight, name: str) -> None:
+        """Checkpoint projection `shard` (its whole weight) into this rank's rows of it."""
+        part = (self.shard_parts[shard], self.checkpoint_shard_sizes[shard])
+        self.load_weight(weight, name, self.shard_rows(shard), part)
+
+    def load_shard_bias(self, shard: str, bias: torch.Tensor, name: str) -> None:
+        part = (self.shard_parts[shard], self.checkpoint_shard_sizes[shard])
+        self.load_bias(bias, name, self.shard_rows(shard), part)
+
+
+def _length(part: slice) -> int:
+    return part.stop - part.start
+
+
+def _narrow_rows(weight, part: slice, expected_rows: int, name: str):
+    if weight.shape[0] != expected_rows:
+        expected = (expected_rows, *tuple(weight.shape)[1:])
+        raise ValueError(f"tensor {name!r}: checkpoint shape {tuple(weight.shape)} != model shape {expected}")
+    return weight.rows(part) if isinstance(weight, QuantizedWeight) else weight[part]
+
+
+def _check_columns(weight: torch.Tensor, expected: int, name: str) -> None:
+    if weight.dim() != 2 or weight.shape[1] != expected:
+        raise ValueError(f"tensor {name!r}: checkpoint shape {tuple(weight.shape)}, expected {expected} columns")
 
 
 def copy_weight(dst: torch.Tensor, src, name: str) -> None:
@@ -202,6 +310,10 @@ def load_hf_weights(
             linears[prefix].load_weight(tensor, name)
             weight_loaded(prefix, linears[prefix])
             continue
+        if kind == "bias" and prefix in linears and linears[prefix].parallel and name in params:
+            linears[prefix].load_bias(tensor, name)  # this rank's part of it
+            loaded.add(name)
+            continue
         if name in params:
             copy_weight(params[name], tensor, name)
             loaded.add(name)
@@ -210,11 +322,10 @@ def load_hf_weights(
         if prefix not in merged or kind not in ("weight", "bias") or (kind == "bias" and merged[prefix][1].bias is None):
             raise ValueError(f"tensor {name!r} {tuple(tensor.shape)} does not belong to this model")
         path, module = merged[prefix]
-        rows = module.shard_rows(shard)
         if kind == "weight":
-            module.load_weight(tensor, name, rows)
+            module.load_shard(shard, tensor, name)
         else:
-            copy_weight(module.bias[rows], tensor, name)
+            module.load_shard_bias(shard, tensor, name)
         seen = shards_seen.setdefault(f"{path}.{kind}", set())
         seen.add(shard)
         if len(seen) == len(module.shard_sizes):

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from models.layers import cpu_kernels
+from models.layers import parallel as tp_state
 from models.layers.attention import (
     AttentionMetadata, gather_kv, kernel_serves, pad_queries, unpad_into, write_kv,
 )
@@ -62,9 +63,13 @@ class MLAttention(nn.Module):
     dense_products = True
 
     def __init__(self, hf_config, rotary_emb: RotaryEmbedding):
+        """Tensor parallel (models/layers/parallel.py): the latent projections (q_a, kv_a) and the
+        cache entry are replicated; a rank holds num_heads / N heads of q, W_UK, W_UV and o_proj."""
         super().__init__()
         c = hf_config
-        self.num_heads = c.num_attention_heads
+        self.heads = tp_state.current().split(c.num_attention_heads, "num_attention_heads")
+        self.num_heads = self.heads.stop - self.heads.start  # this rank's
+        self.num_heads_total = c.num_attention_heads
         self.q_lora_rank = c.q_lora_rank
         self.kv_lora_rank = c.kv_lora_rank
         self.qk_nope_head_dim = c.qk_nope_head_dim
@@ -73,18 +78,18 @@ class MLAttention(nn.Module):
         qk_head_dim = c.qk_nope_head_dim + c.qk_rope_head_dim
         bias = c.attention_bias
         if c.q_lora_rank is None:
-            self.q_proj = Linear(c.hidden_size, self.num_heads * qk_head_dim, bias=False)
+            self.q_proj = Linear(c.hidden_size, c.num_attention_heads * qk_head_dim, bias=False, parallel="column")
         else:
             self.q_a_proj = Linear(c.hidden_size, c.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(c.q_lora_rank)
-            self.q_b_proj = Linear(c.q_lora_rank, self.num_heads * qk_head_dim, bias=False)
+            self.q_b_proj = Linear(c.q_lora_rank, c.num_attention_heads * qk_head_dim, bias=False, parallel="column")
         self.kv_a_proj_with_mqa = Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank)
         # kv_b_proj (num_heads * (nope + v), L) is only ever used split in two, so it is
         # stored split: load_kv_b_proj fills these from the checkpoint's kv_b_proj.weight.
         self.w_uk = nn.Parameter(torch.empty(self.num_heads, c.qk_nope_head_dim, c.kv_lora_rank))
         self.w_uv = nn.Parameter(torch.empty(self.num_heads, c.v_head_dim, c.kv_lora_rank))
-        self.o_proj = Linear(self.num_heads * c.v_head_dim, c.hidden_size, bias=bias)
+        self.o_proj = Linear(c.num_attention_heads * c.v_head_dim, c.hidden_size, bias=bias, parallel="row")
         self.rotary_emb = rotary_emb  # shared by all layers: one cos/sin table
         self.scale = mla_softmax_scale(c)
 
@@ -95,11 +100,12 @@ class MLAttention(nn.Module):
 
     @torch.no_grad()
     def load_kv_b_proj(self, weight: torch.Tensor) -> None:
-        """Split kv_b_proj.weight (num_heads * (nope + v), L) into W_UK and W_UV."""
-        expected = (self.num_heads * (self.qk_nope_head_dim + self.v_head_dim), self.kv_lora_rank)
+        """Split kv_b_proj.weight (num_heads * (nope + v), L) into W_UK and W_UV (this rank's heads)."""
+        all_heads = self.num_heads_total
+        expected = (all_heads * (self.qk_nope_head_dim + self.v_head_dim), self.kv_lora_rank)
         if tuple(weight.shape) != expected:
             raise ValueError(f"kv_b_proj.weight: checkpoint shape {tuple(weight.shape)} != {expected}")
-        per_head = weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        per_head = weight.view(all_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)[self.heads]
         w_uk, w_uv = per_head.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)  # (H, nope, L), (H, v, L)
         self.w_uk.copy_(w_uk)
         self.w_uv.copy_(w_uv)

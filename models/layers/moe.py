@@ -153,11 +153,16 @@ class Experts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, hidden_act: str):
         super().__init__()
         self.intermediate_size = intermediate_size
+        # Tensor parallel: every rank holds every expert, split along its intermediate size;
+        # MoE.forward adds the ranks' partial sums once, for all experts and the shared ones.
         self.gate_up = nn.ModuleList(
-            MergedLinear(hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}, bias=False)
+            MergedLinear(hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}, bias=False,
+                         parallel="column")
             for _ in range(num_experts)
         )
-        self.down = nn.ModuleList(Linear(intermediate_size, hidden_size) for _ in range(num_experts))
+        self.down = nn.ModuleList(
+            Linear(intermediate_size, hidden_size, parallel="row", reduce=False) for _ in range(num_experts)
+        )
         self.act_fn = ACT2FN[hidden_act]
         self._pieces: dict[int, set[str]] = {}  # expert -> gate/up pieces loaded so far
 
@@ -170,7 +175,7 @@ class Experts(nn.Module):
         if proj not in ("gate_proj", "up_proj"):
             raise ValueError(f"unknown expert projection {proj!r}")
         layer = self.gate_up[expert]
-        layer.load_weight(weight, name, layer.shard_rows(proj))
+        layer.load_shard(proj, weight, name)
         pieces = self._pieces.setdefault(expert, set())
         pieces.add(proj)
         return [f"gate_up.{expert}.{n}" for n in layer.weight_param_names()] if len(pieces) == 2 else []
@@ -183,7 +188,12 @@ class Experts(nn.Module):
             raise ValueError(f"tensor {name!r}: {weight.shape[0]} experts, the model has {len(layers)}")
         loaded = []
         for expert, layer in enumerate(layers):
-            layer.load_weight(weight[expert], name)
+            if isinstance(layer, MergedLinear):  # (2 * inter, hidden): gate rows, then up rows
+                gate, up = weight[expert].chunk(2)
+                layer.load_shard("gate_proj", gate, name)
+                layer.load_shard("up_proj", up, name)
+            else:
+                layer.load_weight(weight[expert], name)
             loaded += [f"{'gate_up' if proj == 'gate_up_proj' else 'down'}.{expert}.{n}" for n in layer.weight_param_names()]
         return loaded
 
@@ -228,14 +238,16 @@ class MoE(nn.Module):
         num_shared = hf_config.n_shared_experts or 0
         # The shared experts are stored as one MLP whose intermediate size is their sum.
         self.shared_experts = (
-            GatedMLP(hidden, inter * num_shared, hf_config.hidden_act, bias=getattr(hf_config, "mlp_bias", False))
+            GatedMLP(hidden, inter * num_shared, hf_config.hidden_act, bias=getattr(hf_config, "mlp_bias", False),
+                     reduce=False)
             if num_shared
             else None
         )
+        self.tp = self.experts.down[0].tp if router_config.num_experts else None
 
     def forward(self, x: torch.Tensor, kernels: StepKernels) -> torch.Tensor:
         weights, expert_ids = self.gate(x)  # float32 logits: no reduced-precision matmul to choose for
         out = self.experts(x, weights, expert_ids, kernels)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x, kernels)
-        return out
+        return self.tp.all_reduce(out)  # tensor parallel: the ranks' partial sums, added once

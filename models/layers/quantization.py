@@ -74,6 +74,24 @@ class QuantizedWeight:
         mins = None if self.mins is None else self.mins[index]
         return QuantizedWeight(self.bits, self.qweight[index], self.scales[index], mins, self.in_features)
 
+    def columns(self, part: slice, name: str) -> QuantizedWeight:
+        """Inputs `part` of every row (a row-parallel rank's share): whole groups only, or any
+        32-aligned part of a weight with one scale per row (int8 per channel keeps its scale)."""
+        g = self.group_size
+        if self.scales.shape[1] == 1 and self.bits == 8 and not (part.start % BLOCK or part.stop % BLOCK):
+            return QuantizedWeight(8, self.qweight[:, part], self.scales, None, part.stop - part.start)
+        if part.start % g or part.stop % g:
+            raise ValueError(
+                f"tensor {name!r}: a tensor-parallel split of its {self.in_features} inputs at "
+                f"{part.start}..{part.stop} cuts its quantization groups of {g}; choose a tensor parallel "
+                f"size that divides {self.in_features // g} groups, or load it with --quantization none")
+        per_byte = 2 if self.bits == 4 else 1
+        groups = slice(part.start // g, part.stop // g)
+        return QuantizedWeight(
+            self.bits, self.qweight[:, part.start // per_byte : part.stop // per_byte], self.scales[:, groups],
+            None if self.mins is None else self.mins[:, groups], part.stop - part.start,
+        )
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize(self.bits, self.qweight, self.scales, self.mins, self.in_features).to(dtype)
 

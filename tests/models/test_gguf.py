@@ -34,9 +34,10 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def tiny_llama(tie: bool = False, **overrides) -> LlamaForCausalLM:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(TOKENS), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                         rms_norm_eps=1e-5, rope_theta=50000.0, tie_word_embeddings=tie, **overrides)
+    kwargs = dict(vocab_size=len(TOKENS), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                  rms_norm_eps=1e-5, rope_theta=50000.0, tie_word_embeddings=tie)
+    config = LlamaConfig(**{**kwargs, **overrides})
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():  # norms are ones at init; make them informative
         for name, p in model.named_parameters():
@@ -79,8 +80,10 @@ def write_gguf(path, model: LlamaForCausalLM, qtype=Q.F32, arch: str = "llama", 
         writer.add_rope_scaling_factor(rope_scaling[1])
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
-    writer.add_token_list(TOKENS)
-    writer.add_token_types([3] * len(SPECIALS) + [1] * (len(TOKENS) - len(SPECIALS)))
+    # A larger vocab_size (one tensor parallelism can split) gets unused tokens at the end.
+    tokens = TOKENS + [f"<unused{i}>" for i in range(cfg.vocab_size - len(TOKENS))]
+    writer.add_token_list(tokens)
+    writer.add_token_types([3] * len(SPECIALS) + [1] * (len(TOKENS) - len(SPECIALS)) + [5] * (len(tokens) - len(TOKENS)))
     writer.add_token_merges(MERGES)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
