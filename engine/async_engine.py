@@ -28,6 +28,7 @@ from typing import AsyncIterator, Sequence
 
 from engine.config import EngineConfig
 from engine.core import EngineCore, tokenize_prompt
+from engine.parallel import EngineDeadError
 from engine.request import RequestOutput, SamplingParams
 from engine.stats import EngineStats
 from engine.structured import GrammarError, StructuredOutput
@@ -59,8 +60,9 @@ class _Sink:
 
 
 class AsyncEngine:
-    def __init__(self, loaded, config: EngineConfig | None = None, start: bool = True):
-        self.core = EngineCore(loaded, config)
+    def __init__(self, loaded, config: EngineConfig | None = None, start: bool = True, ranks=None):
+        """`ranks`: rank 0's engine.parallel.RankGroup (tensor parallel); shutdown stops them."""
+        self.core = EngineCore(loaded, config, ranks=ranks)
         self.config = self.core.config
         self.limits = self.core.limits  # what a request must fit: front ends check it before generate()
         self.tokenizer = loaded.tokenizer
@@ -77,6 +79,8 @@ class AsyncEngine:
         # land where nobody will read it.
         self._inbox_lock = threading.Lock()
         self._closed = False
+        if ranks is not None:  # a worker that dies while we idle: the engine stops at once
+            ranks.on_failure(lambda message: self._submit(("dead", message)))
         if start:
             self.start()
 
@@ -95,6 +99,7 @@ class AsyncEngine:
         self._thread.join(timeout)
         self._thread = None
         self._grammar_pool.shutdown(wait=False)
+        self.core.close()
 
     @property
     def is_running(self) -> bool:
@@ -217,11 +222,15 @@ class AsyncEngine:
                     return
                 try:
                     routed += self._route(self._handle(command))
+                except EngineDeadError:
+                    raise
                 except Exception:  # noqa: BLE001 - one bad command must not end the thread
                     logger.exception("engine command %s failed", command[:2])
             if self.core.has_unfinished:
                 try:
                     outputs = self.core.step()
+                except EngineDeadError:
+                    raise  # _run ends every stream with its message; is_running turns False
                 except Exception as e:  # noqa: BLE001 - the core contains failures; this is a last resort
                     logger.exception("engine step raised; ending every request")
                     outputs = self.core.fail_all(f"engine step failed: {type(e).__name__}: {e}")
@@ -248,6 +257,8 @@ class AsyncEngine:
             output = self.core.abort_request(request_id)
             if output is not None:
                 return [output]
+        elif kind == "dead":  # from the tensor-parallel monitor: request_id is its message
+            raise EngineDeadError(request_id)
         return []
 
     def _route(self, outputs: list[RequestOutput]) -> list[tuple[_Sink, RequestOutput]]:

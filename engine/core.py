@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.model_runner import ModelRunner
+from engine.parallel import EngineDeadError
 from engine.request import Request, RequestOutput, RequestStatus, SamplingParams, TokenLogprob
 from engine.scheduler import Scheduler
 from engine.stats import EngineStats
@@ -35,12 +36,15 @@ def tokenize_prompt(tokenizer, prompt: str | Sequence[int]) -> list[int]:
 
 
 class EngineCore:
-    def __init__(self, loaded, config: EngineConfig | None = None, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, loaded, config: EngineConfig | None = None, clock: Callable[[], float] = time.monotonic,
+                 ranks=None):
+        """`ranks`: rank 0's engine.parallel.RankGroup when the model is split over several."""
         self.config = config or EngineConfig()
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.config
         self.clock = clock
-        self.runner = ModelRunner(loaded, self.config)
+        self.ranks = ranks
+        self.runner = ModelRunner(loaded, self.config, ranks)
         self.limits = self.config.limits(self.runner.max_model_len, self.runner.num_blocks, loaded.config.vocab_size)
         self.scheduler = Scheduler(self.config, self.runner.num_blocks, self.limits, clock)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -54,6 +58,11 @@ class EngineCore:
         self.num_generation_tokens = 0
         self.num_computed_tokens = 0
         self.num_finished: Counter[str] = Counter()
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (idempotent)."""
+        if self.ranks is not None:
+            self.ranks.shutdown()
 
     # ------------------------------------------------------------ requests
     def add_request(
@@ -102,6 +111,9 @@ class EngineCore:
         start = time.perf_counter()
         try:
             result = self.runner.execute(scheduler_output)
+        except EngineDeadError:
+            self.num_failed_steps += 1
+            raise  # the ranks cannot go on: the engine stops (AsyncEngine ends every stream)
         except Exception as e:
             self.num_failed_steps += 1
             logger.exception("forward pass failed; ending the %d requests of this batch", len(scheduler_output.scheduled))

@@ -2,6 +2,9 @@
 
     llm = LLM("path/to/checkpoint", dtype="float32", num_kv_blocks=256)
     results = llm.generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0, max_tokens=8))
+
+    with LLM("path", tensor_parallel_size=2) as llm:   # ranks 1..N-1 stop on close()
+        ...
 """
 from __future__ import annotations
 
@@ -43,16 +46,38 @@ class CompletionResult:
 
 class LLM:
     def __init__(
-        self, model: str, dtype: str = "auto", device: str = "cpu", quantization: str = "auto", **engine_kwargs
+        self, model: str, dtype: str = "auto", device: str = "cpu", quantization: str = "auto",
+        tensor_parallel_size: int = 1, **engine_kwargs
     ):
         from models.loader import load_model  # lazy: the engine package does not need the loader
 
         config = EngineConfig(**engine_kwargs)
-        loaded = load_model(
-            model, dtype=dtype, device=device, max_model_len=config.max_model_len, quantization=quantization
-        )
-        self.engine = EngineCore(loaded, config)
+        load_kwargs = dict(model=model, dtype=dtype, device=device, max_model_len=config.max_model_len,
+                           quantization=quantization)
+        ranks = None
+        if tensor_parallel_size > 1:
+            from engine.parallel import ParallelConfig, load_parallel
+
+            loaded, config, ranks = load_parallel(load_kwargs, config, ParallelConfig(tensor_parallel_size))
+        else:
+            loaded = load_model(**load_kwargs)
+        try:
+            self.engine = EngineCore(loaded, config, ranks=ranks)
+        except BaseException:
+            if ranks is not None:
+                ranks.shutdown()
+            raise
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks this LLM started (nothing to do with one)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @classmethod
     def from_loaded(cls, loaded, **engine_kwargs) -> LLM:

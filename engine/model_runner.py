@@ -16,6 +16,7 @@ import time
 import torch
 
 from engine.config import EngineConfig
+from engine.parallel import EngineDeadError, StepInputs
 from engine.sampler import SamplingBatch, TokenHistory, make_generator, sample
 from engine.structured import allowed_tokens
 from engine.step import RunnerOutput, ScheduledRequest, SchedulerOutput
@@ -37,7 +38,10 @@ def resolve_kv_cache_dtype(name: str, loaded) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, loaded, config: EngineConfig):
+    def __init__(self, loaded, config: EngineConfig, ranks=None):
+        """`ranks`: rank 0's engine.parallel.RankGroup under tensor parallelism (every step's
+        inputs go to the other ranks first); None: one process."""
+        self.ranks = ranks
         self.model = loaded.model
         self.model_config = loaded.config
         self.block_size = config.block_size
@@ -100,32 +104,48 @@ class ModelRunner:
         return result
 
     def _execute(self, scheduled: list[ScheduledRequest], kernels: StepKernels) -> RunnerOutput:
-        hidden = self._forward(scheduled, kernels)  # (num_tokens, hidden_size)
         rows, samplers, offset = [], [], 0
         for s in scheduled:
             offset += len(s.token_ids)
             if s.samples:  # its last row, and a decode's draft rows: 1 + len(drafts) rows at the end
                 rows += range(offset - 1 - len(s.draft_token_ids), offset)
                 samplers.append(s)
-        if not samplers:
+        inputs = StepInputs(
+            token_ids=[t for s in scheduled for t in s.token_ids],
+            positions=[p for s in scheduled for p in range(s.start_position, s.start_position + len(s.token_ids))],
+            query_lens=[len(s.token_ids) for s in scheduled],
+            seq_lens=[s.start_position + len(s.token_ids) for s in scheduled],
+            block_tables=[s.block_table for s in scheduled], logit_rows=rows, onednn=kernels.onednn,
+        )
+        if self.ranks is None:
+            logits = self.forward_logits(inputs, kernels)
+        else:  # tensor parallel: every rank runs this step; a failure leaves them out of step
+            self.ranks.send(inputs)
+            try:
+                logits = self.forward_logits(inputs, kernels)
+            except Exception as e:
+                raise EngineDeadError(f"tensor-parallel step failed: {type(e).__name__}: {e}") from e
+        if logits is None:
             return RunnerOutput()
-        if len(rows) < hidden.shape[0]:  # prefill chunks: only their last rows sample
-            hidden = hidden[torch.tensor(rows, dtype=torch.int64, device=hidden.device)]  # (num_rows, hidden_size)
-        logits = self.model.compute_logits(hidden, kernels)  # (num_rows, vocab) float32
         return self._sample(logits, samplers)
 
-    def _forward(self, scheduled: list[ScheduledRequest], kernels: StepKernels) -> torch.Tensor:
-        query_lens = [len(s.token_ids) for s in scheduled]
-        seq_lens = [s.start_position + len(s.token_ids) for s in scheduled]
-        positions = [p for s in scheduled for p in range(s.start_position, s.start_position + len(s.token_ids))]
+    def forward_logits(self, inputs: StepInputs, kernels: StepKernels | None = None) -> torch.Tensor | None:
+        """The step's forward pass and the float32 logits of its `logit_rows` (None: no rows),
+        on every rank alike (tensor parallel: rank 0 gets the whole vocabulary)."""
+        if kernels is None or kernels.onednn != inputs.onednn:
+            kernels = StepKernels(onednn=inputs.onednn)
         # One host tensor for both inputs: a step of decodes is small, so per-call overhead counts.
-        inputs = torch.tensor(
-            [[t for s in scheduled for t in s.token_ids], positions], dtype=torch.int64, device=self.device
-        )  # (2, num_tokens): input ids, positions
+        ids = torch.tensor([inputs.token_ids, inputs.positions], dtype=torch.int64, device=self.device)
         meta = AttentionMetadata.build(
-            query_lens, seq_lens, [s.block_table for s in scheduled], self.block_size, self.device, kernels
+            inputs.query_lens, inputs.seq_lens, inputs.block_tables, self.block_size, self.device, kernels
         )
-        return self.model(inputs[0], inputs[1], self.kv_caches, meta)
+        hidden = self.model(ids[0], ids[1], self.kv_caches, meta)  # (num_tokens, hidden_size)
+        rows = inputs.logit_rows
+        if not rows:
+            return None
+        if len(rows) < hidden.shape[0]:  # prefill chunks: only their last rows sample
+            hidden = hidden[torch.tensor(rows, dtype=torch.int64, device=hidden.device)]  # (num_rows, hidden_size)
+        return self.model.compute_logits(hidden, kernels)  # (num_rows, vocab) float32
 
     def _sample(self, logits: torch.Tensor, requests: list[ScheduledRequest]) -> RunnerOutput:
         # The batch attempt may fail after seeded generators drew: the retry starts them

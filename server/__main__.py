@@ -89,9 +89,29 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--prompt-lookup-max", type=int, default=4, help="longest n-gram looked up (tried first)")
     spec.add_argument("--speculative-max-batch-size", type=int, default=4,
                       help="no drafts while more requests than this run (where they stop paying)")
+    tp = p.add_argument_group("tensor parallelism (README: Scaling out)")
+    tp.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                    help="ranks the model is split over (torch.distributed: gloo on CPU, NCCL on CUDA); "
+                         "one node: this process is rank 0 and starts the others")
+    tp.add_argument("--nnodes", type=int, default=1, help="nodes the ranks run on (run this command on each)")
+    tp.add_argument("--node-rank", type=int, default=0, help="this node's index; node 0 serves HTTP")
+    tp.add_argument("--master-addr", default="127.0.0.1", help="node 0's address, for several nodes")
+    tp.add_argument("--master-port", type=int, default=None, help="a free port on node 0, for several nodes")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="log verbosity")
     return p
+
+
+def parallel_config(args: argparse.Namespace):
+    """(ParallelConfig, this process's rank): torchrun's environment when it started us, else the flags."""
+    from engine.parallel import ParallelConfig
+
+    started = ParallelConfig.from_torchrun(args.tensor_parallel_size)
+    if started is not None:
+        return started
+    config = ParallelConfig(args.tensor_parallel_size, nnodes=args.nnodes, node_rank=args.node_rank,
+                            master_addr=args.master_addr, master_port=args.master_port)
+    return config, config.node_rank * config.ranks_per_node
 
 
 class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -126,6 +146,22 @@ def check_model_arg(model: str) -> str | None:
         return None
     return (f"--model {model}: no such checkpoint directory or .gguf file, Hugging Face hub id, or the default "
             f"model's name ({DEFAULT_MODEL!r}).")
+
+
+def resolve_device(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def load_kwargs(args: argparse.Namespace, device: str | None = None) -> dict:
+    """models.loader.load_model's arguments (every tensor-parallel rank loads with them)."""
+    if device is None:
+        device = resolve_device(args.device)
+    return dict(model=args.model, dtype=args.dtype, device=device, max_model_len=args.max_model_len,
+                quantization=args.quantization)
 
 
 def engine_config(args: argparse.Namespace):
@@ -175,12 +211,18 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--max-waiting must be >= -1, got {args.max_waiting}")
     try:
         config = engine_config(args)
+        parallel, rank = parallel_config(args)
     except ValueError as exc:
         parser.error(str(exc))
     problem = check_model_arg(args.model)
     if problem is not None:
         parser.exit(2, f"pagedserve: error: {problem}\n")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if rank != 0:  # another node's ranks (or a torchrun rank): no HTTP, steps from rank 0 until it stops
+        from engine.parallel import run_node
+
+        run_node(load_kwargs(args), config, parallel, rank)
+        return
 
     from server.app import create_app
     from server.http_server import make_server
@@ -191,15 +233,23 @@ def main(argv: list[str] | None = None) -> None:
         from engine.async_engine import AsyncEngine
         from models.loader import load_model
 
-        device = args.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        loaded = load_model(args.model, dtype=args.dtype, device=device, max_model_len=args.max_model_len,
-                            quantization=args.quantization)
-        engine = AsyncEngine(loaded, config, start=False)
-        warm_up(engine.core, loaded.tokenizer)
+        ranks = None
+        if parallel.tensor_parallel_size > 1:
+            from engine.parallel import load_parallel
+
+            loaded, engine_config_, ranks = load_parallel(load_kwargs(args), config, parallel)
+        else:
+            loaded, engine_config_ = load_model(**load_kwargs(args)), config
+        try:
+            engine = AsyncEngine(loaded, engine_config_, start=False, ranks=ranks)
+            warm_up(engine.core, loaded.tokenizer)
+        except BaseException:
+            if ranks is not None:
+                ranks.shutdown()
+            raise
         describe["model"] = (f"{loaded.config.dtype}".replace("torch.", "") + f", weights {loaded.quantization}, "
-                             f"{torch.get_num_threads()} threads")
+                             f"{torch.get_num_threads()} threads"
+                             + (f" x {parallel.tensor_parallel_size} tensor-parallel ranks" if ranks else ""))
         return engine
 
     describe: dict[str, str] = {}
