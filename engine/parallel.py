@@ -239,8 +239,12 @@ def worker_main(rank: int, spec: WorkerSpec) -> None:
     _exit_with_parent(spec.parent_pid)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s")
     torch.set_num_threads(spec.num_threads)
-    group = RankGroup(rank, spec.parallel, spec.load_kwargs.get("device", "cpu"))
-    serve_steps(group, spec)
+    try:
+        group = RankGroup(rank, spec.parallel, spec.load_kwargs.get("device", "cpu"))
+        serve_steps(group, spec)
+    except Exception as e:  # noqa: BLE001 - rank 0 fails on the same model and says why, once
+        logger.error("rank %d: %s: %s", rank, type(e).__name__, e)
+        os._exit(1)
 
 
 def serve_steps(group: RankGroup, spec: WorkerSpec) -> None:

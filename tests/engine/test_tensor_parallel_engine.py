@@ -144,3 +144,21 @@ def test_indivisible_heads_are_refused_before_serving(tmp_path):
     with pytest.raises(ValueError, match=r"tensor parallel size 2 does not divide num_attention_heads \(9\)"):
         LLM(str(path), dtype="float32", tensor_parallel_size=2, **ENGINE)
     assert {p.pid for p in children()} <= before
+
+
+def test_smollm2_splits_over_three_ranks_not_two():
+    """The real SmolLM2-135M Q4_1 GGUF: 9 query heads, 3 KV heads; N=3 answers as one rank does."""
+    from models.fetch import default_model_path
+
+    path = str(default_model_path())
+    with pytest.raises(ValueError, match=r"tensor parallel size 2 does not divide num_attention_heads \(9\)"):
+        LLM(path, tensor_parallel_size=2)
+    one = LLM(path)
+    prompt = one.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                               add_generation_prompt=True, tokenize=True, return_dict=False)
+    params = SamplingParams(temperature=0, max_tokens=12)
+    expected = one.generate(prompt, params)[0]
+    with LLM(path, tensor_parallel_size=3) as llm:
+        got = llm.generate(prompt, params)[0]
+    assert "Paris" in expected.text
+    assert got.token_ids == expected.token_ids

@@ -1,6 +1,7 @@
 """`python -m server` as a real process: --help, the API key from the environment, SIGTERM drains and exits 0."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -19,7 +20,8 @@ from tests.server.conftest import StreamReader, wait_healthy
 REPO = Path(__file__).resolve().parents[2]
 FLAGS = ["--model", "--host", "--port", "--dtype", "--served-model-name", "--max-model-len", "--max-num-seqs",
          "--max-num-batched-tokens", "--block-size", "--kv-cache-memory", "--num-kv-blocks", "--max-waiting",
-         "--api-key", "--log-level", "--shutdown-timeout", "--read-timeout", "--reasoning-parser"]
+         "--api-key", "--log-level", "--shutdown-timeout", "--read-timeout", "--reasoning-parser",
+         "--tensor-parallel-size", "--nnodes", "--node-rank", "--master-addr", "--master-port"]
 
 
 def free_port() -> int:
@@ -191,3 +193,50 @@ def test_a_hub_id_loads_from_the_hugging_face_cache_offline(tiny_model_dir, tmp_
                          env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[:2] == ["None", "testorg/tiny-llama"] and str(snapshot) in out.stdout
+
+
+def test_tensor_parallel_server_answers_as_one_rank_and_sigterm_stops_every_rank(tiny_model_dir):
+    import psutil
+
+    def start(*extra: str) -> tuple[subprocess.Popen, str]:
+        port = free_port()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "server", "--model", str(tiny_model_dir), "--port", str(port), "--dtype",
+             "float32", "--served-model-name", "tiny", "--num-kv-blocks", "64", "--block-size", "8",
+             "--log-level", "warning", *extra],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        return proc, f"http://127.0.0.1:{port}"
+
+    procs = [start(), start("--tensor-parallel-size", "2", "--shutdown-timeout", "10")]
+    try:
+        for proc, url in procs:
+            wait_healthy(proc, url, timeout=180)
+        (one, one_url), (two, two_url) = procs
+        ranks = psutil.Process(two.pid).children(recursive=True)
+        assert len(ranks) >= 1, "rank 1 runs in a child process"
+        body = {"model": "tiny", "prompt": "Paged attention serves", "max_tokens": 24, "temperature": 0,
+                "ignore_eos": True}
+        texts = [httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+                 for url in (one_url, two_url)]
+        assert texts[0] == texts[1]
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 12,
+                "temperature": 0, "stream": True}
+        streamed = [StreamReader(f"{url}/v1/chat/completions", chat, timeout=60) for url in (one_url, two_url)]
+        for reader in streamed:
+            reader.thread.join(60)
+
+        def content(lines: list[str]) -> str:
+            assert lines[-1] == "data: [DONE]"
+            chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+            return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+
+        assert content(streamed[0].lines) == content(streamed[1].lines) != ""
+        os.kill(two.pid, signal.SIGTERM)
+        assert two.wait(60) == 0, two.stdout.read()
+        gone, alive = psutil.wait_procs(ranks, timeout=15)
+        assert not alive, f"ranks left running after SIGTERM: {alive}"
+    finally:
+        for proc, _ in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(30)
