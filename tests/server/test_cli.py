@@ -240,3 +240,45 @@ def test_tensor_parallel_server_answers_as_one_rank_and_sigterm_stops_every_rank
             if proc.poll() is None:
                 proc.kill()
             proc.wait(30)
+
+
+@pytest.mark.parametrize("launcher", ["--nnodes", "torchrun"])
+def test_ranks_on_two_nodes_answer_as_one_rank(tiny_model_dir, launcher):
+    """Two "nodes" on this machine: node 1 runs no HTTP server and serves rank 0's steps; by the
+    flags (one command per node) or by torchrun's environment (one process per rank)."""
+    port, master = free_port(), free_port()
+    common = ["--model", str(tiny_model_dir), "--port", str(port), "--dtype", "float32", "--served-model-name",
+              "tiny", "--num-kv-blocks", "64", "--block-size", "8", "--log-level", "warning",
+              "--tensor-parallel-size", "2"]
+    if launcher == "--nnodes":
+        cmds = [[sys.executable, "-m", "server", *common, "--nnodes", "2", "--node-rank", str(node),
+                 "--master-addr", "127.0.0.1", "--master-port", str(master)] for node in (1, 0)]
+        envs = [os.environ] * 2
+    else:
+        cmds = [[sys.executable, "-m", "server", *common]] * 2
+        envs = [{**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master)} for rank in (1, 0)]
+    procs = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for cmd, env in zip(cmds, envs)]
+    node1, node0 = procs
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(node0, url, timeout=180)
+        body = {"model": "tiny", "prompt": "Paged attention serves", "max_tokens": 16, "temperature": 0,
+                "ignore_eos": True}
+        two = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        assert node1.poll() is None
+        os.kill(node0.pid, signal.SIGTERM)
+        assert node0.wait(60) == 0
+        assert node1.wait(30) == 0, "rank 0's stop message ends the other node's rank"
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(30)
+    from engine.llm import LLM
+    from engine.request import SamplingParams
+
+    one = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64, block_size=8)
+    expected = one.generate("Paged attention serves", SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    assert two == expected[0].text
