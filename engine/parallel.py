@@ -35,12 +35,14 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from models.layers.parallel import DistCommunicator, TensorParallel
+from models.layers.parallel import DistCommunicator, ShmCommunicator, TensorParallel
 
 logger = logging.getLogger(__name__)
 
 # Workers wait for the next step on the control group for as long as the server idles.
 IDLE_TIMEOUT = datetime.timedelta(days=365)
+# float32 numbers per rank and slot of the shared-memory collectives (4 MiB; 2 slots a rank).
+SHM_CAPACITY = 1 << 20
 
 
 class EngineDeadError(RuntimeError):
@@ -55,6 +57,9 @@ class ParallelConfig:
     master_addr: str = "127.0.0.1"
     master_port: int | None = None  # None (single node): a free port
     init_timeout: float = 300.0  # seconds for every rank to join (and load its part of the model)
+    # The model's collectives: "shm" (CPU ranks of one node; models/layers/parallel.py),
+    # "dist" (torch.distributed: gloo, NCCL), "auto": shm where it can, else dist.
+    collectives: str = "auto"
     spawn_local_ranks: bool = True  # False: torchrun started every rank
     collective_timeout: float = 30.0  # seconds a step's collective waits for a silent rank
 
@@ -70,6 +75,8 @@ class ParallelConfig:
             raise ValueError("several nodes need --master-addr and --master-port (rank 0's node)")
         if not (self.init_timeout > 0 and self.collective_timeout > 0):
             raise ValueError("init_timeout and collective_timeout must be positive")
+        if self.collectives not in ("auto", "shm", "dist"):
+            raise ValueError(f"collectives must be auto, shm or dist, got {self.collectives!r}")
 
     @property
     def ranks_per_node(self) -> int:
@@ -143,11 +150,29 @@ class RankGroup:
         self.model_group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=config.collective_timeout),
                                           backend=backend)
         self.control_group = dist.new_group(ranks, timeout=IDLE_TIMEOUT, backend="gloo")
-        self.tp = TensorParallel(rank, config.tensor_parallel_size, DistCommunicator(self.model_group))
+        self.tp = TensorParallel(rank, config.tensor_parallel_size, self._communicator(backend))
         self.processes: list[multiprocessing.Process] = []
         self._listeners: list[Callable[[str], None]] = []
         self._stopping = False
         self._closed = False
+
+    def _communicator(self, backend: str):
+        config = self.config
+        shm = backend == "gloo" and config.nnodes == 1 and ShmCommunicator.supported()
+        if config.collectives == "dist" or (config.collectives == "auto" and not shm):
+            return DistCommunicator(self.model_group)
+        if not shm:
+            raise ValueError("shared-memory collectives need CPU ranks on one x86 Linux machine")
+        # Rank 0 creates the file; once every rank has mapped it, it is unlinked: nothing is
+        # left in /dev/shm however the ranks end.
+        box = [f"/dev/shm/pagedserve-tp-{os.getpid()}-{os.urandom(4).hex()}" if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=self.control_group)
+        comm = ShmCommunicator(self.rank, config.tensor_parallel_size, box[0], SHM_CAPACITY, create=self.rank == 0,
+                               timeout=config.collective_timeout)
+        dist.barrier(group=self.control_group)
+        if self.rank == 0:
+            os.unlink(box[0])
+        return comm
 
     # ------------------------------------------------------------ rank 0
     def send(self, inputs: StepInputs | None) -> None:
@@ -174,6 +199,8 @@ class RankGroup:
         process.join(1)
         message = f"tensor-parallel worker {process.name} exited (code {process.exitcode})"
         logger.error("%s: the engine cannot run steps without it", message)
+        if isinstance(self.tp.comm, ShmCommunicator):  # a step waiting on it fails now
+            self.tp.comm.abort(message)
         for listener in self._listeners:
             listener(message)
 

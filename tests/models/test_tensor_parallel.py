@@ -5,6 +5,7 @@ and GGUF Q4_0/Q8_0 weights. Shapes that N does not divide are refused by name.
 """
 from __future__ import annotations
 
+import os
 import socket
 import threading
 from pathlib import Path
@@ -15,7 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from gguf import GGMLQuantizationType as Q
 
-from models.layers.parallel import Communicator, DistCommunicator, TensorParallel
+from models.layers.parallel import Communicator, DistCommunicator, ShmCommunicator, TensorParallel
 from models.loader import load_model
 from tests.models.conftest import make_hf_model, paged_forward, save_checkpoint
 
@@ -103,8 +104,19 @@ def _gloo_rank(rank: int, port: int, cases: list[tuple[str, str]], out: str) -> 
         torch.set_num_threads(1)
         tp = TensorParallel(rank, 2, DistCommunicator())
         results = [run_steps(path, tp, quantization) for path, quantization in cases]
+        shm_results = []
+        if ShmCommunicator.supported():  # the same ranks through shared memory (small slots: pieces)
+            shm = f"/dev/shm/pagedserve-test-{port}"
+            if rank == 0:
+                ShmCommunicator(0, 2, shm, capacity=256, create=True)
+            dist.barrier()
+            tp = TensorParallel(rank, 2, ShmCommunicator(rank, 2, shm, capacity=256, create=False))
+            dist.barrier()
+            if rank == 0:
+                os.unlink(shm)
+            shm_results = [run_steps(path, tp, quantization) for path, quantization in cases]
         if rank == 0:
-            torch.save(results, out)
+            torch.save((results, shm_results), out)
         dist.barrier()  # neither rank tears gloo down while the other still talks to it
     finally:
         dist.destroy_process_group()
@@ -163,7 +175,12 @@ def gloo_results(cases, tmp_path_factory) -> dict[str, list[torch.Tensor]]:
     out = tmp_path_factory.mktemp("gloo") / "logits.pt"
     mp.start_processes(_gloo_rank, args=(free_port(), list(cases.values()), str(out)), nprocs=2,
                        start_method="spawn")
-    return dict(zip(cases, torch.load(out)))
+    results, shm_results = torch.load(out)
+    if shm_results:
+        for case, gloo, shm in zip(cases, results, shm_results):
+            for step, (a, b) in enumerate(zip(gloo, shm, strict=True)):
+                assert torch.equal(a, b), f"{case}, step {step}: shared-memory collectives differ from gloo's"
+    return dict(zip(cases, results))
 
 
 # Dense: float32 rounding of the row-parallel sums. Quantized: the kernel rounds activations to
