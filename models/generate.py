@@ -3,13 +3,15 @@
     python -m models.generate --model PATH --prompt "Hello" --prompt "Hi" --max-tokens 32
 
 Prints one JSON line per prompt: {"prompt": ..., "text": ..., "token_ids": [...]}.
-A smoke test of the model layer; the engine's offline LLM class does the real serving.
+A smoke test of the model layer; the engine's offline LLM class does the real serving
+(and, with --tensor-parallel-size N > 1, this command's: rank 0 and N - 1 spawned ranks).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from types import SimpleNamespace
 
 import torch
 
@@ -73,6 +75,19 @@ def _encode(loaded: LoadedModel, prompt: str, chat: bool) -> list[int]:
     return tok(text, add_special_tokens=False).input_ids  # the template already holds the special tokens
 
 
+def _generate_parallel(args: argparse.Namespace) -> tuple[list[list[int]], LoadedModel]:
+    from engine.llm import LLM  # lazy: only tensor parallelism needs the engine here
+    from engine.request import SamplingParams
+
+    with LLM(args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
+             tensor_parallel_size=args.tensor_parallel_size) as llm:
+        loaded = SimpleNamespace(tokenizer=llm.tokenizer, config=llm.engine.model_config)  # what _encode reads
+        prompt_ids = [_encode(loaded, p, args.chat) for p in args.prompt]
+        params = SamplingParams(temperature=0, max_tokens=max(args.max_tokens, 1), ignore_eos=args.ignore_eos)
+        results = llm.generate(prompt_ids, params) if args.max_tokens else []
+    return [r.token_ids for r in results] or [[] for _ in prompt_ids], loaded
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m models.generate", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=DEFAULT_MODEL, help="checkpoint dir, .gguf file, or the default alias")
@@ -84,12 +99,19 @@ def main(argv: list[str] | None = None) -> None:
                         help="auto: as the checkpoint stores it; none: dense; int8/int4: quantize at load")
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--chat", action="store_true", help="apply the chat template (add_generation_prompt)")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="split the model over N ranks (README: Scaling out)")
     args = parser.parse_args(argv)
     if args.max_tokens < 0:
         parser.error("--max-tokens must be >= 0")
-    loaded = load_model(args.model, dtype=args.dtype, device=args.device, quantization=args.quantization)
-    prompt_ids = [_encode(loaded, p, args.chat) for p in args.prompt]
-    outputs = generate_greedy(loaded, prompt_ids, args.max_tokens, args.ignore_eos)
+    if args.tensor_parallel_size < 1:
+        parser.error("--tensor-parallel-size must be >= 1")
+    if args.tensor_parallel_size > 1:
+        outputs, loaded = _generate_parallel(args)
+    else:
+        loaded = load_model(args.model, dtype=args.dtype, device=args.device, quantization=args.quantization)
+        outputs = generate_greedy(loaded, [_encode(loaded, p, args.chat) for p in args.prompt], args.max_tokens,
+                                  args.ignore_eos)
     for prompt, ids in zip(args.prompt, outputs):
         text = loaded.tokenizer.decode(ids, skip_special_tokens=True)
         print(json.dumps({"prompt": prompt, "text": text, "token_ids": ids}, ensure_ascii=False))
