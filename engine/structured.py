@@ -21,12 +21,14 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
 
 Kind = Literal["json", "regex", "choice", "grammar"]
+REASONING_PARSERS = ("qwen3", "deepseek_r1")  # server/reasoning.py's
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 KINDS: tuple[Kind, ...] = ("json", "regex", "choice", "grammar")
 
 # JSON is generated compactly and always the same way (", " and ": ", no other whitespace):
@@ -96,10 +98,16 @@ class GrammarError(ValueError):
 class StructuredOutput:
     """What the output must match. `spec` is canonical text: a JSON schema without whitespace
     (its key order kept: properties are generated in that order), a regex, a JSON list of
-    choices, a Lark or GBNF grammar; equal asks share one compiled grammar."""
+    choices, a Lark or GBNF grammar; equal asks share one compiled grammar.
+
+    `reasoning` (a server/reasoning.py parser: "qwen3", "deepseek_r1"): the model thinks first,
+    freely, and the grammar applies to what follows `</think>` (as vLLM's reasoning-aware
+    structured output does): qwen3 may open `<think>` (or answer at once), deepseek_r1's
+    prompt already opened it."""
 
     kind: Kind
     spec: str
+    reasoning: str | None = None
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -129,6 +137,12 @@ class StructuredOutput:
     @classmethod
     def grammar(cls, text: str) -> StructuredOutput:
         return cls("grammar", text)
+
+    def after_reasoning(self, parser: str | None) -> StructuredOutput:
+        """This grammar applied after the thinking of a model read with reasoning `parser`."""
+        if parser not in (None, *REASONING_PARSERS):
+            raise ValueError(f"unknown reasoning parser {parser!r}")
+        return replace(self, reasoning=parser)
 
 
 class CompiledGrammar:
@@ -255,7 +269,7 @@ class GrammarCompiler:
             return compiled
         import llguidance
 
-        grammar = _llguidance_grammar(spec)
+        grammar = _llguidance_grammar(spec, self._special_tags() if spec.reasoning else False)
         limits = llguidance.LLParserLimits(max_lexer_states=_MAX_LEXER_STATES, verbose_errors=False)
         matcher = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0, limits=limits)
         if matcher.is_error():
@@ -269,6 +283,12 @@ class GrammarCompiler:
             self.num_compiled += 1
         return compiled
 
+    def _special_tags(self) -> bool:
+        """Whether <think> / </think> are special tokens of this tokenizer (then a grammar names
+        them as tokens; otherwise as text)."""
+        special = set(getattr(self._hf_tokenizer, "all_special_tokens", ()) or ())
+        return THINK_OPEN in special and THINK_CLOSE in special
+
     def _tokenizer(self):
         with self._tokenizer_lock:
             if self._ll_tokenizer is None:
@@ -279,21 +299,48 @@ class GrammarCompiler:
             return self._ll_tokenizer
 
 
-def _llguidance_grammar(spec: StructuredOutput) -> str:
+def _llguidance_grammar(spec: StructuredOutput, special_tags: bool = False) -> str:
     import llguidance
     from llguidance.gbnf_to_lark import any_to_lark
 
     matcher = llguidance.LLMatcher
     try:
         if spec.kind == "json":
-            return matcher.grammar_from_json_schema(spec.spec, defaults=_JSON_OPTIONS)
-        if spec.kind == "regex":
-            return matcher.grammar_from_regex(spec.spec)
-        if spec.kind == "choice":
-            return matcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in json.loads(spec.spec)))
-        return matcher.grammar_from_lark(any_to_lark(spec.spec))
+            grammar = matcher.grammar_from_json_schema(spec.spec, defaults=_JSON_OPTIONS)
+        elif spec.kind == "regex":
+            grammar = matcher.grammar_from_regex(spec.spec)
+        elif spec.kind == "choice":
+            grammar = matcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in json.loads(spec.spec)))
+        else:
+            grammar = matcher.grammar_from_lark(any_to_lark(spec.spec))
     except Exception as exc:  # noqa: BLE001 - every parse failure of the user's text is a GrammarError
         raise GrammarError(f"invalid {spec.kind}: {_first_line(str(exc))}") from None
+    return _after_reasoning(grammar, spec.reasoning, special_tags) if spec.reasoning else grammar
+
+
+def _after_reasoning(grammar: str, parser: str, special_tags: bool) -> str:
+    """`grammar` (llguidance's: TopLevelGrammar JSON, or Lark text) as the subgrammar `answer`
+    after free thinking: `<think> ... </think>` (optional for qwen3; for deepseek_r1 the prompt
+    opened it, and the output may repeat the tag). The thinking ends at the first </think>."""
+    if grammar.lstrip().startswith("{"):
+        grammars = json.loads(grammar)["grammars"]
+    else:
+        grammars = [{"lark_grammar": grammar}]
+    answer = {**grammars[0], "name": "answer"}
+    if special_tags:  # one token each: any text between them (the docs' reasoning pattern)
+        think = f"{THINK_OPEN} /(.|\\n)*/ {THINK_CLOSE}"
+        opened = f"/(.|\\n)*/ {THINK_CLOSE}"
+        open_tag = THINK_OPEN
+    else:  # text: a lazy lexeme, the shortest text that ends with the closing tag
+        think = f"{json.dumps(THINK_OPEN)} thought"
+        opened = "thought"
+        open_tag = json.dumps(THINK_OPEN)
+    if parser == "qwen3":
+        start = f"start: ({think})? @answer"
+    else:
+        start = f"start: {open_tag}? {opened} @answer"
+    lark = start + ("" if special_tags else "\nthought[lazy]: /(.|\\n)*<\\/think>/")
+    return json.dumps({"grammars": [{"lark_grammar": lark}, answer, *grammars[1:]]})
 
 
 def _first_line(message: str, limit: int = 500) -> str:

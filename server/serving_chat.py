@@ -70,6 +70,9 @@ async def serve_chat(request: Request, state, engine, body: ChatCompletionReques
         if structured is not None:
             raise invalid(f"'{param}' cannot be combined with a tool_choice that forces a call", param=param)
         structured, param = tools.structured, "tools"
+    thinks = body.template_kwargs().get("enable_thinking") is not False  # Qwen3's switch: off, no thinking
+    if structured is not None and state.reasoning_parser and thinks:  # free thinking first, then the grammar
+        structured = structured.after_reasoning(state.reasoning_parser)
     await compile_or_400(engine, structured, param)
     messages, tool_defs = chat_messages(body, engine.tokenizer)
     prompt_ids = await state.off_loop(encode_chat, engine.tokenizer, messages, tools=tool_defs,

@@ -153,3 +153,42 @@ def test_schemas_get_bounds_where_they_set_none():
     assert out["$defs"]["d"]["anyOf"] == [{"type": "string", "maxLength": 3},
                                           {"type": "integer", "minimum": -MAX_NUMBER, "maximum": MAX_NUMBER}]
     assert "minimum" not in schema["properties"]["n"]  # the caller's schema is left as it was
+
+
+def _accepts(compiled, tokenizer, text: str) -> tuple[bool, bool]:
+    """(whether the grammar takes every token of `text`, whether it is then complete)."""
+    matcher = compiled.matcher()
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if matcher.valid_prefix(ids) < len(ids):
+        return False, False
+    for t in ids:
+        assert matcher.accept(t)
+    return True, matcher.is_done
+
+
+ANSWER = StructuredOutput.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+
+
+@pytest.mark.parametrize("special", [False, True], ids=["tags as text", "tags as special tokens"])
+def test_after_reasoning_the_grammar_starts_at_the_closing_tag(special):
+    from copy import deepcopy
+
+    from tests.models.conftest import tiny_tokenizer
+
+    tokenizer = deepcopy(tiny_tokenizer())
+    if special:  # as a reasoning model's tokenizer may hold them: one special token each
+        tokenizer.add_special_tokens({"additional_special_tokens": ["<think>", "</think>"]})
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    qwen3, r1 = (compiler.compile(ANSWER.after_reasoning(p)) for p in ("qwen3", "deepseek_r1"))
+    free = '<think>first {"a": oops, then more</think>{"a": 1}'  # the thinking is any text, JSON or not
+    assert _accepts(qwen3, tokenizer, free) == (True, True)
+    assert _accepts(qwen3, tokenizer, '{"a": 1}') == (True, True)  # qwen3 may answer without thinking
+    assert _accepts(qwen3, tokenizer, '<think>x</think>{"a": "no"}')[0] is False  # the answer is held to it
+    assert _accepts(qwen3, tokenizer, 'plain{"a": 1}')[0] is False
+    # deepseek_r1: the prompt opened <think>; the output thinks until </think> (repeating the tag or not)
+    assert _accepts(r1, tokenizer, 'weigh it</think>{"a": 2}') == (True, True)
+    assert _accepts(r1, tokenizer, free) == (True, True)
+    assert _accepts(r1, tokenizer, '{"a": 1}') == (True, False)  # still thinking
+    assert ANSWER.after_reasoning("qwen3") != ANSWER and compiler.compile(ANSWER) is not qwen3
+    with pytest.raises(ValueError, match="unknown reasoning parser"):
+        ANSWER.after_reasoning("o1")

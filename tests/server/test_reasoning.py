@@ -3,6 +3,8 @@ and streamed in pieces of every size, the choice from the chat template, and ove
 the official client, whole and streamed."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from server.reasoning import ReasoningStream, parser_for_template, split
@@ -59,7 +61,9 @@ def test_auto_reads_the_chat_template(template, parser):
 def test_reasoning_content_over_a_socket_whole_and_streamed(start_server):
     live = start_server(app_kwargs={"reasoning_parser": "qwen3"})
     client = live.client()
-    forced = {"guided_regex": "<think>[a-c]{3}</think>[a-c]{3}"}  # a fixed shape from the tiny model
+    # A fixed shape from the tiny model; thinking off, so the grammar covers the whole output (with
+    # thinking on it would start after </think>, which the random model never writes).
+    forced = {"guided_regex": "<think>[a-c]{3}</think>[a-c]{3}", "chat_template_kwargs": {"enable_thinking": False}}
     message = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
                                              max_tokens=40, temperature=0, extra_body=forced).choices[0].message
     assert len(message.reasoning_content) == 3 and len(message.content) == 3
@@ -80,3 +84,22 @@ def test_without_a_parser_everything_is_content(live):
         model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=40, temperature=0,
         extra_body={"guided_regex": "<think>[a-c]{3}</think>[a-c]{3}"}).choices[0].message
     assert message.content.startswith("<think>") and getattr(message, "reasoning_content", None) is None
+
+
+def test_structured_output_starts_after_the_thinking(start_server):
+    """With a reasoning parser, response_format holds the answer only: qwen3 may answer at once
+    (valid JSON, no reasoning); deepseek_r1's prompt opened <think>, so the output thinks first,
+    in free text the schema does not touch (the random model never closes it: all reasoning)."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+    ask = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], temperature=0, response_format=fmt)
+    qwen3 = start_server(app_kwargs={"reasoning_parser": "qwen3"}).client()
+    message = qwen3.chat.completions.create(**ask, max_tokens=40).choices[0].message
+    assert json.loads(message.content)["n"] in range(10) and message.reasoning_content is None
+    r1 = start_server(app_kwargs={"reasoning_parser": "deepseek_r1"}).client()
+    choice = r1.chat.completions.create(**ask, max_tokens=12).choices[0]
+    assert choice.finish_reason == "length" and choice.message.reasoning_content and not choice.message.content
+    off = r1.chat.completions.create(**ask, max_tokens=40, extra_body={
+        "chat_template_kwargs": {"enable_thinking": False}}).choices[0].message  # thinking off: JSON at once
+    assert json.loads(off.reasoning_content or off.content)["n"] in range(10)
