@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
                 ranks.shutdown()
             raise
         describe["model"] = (f"{loaded.config.dtype}".replace("torch.", "") + f", weights {loaded.quantization}, "
-                             f"{torch.get_num_threads()} threads"
+                             f"{engine_config_.num_threads or torch.get_num_threads()} threads"
                              + (f" x {parallel.tensor_parallel_size} tensor-parallel ranks" if ranks else ""))
         return engine
 

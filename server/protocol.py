@@ -368,6 +368,8 @@ _UNSUPPORTED_CHAT = {
     "web_search_options": (None,), "prompt_cache_key": (None,), "safety_identifier": (None,),
     "continue_final_message": (None, False), **_ROUTER_FIELDS,
 }
+# vllm-router's cache_aware policy tokenizes each chat request here first, with this field.
+_UNSUPPORTED_TOKENIZE = {"continue_final_message": (None, False)}
 _UNSUPPORTED_MESSAGE_KEYS = ("name", "function_call", "audio", "refusal")
 
 
@@ -401,6 +403,8 @@ def parse_body(raw: bytes, model_cls: type[BaseModel]) -> BaseModel:
                                         "which this server does not compute")
     if model_cls is ChatCompletionRequest:
         data = _reject_unsupported(data, _UNSUPPORTED_CHAT)
+    if model_cls is TokenizeRequest:
+        data = _reject_unsupported(data, _UNSUPPORTED_TOKENIZE)
     if model_cls in (ChatCompletionRequest, TokenizeRequest):
         _reject_unsupported_messages(data.get("messages"))
     try:
