@@ -28,7 +28,7 @@ from typing import AsyncIterator, Sequence
 
 from engine.config import EngineConfig
 from engine.core import EngineCore, tokenize_prompt
-from engine.parallel import EngineDeadError
+from engine.step import EngineDeadError
 from engine.request import RequestOutput, SamplingParams
 from engine.stats import EngineStats
 from engine.structured import GrammarError, StructuredOutput

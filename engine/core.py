@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.model_runner import ModelRunner
-from engine.parallel import EngineDeadError
+from engine.step import EngineDeadError
 from engine.request import Request, RequestOutput, RequestStatus, SamplingParams, TokenLogprob
 from engine.scheduler import Scheduler
 from engine.stats import EngineStats

@@ -16,10 +16,9 @@ import time
 import torch
 
 from engine.config import EngineConfig
-from engine.parallel import EngineDeadError, StepInputs
 from engine.sampler import SamplingBatch, TokenHistory, make_generator, sample
 from engine.structured import allowed_tokens
-from engine.step import RunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.step import EngineDeadError, RunnerOutput, ScheduledRequest, SchedulerOutput, StepInputs
 from engine.threads import StepTuner, applied, candidate_settings
 from models.layers import cpu_kernels
 from models.layers.attention import AttentionMetadata

@@ -35,6 +35,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from engine.step import EngineDeadError, StepInputs
 from models.layers.parallel import DistCommunicator, ShmCommunicator, TensorParallel
 
 logger = logging.getLogger(__name__)
@@ -43,10 +44,6 @@ logger = logging.getLogger(__name__)
 IDLE_TIMEOUT = datetime.timedelta(days=365)
 # float32 numbers per rank and slot of the shared-memory collectives (4 MiB; 2 slots a rank).
 SHM_CAPACITY = 1 << 20
-
-
-class EngineDeadError(RuntimeError):
-    """The tensor-parallel ranks can no longer run a step together: the engine must stop."""
 
 
 @dataclass(frozen=True)
@@ -94,19 +91,6 @@ class ParallelConfig:
         config = cls(tensor_parallel_size, master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
                      master_port=int(env.get("MASTER_PORT", 29500)), spawn_local_ranks=False, **kwargs)
         return config, int(env["RANK"])
-
-
-@dataclass
-class StepInputs:
-    """One step's model inputs, as rank 0 built them: what every rank's forward needs."""
-
-    token_ids: list[int]
-    positions: list[int]
-    query_lens: list[int]
-    seq_lens: list[int]
-    block_tables: list[list[int]]
-    logit_rows: list[int]  # rows of the step whose logits are computed (empty: none)
-    onednn: bool = True  # the step's StepKernels
 
 
 def threads_per_rank(ranks_on_this_node: int) -> int:

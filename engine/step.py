@@ -1,6 +1,7 @@
 """One engine step's plain data: what the scheduler hands the runner, and what comes back.
 
     Scheduler.schedule() -> SchedulerOutput -> ModelRunner.execute() -> RunnerOutput -> Scheduler.update()
+    ModelRunner -> StepInputs -> every tensor-parallel rank's forward (engine/parallel.py)
 
 No torch and nothing of the engine but the request's own types: the scheduler, the
 block manager and the runner import this module, never each other.
@@ -44,3 +45,21 @@ class RunnerOutput:
     sampled: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[TokenLogprob | None]] = field(default_factory=dict)  # one per token sampled
     errors: dict[str, str] = field(default_factory=dict)  # request id -> why its sampling failed
+
+
+@dataclass
+class StepInputs:
+    """One step's model inputs, as the runner built them from a SchedulerOutput: what every
+    tensor-parallel rank's forward pass needs (sent to the other ranks as it is)."""
+
+    token_ids: list[int]
+    positions: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    logit_rows: list[int]  # rows of the step whose logits are computed (empty: none)
+    onednn: bool = True  # the step's StepKernels
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot run steps any more (a tensor-parallel rank is gone): it must stop."""

@@ -3,28 +3,31 @@
     python -m models.generate --model PATH --prompt "Hello" --prompt "Hi" --max-tokens 32
 
 Prints one JSON line per prompt: {"prompt": ..., "text": ..., "token_ids": [...]}.
-A smoke test of the model layer; the engine's offline LLM class does the real serving
-(and, with --tensor-parallel-size N > 1, this command's: rank 0 and N - 1 spawned ranks).
+A smoke test of the model layer; the engine's offline LLM class does the real serving.
+With --tensor-parallel-size N, N spawned ranks (gloo) run the same loop on their parts of the
+model, rank 0 choosing each token.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from types import SimpleNamespace
 
 import torch
 
 from models.layers.attention import AttentionMetadata
+from models.layers.parallel import TensorParallel
 from models.layers.quantization import QUANTIZATIONS
 from models.loader import DEFAULT_MODEL, LoadedModel, load_model
 
 
 @torch.inference_mode()
 def generate_greedy(
-    loaded: LoadedModel, prompts: list[list[int]], max_tokens: int, ignore_eos: bool = False, block_size: int = 16
+    loaded: LoadedModel, prompts: list[list[int]], max_tokens: int, ignore_eos: bool = False, block_size: int = 16,
+    tp: TensorParallel | None = None,
 ) -> list[list[int]]:
-    """Greedy token ids for each prompt: one prefill of all prompts, then one decode step for all at a time."""
+    """Greedy token ids for each prompt: one prefill of all prompts, then one decode step for all at a time.
+    `tp`: the rank `loaded` was built as; rank 0 chooses the tokens, every rank gets them."""
     model, config = loaded.model, loaded.config
     device = next(model.parameters()).device
     for p in prompts:
@@ -53,7 +56,10 @@ def generate_greedy(
         )
         hidden = model(input_ids, positions, kv_caches, meta)  # (num_tokens, hidden_size)
         last = torch.tensor(query_lens, device=device).cumsum(0) - 1  # each sequence's last token row
-        next_ids = model.compute_logits(hidden[last]).argmax(dim=-1).tolist()
+        next_ids = model.compute_logits(hidden[last]).argmax(dim=-1)  # rank 0's: the whole vocabulary
+        if tp is not None and tp.size > 1:
+            next_ids = tp.comm.broadcast(next_ids)
+        next_ids = next_ids.tolist()
         still = []
         for i, t in zip(active, next_ids):
             outputs[i].append(t)
@@ -75,17 +81,54 @@ def _encode(loaded: LoadedModel, prompt: str, chat: bool) -> list[int]:
     return tok(text, add_special_tokens=False).input_ids  # the template already holds the special tokens
 
 
-def _generate_parallel(args: argparse.Namespace) -> tuple[list[list[int]], LoadedModel]:
-    from engine.llm import LLM  # lazy: only tensor parallelism needs the engine here
-    from engine.request import SamplingParams
+def _rank_main(rank: int, args: argparse.Namespace, port: int, out) -> None:
+    """One tensor-parallel rank: its part of the model, the same greedy loop as every rank (rank 0
+    chooses each token and sends it), rank 0's outputs into `out` (a queue)."""
+    import torch.distributed as dist
 
-    with LLM(args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
-             tensor_parallel_size=args.tensor_parallel_size) as llm:
-        loaded = SimpleNamespace(tokenizer=llm.tokenizer, config=llm.engine.model_config)  # what _encode reads
-        prompt_ids = [_encode(loaded, p, args.chat) for p in args.prompt]
-        params = SamplingParams(temperature=0, max_tokens=max(args.max_tokens, 1), ignore_eos=args.ignore_eos)
-        results = llm.generate(prompt_ids, params) if args.max_tokens else []
-    return [r.token_ids for r in results] or [[] for _ in prompt_ids], loaded
+    from models.layers.parallel import DistCommunicator, TensorParallel
+
+    size = args.tensor_parallel_size
+    torch.set_num_threads(max(1, torch.get_num_threads() // size))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    try:
+        tp = TensorParallel(rank, size, DistCommunicator())
+        loaded = load_model(args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
+                            tensor_parallel=tp)
+        prompts = [_encode(loaded, p, args.chat) for p in args.prompt]
+        outputs = generate_greedy(loaded, prompts, args.max_tokens, args.ignore_eos, tp=tp)
+        if rank == 0:
+            out.put([loaded.tokenizer.decode(ids, skip_special_tokens=True) for ids in outputs])
+            out.put(outputs)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _generate_parallel(args: argparse.Namespace) -> tuple[list[str], list[list[int]]]:
+    """Every rank in a spawned process of its own; (texts, token ids) of rank 0."""
+    import multiprocessing
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = multiprocessing.get_context("spawn")
+    out = context.Queue()
+    ranks = [context.Process(target=_rank_main, args=(rank, args, port, out)) for rank in range(args.tensor_parallel_size)]
+    for p in ranks:
+        p.start()
+    try:
+        for p in ranks:
+            p.join()
+        failed = [p.exitcode for p in ranks if p.exitcode]
+        if failed:
+            raise SystemExit(f"a tensor-parallel rank failed (exit codes {failed})")
+        return out.get(timeout=5), out.get(timeout=5)
+    finally:
+        for p in ranks:
+            if p.is_alive():
+                p.kill()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -107,13 +150,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.tensor_parallel_size < 1:
         parser.error("--tensor-parallel-size must be >= 1")
     if args.tensor_parallel_size > 1:
-        outputs, loaded = _generate_parallel(args)
+        texts, outputs = _generate_parallel(args)
     else:
         loaded = load_model(args.model, dtype=args.dtype, device=args.device, quantization=args.quantization)
         outputs = generate_greedy(loaded, [_encode(loaded, p, args.chat) for p in args.prompt], args.max_tokens,
                                   args.ignore_eos)
-    for prompt, ids in zip(args.prompt, outputs):
-        text = loaded.tokenizer.decode(ids, skip_special_tokens=True)
+        texts = [loaded.tokenizer.decode(ids, skip_special_tokens=True) for ids in outputs]
+    for prompt, text, ids in zip(args.prompt, texts, outputs):
         print(json.dumps({"prompt": prompt, "text": text, "token_ids": ids}, ensure_ascii=False))
     sys.stdout.flush()
 

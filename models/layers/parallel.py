@@ -43,6 +43,10 @@ class Communicator:
         """Rank 0: every rank's `x`, in rank order; other ranks: None."""
         raise NotImplementedError
 
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `x` on every rank, in place."""
+        raise NotImplementedError
+
 
 class DistCommunicator(Communicator):
     """torch.distributed collectives over `group` (None: the default group)."""
@@ -60,6 +64,10 @@ class DistCommunicator(Communicator):
         parts = [torch.empty_like(x) for _ in range(dist.get_world_size(self.group))] if self.rank == 0 else None
         dist.gather(x, parts, dst=self.root, group=self.group)
         return parts
+
+    def broadcast(self, x):
+        dist.broadcast(x, src=self.root, group=self.group)
+        return x
 
 
 class ShmCommunicator(Communicator):

@@ -162,19 +162,3 @@ def test_smollm2_splits_over_three_ranks_not_two():
         got = llm.generate(prompt, params)[0]
     assert "Paris" in expected.text
     assert got.token_ids == expected.token_ids
-
-
-def test_models_generate_takes_tensor_parallel_size(checkpoints):
-    import json
-    import subprocess
-    import sys
-
-    def run(*extra: str) -> list[dict]:
-        out = subprocess.run([sys.executable, "-m", "models.generate", "--model", checkpoints["llama gqa"],
-                              "--prompt", "Hello", "--prompt", "Paged attention", "--max-tokens", "8",
-                              "--dtype", "float32", "--ignore-eos", *extra],
-                             capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, out.stderr
-        return [json.loads(line) for line in out.stdout.splitlines()]
-
-    assert run("--tensor-parallel-size", "2") == run()

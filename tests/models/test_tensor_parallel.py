@@ -232,3 +232,21 @@ def test_a_row_split_inside_a_quantization_group_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"down_proj.weight'.*split of its 96 inputs at 0\.\.48 cuts its "
                                          r"quantization groups of 32"):
         load_model(str(path), dtype="float32", tensor_parallel=TensorParallel(0, 2, ThreadCommunicator(2)))
+
+
+def test_models_generate_takes_tensor_parallel_size(cases):
+    import json
+    import subprocess
+    import sys
+
+    def run(*extra: str) -> list[dict]:
+        out = subprocess.run([sys.executable, "-m", "models.generate", "--model", cases["split kv heads, dense"][0],
+                              "--prompt", "Hello", "--prompt", "Paged attention", "--max-tokens", "8",
+                              "--dtype", "float32", "--ignore-eos", *extra],
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        return [json.loads(line) for line in out.stdout.splitlines()]
+
+    one = run()
+    assert len(one) == 2 and all(len(r["token_ids"]) == 8 for r in one)
+    assert run("--tensor-parallel-size", "2") == one
