@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -162,3 +163,35 @@ def test_smollm2_splits_over_three_ranks_not_two():
         got = llm.generate(prompt, params)[0]
     assert "Paris" in expected.text
     assert got.token_ids == expected.token_ids
+
+
+def test_a_worker_exits_when_rank_0_dies_and_no_shared_memory_is_left(checkpoints, tmp_path):
+    """Rank 0's process killed with SIGKILL (no shutdown at all): its worker notices and exits."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "rank0.py"
+    script.write_text(
+        "import sys, time\n"
+        "from engine.config import EngineConfig\n"
+        "from engine.parallel import ParallelConfig, load_parallel\n"
+        "if __name__ == '__main__':  # spawned ranks import this file again\n"
+        f"    load_parallel(dict(model={checkpoints['llama gqa']!r}, dtype='float32'), EngineConfig(num_kv_blocks=16),"
+        " ParallelConfig(2))\n"
+        "    print('ready', flush=True)\n"
+        "    time.sleep(600)\n")
+    rank0 = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                             cwd=Path(__file__).resolve().parents[2])
+    try:
+        assert rank0.stdout.readline().strip() == "ready"
+        workers = psutil.Process(rank0.pid).children()
+        assert len(workers) >= 1
+        assert not list(Path("/dev/shm").glob(f"pagedserve-tp-{rank0.pid}-*")), "unlinked once every rank mapped it"
+        rank0.kill()
+        rank0.wait(10)
+        gone, alive = psutil.wait_procs(workers, timeout=10)
+        assert not alive, "a worker outlived rank 0"
+    finally:
+        if rank0.poll() is None:
+            rank0.kill()
+        rank0.wait(10)
