@@ -86,17 +86,19 @@ class LiveServer:
         raise AssertionError(f"engine not idle after {timeout}s: {self.engine.stats()}")
 
 
-def wait_healthy(proc, url: str, timeout: float) -> None:
-    """Until `python -m server` in `proc` answers 200 on /health; fails if it exits first."""
+def wait_healthy(proc, url: str, timeout: float, output=None) -> None:
+    """Until `python -m server` in `proc` answers 200 on /health; fails if it exits first, with
+    what it printed (`output()`: its log's text, where it writes to a file; else its stdout)."""
+    output = output or (lambda: proc.stdout.read())
     deadline = time.monotonic() + timeout
     while True:
-        assert proc.poll() is None, proc.stdout.read()
+        assert proc.poll() is None, output()
         try:
             if httpx.get(f"{url}/health", timeout=5).status_code == 200:
                 return
         except httpx.TransportError:
             pass
-        assert time.monotonic() < deadline, f"server did not become healthy in {timeout}s"
+        assert time.monotonic() < deadline, f"{url} did not become healthy in {timeout}s"
         time.sleep(0.1)
 
 

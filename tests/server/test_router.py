@@ -29,6 +29,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.models.conftest import make_hf_model, save_checkpoint
+from tests.server.conftest import wait_healthy
 
 REPO = Path(__file__).resolve().parents[2]
 ROUTER = Path(sys.executable).with_name("vllm-router")
@@ -68,16 +69,7 @@ class Process:
             self.proc = subprocess.Popen(args, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
 
     def wait_healthy(self, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            assert self.proc.poll() is None, self.log.read_text()[-3000:]
-            try:
-                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, f"{self.url} not healthy in {timeout}s: {self.log.read_text()[-3000:]}"
-            time.sleep(0.1)
+        wait_healthy(self.proc, self.url, timeout, output=lambda: self.log.read_text()[-3000:])
 
     def stop(self) -> None:
         if self.proc.poll() is None:
