@@ -234,7 +234,7 @@ def start_ranks(spec: WorkerSpec, rank: int = 0) -> RankGroup:
         p.start()
         processes.append(p)
     try:
-        group = RankGroup(rank, config, spec.load_kwargs.get("device", "cpu"))
+        group = _join_watching(processes, lambda: RankGroup(rank, config, spec.load_kwargs.get("device", "cpu")))
     except BaseException:
         for p in processes:
             p.kill()
@@ -243,6 +243,32 @@ def start_ranks(spec: WorkerSpec, rank: int = 0) -> RankGroup:
     group.processes = processes
     group.watch()
     return group
+
+
+def _join_watching(processes: list, join: Callable[[], RankGroup]) -> RankGroup:
+    """join() (the rendezvous: it waits for every rank up to init_timeout) in a thread, while
+    this one watches the ranks it started: one that exits first fails the start at once."""
+    result: dict = {}
+
+    def run():
+        try:
+            result["group"] = join()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            result["error"] = e
+
+    thread = threading.Thread(target=run, name="pagedserve-tp-join", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.2)
+        dead = [p for p in processes if p.exitcode is not None]
+        if dead and thread.is_alive():
+            raise RuntimeError(
+                f"tensor-parallel rank {dead[0].name} exited during start-up (code {dead[0].exitcode}); its "
+                "log says why. A script that starts ranks needs the `if __name__ == \"__main__\":` guard "
+                "(they are spawned processes, which import it again)")
+    if "error" in result:
+        raise result["error"]
+    return result["group"]
 
 
 def worker_main(rank: int, spec: WorkerSpec) -> None:

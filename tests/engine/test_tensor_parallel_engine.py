@@ -195,3 +195,20 @@ def test_a_worker_exits_when_rank_0_dies_and_no_shared_memory_is_left(checkpoint
         if rank0.poll() is None:
             rank0.kill()
         rank0.wait(10)
+
+
+def test_a_script_without_the_main_guard_fails_at_once_saying_why(checkpoints, tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "from engine.config import EngineConfig\n"
+        "from engine.parallel import ParallelConfig, load_parallel\n"
+        f"load_parallel(dict(model={checkpoints['llama gqa']!r}, dtype='float32'), EngineConfig(num_kv_blocks=16),"
+        " ParallelConfig(2))\n")
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode != 0 and time.monotonic() - start < 60, "not the 300 s rendezvous timeout"
+    assert "exited during start-up" in out.stderr and "__main__" in out.stderr
