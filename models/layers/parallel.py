@@ -140,22 +140,32 @@ class ShmCommunicator(Communicator):
         return slots
 
     def all_reduce(self, x):
-        if x.dtype != torch.float32 or not x.is_contiguous():
-            raise ValueError("the shared-memory all-reduce takes contiguous float32 tensors")
-        flat = x.view(-1)
+        """Added in float32 (bf16/fp16 values widen exactly), in rank order, rounded back to x's dtype."""
+        if not x.is_floating_point():
+            raise ValueError(f"the shared-memory all-reduce adds floating-point tensors, got {x.dtype}")
+        flat = x.reshape(-1)  # a view where x is contiguous; else a copy, written back below
         for start in range(0, flat.numel(), self.capacity):
             piece = flat[start : start + self.capacity]
             slots = self._post(piece)
             self._wait_all(self._generation)
-            torch.add(slots[0], slots[1], out=piece)
-            for r in range(2, self.size):
-                piece += slots[r]
+            if piece.dtype == torch.float32:
+                torch.add(slots[0], slots[1], out=piece)
+                for r in range(2, self.size):
+                    piece += slots[r]
+            else:
+                total = slots[0] + slots[1]
+                for r in range(2, self.size):
+                    total += slots[r]
+                piece.copy_(total)
+        if flat.data_ptr() != x.data_ptr() or not x.is_contiguous():
+            x.copy_(flat.view_as(x))
         return x
 
     def gather(self, x):
+        """Through float32 slots: exact for float32, bf16 and fp16 values."""
         x = x.contiguous()
-        if x.dtype != torch.float32:
-            raise ValueError("the shared-memory gather takes float32 tensors")
+        if not x.is_floating_point():
+            raise ValueError(f"the shared-memory gather takes floating-point tensors, got {x.dtype}")
         flat, parts = x.view(-1), [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
         for start in range(0, flat.numel(), self.capacity):
             piece = flat[start : start + self.capacity]

@@ -212,3 +212,12 @@ def test_a_script_without_the_main_guard_fails_at_once_saying_why(checkpoints, t
                          cwd=Path(__file__).resolve().parents[2])
     assert out.returncode != 0 and time.monotonic() - start < 60, "not the 300 s rendezvous timeout"
     assert "exited during start-up" in out.stderr and "__main__" in out.stderr
+
+
+def test_bf16_ranks_serve_through_the_shared_memory_collectives(checkpoints):
+    """bf16 activations: the collectives add in float32 and round back; the tokens are close to one
+    rank's, not equal (a split GEMM rounds its partial sums to bf16 where one GEMM would not)."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with LLM(checkpoints["llama gqa"], dtype="bfloat16", tensor_parallel_size=2, **ENGINE) as llm:
+        results = llm.generate(["Hello world", [5, 6, 7]], params)
+    assert [r.error for r in results] == [None, None] and [len(r.token_ids) for r in results] == [12, 12]

@@ -250,3 +250,30 @@ def test_models_generate_takes_tensor_parallel_size(cases):
     one = run()
     assert len(one) == 2 and all(len(r["token_ids"]) == 8 for r in one)
     assert run("--tensor-parallel-size", "2") == one
+
+
+@pytest.mark.skipif(not ShmCommunicator.supported(), reason="shared-memory collectives: x86 Linux only")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_shared_memory_collectives_add_in_float32_in_rank_order_any_layout(dtype, tmp_path):
+    """Two ranks as threads over one file, slots smaller than the tensors (pieces): every rank
+    gets (a + b) in float32 rounded to the dtype; non-contiguous tensors in place; gather exact."""
+    path = str(tmp_path / "shm")
+    comms = [ShmCommunicator(r, 2, path, capacity=100, create=r == 0) for r in range(2)]
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(24, 17, generator=gen).to(dtype).t() for _ in range(2)]  # (17, 24), not contiguous
+    expected = (tensors[0].float() + tensors[1].float()).to(dtype)
+    reduced, gathered = {}, {}
+
+    def rank(r: int):
+        x = tensors[r].clone().t().contiguous().t()  # the same layout: a transposed view
+        reduced[r] = comms[r].all_reduce(x)
+        gathered[r] = comms[r].gather(tensors[r])
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(torch.equal(reduced[r], expected) for r in range(2))
+    assert not reduced[0].is_contiguous(), "reduced in place, in the caller's layout"
+    assert gathered[1] is None and all(torch.equal(g, t) for g, t in zip(gathered[0], tensors))
