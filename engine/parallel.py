@@ -149,10 +149,14 @@ class RankGroup:
             raise ValueError("shared-memory collectives need CPU ranks on one x86 Linux machine")
         # Rank 0 creates the file; once every rank has mapped it, it is unlinked: nothing is
         # left in /dev/shm however the ranks end.
-        box = [f"/dev/shm/pagedserve-tp-{os.getpid()}-{os.urandom(4).hex()}" if self.rank == 0 else None]
+        size, timeout = config.tensor_parallel_size, config.collective_timeout
+        comm, box = None, [None]
+        if self.rank == 0:  # made, at its full size, before any other rank hears its name
+            box[0] = f"/dev/shm/pagedserve-tp-{os.getpid()}-{os.urandom(4).hex()}"
+            comm = ShmCommunicator(0, size, box[0], SHM_CAPACITY, create=True, timeout=timeout)
         dist.broadcast_object_list(box, src=0, group=self.control_group)
-        comm = ShmCommunicator(self.rank, config.tensor_parallel_size, box[0], SHM_CAPACITY, create=self.rank == 0,
-                               timeout=config.collective_timeout)
+        if comm is None:
+            comm = ShmCommunicator(self.rank, size, box[0], SHM_CAPACITY, create=False, timeout=timeout)
         dist.barrier(group=self.control_group)
         if self.rank == 0:
             os.unlink(box[0])

@@ -70,7 +70,16 @@ def test_tp2_tokens_equal_tp1_with_prefix_hits_and_preemption(arch, checkpoints)
 
 
 def children() -> list[psutil.Process]:
-    return [p for p in psutil.Process().children(recursive=True) if p.is_running() and p.status() != "zombie"]
+    """This process's live children but multiprocessing's resource tracker (started with the first
+    spawn, shared by all, lives as long as this process)."""
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.is_running() and p.status() != "zombie" and "resource_tracker" not in " ".join(p.cmdline()):
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
 
 
 def test_a_killed_rank_ends_the_stream_with_an_error_and_stops_the_engine(checkpoints):
