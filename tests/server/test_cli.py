@@ -282,3 +282,40 @@ def test_ranks_on_two_nodes_answer_as_one_rank(tiny_model_dir, launcher):
     one = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64, block_size=8)
     expected = one.generate("Paged attention serves", SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     assert two == expected[0].text
+
+
+def test_a_dead_rank_turns_health_503_and_ends_the_stream_with_an_error_event(tiny_model_dir):
+    import psutil
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "server", "--model", str(tiny_model_dir), "--port", str(port), "--dtype", "float32",
+         "--served-model-name", "tiny", "--num-kv-blocks", "64", "--block-size", "8", "--log-level", "warning",
+         "--tensor-parallel-size", "2"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, url, timeout=180)
+        rank1 = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                 if "resource_tracker" not in " ".join(p.cmdline())]
+        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 120, "ignore_eos": True, "stream": True}
+        reader = StreamReader(f"{url}/v1/completions", body, timeout=60)
+        assert reader.first.wait(60)
+        for p in rank1:
+            p.kill()
+        reader.thread.join(30)
+        assert not reader.thread.is_alive()
+        events = [json.loads(line.removeprefix("data: ")) for line in reader.lines if line != "data: [DONE]"]
+        assert "error" in events[-1] and "tensor-parallel" in events[-1]["error"]["message"], events[-1]
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{url}/health", timeout=5).status_code != 503:
+            assert time.monotonic() < deadline, "/health should turn 503"
+            time.sleep(0.1)
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(60)
+        log = proc.stdout.read()
+        assert "tensor-parallel" in log  # the reason, in rank 0's log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(30)
