@@ -70,16 +70,21 @@ def test_bad_flag_values_exit_with_usage_error():
     assert out.returncode == 2 and "max_num_seqs" in out.stderr
 
 
+def start_tiny(model_dir: Path, *extra: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """`python -m server` on the tiny checkpoint (float32, a 64-block pool), 127.0.0.1 on a free
+    port, with `extra` flags; (its process, its URL). The caller stops it by that handle."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "server", "--model", str(model_dir), "--port", str(port), "--dtype", "float32",
+         "--num-kv-blocks", "64", "--block-size", "8", "--log-level", "warning", *extra],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return proc, f"http://127.0.0.1:{port}"
+
+
 @pytest.fixture
 def served_process(tiny_model_dir):
-    port = free_port()
     env = {**os.environ, "PAGEDSERVE_API_KEY": "env-key"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "server", "--model", str(tiny_model_dir), "--port", str(port), "--dtype", "float32",
-         "--served-model-name", "tiny", "--num-kv-blocks", "64", "--block-size", "8", "--shutdown-timeout", "20",
-         "--log-level", "warning"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_tiny(tiny_model_dir, "--served-model-name", "tiny", "--shutdown-timeout", "20", env=env)
     try:
         wait_healthy(proc, url, timeout=180)
         yield proc, url
@@ -148,13 +153,7 @@ def test_ctrl_c_drains_and_exits_130_and_a_second_one_exits_at_once_quietly(serv
 
 
 def test_a_second_ctrl_c_exits_at_once_with_one_line(tiny_model_dir):
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "server", "--model", str(tiny_model_dir), "--port", str(port), "--dtype", "float32",
-         "--num-kv-blocks", "64", "--block-size", "8", "--shutdown-timeout", "60", "--log-level", "warning",
-         "--max-num-seqs", "1"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_tiny(tiny_model_dir, "--shutdown-timeout", "60", "--max-num-seqs", "1")
     try:
         wait_healthy(proc, url, timeout=180)
         body = {"model": str(tiny_model_dir.name), "prompt": "Hello", "max_tokens": 100, "ignore_eos": True,
@@ -198,16 +197,9 @@ def test_a_hub_id_loads_from_the_hugging_face_cache_offline(tiny_model_dir, tmp_
 def test_tensor_parallel_server_answers_as_one_rank_and_sigterm_stops_every_rank(tiny_model_dir):
     import psutil
 
-    def start(*extra: str) -> tuple[subprocess.Popen, str]:
-        port = free_port()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "server", "--model", str(tiny_model_dir), "--port", str(port), "--dtype",
-             "float32", "--served-model-name", "tiny", "--num-kv-blocks", "64", "--block-size", "8",
-             "--log-level", "warning", *extra],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        return proc, f"http://127.0.0.1:{port}"
-
-    procs = [start(), start("--tensor-parallel-size", "2", "--shutdown-timeout", "10")]
+    procs = [start_tiny(tiny_model_dir, "--served-model-name", "tiny"),
+             start_tiny(tiny_model_dir, "--served-model-name", "tiny", "--tensor-parallel-size", "2",
+                        "--shutdown-timeout", "10")]
     try:
         for proc, url in procs:
             wait_healthy(proc, url, timeout=180)
@@ -287,13 +279,7 @@ def test_ranks_on_two_nodes_answer_as_one_rank(tiny_model_dir, launcher):
 def test_a_dead_rank_turns_health_503_and_ends_the_stream_with_an_error_event(tiny_model_dir):
     import psutil
 
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "server", "--model", str(tiny_model_dir), "--port", str(port), "--dtype", "float32",
-         "--served-model-name", "tiny", "--num-kv-blocks", "64", "--block-size", "8", "--log-level", "warning",
-         "--tensor-parallel-size", "2"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_tiny(tiny_model_dir, "--served-model-name", "tiny", "--tensor-parallel-size", "2")
     try:
         wait_healthy(proc, url, timeout=180)
         rank1 = [p for p in psutil.Process(proc.pid).children(recursive=True)
