@@ -98,6 +98,17 @@ def _panels(qw: Q.QuantizedWeight) -> tuple:
     return qw, Q.to_panels(qw)
 
 
+def _q4_0(w: torch.Tensor) -> tuple:
+    """GGUF Q4_0's form, as the 360M and 1.7B files are served: float16 scales, min = -8 x scale."""
+    q = Q.quantize_int4(w)
+    return _panels(Q.QuantizedWeight(4, q.qweight, q.scales.half(), None, q.in_features))
+
+
+def _run_q4_0(w: tuple, x: dict) -> torch.Tensor:
+    qw, (qweight, scales, _) = w
+    return cpu_kernels.quant_linear(x[qw.in_features], qweight, scales, None, None, 4, Q.BLOCK, qw.shape[0], -8.0)
+
+
 # name -> (weight (N, K) float32 -> what the product keeps, (kept, x by K, bf16 x by K) -> product)
 COLUMNS = {
     "dense f32": (lambda w: w, lambda w, x, xb: F.linear(x[w.shape[1]], w)),
@@ -108,6 +119,7 @@ COLUMNS = {
     "f32 GEMM, int4 dequantized": (lambda w: Q.quantize_int4(w).dequantize(), lambda w, x, xb: F.linear(x[w.shape[1]], w)),
     "ours int4 g32": (lambda w: _panels(Q.quantize_int4(w)), lambda w, x, xb: Q.quantized_linear(
         x[w[0].in_features], w[0], panels=w[1])),
+    "ours q4_0 (f16 scales)": (_q4_0, lambda w, x, xb: _run_q4_0(w, x)),
     "ours int8 g32": (lambda w: _panels(Q.quantize_int8(w, 32)), lambda w, x, xb: Q.quantized_linear(
         x[w[0].in_features], w[0], panels=w[1])),
 }
