@@ -129,6 +129,8 @@ struct Isa {
     std::memcpy(&v, x, sizeof v);
     return _mm256_set1_epi32(v);
   }
+  static W load_pair(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static void store_pair(int32_t* p, int32_t v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_set1_epi32(v)); }
   // |127 * 32767 * 2| per madd lane, 16 pairs a group: far inside int32.
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) || defined(__AVXVNNI__)
   static constexpr bool kFusedDot = true;
@@ -153,6 +155,11 @@ struct Isa {
   // of more than one row, as before.
   // "v": any of AVX-512's 32 vector registers ("x" allows only the first 16, and made gcc
   // spill 9 of a 4 x 4 tile's 16 sums to the stack and shuffle the rest every chunk).
+  // Pairs broadcast once a step into memory (`Operands::xb`) rather than at every use: on a Zen 3 a
+  // `vpbroadcastd` from memory takes a vector pipe as well as a load (8 of them added 2.9 cycles
+  // to 8 madd + 8 add, measured), where madd's own memory operand is a load alone; and with no
+  // register held by a pair, a tile of 4 rows x 3 panels fits the 16 registers.
+  static constexpr bool kPrebroadcast = !kFusedDot && kRegisters < 32;
 #if defined(__AVX512VL__)
   static void order(I& v) { __asm__("" : "+v"(v)); }
 #else
@@ -185,11 +192,14 @@ struct Isa {  // plain C++: the same lane arithmetic, one lane at a time
   static W low_nibbles(W w) { for (auto& e : w.v) e &= 0x0F; return w; }
   static W high_nibbles(W w) { for (auto& e : w.v) e = static_cast<int16_t>(e >> 4); return w; }
   static W pair(const int16_t* x) { W w; for (int j = 0; j < 2 * kLanes; ++j) w.v[j] = x[j % 2]; return w; }
+  static W load_pair(const int32_t* p) { W w; std::memcpy(w.v, p, sizeof w.v); return w; }
+  static void store_pair(int32_t* p, int32_t v) { for (int j = 0; j < kLanes; ++j) p[j] = v; }
   static I dot(I acc, W w, W x) {
     for (int i = 0; i < kLanes; ++i) acc.v[i] += w.v[2 * i] * x.v[2 * i] + w.v[2 * i + 1] * x.v[2 * i + 1];
     return acc;
   }
   static constexpr bool kFusedDot = true;
+  static constexpr bool kPrebroadcast = false;
   static void order(I&) {}
   static F to_float(I v) { F f; for (int i = 0; i < kLanes; ++i) f.v[i] = static_cast<float>(v.v[i]); return f; }
   static F broadcast(float s) { F f; for (auto& e : f.v) e = s; return f; }
@@ -203,6 +213,50 @@ struct Isa {  // plain C++: the same lane arithmetic, one lane at a time
 };
 #endif
 
+#if defined(__AVX2__) && !defined(__AVX512F__) && !defined(__AVXVNNI__)
+// A 4 x 3 tile's group of 4 bits in assembly (AVX2; the pairs pre-broadcast, `Isa::kPrebroadcast`):
+// 12 integer sums (ymm0-11), the 0x0F mask (ymm12) and 3 scratch registers are the 16; the sums go
+// to `sums` at the end. Given the same arithmetic as intrinsics, gcc widened every panel's nibbles
+// up front and kept 5 of the sums on the stack. Row r's pairs at x[r] (+ 256 bytes: the high
+// nibbles' pairs), panel p's chunks at w[p]: a base register and a constant an operand, no index
+// (indexed memory operands ran a chunk at half the speed on a Zen 3: 31 against 16 cycles,
+// measured). Exact integer sums: the intrinsics' result bit for bit.
+#define PS_ROW(off, x, d) "vpmaddwd " off "(%[" x "]), %%ymm14, %%ymm15\n\tvpaddd %%ymm15, %%ymm" d ", %%ymm" d "\n\t"
+#define PS_HALF(off, a, b, c, d) PS_ROW(off, "x0", a) PS_ROW(off, "x1", b) PS_ROW(off, "x2", c) PS_ROW(off, "x3", d)
+#define PS_PANEL(wo, xo, w, a, b, c, d)                                                    \
+  "vpmovzxbw " wo "(%[" w "]), %%ymm13\n\tvpand %%ymm12, %%ymm13, %%ymm14\n\t" PS_HALF(xo, a, b, c, d) \
+  "vpsrlw $4, %%ymm13, %%ymm14\n\t" PS_HALF(xo "+256", a, b, c, d)
+#define PS_CHUNK(wo, xo) \
+  PS_PANEL(wo, xo, "w0", "0", "1", "2", "3") PS_PANEL(wo, xo, "w1", "4", "5", "6", "7") PS_PANEL(wo, xo, "w2", "8", "9", "10", "11")
+#define PS_STORE(i, off) "vmovdqu %%ymm" i ", " off "(%[sums])\n\t"
+inline void group_4x3(int32_t* sums, const uint8_t* w, int64_t panel_bytes, const int32_t* x, int64_t stride) {
+  __asm__ volatile(
+      "vpxor %%xmm0, %%xmm0, %%xmm0\n\tvpxor %%xmm1, %%xmm1, %%xmm1\n\tvpxor %%xmm2, %%xmm2, %%xmm2\n\t"
+      "vpxor %%xmm3, %%xmm3, %%xmm3\n\tvpxor %%xmm4, %%xmm4, %%xmm4\n\tvpxor %%xmm5, %%xmm5, %%xmm5\n\t"
+      "vpxor %%xmm6, %%xmm6, %%xmm6\n\tvpxor %%xmm7, %%xmm7, %%xmm7\n\tvpxor %%xmm8, %%xmm8, %%xmm8\n\t"
+      "vpxor %%xmm9, %%xmm9, %%xmm9\n\tvpxor %%xmm10, %%xmm10, %%xmm10\n\tvpxor %%xmm11, %%xmm11, %%xmm11\n\t"
+      "vpcmpeqw %%ymm12, %%ymm12, %%ymm12\n\tvpsrlw $12, %%ymm12, %%ymm12\n\t"
+      PS_CHUNK("0", "0") PS_CHUNK("16", "32") PS_CHUNK("32", "64") PS_CHUNK("48", "96")
+      PS_CHUNK("64", "128") PS_CHUNK("80", "160") PS_CHUNK("96", "192") PS_CHUNK("112", "224")
+      PS_STORE("0", "0") PS_STORE("4", "32") PS_STORE("8", "64") PS_STORE("1", "96") PS_STORE("5", "128")
+      PS_STORE("9", "160") PS_STORE("2", "192") PS_STORE("6", "224") PS_STORE("10", "256") PS_STORE("3", "288")
+      PS_STORE("7", "320") PS_STORE("11", "352")
+      :
+      : [sums] "r"(sums), [w0] "r"(w), [w1] "r"(w + panel_bytes), [w2] "r"(w + 2 * panel_bytes), [x0] "r"(x),
+        [x1] "r"(x + stride), [x2] "r"(x + 2 * stride), [x3] "r"(x + 3 * stride)
+      : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12",
+        "xmm13", "xmm14", "xmm15", "memory");
+}
+#undef PS_STORE
+#undef PS_CHUNK
+#undef PS_PANEL
+#undef PS_HALF
+#undef PS_ROW
+constexpr bool kChunkAsm = true;
+#else
+constexpr bool kChunkAsm = false;
+#endif
+
 // What one product reads: the int16 activations, the panelled weights, their factors.
 template <typename S>
 struct Operands {
@@ -210,6 +264,8 @@ struct Operands {
   const float* xscale;   // (M, K/32)
   const float* xsum;     // (M, K/32): xscale * sum of the block's xq
   const int32_t* xmin;   // (M, K/32): min_per_scale * sum of the block's xq where that is folded, or nullptr
+  const int32_t* xb;     // rows xb_m0.. as (rows, K/2, 8): each pair of xq in all 8 lanes (Isa::kPrebroadcast)
+  int64_t xb_m0;
   const uint8_t* w;      // (P, nb, chunk bytes): see the top of the file
   const S* scales;       // (P, K/G, 8)
   const S* mins;         // like scales, or nullptr
@@ -235,6 +291,14 @@ __attribute__((noinline)) void tile(const Operands<S>& op, int64_t m0, int64_t p
   const S* scales = op.scales + p0 * op.scales_per_row * kLanes;
   const S* mins = op.mins != nullptr ? op.mins + p0 * op.scales_per_row * kLanes : nullptr;
   int64_t sg = 0, left = op.groups_per_scale;  // the group's scale index, and groups left in it
+  // Row r's pair j (its xq[2j], xq[2j + 1]) in every lane: broadcast here, or (tiles of more than
+  // two rows where the build pre-broadcasts: int_qlinear gives them op.xb) loaded as broadcast.
+  constexpr bool kFromXb = Isa::kPrebroadcast && RM > 2;
+  const int32_t* xb = kFromXb ? op.xb + (m0 - op.xb_m0) * op.K / 2 * kLanes : nullptr;
+  const auto pair = [&](int r, const int16_t* x, int64_t j) {
+    if constexpr (kFromXb) return Isa::load_pair(xb + (r * op.K / 2 + j) * kLanes);
+    else return Isa::pair(x);
+  };
   for (int64_t g = 0; g < op.nb; ++g) {
     typename Isa::I dots[RM][RP];
     for (int r = 0; r < RM; ++r)
@@ -260,7 +324,14 @@ __attribute__((noinline)) void tile(const Operands<S>& op, int64_t m0, int64_t p
         if (mins != nullptr) Isa::prefetch(mins + factors_at + p * op.scales_per_row * kLanes);
       }
     }
-    if constexpr (Bits == 4) {
+    if constexpr (Bits == 4 && kChunkAsm && kFromXb && RM == 4 && RP == 3) {
+#if defined(__AVX2__) && !defined(__AVX512F__) && !defined(__AVXVNNI__)
+      alignas(32) int32_t sums[RM][RP][kLanes];  // rows x panels, as group_4x3 stores them
+      group_4x3(&sums[0][0][0], chunks, op.panel_bytes, xb + g * kBlock / 2 * kLanes, op.K / 2 * kLanes);
+      for (int r = 0; r < RM; ++r)
+        for (int p = 0; p < RP; ++p) dots[r][p] = _mm256_load_si256(reinterpret_cast<const __m256i*>(sums[r][p]));
+#endif
+    } else if constexpr (Bits == 4) {
       for (int c = 0; c < 8; ++c) {
         typename Isa::W lo[RP], hi[RP];
         for (int p = 0; p < RP; ++p) {
@@ -270,7 +341,7 @@ __attribute__((noinline)) void tile(const Operands<S>& op, int64_t m0, int64_t p
         }
         for (int r = 0; r < RM; ++r) {
           const int16_t* x = op.xq + (m0 + r) * op.K + g * kBlock + 2 * c;
-          const typename Isa::W xa = Isa::pair(x), xb = Isa::pair(x + 16);
+          const typename Isa::W xa = pair(r, x, g * kBlock / 2 + c), xb = pair(r, x + 16, g * kBlock / 2 + c + 8);
           for (int p = 0; p < RP; ++p) {
             dots[r][p] = Isa::dot(Isa::dot(dots[r][p], lo[p], xa), hi[p], xb);
             if constexpr (!Isa::kFusedDot || (RM > 1 && Isa::kRegisters < 32)) Isa::order(dots[r][p]);
@@ -286,7 +357,7 @@ __attribute__((noinline)) void tile(const Operands<S>& op, int64_t m0, int64_t p
         }
         for (int r = 0; r < RM; ++r) {
           const int16_t* x = op.xq + (m0 + r) * op.K + g * kBlock + 2 * c;
-          const typename Isa::W xa = Isa::pair(x), xb = Isa::pair(x + 2);
+          const typename Isa::W xa = pair(r, x, g * kBlock / 2 + c), xb = pair(r, x + 2, g * kBlock / 2 + c + 1);
           for (int p = 0; p < RP; ++p) {
             dots[r][p] = Isa::dot(Isa::dot(dots[r][p], q0[p], xa), q1[p], xb);
             if constexpr (!Isa::kFusedDot || (RM > 1 && Isa::kRegisters < 32)) Isa::order(dots[r][p]);
@@ -357,6 +428,8 @@ void tile_upto(const Operands<S>& op, int64_t m0, int64_t p0, int rm, int rp) {
 // more panels, having no rows to share a chunk with.
 constexpr int kTileRows = 4;
 constexpr int kTilePanels = Isa::kRegisters >= 32 ? 4 : 2;
+// With pairs pre-broadcast, 4 bits take 3 panels (group_4x3); 8 bits, two widened chunks a panel, keep 2.
+constexpr int kPrebroadcastPanels4 = 3;
 constexpr int kDecodePanels = Isa::kRegisters >= 32 ? 6 : 3;
 
 // The block loop around the micro-kernel. Tasks are blocks of panels x blocks of rows (a row
@@ -388,11 +461,36 @@ void int_qlinear(const Operands<S>& op) {
                                             static_cast<int>(std::min<int64_t>(kDecodePanels, p_end - p0)));
         continue;
       }
-      for (int64_t p0 = p_begin; p0 < p_end; p0 += kTilePanels) {
-        const int rp = static_cast<int>(std::min<int64_t>(kTilePanels, p_end - p0));
-        for (int64_t m0 = m_begin; m0 < m_end; m0 += kTileRows)
-          tile_upto<Bits, kTileRows, kTilePanels>(op, m0, p0, static_cast<int>(std::min<int64_t>(kTileRows, m_end - m0)),
-                                                  rp);
+      if constexpr (Isa::kPrebroadcast) {  // rows outer: each 4 rows broadcast once for the task's panels
+        // 64-byte aligned: a madd operand that crosses a cache line costs (a chunk 6.8 -> 8.5 ns, Zen 3).
+        thread_local std::vector<int32_t> broadcast_storage;
+        const int64_t pairs = op.K / 2;
+        if (broadcast_storage.size() < static_cast<size_t>(kTileRows * pairs * kLanes + 16))
+          broadcast_storage.resize(kTileRows * pairs * kLanes + 16);
+        int32_t* const broadcast = reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(broadcast_storage.data()) + 63) & ~uintptr_t{63});
+        for (int64_t m0 = m_begin; m0 < m_end; m0 += kTileRows) {
+          const int rm = static_cast<int>(std::min<int64_t>(kTileRows, m_end - m0));
+          for (int r = 0; r < rm; ++r) {
+            const int16_t* x = op.xq + (m0 + r) * op.K;
+            for (int64_t j = 0; j < pairs; ++j) {
+              int32_t v;
+              std::memcpy(&v, x + 2 * j, sizeof v);
+              Isa::store_pair(broadcast + (r * pairs + j) * kLanes, v);
+            }
+          }
+          Operands<S> rows = op;
+          rows.xb = broadcast, rows.xb_m0 = m0;
+          constexpr int RP = Bits == 4 ? kPrebroadcastPanels4 : kTilePanels;
+          for (int64_t p0 = p_begin; p0 < p_end; p0 += RP)
+            tile_upto<Bits, kTileRows, RP>(rows, m0, p0, rm, static_cast<int>(std::min<int64_t>(RP, p_end - p0)));
+        }
+      } else {
+        for (int64_t p0 = p_begin; p0 < p_end; p0 += kTilePanels) {
+          const int rp = static_cast<int>(std::min<int64_t>(kTilePanels, p_end - p0));
+          for (int64_t m0 = m_begin; m0 < m_end; m0 += kTileRows)
+            tile_upto<Bits, kTileRows, kTilePanels>(op, m0, p0, static_cast<int>(std::min<int64_t>(kTileRows, m_end - m0)),
+                                                    rp);
+        }
       }
     }
   });
@@ -468,7 +566,7 @@ at::Tensor quant_linear(
   quantize_activations(xf.data_ptr<float>(), M, K, xq, xscale, xsum, xmin, static_cast<int32_t>(min_per_scale));
   const auto run = [&](auto* sc, auto* mn) {
     using S = std::remove_const_t<std::remove_pointer_t<decltype(sc)>>;
-    const Operands<S> op{xq, xscale, xsum, xmin,
+    const Operands<S> op{xq, xscale, xsum, xmin, nullptr, 0,
                          reinterpret_cast<const uint8_t*>(qweight.data_ptr()), sc, mn,
                          static_cast<float>(min_per_scale),
                          bias.has_value() ? bias_f.data_ptr<float>() : nullptr, out.data_ptr<float>(),
