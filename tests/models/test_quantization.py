@@ -94,22 +94,31 @@ def test_int16_activation_path_equals_its_emulation(bits, rows, scale_dtype):
     assert (got - exact).abs().max() < 1e-4 * exact.abs().max()
 
 
-@pytest.mark.parametrize("bits,group", [(4, 32), (8, 32), (4, 64), (8, None)])
+@pytest.mark.parametrize("bits,group,k", [(4, 32, 576), (8, 32, 576), (4, 64, 576), (8, None, 576), ("q4_0", 32, 576),
+                                          (4, 32, 3136), ("q4_0", 32, 3136)])
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16])
-def test_a_rows_product_is_bit_identical_whatever_the_step_size_and_threads(bits, group, scale_dtype):
+def test_a_rows_product_is_bit_identical_whatever_the_step_size_and_threads(bits, group, k, scale_dtype):
     """A quantized layer runs one kernel for every row count (it used to dequantize and call
     a float GEMM from 8 or 32 rows on), work split over outputs, never over a sum: a row
     alone, among 1..256 rows at any offset (so any tile edge and alignment), with 1 or 2
     threads, gives the same bits. Columns not a multiple of any tile width (37) and K with a
-    tail of groups (18 * 32) cover the kernel's edges."""
+    tail of groups (18 * 32) cover the kernel's edges; Q4_0 (its -8 folded into the integer
+    sums) and a K past what AVX2 builds pre-broadcast (3136: 4 x 2 tiles that broadcast at each
+    use, where K = 576 takes the 4 x 3 assembly tiles) too."""
     needs_kernel()
-    n, k = 37, 576
+    n = 37
+    q4_0 = bits == "q4_0"
+    bits = 4 if q4_0 else bits
     qw = random_quantized(bits, n, k, group)
     if scale_dtype == torch.float16:
         qw = half_factors(qw)
+    if q4_0:  # mins = -8 x scale: the layer drops them and the kernel folds -8 into its sums
+        qw = Q.QuantizedWeight(4, qw.qweight, qw.scales, qw.scales * -8, k)
     layer = Linear(k, n, bias=True)
     layer.set_quant_method(Q.QuantMethod(bits, group, scale_dtype=scale_dtype))
     layer.load_weight(qw, "w")
+    if q4_0:
+        assert layer.quant_method.process_weights_after_loading(layer) and layer.mins is None
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(300, k, generator=gen) * 3
     with torch.no_grad():

@@ -278,7 +278,7 @@ struct Operands {
 // The micro-kernel: output rows m0 .. m0+RM, panels p0 .. p0+RP (8 columns each), over all
 // of K. Each weight chunk is widened once for the RM rows, each row's pair broadcast once
 // for the RP panels; the integer sums live in registers for a group, the float sums too.
-template <int Bits, int RM, int RP, typename S>
+template <int Bits, int RM, int RP, bool FromXb, typename S>
 __attribute__((noinline)) void tile(const Operands<S>& op, int64_t m0, int64_t p0) {
   constexpr int kGroupBytes = Bits == 4 ? kBlock / 2 * kLanes : kBlock * kLanes;
   // The float sums, touched once a group, live in memory: in registers they crowded out the
@@ -293,7 +293,7 @@ __attribute__((noinline)) void tile(const Operands<S>& op, int64_t m0, int64_t p
   int64_t sg = 0, left = op.groups_per_scale;  // the group's scale index, and groups left in it
   // Row r's pair j (its xq[2j], xq[2j + 1]) in every lane: broadcast here, or (tiles of more than
   // two rows where the build pre-broadcasts: int_qlinear gives them op.xb) loaded as broadcast.
-  constexpr bool kFromXb = Isa::kPrebroadcast && RM > 2;
+  constexpr bool kFromXb = FromXb && Isa::kPrebroadcast && RM > 2;
   const int32_t* xb = kFromXb ? op.xb + (m0 - op.xb_m0) * op.K / 2 * kLanes : nullptr;
   const auto pair = [&](int r, const int16_t* x, int64_t j) {
     if constexpr (kFromXb) return Isa::load_pair(xb + (r * op.K / 2 + j) * kLanes);
@@ -412,15 +412,15 @@ __attribute__((noinline)) void tile(const Operands<S>& op, int64_t m0, int64_t p
 }
 
 // tile<Bits, rm, rp> for run-time rm <= RM, rp <= RP (the edges of the output).
-template <int Bits, int RM, int RP, typename S>
+template <int Bits, int RM, int RP, bool FromXb = false, typename S>
 void tile_upto(const Operands<S>& op, int64_t m0, int64_t p0, int rm, int rp) {
   if constexpr (RM > 1) {
-    if (rm < RM) return tile_upto<Bits, RM - 1, RP>(op, m0, p0, rm, rp);
+    if (rm < RM) return tile_upto<Bits, RM - 1, RP, FromXb>(op, m0, p0, rm, rp);
   }
   if constexpr (RP > 1) {
-    if (rp < RP) return tile_upto<Bits, RM, RP - 1>(op, m0, p0, rm, rp);
+    if (rp < RP) return tile_upto<Bits, RM, RP - 1, FromXb>(op, m0, p0, rm, rp);
   }
-  tile<Bits, RM, RP>(op, m0, p0);
+  tile<Bits, RM, RP, FromXb>(op, m0, p0);
 }
 
 // Tiles (rows x panels) that fit the register file: 2 * RP widened chunks, RM * RP integer
@@ -461,7 +461,12 @@ void int_qlinear(const Operands<S>& op) {
                                             static_cast<int>(std::min<int64_t>(kDecodePanels, p_end - p0)));
         continue;
       }
-      if constexpr (Isa::kPrebroadcast) {  // rows outer: each 4 rows broadcast once for the task's panels
+      // Rows outer: each 4 rows broadcast once for the task's panels, where 4 rows' pairs (K x 64
+      // bytes) leave room in a 512 KB L2 for the task's weights (up to 256 KB); K = 8192 (1.7B's
+      // down projection, 512 KB of pairs) keeps the 4 x 2 tiles that broadcast at each use. The
+      // bound is reasoned from the cache sizes: runs with and without it on that shape (Zen 3)
+      // were within this VM's noise (30-46 ms either way).
+      if (Isa::kPrebroadcast && op.K * 64 <= (192 << 10)) {
         // 64-byte aligned: a madd operand that crosses a cache line costs (a chunk 6.8 -> 8.5 ns, Zen 3).
         thread_local std::vector<int32_t> broadcast_storage;
         const int64_t pairs = op.K / 2;
@@ -482,7 +487,7 @@ void int_qlinear(const Operands<S>& op) {
           rows.xb = broadcast, rows.xb_m0 = m0;
           constexpr int RP = Bits == 4 ? kPrebroadcastPanels4 : kTilePanels;
           for (int64_t p0 = p_begin; p0 < p_end; p0 += RP)
-            tile_upto<Bits, kTileRows, RP>(rows, m0, p0, rm, static_cast<int>(std::min<int64_t>(RP, p_end - p0)));
+            tile_upto<Bits, kTileRows, RP, true>(rows, m0, p0, rm, static_cast<int>(std::min<int64_t>(RP, p_end - p0)));
         }
       } else {
         for (int64_t p0 = p_begin; p0 < p_end; p0 += kTilePanels) {
