@@ -155,16 +155,16 @@ struct Isa {
   // of more than one row, as before.
   // "v": any of AVX-512's 32 vector registers ("x" allows only the first 16, and made gcc
   // spill 9 of a 4 x 4 tile's 16 sums to the stack and shuffle the rest every chunk).
-  // Pairs broadcast once a step into memory (`Operands::xb`) rather than at every use: on a Zen 3 a
-  // `vpbroadcastd` from memory takes a vector pipe as well as a load (8 of them added 2.9 cycles
-  // to 8 madd + 8 add, measured), where madd's own memory operand is a load alone; and with no
-  // register held by a pair, a tile of 4 rows x 3 panels fits the 16 registers.
-  static constexpr bool kPrebroadcast = !kFusedDot && kRegisters < 32;
 #if defined(__AVX512VL__)
   static void order(I& v) { __asm__("" : "+v"(v)); }
 #else
   static void order(I& v) { __asm__("" : "+x"(v)); }
 #endif
+  // Pairs broadcast once a step into memory (`Operands::xb`) rather than at every use: on a Zen 3 a
+  // `vpbroadcastd` from memory takes a vector pipe as well as a load (8 of them added 2.9 cycles
+  // to 8 madd + 8 add, measured), where madd's own memory operand is a load alone; and with no
+  // register held by a pair, a tile of 4 rows x 3 panels fits the 16 registers.
+  static constexpr bool kPrebroadcast = !kFusedDot && kRegisters < 32;
   static F to_float(I v) { return _mm256_cvtepi32_ps(v); }
   static F broadcast(float s) { return _mm256_set1_ps(s); }
   static F load(const float* p) { return _mm256_loadu_ps(p); }
@@ -264,8 +264,7 @@ struct Operands {
   const float* xscale;   // (M, K/32)
   const float* xsum;     // (M, K/32): xscale * sum of the block's xq
   const int32_t* xmin;   // (M, K/32): min_per_scale * sum of the block's xq where that is folded, or nullptr
-  const int32_t* xb;     // rows xb_m0.. as (rows, K/2, 8): each pair of xq in all 8 lanes (Isa::kPrebroadcast)
-  int64_t xb_m0;
+  const int32_t* xb;     // the tile's rows as (rows, K/2, 8): each pair of xq in all 8 lanes (Isa::kPrebroadcast)
   const uint8_t* w;      // (P, nb, chunk bytes): see the top of the file
   const S* scales;       // (P, K/G, 8)
   const S* mins;         // like scales, or nullptr
@@ -294,7 +293,7 @@ __attribute__((noinline)) void tile(const Operands<S>& op, int64_t m0, int64_t p
   // Row r's pair j (its xq[2j], xq[2j + 1]) in every lane: broadcast here, or (tiles of more than
   // two rows where the build pre-broadcasts: int_qlinear gives them op.xb) loaded as broadcast.
   constexpr bool kFromXb = FromXb && Isa::kPrebroadcast && RM > 2;
-  const int32_t* xb = kFromXb ? op.xb + (m0 - op.xb_m0) * op.K / 2 * kLanes : nullptr;
+  const int32_t* xb = op.xb;
   const auto pair = [&](int r, const int16_t* x, int64_t j) {
     if constexpr (kFromXb) return Isa::load_pair(xb + (r * op.K / 2 + j) * kLanes);
     else return Isa::pair(x);
@@ -366,7 +365,8 @@ __attribute__((noinline)) void tile(const Operands<S>& op, int64_t m0, int64_t p
       }
     }
     // The group's factors, once for the RM rows: scales, and mins as stored or made from the
-    // scales (scale * -8 is exact: the same numbers as stored mins).
+    // scales (scale * a power of two is exact: the same numbers as stored mins), except where an
+    // integral min_per_scale (Q4_0's -8) went into the integer sums instead (op.xmin).
     typename Isa::F ws[RP], mn[RP];
     if (op.xmin != nullptr)
       for (int r = 0; r < RM; ++r)
@@ -484,7 +484,7 @@ void int_qlinear(const Operands<S>& op) {
             }
           }
           Operands<S> rows = op;
-          rows.xb = broadcast, rows.xb_m0 = m0;
+          rows.xb = broadcast;
           constexpr int RP = Bits == 4 ? kPrebroadcastPanels4 : kTilePanels;
           for (int64_t p0 = p_begin; p0 < p_end; p0 += RP)
             tile_upto<Bits, kTileRows, RP, true>(rows, m0, p0, rm, static_cast<int>(std::min<int64_t>(RP, p_end - p0)));
@@ -571,7 +571,7 @@ at::Tensor quant_linear(
   quantize_activations(xf.data_ptr<float>(), M, K, xq, xscale, xsum, xmin, static_cast<int32_t>(min_per_scale));
   const auto run = [&](auto* sc, auto* mn) {
     using S = std::remove_const_t<std::remove_pointer_t<decltype(sc)>>;
-    const Operands<S> op{xq, xscale, xsum, xmin, nullptr, 0,
+    const Operands<S> op{xq, xscale, xsum, xmin, nullptr,
                          reinterpret_cast<const uint8_t*>(qweight.data_ptr()), sc, mn,
                          static_cast<float>(min_per_scale),
                          bias.has_value() ? bias_f.data_ptr<float>() : nullptr, out.data_ptr<float>(),
