@@ -1,6 +1,6 @@
 """Per-phase timings of one model step, without the engine around it.
 
-    python -m loadtest.bench_step [--model SmolLM2-135M-Instruct] [--dtype bfloat16] [--threads 2]
+    python -m loadtest.bench_step [--model SmolLM2-135M-Instruct] [--dtype auto] [--threads 2]
 
 Phases: AttentionMetadata.build for 64 decodes, forward passes for batches of
 1/16/64 decodes (contexts 128-256), for one request's speculative verification
@@ -91,7 +91,9 @@ def matmul_baseline(linears: list[Linear], rows: int, repeats: int, clock, dtype
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
-    parser.add_argument("--dtype", default="bfloat16")
+    # auto: what `python -m server` runs (float32 activations for GGUF files on CPUs); bfloat16 here
+    # used to be the default, which timed a path the server does not take for them.
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--quantization", default="auto", choices=QUANTIZATIONS)
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (0 = leave as is)")
     parser.add_argument("--repeats", type=int, default=20)
