@@ -9,7 +9,8 @@
 SHAPE:TYPE, a random-weight file of `loadtest.make_gguf`, written into the cache first if missing.
 
 Each server is started on a free 127.0.0.1 port with the same threads and the same KV
-capacity (llama-server `-c CTX -np SLOTS`, ours `--num-kv-blocks CTX/16 --max-num-seqs SLOTS`),
+capacity (llama-server `-c CTX -np SLOTS`, ours `--num-kv-blocks CTX/16 --max-num-seqs SLOTS`,
+and `--device cpu` unless --device says otherwise: on a GPU machine ours would take the GPU),
 its idle resident memory read from /proc once it is healthy, then `python -m loadtest`'s
 benchmark runs each concurrency (streaming /v1/completions, fixed-length prompts,
 `ignore_eos`), and the server is stopped by its own handle. Prints one table with the
@@ -89,7 +90,7 @@ def server_commands(args, port: int) -> dict[str, list[str]]:
         "pagedserve": [
             sys.executable, "-m", "server", "--model", str(args.model), "--port", str(port),
             "--served-model-name", "model", "--num-kv-blocks", str(args.ctx // 16), "--max-num-seqs", str(args.slots),
-            "--quantization", args.quantization, "--log-level", "warning",
+            "--quantization", args.quantization, "--log-level", "warning", "--device", args.device,
             *(["--num-threads", str(args.threads)] if args.threads else []),
         ],
     }
@@ -185,8 +186,7 @@ def check_executable(text: str) -> Path:
     return path
 
 
-def main(argv: list[str] | None = None) -> None:
-
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m loadtest.compare", description=__doc__.split("\n\n")[0])
     p.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary (else ours alone)")
     p.add_argument("--model", default=None,
@@ -194,6 +194,8 @@ def main(argv: list[str] | None = None) -> None:
                         "random-weight file (default: SmolLM2-135M-Instruct Q4_1)")
     p.add_argument("--quantization", default="auto", help="ours: --quantization")
     p.add_argument("--threads", type=int, default=None, help="both servers' threads (default: all cores)")
+    p.add_argument("--device", default="cpu",
+                   help="ours: --device (default cpu, where llama-server runs; ours would take a GPU if one is there)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
@@ -201,6 +203,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ctx", type=int, default=16384, help="KV capacity in tokens, both servers")
     p.add_argument("--slots", type=int, default=64, help="parallel sequences, both servers")
     p.add_argument("--out", type=Path, default=None, help="write every figure as JSON here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = build_parser()
     args = p.parse_args(argv)
     try:
         if args.llama_server is not None:

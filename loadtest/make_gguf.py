@@ -20,13 +20,16 @@ Q and K rows are random, so llama.cpp's per-head row permutation needs no applyi
 holds them in GGUF order by definition and the loader's un-permuting is as harmless as it is
 on any file.
 
-The file is written tensor by tensor (one quantized tensor and one float32 chunk of rows in
-memory at a time) into a temporary name and renamed into place, so an interrupted run never
-leaves a half-written model where `compare` would find it.
+The file is written tensor by tensor into a temporary name and renamed into place, so an
+interrupted run never leaves a half-written model where `compare` would find it. Tensors are
+made by `--jobs` processes (default one per core; each holds one quantized tensor and one
+float32 chunk of rows), each from its own seeded generator, so the bytes do not depend on
+the count: the 1.7B file took 7.7 s on 16 cores.
 """
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import re
 import sys
@@ -96,7 +99,7 @@ def ensure_gguf(shape: str, qtype: str, seed: int = 0) -> Path:
     path = default_path(shape, qtype, seed)
     if not path.is_file():
         print(f"make_gguf: writing {path} ...", file=sys.stderr, flush=True)
-        write_gguf(path, shape, qtype, seed)
+        write_gguf(path, shape, qtype, seed, jobs=None)
     return path
 
 
@@ -136,6 +139,11 @@ def random_tensor(dims: tuple[int, ...], qtype: GGMLQuantizationType, rng: np.ra
     return out
 
 
+def _tensor_task(task: tuple[tuple[int, ...], GGMLQuantizationType, int, int]) -> np.ndarray:
+    dims, qtype, seed, index = task
+    return random_tensor(dims, qtype, np.random.default_rng([seed, index]))
+
+
 # (key, value, type, array element type) of one metadata key
 Field = tuple[str, object, GGUFValueType, GGUFValueType | None]
 
@@ -154,9 +162,11 @@ def tokenizer_fields(source: Path) -> list[Field]:
     return fields
 
 
-def write_gguf(out: Path, shape_name: str, qtype_name: str, seed: int = 0, tokenizer: list[Field] | None = None) -> Path:
+def write_gguf(out: Path, shape_name: str, qtype_name: str, seed: int = 0, tokenizer: list[Field] | None = None,
+               jobs: int | None = 1) -> Path:
     """Write a random-weight GGUF of SHAPES[shape_name] in TYPES[qtype_name] to `out`.
-    `tokenizer`: from tokenizer_fields (default: the real SmolLM2-135M-Instruct file's)."""
+    `tokenizer`: from tokenizer_fields (default: the real SmolLM2-135M-Instruct file's).
+    `jobs`: processes making tensors (None: one per core); the file's bytes do not depend on it."""
     if tokenizer is None:
         from models.fetch import default_model_path
 
@@ -198,9 +208,19 @@ def write_gguf(out: Path, shape_name: str, qtype_name: str, seed: int = 0, token
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        for index, (name, dims, ttype) in enumerate(plan):
-            # One generator per tensor: a tensor's values depend only on the seed and its place.
-            writer.write_tensor_data(random_tensor(dims, ttype, np.random.default_rng([seed, index])))
+        # One generator per tensor: a tensor's values depend only on the seed and its place, so
+        # tensors can be made in any order, by any number of processes, into the same bytes.
+        tasks = [(dims, ttype, seed, index) for index, (_, dims, ttype) in enumerate(plan)]
+        jobs = max(1, min(jobs or os.cpu_count() or 1, len(tasks)))
+        if jobs == 1:
+            for task in tasks:
+                writer.write_tensor_data(_tensor_task(task))
+        else:
+            # spawn: a forked torch (imported by the caller) can deadlock in its thread pools.
+            with multiprocessing.get_context("spawn").Pool(jobs) as pool:
+                # imap keeps the file's order; at most a few tensors wait in memory for the writer.
+                for data in pool.imap(_tensor_task, tasks):
+                    writer.write_tensor_data(data)
         writer.close()
         os.replace(tmp, out)
     finally:
@@ -218,6 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokenizer-from", type=Path, default=None,
                    help="GGUF whose tokenizer.* keys are copied (default: the real SmolLM2-135M-Instruct file)")
     p.add_argument("--force", action="store_true", help="write even if the file exists")
+    p.add_argument("--jobs", type=int, default=None, help="processes making tensors (default: one per core)")
     args = p.parse_args(argv)
     out = args.out or default_path(args.shape, args.type, args.seed)
     if out.exists() and not args.force:
@@ -226,7 +247,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     start = time.perf_counter()
     tokenizer = tokenizer_fields(args.tokenizer_from) if args.tokenizer_from else None
-    write_gguf(out, args.shape, args.type, args.seed, tokenizer)
+    write_gguf(out, args.shape, args.type, args.seed, tokenizer, jobs=args.jobs)
     print(f"wrote {out.stat().st_size / 2**20:.1f} MiB in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     print(out)
 

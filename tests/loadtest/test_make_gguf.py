@@ -81,6 +81,9 @@ def test_file_holds_llama_cpp_tensor_types_weights_of_std_002_and_the_real_token
 def test_same_seed_same_bytes_other_seed_other_bytes(files, real_tokenizer, tmp_path):
     again = write_gguf(tmp_path / "again.gguf", "tiny", "q4_0", seed=1, tokenizer=real_tokenizer)
     assert again.read_bytes() == files["q4_0"].read_bytes()
+    # Tensors made by worker processes, in whatever order they finish, land in the same bytes.
+    pooled = write_gguf(tmp_path / "pooled.gguf", "tiny", "q4_0", seed=1, tokenizer=real_tokenizer, jobs=3)
+    assert pooled.read_bytes() == files["q4_0"].read_bytes()
     other = write_gguf(tmp_path / "other.gguf", "tiny", "q4_0", seed=2, tokenizer=real_tokenizer)
     assert other.read_bytes() != files["q4_0"].read_bytes()
 
