@@ -4,6 +4,7 @@
     python -m loadtest.compare                   # ours alone
     python -m loadtest.compare --llama-server PATH --model smollm2-1.7b:q4_0   # a random-weight 1.7B shape
     python -m loadtest.compare --llama-server PATH --model some/model.gguf
+    python -m loadtest.compare --llama-server PATH --model smollm2-1.7b:q4_0 --threads 1 4 8 16   # thread scaling
 
 `--model` is the GGUF both servers serve (default: SmolLM2-135M-Instruct Q4_1), or
 SHAPE:TYPE, a random-weight file of `loadtest.make_gguf`, written into the cache first if missing.
@@ -85,31 +86,33 @@ def stop_server(process: subprocess.Popen, timeout: float = 60.0) -> None:
         process.wait()
 
 
-def server_commands(args, port: int) -> dict[str, list[str]]:
+def server_commands(args, port: int, threads: int | None = None) -> dict[str, list[str]]:
+    """Each server's command line, both with `threads` threads (None: all cores)."""
     commands = {
         "pagedserve": [
             sys.executable, "-m", "server", "--model", str(args.model), "--port", str(port),
             "--served-model-name", "model", "--num-kv-blocks", str(args.ctx // 16), "--max-num-seqs", str(args.slots),
             "--quantization", args.quantization, "--log-level", "warning", "--device", args.device,
-            *(["--num-threads", str(args.threads)] if args.threads else []),
+            *(["--num-threads", str(threads)] if threads else []),
         ],
     }
     if args.llama_server:
         commands["llama-server"] = [
             str(args.llama_server), "-m", str(args.model), "--host", "127.0.0.1", "--port", str(port),
-            "-c", str(args.ctx), "-np", str(args.slots), "-t", str(args.threads or os.cpu_count()),
+            "-c", str(args.ctx), "-np", str(args.slots), "-t", str(threads or os.cpu_count()),
             "-a", "model", "--log-disable",
         ]
     return commands
 
 
-def measure(name: str, command: list[str], port: int, args, tokenizer_dir: str) -> dict:
+def measure(name: str, command: list[str], port: int, args, tokenizer_dir: str, threads: int | None = None) -> dict:
     url = f"http://127.0.0.1:{port}"
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         wait_healthy(url, process)
         time.sleep(2.0)  # let start-up work (kernel loads, first allocations) settle
-        result = {"server": name, "command": command, "idle_rss_mb": rss_mb(process.pid), "runs": {}}
+        result = {"server": name, "threads": threads or os.cpu_count(), "command": command,
+                  "idle_rss_mb": rss_mb(process.pid), "runs": {}}
         for concurrency in args.concurrency:
             config = BenchmarkConfig(
                 url=url, model="model", concurrency=concurrency, num_requests=max(args.requests_per_stream * concurrency, 8),
@@ -135,27 +138,50 @@ def measure(name: str, command: list[str], port: int, args, tokenizer_dir: str) 
 
 
 def report(results: list[dict], args) -> str:
+    """One table per thread count (each server's figures side by side, ours / theirs), and with
+    several counts and two servers, how each figure scales with the threads."""
     lines = [f"CPU: {cpu_description()}",
              f"model: {Path(args.model).name}; prompts {args.input_len} tokens, {args.output_len} generated, "
              f"streaming /v1/completions, ignore_eos; KV capacity {args.ctx} tokens, {args.slots} slots"]
-    names = [r["server"] for r in results]
-    header = "| figure | " + " | ".join(names) + (" | ours / theirs |" if len(names) == 2 else " |")
-    lines += ["", header, "|---" * (len(names) + 1 + (len(names) == 2)) + "|"]
+    counts = list(dict.fromkeys(r["threads"] for r in results))
+    figures = [("output tok/s", "output_tok_s", ".1f", True), ("ITL p50 ms", "itl_p50_ms", ".1f", False),
+               ("TTFT p50 ms", "ttft_p50_ms", ".1f", False)]
 
-    def row(label: str, values: list[float], fmt: str, higher_is_better: bool) -> None:
-        cells = [format(v, fmt) if v is not None else "-" for v in values]
-        ratio = ""
-        if len(values) == 2 and all(values):
-            ratio = f" | {values[0] / values[1]:.2f}" + (" (higher is better)" if higher_is_better else "")
-        lines.append(f"| {label} | " + " | ".join(cells) + ratio + " |")
+    def ratio(values: list[float], higher_is_better: bool) -> str:
+        return f"{values[0] / values[1]:.2f}" + (" (higher is better)" if higher_is_better else "")
 
-    for c in args.concurrency:
-        runs = [r["runs"][c] for r in results]
-        row(f"c={c}: output tok/s", [x["output_tok_s"] for x in runs], ".1f", True)
-        row(f"c={c}: ITL p50 ms", [x["itl_p50_ms"] for x in runs], ".1f", False)
-        row(f"c={c}: TTFT p50 ms", [x["ttft_p50_ms"] for x in runs], ".1f", False)
-    row("idle RSS MB", [r["idle_rss_mb"] for r in results], ".0f", False)
-    row("RSS after the runs MB", [r["busy_rss_mb"] for r in results], ".0f", False)
+    for threads in counts:
+        group = [r for r in results if r["threads"] == threads]
+        names = [r["server"] for r in group]
+        header = "| figure | " + " | ".join(names) + (" | ours / theirs |" if len(names) == 2 else " |")
+        lines += ["", f"threads: {threads}", "", header, "|---" * (len(names) + 1 + (len(names) == 2)) + "|"]
+
+        def row(label: str, values: list[float], fmt: str, higher_is_better: bool) -> None:
+            cells = [format(v, fmt) if v is not None else "-" for v in values]
+            tail = f" | {ratio(values, higher_is_better)}" if len(values) == 2 and all(values) else ""
+            lines.append(f"| {label} | " + " | ".join(cells) + tail + " |")
+
+        for c in args.concurrency:
+            runs = [r["runs"][c] for r in group]
+            for label, key, fmt, higher in figures:
+                row(f"c={c}: {label}", [x[key] for x in runs], fmt, higher)
+        row("idle RSS MB", [r["idle_rss_mb"] for r in group], ".0f", False)
+        row("RSS after the runs MB", [r["busy_rss_mb"] for r in group], ".0f", False)
+
+    names = list(dict.fromkeys(r["server"] for r in results))
+    if len(counts) > 1 and len(names) == 2:
+        lines += ["", f"scaling: each cell {names[0]} / {names[1]} (ratio)", "",
+                  "| threads | " + " | ".join(f"c={c}: {label}" for c in args.concurrency for label, *_ in figures) + " |",
+                  "|---" * (1 + len(args.concurrency) * len(figures)) + "|"]
+        for threads in counts:
+            ours, theirs = (next(r for r in results if r["threads"] == threads and r["server"] == n) for n in names)
+            cells = []
+            for c in args.concurrency:
+                for _, key, fmt, higher in figures:
+                    pair = [ours["runs"][c][key], theirs["runs"][c][key]]
+                    cells.append(f"{format(pair[0], fmt)} / {format(pair[1], fmt)}"
+                                 + (f" ({pair[0] / pair[1]:.2f}x)" if all(pair) else ""))
+            lines.append(f"| {threads} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -193,7 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a .gguf file, or SHAPE:TYPE (e.g. smollm2-360m:q4_0) for loadtest.make_gguf's "
                         "random-weight file (default: SmolLM2-135M-Instruct Q4_1)")
     p.add_argument("--quantization", default="auto", help="ours: --quantization")
-    p.add_argument("--threads", type=int, default=None, help="both servers' threads (default: all cores)")
+    p.add_argument("--threads", type=int, nargs="+", default=None,
+                   help="both servers' threads (default: all cores); several counts run one after the other, "
+                        "and the report adds how each figure scales")
     p.add_argument("--device", default="cpu",
                    help="ours: --device (default cpu, where llama-server runs; ours would take a GPU if one is there)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
@@ -221,11 +249,12 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     with tempfile.TemporaryDirectory() as tokenizer_dir:
         load_tokenizer(args.model).save_pretrained(tokenizer_dir)  # one client-side tokenizer for both
-        for name, command in server_commands(args, 0).items():
-            port = free_port()
-            command = server_commands(args, port)[name]
-            print(f"{name}: {' '.join(command)}", flush=True)
-            results.append(measure(name, command, port, args, tokenizer_dir))
+        for threads in args.threads or [None]:
+            for name in server_commands(args, 0, threads):
+                port = free_port()
+                command = server_commands(args, port, threads)[name]
+                print(f"{name}: {' '.join(command)}", flush=True)
+                results.append(measure(name, command, port, args, tokenizer_dir, threads))
     text = report(results, args)
     print("\n" + text)
     if args.out:

@@ -6,7 +6,7 @@ import pytest
 
 import argparse
 
-from loadtest.compare import build_parser, check_executable, main, resolve_model, server_commands
+from loadtest.compare import build_parser, check_executable, main, report, resolve_model, server_commands
 
 
 def test_llama_server_must_be_an_executable_file(tmp_path):
@@ -38,16 +38,37 @@ def test_model_is_a_file_or_a_known_shape_and_type(tmp_path):
 
 
 def test_both_servers_get_the_same_threads_and_ours_the_cpu_by_default():
-    args = argparse.Namespace(model="m.gguf", llama_server="/bin/llama-server", quantization="auto", threads=8,
+    args = argparse.Namespace(model="m.gguf", llama_server="/bin/llama-server", quantization="auto",
                               device="cpu", ctx=4096, slots=16)
-    ours, theirs = server_commands(args, 8000).values()
+    ours, theirs = server_commands(args, 8000, 8).values()
     # --device auto would take a GPU where there is one, against llama-server's CPU build.
     assert ours[ours.index("--device") + 1] == "cpu"
     assert ours[ours.index("--num-threads") + 1] == theirs[theirs.index("-t") + 1] == "8"
     args.device = "cuda:1"
-    assert "cuda:1" in server_commands(args, 8000)["pagedserve"]
+    assert "cuda:1" in server_commands(args, 8000, 8)["pagedserve"]
 
 
 
 def test_device_defaults_to_cpu():
     assert build_parser().parse_args([]).device == "cpu"
+
+
+def test_several_thread_counts_get_a_table_each_and_a_scaling_table():
+    args = build_parser().parse_args(["--model", "m.gguf", "--threads", "1", "4", "--concurrency", "1", "16"])
+    assert args.threads == [1, 4]
+
+    def result(server, threads, speed):
+        runs = {c: {"output_tok_s": speed * c, "itl_p50_ms": 100 / speed, "ttft_p50_ms": 1000 / speed} for c in (1, 16)}
+        return {"server": server, "threads": threads, "runs": runs, "idle_rss_mb": 1, "busy_rss_mb": 2}
+
+    results = [result("pagedserve", 1, 2.0), result("llama-server", 1, 1.0),
+               result("pagedserve", 4, 4.0), result("llama-server", 4, 8.0)]
+    text = report(results, args)
+    assert text.count("| figure | pagedserve | llama-server | ours / theirs |") == 2
+    assert "threads: 1" in text and "threads: 4" in text
+    scaling = text.split("scaling: each cell pagedserve / llama-server (ratio)")[1]
+    rows = [line for line in scaling.splitlines() if line.startswith("| 1 |") or line.startswith("| 4 |")]
+    assert rows[0].startswith("| 1 | 2.0 / 1.0 (2.00x) | 50.0 / 100.0 (0.50x) | 500.0 / 1000.0 (0.50x) | 32.0 / 16.0")
+    assert rows[1].startswith("| 4 | 4.0 / 8.0 (0.50x) | 25.0 / 12.5 (2.00x)")
+    one = report(results[:2], args)  # one thread count: no scaling table
+    assert "scaling" not in one and "| c=16: output tok/s | 32.0 | 16.0 | 2.00 (higher is better) |" in one
