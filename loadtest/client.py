@@ -8,6 +8,7 @@ latencies are gaps between such chunks, E2E runs to the end of the stream.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import itertools
 import time
@@ -40,6 +41,7 @@ class RequestRecord:
     error_kind: str | None = None
     error: str = ""
     violations: list[str] = field(default_factory=list)
+    stale_retries: int = 0  # sends that met a kept-alive connection the server had closed (see send_request)
 
     @property
     def itl(self) -> list[float]:
@@ -87,7 +89,7 @@ async def send_request(
     decoder = SSEDecoder()
     validator = StreamValidator(endpoint)
     try:
-        async with client.stream("POST", url, json=payload) as response:
+        async with _stream(client, url, payload, record) as response:
             if response.status_code != 200:
                 body = (await response.aread()).decode("utf-8", "replace")
                 return _fail(record, f"http_{response.status_code}", body[:300])
@@ -137,6 +139,36 @@ def _measure(record: RequestRecord, validator: StreamValidator, end: float) -> N
     record.chunk_times = [t - record.start for t in validator.content_times]
     record.ttft = record.chunk_times[0] if record.chunk_times else None
     record.e2e = end - record.start
+
+
+# A server may close a kept-alive connection just as the pool hands it to a new request (llama.cpp's
+# llama-server did so for 2-5 of 16 sequential requests, each failing within ~1 ms with no byte
+# of response; the same request on a new connection succeeded). Like the openai client, which
+# retries such errors, the request is sent again on a new connection: at most this many times, and
+# only when no response had begun, so the server never saw it. Counted in the summary.
+STALE_CONNECTION_RETRIES = 2
+
+
+@contextlib.asynccontextmanager
+async def _stream(client: httpx.AsyncClient, url: str, payload: dict, record: RequestRecord):
+    for attempt in range(STALE_CONNECTION_RETRIES + 1):
+        try:
+            context = client.stream("POST", url, json=payload)
+            response = await context.__aenter__()
+        except httpx.RemoteProtocolError as exc:
+            # httpx has dropped the dead connection: the next send takes another or a new one.
+            if attempt == STALE_CONNECTION_RETRIES or "without sending a response" not in str(exc):
+                raise
+            record.stale_retries += 1
+            continue
+        break
+    try:
+        yield response
+    except BaseException as exc:
+        if not await context.__aexit__(type(exc), exc, exc.__traceback__):
+            raise
+    else:
+        await context.__aexit__(None, None, None)
 
 
 def _fail(record: RequestRecord, kind: str, message: str) -> RequestRecord:

@@ -127,6 +127,7 @@ def measure(name: str, command: list[str], port: int, args, tokenizer_dir: str, 
                 "completed": summary["completed"],
                 "failed": summary["failed"],
                 "failures": summary["failures"],
+                "stale_connection_retries": summary["stale_connection_retries"],
                 "first_error_by_kind": summary["first_error_by_kind"],
             }
             shown = {k: v for k, v in result["runs"][concurrency].items() if k != "first_error_by_kind"}

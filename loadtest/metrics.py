@@ -109,6 +109,7 @@ def summarize(
         "disconnected": len(disconnected),
         "failures": dict(Counter(r.error_kind or "unknown" for r in failed)),
         "first_error_by_kind": first_errors,
+        "stale_connection_retries": sum(r.stale_retries for r in records),
         "duration_s": duration_s,
         "total_input_tokens": input_tokens,
         "total_output_tokens": output_tokens,

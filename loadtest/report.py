@@ -76,6 +76,8 @@ def format_table(result: dict) -> str:
         row(f"  {kind}", count)
     if s["disconnected"]:
         row("Disconnected on purpose", s["disconnected"])
+    if s.get("stale_connection_retries"):
+        row("Resent: kept-alive connection closed", s["stale_connection_retries"])
     row("Benchmark duration (s)", s["duration_s"])
     row("Total input tokens", s["total_input_tokens"])
     row("Total generated tokens", s["total_output_tokens"])
