@@ -18,6 +18,12 @@ thread stalls the other at every parallel region, and wall time swings 5x).
 The baseline column is the time of the same phase's matmuls alone (every
 linear layer of the forward, as the model runs it, with the phase's row count),
 so `x base` says how much of a phase is overhead around the arithmetic.
+
+`--profile` adds, under each forward phase, its ops by the calling thread's time
+in them (torch.profiler over a few more forwards; per forward, with the share and
+calls): run at 1 and at N threads, an op whose time does not fall with the
+threads is what keeps a step from scaling (Amdahl). The profiler adds ~1-2 us a
+call, so small ops read high.
 """
 from __future__ import annotations
 
@@ -77,6 +83,17 @@ def linear_layers(model: torch.nn.Module) -> list[Linear]:
     return [m for m in model.model.modules() if isinstance(m, Linear) and not isinstance(m, Embedding)]
 
 
+def op_profile(fn: Callable[[], object], runs: int, top: int = 12) -> str:
+    """The `top` ops of `runs` calls of fn by self time on the calling thread, per call."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(runs):
+            fn()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events) or 1.0
+    return "\n".join(f"    {e.key:<40}{e.self_cpu_time_total / 1e3 / runs:>10.3f} ms{100 * e.self_cpu_time_total / total:>7.1f}%"
+                     f"{e.count / runs:>8.0f} calls" for e in events[:top])
+
+
 def matmul_baseline(linears: list[Linear], rows: int, repeats: int, clock, dtype, device) -> tuple[float, float]:
     """Time of multiplying `rows` rows by each of `linears`, as their methods do."""
     x_by_in = {m.in_features: torch.randn(rows, m.in_features, dtype=dtype, device=device) for m in linears}
@@ -98,7 +115,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (0 = leave as is)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="cpu: process CPU time")
-    parser.add_argument("--phases", default="all", help="comma list of: build,decode,prefill,mixed,logits")
+    parser.add_argument("--phases", default="all", help="comma list of: build,decode,verify,prefill,mixed,logits")
+    parser.add_argument("--profile", action="store_true",
+                        help="under each forward phase, its ops by time (torch.profiler, a few more forwards)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -129,12 +148,15 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.clock} clock")
     print(f"{'phase':<34}{'median ms':>10}{'p10 ms':>9}{'base ms':>9}{'x base':>8}")
 
-    def report(name: str, timing: tuple[float, float], base: tuple[float, float] | None = None) -> None:
+    def report(name: str, timing: tuple[float, float], base: tuple[float, float] | None = None,
+               forward: Callable[[], object] | None = None, runs: int = 3) -> None:
         med, p10 = timing
         cols = f"{name:<34}{med * 1e3:>10.2f}{p10 * 1e3:>9.2f}"
         if base is not None:
             cols += f"{base[0] * 1e3:>9.2f}{med / base[0]:>8.2f}"
         print(cols, flush=True)
+        if args.profile and forward is not None:
+            print(op_profile(forward, runs), flush=True)
 
     def decode_batch(n: int) -> Batch:
         return Batch([1] * n, [rng.randint(128, 256) for _ in range(n)], num_blocks, device, seed=n)
@@ -148,29 +170,33 @@ def main(argv: list[str] | None = None) -> None:
             for n in (1, 16, 64):
                 batch = decode_batch(n)
                 meta = batch.build()
-                fwd = timeit(lambda: model(batch.input_ids, batch.positions, kv_caches, meta), args.repeats, 3, clock)
-                report(f"forward decode b{n} ctx128-256", fwd, baseline(weights, n, args.repeats))
+                forward = lambda: model(batch.input_ids, batch.positions, kv_caches, meta)  # noqa: E731
+                fwd = timeit(forward, args.repeats, 3, clock)
+                report(f"forward decode b{n} ctx128-256", fwd, baseline(weights, n, args.repeats), forward, 10)
         if "verify" in phases:  # one request's speculative step: its token and k drafts, k+1 rows
             for rows in (1, 2, 4, 6):
                 batch = Batch([rows], [200], num_blocks, device, seed=3)
                 meta = batch.build()
-                fwd = timeit(lambda: model(batch.input_ids, batch.positions, kv_caches, meta), args.repeats, 3, clock)
-                report(f"forward 1 request, {rows} rows ctx200", fwd, baseline(weights, rows, args.repeats))
+                forward = lambda: model(batch.input_ids, batch.positions, kv_caches, meta)  # noqa: E731
+                fwd = timeit(forward, args.repeats, 3, clock)
+                report(f"forward 1 request, {rows} rows ctx200", fwd, baseline(weights, rows, args.repeats), forward, 10)
         if "prefill" in phases:
             batch = Batch([128], [128], num_blocks, device)
             meta = batch.build()
             repeats = max(5, args.repeats // 3)
-            fwd = timeit(lambda: model(batch.input_ids, batch.positions, kv_caches, meta), repeats, clock=clock)
-            report("forward prefill 128 tokens", fwd, baseline(weights, 128, repeats))
+            forward = lambda: model(batch.input_ids, batch.positions, kv_caches, meta)  # noqa: E731
+            fwd = timeit(forward, repeats, clock=clock)
+            report("forward prefill 128 tokens", fwd, baseline(weights, 128, repeats), forward)
         if "mixed" in phases:
             query_lens = [1] * 32 + [128] * 15
             seq_lens = [rng.randint(128, 256) for _ in range(32)] + [128] * 14 + [256]
             batch = Batch(query_lens, seq_lens, num_blocks, device, seed=2)
             meta = batch.build()
             repeats = max(3, args.repeats // 5)
-            fwd = timeit(lambda: model(batch.input_ids, batch.positions, kv_caches, meta), repeats, 1, clock)
+            forward = lambda: model(batch.input_ids, batch.positions, kv_caches, meta)  # noqa: E731
+            fwd = timeit(forward, repeats, 1, clock)
             report(f"forward mixed step {sum(query_lens)} tokens", fwd,
-                   baseline(weights, sum(query_lens), repeats))
+                   baseline(weights, sum(query_lens), repeats), forward, 1)
         if "logits" in phases:
             for n in (1, 4, 64):
                 hidden = torch.randn(n, logits_layer.in_features, dtype=dtype, device=device)
