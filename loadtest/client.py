@@ -152,23 +152,17 @@ STALE_CONNECTION_RETRIES = 2
 @contextlib.asynccontextmanager
 async def _stream(client: httpx.AsyncClient, url: str, payload: dict, record: RequestRecord):
     for attempt in range(STALE_CONNECTION_RETRIES + 1):
-        try:
-            context = client.stream("POST", url, json=payload)
-            response = await context.__aenter__()
-        except httpx.RemoteProtocolError as exc:
-            # httpx has dropped the dead connection: the next send takes another or a new one.
-            if attempt == STALE_CONNECTION_RETRIES or "without sending a response" not in str(exc):
-                raise
-            record.stale_retries += 1
-            continue
-        break
-    try:
-        yield response
-    except BaseException as exc:
-        if not await context.__aexit__(type(exc), exc, exc.__traceback__):
-            raise
-    else:
-        await context.__aexit__(None, None, None)
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                response = await stack.enter_async_context(client.stream("POST", url, json=payload))
+            except httpx.RemoteProtocolError as exc:
+                # httpx has dropped the dead connection: the next send takes another or a new one.
+                if attempt == STALE_CONNECTION_RETRIES or "without sending a response" not in str(exc):
+                    raise
+                record.stale_retries += 1
+                continue
+            yield response  # errors while reading the stream leave through the stack, never resent
+            return
 
 
 def _fail(record: RequestRecord, kind: str, message: str) -> RequestRecord:

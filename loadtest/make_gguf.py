@@ -218,7 +218,8 @@ def write_gguf(out: Path, shape_name: str, qtype_name: str, seed: int = 0, token
         else:
             # spawn: a forked torch (imported by the caller) can deadlock in its thread pools.
             with multiprocessing.get_context("spawn").Pool(jobs) as pool:
-                # imap keeps the file's order; at most a few tensors wait in memory for the writer.
+                # imap yields in the file's order; finished tensors wait for the writer, which
+                # (a disk write against a quantization) keeps up.
                 for data in pool.imap(_tensor_task, tasks):
                     writer.write_tensor_data(data)
         writer.close()
