@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--phases", default="all", help="comma list of: build,decode,verify,prefill,mixed,logits")
     parser.add_argument("--profile", action="store_true",
                         help="under each forward phase, its ops by time (torch.profiler, a few more forwards)")
+    parser.add_argument("--top", type=int, default=12, help="with --profile: how many ops a phase lists")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
             cols += f"{base[0] * 1e3:>9.2f}{med / base[0]:>8.2f}"
         print(cols, flush=True)
         if args.profile and forward is not None:
-            print(op_profile(forward, runs), flush=True)
+            print(op_profile(forward, runs, args.top), flush=True)
 
     def decode_batch(n: int) -> Batch:
         return Batch([1] * n, [rng.randint(128, 256) for _ in range(n)], num_blocks, device, seed=n)

@@ -48,6 +48,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <type_traits>
@@ -423,6 +424,180 @@ void tile_upto(const Operands<S>& op, int64_t m0, int64_t p0, int rm, int rp) {
   tile<Bits, RM, RP, FromXb>(op, m0, p0);
 }
 
+// ---- Wide tiles (AVX-512 VNNI): two panels a vector --------------------------------------
+//
+// On a core with two 512-bit pipes (Intel Xeons) a 512-bit `vpdpwssd` does twice the products of
+// a 256-bit one in the same slot; on one that splits 512-bit operations in two (Zen 4) it costs two
+// and the count of everything else halves. Tiles of three rows or more (prompts, mixed steps,
+// verification) therefore run 16 lanes: the chunks of panels p and p + 1 side by side, so lanes
+// 0-7 are panel p's 8 columns and 8-15 panel p + 1's, the pair broadcast to all 16. Each lane
+// runs exactly the arithmetic of `tile` above (the integer dot is exact, then the same convert,
+// multiply and fused multiply-adds, group by group in order), so a row's bits do not depend on
+// which of the two it fell in: decodes keep `tile`. PAGEDSERVE_WIDE_TILES=0 turns them off (to
+// compare; results are the same bits). Measured on a 16-core Intel Xeon (AVX-512 VNNI, AMX; the
+// SmolLM2-1.7B shape's linears, 2 layers, Q4_0, `loadtest.bench_quant`): 128 rows 261 -> 171 ms on
+// 1 thread, 37-39 -> 24-27 ms on 16; 16 rows 32.5 -> 22.6 ms on 1. Not measured on a Zen 4.
+// tests/models/test_wide_tiles.py builds them with emulated vectors where the CPU lacks AVX-512.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) || defined(PAGEDSERVE_WIDE_EMULATED)
+constexpr bool kWide = true;
+constexpr int kWideRows = 6;   // 6 rows x 3 vectors: 18 sums, 6 widened chunks, 2 pairs of the 32 registers
+constexpr int kWideVectors = 3;
+
+inline bool wide_tiles_enabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("PAGEDSERVE_WIDE_TILES");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  return enabled;
+}
+
+// As Isa::order: without it gcc copied the sums between registers and spilled 10 of 18 every chunk.
+#if defined(__AVX512F__)
+inline void wide_order(__m512i& v) { __asm__("" : "+v"(v)); }
+#else
+inline void wide_order(__m512i&) {}  // PAGEDSERVE_WIDE_EMULATED: the same tiles on emulated vectors, to test them
+#endif
+
+inline __m256i two_chunks(const uint8_t* a, const uint8_t* b) {
+  return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
+                                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1);
+}
+inline __m512 two_factors(const float* a, const float* b) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(a))),
+                                             _mm256_castps_pd(_mm256_loadu_ps(b)), 1));
+}
+inline __m512 two_factors(const c10::Half* a, const c10::Half* b) {
+  return _mm512_cvtph_ps(two_chunks(reinterpret_cast<const uint8_t*>(a), reinterpret_cast<const uint8_t*>(b)));
+}
+inline __m512i pair16(const int16_t* x) {
+  int32_t v;
+  std::memcpy(&v, x, sizeof v);
+  return _mm512_set1_epi32(v);
+}
+
+// Rows m0 .. m0+RM, panels p0 .. p0+2*RZ: `tile`'s loop with a vector for each two panels.
+template <int Bits, int RM, int RZ, typename S>
+__attribute__((noinline)) void wide_tile(const Operands<S>& op, int64_t m0, int64_t p0) {
+  constexpr int kGroupBytes = Bits == 4 ? kBlock / 2 * kLanes : kBlock * kLanes;
+  constexpr int RP = 2 * RZ;
+  alignas(64) float acc[RM][RZ][2 * kLanes];
+  for (int r = 0; r < RM; ++r)
+    for (int z = 0; z < RZ; ++z) _mm512_store_ps(acc[r][z], _mm512_setzero_ps());
+  const int64_t pb = op.panel_bytes, fs = op.scales_per_row * kLanes;  // next panel's weights, factors
+  const uint8_t* w = op.w + p0 * pb;
+  const S* scales = op.scales + p0 * fs;
+  const S* mins = op.mins != nullptr ? op.mins + p0 * fs : nullptr;
+  const bool has_min = mins != nullptr || (op.min_per_scale != 0.f && op.xmin == nullptr);
+  int64_t sg = 0, left = op.groups_per_scale;
+  for (int64_t g = 0; g < op.nb; ++g) {
+    __m512i dots[RM][RZ];
+    for (int r = 0; r < RM; ++r)
+      for (int z = 0; z < RZ; ++z) dots[r][z] = _mm512_setzero_si512();
+    const uint8_t* chunks = w + g * kGroupBytes;
+    {  // as in `tile`: the group kPrefetchGroups ahead, this tile's panels then the next tile's
+      const int64_t ahead = g + kPrefetchGroups, panels_ahead = ahead / op.nb * RP;
+      const uint8_t* at = w + panels_ahead * pb + ahead % op.nb * kGroupBytes;
+      const int64_t factors_at = panels_ahead * fs + ahead % op.nb / op.groups_per_scale * kLanes;
+      for (int p = 0; p < RP; ++p)
+        for (int line = 0; line < kGroupBytes; line += 64) Isa::prefetch(at + p * pb + line);
+      for (int p = 0; p < RP; ++p) {
+        Isa::prefetch(scales + factors_at + p * fs);
+        if (mins != nullptr) Isa::prefetch(mins + factors_at + p * fs);
+      }
+    }
+    const int16_t* x = op.xq + m0 * op.K + g * kBlock;
+    if constexpr (Bits == 4) {
+      for (int c = 0; c < 8; ++c) {
+        __m512i lo[RZ], hi[RZ];
+        for (int z = 0; z < RZ; ++z) {
+          const __m512i both = _mm512_cvtepu8_epi16(two_chunks(chunks + 2 * z * pb + c * 16, chunks + (2 * z + 1) * pb + c * 16));
+          lo[z] = _mm512_and_si512(both, _mm512_set1_epi16(0x0F));
+          hi[z] = _mm512_srli_epi16(both, 4);
+        }
+        for (int r = 0; r < RM; ++r) {
+          const __m512i xa = pair16(x + r * op.K + 2 * c), xb = pair16(x + r * op.K + 16 + 2 * c);
+          for (int z = 0; z < RZ; ++z) {
+            dots[r][z] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(dots[r][z], lo[z], xa), hi[z], xb);
+            wide_order(dots[r][z]);
+          }
+        }
+      }
+    } else {
+      for (int c = 0; c < 16; c += 2) {
+        __m512i q0[RZ], q1[RZ];
+        for (int z = 0; z < RZ; ++z) {
+          q0[z] = _mm512_cvtepi8_epi16(two_chunks(chunks + 2 * z * pb + c * 16, chunks + (2 * z + 1) * pb + c * 16));
+          q1[z] = _mm512_cvtepi8_epi16(two_chunks(chunks + 2 * z * pb + c * 16 + 16, chunks + (2 * z + 1) * pb + c * 16 + 16));
+        }
+        for (int r = 0; r < RM; ++r) {
+          const __m512i xa = pair16(x + r * op.K + 2 * c), xb = pair16(x + r * op.K + 2 * c + 2);
+          for (int z = 0; z < RZ; ++z) {
+            dots[r][z] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(dots[r][z], q0[z], xa), q1[z], xb);
+            wide_order(dots[r][z]);
+          }
+        }
+      }
+    }
+    if (op.xmin != nullptr)
+      for (int r = 0; r < RM; ++r)
+        for (int z = 0; z < RZ; ++z) dots[r][z] = _mm512_add_epi32(dots[r][z], _mm512_set1_epi32(op.xmin[(m0 + r) * op.nb + g]));
+    __m512 ws[RZ], mn[RZ];
+    for (int z = 0; z < RZ; ++z) {
+      const int64_t at = 2 * z * fs + sg * kLanes;
+      ws[z] = two_factors(scales + at, scales + at + fs);
+      if (mins != nullptr) mn[z] = two_factors(mins + at, mins + at + fs);
+      else if (has_min) mn[z] = _mm512_mul_ps(ws[z], _mm512_set1_ps(op.min_per_scale));
+    }
+    for (int r = 0; r < RM; ++r) {
+      const __m512 xs = _mm512_set1_ps(op.xscale[(m0 + r) * op.nb + g]);
+      for (int z = 0; z < RZ; ++z)
+        _mm512_store_ps(acc[r][z], _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dots[r][z]), xs), ws[z],
+                                                   _mm512_load_ps(acc[r][z])));
+      if (has_min) {
+        const __m512 xm = _mm512_set1_ps(op.xsum[(m0 + r) * op.nb + g]);
+        for (int z = 0; z < RZ; ++z) _mm512_store_ps(acc[r][z], _mm512_fmadd_ps(xm, mn[z], _mm512_load_ps(acc[r][z])));
+      }
+    }
+    __asm__("" : "+m"(acc));
+    if (--left == 0) {
+      ++sg;
+      left = op.groups_per_scale;
+    }
+  }
+  for (int r = 0; r < RM; ++r) {
+    for (int z = 0; z < RZ; ++z) {
+      const int64_t n0 = (p0 + 2 * z) * kLanes;
+      float* dst = op.out + (m0 + r) * op.N + n0;
+      __m512 y = _mm512_load_ps(acc[r][z]);
+      if (n0 + 2 * kLanes <= op.N) {
+        if (op.bias != nullptr) y = _mm512_add_ps(y, _mm512_loadu_ps(op.bias + n0));
+        _mm512_storeu_ps(dst, y);
+      } else {  // panel p0 + 2z + 1 is the last, N not a multiple of 8: lanes past N are padding
+        alignas(64) float lanes[2 * kLanes], bias[2 * kLanes] = {};
+        if (op.bias != nullptr) std::copy(op.bias + n0, op.bias + op.N, bias);
+        _mm512_store_ps(lanes, _mm512_add_ps(y, _mm512_load_ps(bias)));
+        std::copy(lanes, lanes + (op.N - n0), dst);
+      }
+    }
+  }
+}
+
+template <int Bits, int RM, int RZ, typename S>
+void wide_tile_upto(const Operands<S>& op, int64_t m0, int64_t p0, int rm, int rz) {
+  if constexpr (RM > 1) {
+    if (rm < RM) return wide_tile_upto<Bits, RM - 1, RZ>(op, m0, p0, rm, rz);
+  }
+  if constexpr (RZ > 1) {
+    if (rz < RZ) return wide_tile_upto<Bits, RM, RZ - 1>(op, m0, p0, rm, rz);
+  }
+  wide_tile<Bits, RM, RZ>(op, m0, p0);
+}
+#else
+constexpr bool kWide = false;
+constexpr int kWideRows = 4;
+inline bool wide_tiles_enabled() { return false; }
+#endif
+
 // Tiles (rows x panels) that fit the register file: 2 * RP widened chunks, RM * RP integer
 // sums, RM * RP float sums and two broadcast pairs. Steps of one or two rows (decodes) take
 // more panels, having no rows to share a chunk with.
@@ -439,7 +614,9 @@ constexpr int kDecodePanels = Isa::kRegisters >= 32 ? 6 : 3;
 template <int Bits, typename S>
 void int_qlinear(const Operands<S>& op) {
   const int64_t panels = (op.N + kLanes - 1) / kLanes;
-  const int64_t block_rows = std::clamp<int64_t>((256 << 10) / (op.K * 2) / kTileRows * kTileRows, kTileRows, 64);
+  const bool wide = kWide && op.M > 2 && wide_tiles_enabled();
+  const int64_t tile_rows = wide ? kWideRows : kTileRows;
+  const int64_t block_rows = std::clamp<int64_t>((256 << 10) / (op.K * 2) / tile_rows * tile_rows, tile_rows, 64);
   const int64_t row_blocks = (op.M + block_rows - 1) / block_rows;
   const int64_t threads = at::get_num_threads();
   int64_t block_panels = std::clamp<int64_t>((256 << 10) / op.panel_bytes / 12 * 12, 12, 48);
@@ -466,6 +643,22 @@ void int_qlinear(const Operands<S>& op) {
       // down projection, 512 KB of pairs) keeps the 4 x 2 tiles that broadcast at each use. The
       // bound is reasoned from the cache sizes: runs with and without it on that shape (Zen 3)
       // were within this VM's noise (30-46 ms either way).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) || defined(PAGEDSERVE_WIDE_EMULATED)
+      if (wide) {  // two panels a vector; a last odd panel on the 8-lane tile
+        constexpr int RP = 2 * kWideVectors;
+        for (int64_t p0 = p_begin; p0 < p_end; p0 += RP) {
+          const int np = static_cast<int>(std::min<int64_t>(RP, p_end - p0));
+          for (int64_t m0 = m_begin; m0 < m_end; m0 += kWideRows) {
+            const int rm = static_cast<int>(std::min<int64_t>(kWideRows, m_end - m0));
+            if (np >= 2) wide_tile_upto<Bits, kWideRows, kWideVectors>(op, m0, p0, rm, np / 2);
+            if (np % 2)
+              for (int64_t m1 = m0; m1 < m0 + rm; m1 += kTileRows)
+                tile_upto<Bits, kTileRows, 1>(op, m1, p0 + np - 1, static_cast<int>(std::min<int64_t>(kTileRows, m0 + rm - m1)), 1);
+          }
+        }
+        continue;
+      }
+#endif
       if (Isa::kPrebroadcast && op.K * 64 <= (192 << 10)) {
         // 64-byte aligned: a madd operand that crosses a cache line costs (a chunk 6.8 -> 8.5 ns, Zen 3).
         thread_local std::vector<int32_t> broadcast_storage;

@@ -1,0 +1,84 @@
+"""The quantized kernel's 16-lane tiles (AVX-512 VNNI builds: two panels a vector, for steps of 3
+rows or more) give every row the bits the 8-lane tiles give it alone (a decode), for 4 and 8 bits,
+Q4_0's folded -8, float16 and float32 factors, groups of 32 and 64, and every edge (rows and
+panels not multiples of the tile, N not a multiple of 8, K past one group). Where the CPU has no
+AVX-512, the same source is built with its 512-bit intrinsics emulated lane by lane
+(csrc/wide_tiles_emulated.cpp); where it has, test_quantization's row-invariance test runs them on
+the real instructions (a row alone takes the 8-lane decode tile, a step of 3..256 the wide one)."""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from torch.utils.cpp_extension import get_cxx_compiler
+
+from models.layers import cpu_isa
+
+HARNESS = Path(__file__).parent / "csrc" / "wide_tiles_emulated.cpp"
+
+CHECK = textwrap.dedent(
+    """
+    import sys, torch
+    from torch.utils.cpp_extension import load
+    # The kernel's source is #included, which torch's build cache does not hash: its digest goes in a flag.
+    load(name="pagedserve_wide_tiles_emulated", sources=[sys.argv[1]], is_python_module=False,
+         extra_cflags=["-O2", "-fopenmp", "-mavx2", "-mfma", "-mf16c", "-DKERNEL_SOURCE=" + sys.argv[2]],
+         extra_ldflags=["-fopenmp"])
+    import models.layers.quantization as Q
+    op = torch.ops.pagedserve.quant_linear
+    torch.set_num_threads(2)
+    failures = []
+    for bits, q4_0, k, n, group, factors in [(4, False, 576, 37, 32, torch.float32), (4, True, 576, 37, 32, torch.float16),
+                                              (8, False, 576, 37, 32, torch.float16), (4, False, 256, 64, 64, torch.float16),
+                                              (4, True, 3136, 48, 32, torch.float16), (8, False, 128, 40, 32, torch.float32),
+                                              (4, False, 128, 200, 32, torch.float32)]:
+        gen = torch.Generator().manual_seed(k + n)
+        w = torch.randn(n, k, generator=gen)
+        qw = Q.quantize_int4(w, group) if bits == 4 else Q.quantize_int8(w, group)
+        qw = Q.QuantizedWeight(qw.bits, qw.qweight, qw.scales.to(factors), None if qw.mins is None else qw.mins.to(factors), k)
+        if q4_0:
+            qw = Q.QuantizedWeight(4, qw.qweight, qw.scales, qw.scales * -8, k)
+        qweight, scales, mins = Q.to_panels(qw)
+        mins, min_per_scale = (None, -8.0) if q4_0 else (mins, 0.0)
+        bias = torch.randn(n, generator=gen)
+        x = torch.randn(300, k, generator=gen) * 3
+        x[0, 5] = 70.0
+        f = lambda xs: op(xs, qweight, scales, mins, bias, bits, qw.group_size, n, min_per_scale)
+        alone = torch.cat([f(x[i : i + 1]) for i in range(300)])  # the 8-lane decode tile
+        blocks = x.view(300, k // 32, 32)
+        d = blocks.abs().amax(-1, keepdim=True) / 32767
+        x_rounded = (torch.round(blocks / d) * d).view(300, k)
+        want = torch.nn.functional.linear(x_rounded.double(), qw.dequantize().double(), bias.double())
+        error = ((alone.double() - want).abs().max() / want.abs().max()).item()
+        case = (bits, "q4_0" if q4_0 else "", k, n, group, str(factors))
+        if error > 1e-5:
+            failures.append((case, "off the reference", error))
+        for rows in (3, 4, 5, 6, 7, 8, 11, 12, 13, 64, 65, 300):
+            for start in (0, 1, 5, 300 - rows):
+                if not torch.equal(f(x[start : start + rows]), alone[start : start + rows]):
+                    failures.append((case, rows, start))
+    print("failures", failures)
+    sys.exit(1 if failures else 0)
+    """
+)
+
+
+def test_wide_tiles_give_each_row_the_bits_of_the_row_alone_emulated():
+    flags = cpu_isa.read_cpu_flags()
+    if not {"avx2", "fma", "f16c"} <= flags:
+        pytest.skip("the emulation is built with AVX2 + FMA + F16C (the 256-bit half stays native)")
+    if shutil.which(get_cxx_compiler()) is None:
+        pytest.skip("no C++ compiler to build the emulation with")
+    env = {key: value for key, value in os.environ.items() if key != "PAGEDSERVE_WIDE_TILES"}
+    repo = Path(__file__).resolve().parents[2]
+    kernel = hashlib.sha256((repo / "models/layers/csrc/quant_linear.cpp").read_bytes()).hexdigest()[:16]
+    done = subprocess.run([sys.executable, "-c", CHECK, str(HARNESS), kernel], cwd=repo, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "failures []" in done.stdout
