@@ -50,7 +50,7 @@ using i32x8 = int32_t __attribute__((vector_size(32)));
 
 constexpr int64_t kKeys = 128;  // keys per softmax block: a constant, never the tile's or cache's
 constexpr int64_t kMaxVecs = 32;  // query vectors per task
-constexpr int64_t kFewRows = 8;   // up to this many rows left in a block: values key by key
+constexpr int64_t kFewRows = 8;   // up to this many rows left in a block: their scores key by key
 
 inline f32x8 splat(float x) { return f32x8{x, x, x, x, x, x, x, x}; }
 inline f32x8 load8(const float* p) {
@@ -182,17 +182,6 @@ inline void accumulate(float* const* acc, const float* const* p, const float* co
   }
 }
 
-// acc[d] = fma(p, v[d], acc[d]) for each d: one key's term of one row, the same operation per
-// number as `accumulate`.
-template <int64_t kD>
-inline void axpy(float* acc, float p, const float* v, int64_t value_dim) {
-  const int64_t Dv = kD > 0 ? kD : value_dim;
-  const f32x8 w = splat(p);
-  int64_t d = 0;
-  for (; d + 8 <= Dv; d += 8) store8(acc + d, fma8(w, load8(v + d), load8(acc + d)));
-  for (; d < Dv; ++d) acc[d] = __builtin_fmaf(p, v[d], acc[d]);
-}
-
 inline float widen(float x) { return x; }
 inline float widen(c10::Half x) { return static_cast<float>(x); }
 inline float widen(c10::BFloat16 x) {
@@ -322,16 +311,12 @@ struct Attention {
         float* acc_r = acc + r0 * Dv;
         const float* p = s + r0 * kKeys;
         accumulate<1, kD>(&acc_r, &p, vrow, 0, n[r0], Dv);
-      } else if (few) {
-        // A decode's few rows: key by key, so each value row is read once from memory.
-        for (int64_t t = 0; t < nk; ++t) {
-          for (int64_t r = r0; r < R; ++r) {
-            if (t < n[r]) axpy<kD>(acc + r * Dv, s[r * kKeys + t], vrow[t], Dv);
-          }
-        }
       } else {
-        // Many rows (a prompt's): two rows at a time hold a part of their outputs in registers
-        // across the block's keys, sharing the loads of the values.
+        // Two rows at a time hold a part of their outputs in registers across the block's keys,
+        // sharing the loads of the values. (A decode's few rows went key by key, each term of
+        // each row through memory, so that a value row was read once: the stores and the loads
+        // that waited on them took a third of a GQA decode's time, and the rows are in L1 or L2
+        // by then, asked for above.)
         for (int64_t r = r0; r < R; r += 2) {
           float* accs[2] = {acc + r * Dv, acc + (r + 1) * Dv};
           const float* ps[2] = {s + r * kKeys, s + (r + 1) * kKeys};
