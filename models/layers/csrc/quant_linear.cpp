@@ -439,6 +439,7 @@ void tile_upto(const Operands<S>& op, int64_t m0, int64_t p0, int rm, int rp) {
 // 1 thread, 37-39 -> 24-27 ms on 16; 16 rows 32.5 -> 22.6 ms on 1. Not measured on a Zen 4.
 // tests/models/test_wide_tiles.py builds them with emulated vectors where the CPU lacks AVX-512.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) || defined(PAGEDSERVE_WIDE_EMULATED)
+#define PAGEDSERVE_HAS_WIDE_TILES 1
 constexpr bool kWide = true;
 constexpr int kWideRows = 6;   // 6 rows x 3 vectors: 18 sums, 6 widened chunks, 2 pairs of the 32 registers
 constexpr int kWideVectors = 3;
@@ -638,12 +639,7 @@ void int_qlinear(const Operands<S>& op) {
                                             static_cast<int>(std::min<int64_t>(kDecodePanels, p_end - p0)));
         continue;
       }
-      // Rows outer: each 4 rows broadcast once for the task's panels, where 4 rows' pairs (K x 64
-      // bytes) leave room in a 512 KB L2 for the task's weights (up to 256 KB); K = 8192 (1.7B's
-      // down projection, 512 KB of pairs) keeps the 4 x 2 tiles that broadcast at each use. The
-      // bound is reasoned from the cache sizes: runs with and without it on that shape (Zen 3)
-      // were within this VM's noise (30-46 ms either way).
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) || defined(PAGEDSERVE_WIDE_EMULATED)
+#if defined(PAGEDSERVE_HAS_WIDE_TILES)
       if (wide) {  // two panels a vector; a last odd panel on the 8-lane tile
         constexpr int RP = 2 * kWideVectors;
         for (int64_t p0 = p_begin; p0 < p_end; p0 += RP) {
@@ -659,6 +655,11 @@ void int_qlinear(const Operands<S>& op) {
         continue;
       }
 #endif
+      // Rows outer: each 4 rows broadcast once for the task's panels, where 4 rows' pairs (K x 64
+      // bytes) leave room in a 512 KB L2 for the task's weights (up to 256 KB); K = 8192 (1.7B's
+      // down projection, 512 KB of pairs) keeps the 4 x 2 tiles that broadcast at each use. The
+      // bound is reasoned from the cache sizes: runs with and without it on that shape (Zen 3)
+      // were within this VM's noise (30-46 ms either way).
       if (Isa::kPrebroadcast && op.K * 64 <= (192 << 10)) {
         // 64-byte aligned: a madd operand that crosses a cache line costs (a chunk 6.8 -> 8.5 ns, Zen 3).
         thread_local std::vector<int32_t> broadcast_storage;
