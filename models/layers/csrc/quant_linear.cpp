@@ -215,13 +215,18 @@ struct Isa {  // plain C++: the same lane arithmetic, one lane at a time
 #endif
 
 #if defined(__AVX2__) && !defined(__AVX512F__) && !defined(__AVXVNNI__)
-// A 4 x 3 tile's group of 4 bits in assembly (AVX2; the pairs pre-broadcast, `Isa::kPrebroadcast`):
-// 12 integer sums (ymm0-11), the 0x0F mask (ymm12) and 3 scratch registers are the 16; the sums go
-// to `sums` at the end. Given the same arithmetic as intrinsics, gcc widened every panel's nibbles
-// up front and kept 5 of the sums on the stack. Row r's pairs at x[r] (+ 256 bytes: the high
-// nibbles' pairs), panel p's chunks at w[p]: a base register and a constant an operand, no index
-// (indexed memory operands ran a chunk at half the speed on a Zen 3: 31 against 16 cycles,
-// measured). Exact integer sums: the intrinsics' result bit for bit.
+// A 4 x 3 tile's group of 4 bits in assembly (AVX2; the pairs pre-broadcast, `Isa::kPrebroadcast`),
+// its float step included: 12 integer sums (ymm0-11), the 0x0F mask (ymm12) and 3 scratch registers
+// are the 16. Given the same arithmetic as intrinsics, gcc widened every panel's nibbles up front and
+// kept 5 of the sums on the stack; with the float step in C the sums went through memory and back
+// and the step took 55 of a group's ~205 cycles (Zen 3, `perf annotate`). Row r's pairs at x[r]
+// (+ 256 bytes: the high nibbles' pairs), panel p's chunks at w[p]: a base register and a constant
+// an operand, no index (indexed memory operands ran a chunk at half the speed on a Zen 3: 31
+// against 16 cycles, measured). The rows' group factors at `rf` (int32 xmin[4], float xscale[4],
+// float xsum[4]: `Operands::xf`), panel p's scales at f + p * fs bytes (mins at mn + p * fs), the
+// float sums at acc[r][p]. The arithmetic of `tile`'s C loop, operation for operation: the integer
+// sums start at the rows' xmin (integer addition: where the sum starts does not change it), then
+// acc = fma(float(sum) * xscale, scale, acc) and, with mins, acc = fma(xsum, min, acc).
 #define PS_ROW(off, x, d) "vpmaddwd " off "(%[" x "]), %%ymm14, %%ymm15\n\tvpaddd %%ymm15, %%ymm" d ", %%ymm" d "\n\t"
 #define PS_HALF(off, a, b, c, d) PS_ROW(off, "x0", a) PS_ROW(off, "x1", b) PS_ROW(off, "x2", c) PS_ROW(off, "x3", d)
 #define PS_PANEL(wo, xo, w, a, b, c, d)                                                    \
@@ -229,26 +234,58 @@ struct Isa {  // plain C++: the same lane arithmetic, one lane at a time
   "vpsrlw $4, %%ymm13, %%ymm14\n\t" PS_HALF(xo "+256", a, b, c, d)
 #define PS_CHUNK(wo, xo) \
   PS_PANEL(wo, xo, "w0", "0", "1", "2", "3") PS_PANEL(wo, xo, "w1", "4", "5", "6", "7") PS_PANEL(wo, xo, "w2", "8", "9", "10", "11")
-#define PS_STORE(i, off) "vmovdqu %%ymm" i ", " off "(%[sums])\n\t"
-inline void group_4x3(int32_t* sums, const uint8_t* w, int64_t panel_bytes, const int32_t* x, int64_t stride) {
-  __asm__ volatile(
-      "vpxor %%xmm0, %%xmm0, %%xmm0\n\tvpxor %%xmm1, %%xmm1, %%xmm1\n\tvpxor %%xmm2, %%xmm2, %%xmm2\n\t"
-      "vpxor %%xmm3, %%xmm3, %%xmm3\n\tvpxor %%xmm4, %%xmm4, %%xmm4\n\tvpxor %%xmm5, %%xmm5, %%xmm5\n\t"
-      "vpxor %%xmm6, %%xmm6, %%xmm6\n\tvpxor %%xmm7, %%xmm7, %%xmm7\n\tvpxor %%xmm8, %%xmm8, %%xmm8\n\t"
-      "vpxor %%xmm9, %%xmm9, %%xmm9\n\tvpxor %%xmm10, %%xmm10, %%xmm10\n\tvpxor %%xmm11, %%xmm11, %%xmm11\n\t"
-      "vpcmpeqw %%ymm12, %%ymm12, %%ymm12\n\tvpsrlw $12, %%ymm12, %%ymm12\n\t"
-      PS_CHUNK("0", "0") PS_CHUNK("16", "32") PS_CHUNK("32", "64") PS_CHUNK("48", "96")
-      PS_CHUNK("64", "128") PS_CHUNK("80", "160") PS_CHUNK("96", "192") PS_CHUNK("112", "224")
-      PS_STORE("0", "0") PS_STORE("4", "32") PS_STORE("8", "64") PS_STORE("1", "96") PS_STORE("5", "128")
-      PS_STORE("9", "160") PS_STORE("2", "192") PS_STORE("6", "224") PS_STORE("10", "256") PS_STORE("3", "288")
-      PS_STORE("7", "320") PS_STORE("11", "352")
-      :
-      : [sums] "r"(sums), [w0] "r"(w), [w1] "r"(w + panel_bytes), [w2] "r"(w + 2 * panel_bytes), [x0] "r"(x),
-        [x1] "r"(x + stride), [x2] "r"(x + 2 * stride), [x3] "r"(x + 3 * stride)
-      : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12",
-        "xmm13", "xmm14", "xmm15", "memory");
+#define PS_START(off, a, b, c) "vpbroadcastd " off "(%[rf]), %%ymm" a "\n\tvmovdqa %%ymm" a ", %%ymm" b "\n\tvmovdqa %%ymm" a ", %%ymm" c "\n\t"
+#define PS_SCALE1(s) "vcvtdq2ps %%ymm" s ", %%ymm" s "\n\tvmulps %%ymm15, %%ymm" s ", %%ymm" s "\n\t"
+#define PS_SCALE(off, a, b, c) "vbroadcastss " off "(%[rf]), %%ymm15\n\t" PS_SCALE1(a) PS_SCALE1(b) PS_SCALE1(c)
+#define PS_FACTORS(LOAD, p) LOAD("(%[" p "])", "12") LOAD("(%[" p "],%[fs],1)", "13") LOAD("(%[" p "],%[fs],2)", "14")
+#define PS_F32(at, n) "vmovups " at ", %%ymm" n "\n\t"
+#define PS_F16(at, n) "vcvtph2ps " at ", %%ymm" n "\n\t"
+#define PS_FMA(off, a, b, c) "vfmadd213ps " off "(%[acc]), %%ymm12, %%ymm" a "\n\tvfmadd213ps " off "+32(%[acc]), %%ymm13, %%ymm" b \
+  "\n\tvfmadd213ps " off "+64(%[acc]), %%ymm14, %%ymm" c "\n\t"
+#define PS_MIN(off, a, b, c) "vbroadcastss " off "(%[rf]), %%ymm15\n\tvfmadd231ps %%ymm12, %%ymm15, %%ymm" a \
+  "\n\tvfmadd231ps %%ymm13, %%ymm15, %%ymm" b "\n\tvfmadd231ps %%ymm14, %%ymm15, %%ymm" c "\n\t"
+#define PS_STORE(off, a, b, c) "vmovaps %%ymm" a ", " off "(%[acc])\n\tvmovaps %%ymm" b ", " off "+32(%[acc])\n\tvmovaps %%ymm" c ", " off "+64(%[acc])\n\t"
+#define PS_BODY(LOAD)                                                                                       \
+  PS_START("0", "0", "4", "8") PS_START("4", "1", "5", "9") PS_START("8", "2", "6", "10") PS_START("12", "3", "7", "11") \
+  "vpcmpeqw %%ymm12, %%ymm12, %%ymm12\n\tvpsrlw $12, %%ymm12, %%ymm12\n\t"                                  \
+  PS_CHUNK("0", "0") PS_CHUNK("16", "32") PS_CHUNK("32", "64") PS_CHUNK("48", "96")                        \
+  PS_CHUNK("64", "128") PS_CHUNK("80", "160") PS_CHUNK("96", "192") PS_CHUNK("112", "224")                 \
+  PS_SCALE("16", "0", "4", "8") PS_SCALE("20", "1", "5", "9") PS_SCALE("24", "2", "6", "10") PS_SCALE("28", "3", "7", "11") \
+  PS_FACTORS(LOAD, "f") PS_FMA("0", "0", "4", "8") PS_FMA("96", "1", "5", "9") PS_FMA("192", "2", "6", "10") PS_FMA("288", "3", "7", "11")
+#define PS_MINS(LOAD) \
+  PS_FACTORS(LOAD, "mn") PS_MIN("32", "0", "4", "8") PS_MIN("36", "1", "5", "9") PS_MIN("40", "2", "6", "10") PS_MIN("44", "3", "7", "11")
+#define PS_END PS_STORE("0", "0", "4", "8") PS_STORE("96", "1", "5", "9") PS_STORE("192", "2", "6", "10") PS_STORE("288", "3", "7", "11")
+#define PS_IN(x, stride)                                                                                      \
+  [acc] "r"(acc), [w0] "r"(w), [w1] "r"(w + panel_bytes), [w2] "r"(w + 2 * panel_bytes), [x0] "r"(x), \
+  [x1] "r"(x + stride), [x2] "r"(x + 2 * stride), [x3] "r"(x + 3 * stride), [rf] "r"(rf), [f] "r"(f), [fs] "r"(fs)
+#define PS_CLOBBERS \
+  "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "memory"
+template <typename S>
+inline void group_4x3(float* acc, const uint8_t* w, int64_t panel_bytes, const int32_t* x, int64_t stride, const float* rf,
+                      const S* f, const S* mn, int64_t fs) {
+  fs *= sizeof(S);
+  if constexpr (std::is_same_v<S, float>) {
+    if (mn == nullptr) __asm__ volatile(PS_BODY(PS_F32) PS_END : : PS_IN(x, stride) : PS_CLOBBERS);
+    else __asm__ volatile(PS_BODY(PS_F32) PS_MINS(PS_F32) PS_END : : PS_IN(x, stride), [mn] "r"(mn) : PS_CLOBBERS);
+  } else {
+    if (mn == nullptr) __asm__ volatile(PS_BODY(PS_F16) PS_END : : PS_IN(x, stride) : PS_CLOBBERS);
+    else __asm__ volatile(PS_BODY(PS_F16) PS_MINS(PS_F16) PS_END : : PS_IN(x, stride), [mn] "r"(mn) : PS_CLOBBERS);
+  }
 }
+#undef PS_CLOBBERS
+#undef PS_IN
+#undef PS_END
+#undef PS_MINS
+#undef PS_BODY
 #undef PS_STORE
+#undef PS_MIN
+#undef PS_FMA
+#undef PS_F16
+#undef PS_F32
+#undef PS_FACTORS
+#undef PS_SCALE
+#undef PS_SCALE1
+#undef PS_START
 #undef PS_CHUNK
 #undef PS_PANEL
 #undef PS_HALF
@@ -266,6 +303,8 @@ struct Operands {
   const float* xsum;     // (M, K/32): xscale * sum of the block's xq
   const int32_t* xmin;   // (M, K/32): min_per_scale * sum of the block's xq where that is folded, or nullptr
   const int32_t* xb;     // the tile's rows as (rows, K/2, 8): each pair of xq in all 8 lanes (Isa::kPrebroadcast)
+  const float* xf;       // with xb, the tile's 4 rows' factors by group (K/32, 12): int32 xmin[4] (0 without
+                         // xmin), float xscale[4], float xsum[4] (group_4x3 reads them in that order)
   const uint8_t* w;      // (P, nb, chunk bytes): see the top of the file
   const S* scales;       // (P, K/G, 8)
   const S* mins;         // like scales, or nullptr
@@ -274,6 +313,23 @@ struct Operands {
   float* out;            // (M, N)
   int64_t M, N, K, nb, panel_bytes, groups_per_scale, scales_per_row;
 };
+
+// Row m, panel p of the output: its float sums plus the bias.
+template <typename S>
+inline void store_output(const Operands<S>& op, int64_t m, int64_t p, const float* sums) {
+  const int64_t n0 = p * kLanes;
+  float* dst = op.out + m * op.N + n0;
+  typename Isa::F y = Isa::load(sums);
+  if (n0 + kLanes <= op.N) {
+    if (op.bias != nullptr) y = Isa::add(y, Isa::load(op.bias + n0));
+    Isa::store(dst, y);
+  } else {  // the last panel of an N that is not a multiple of 8: its lanes past N are padding
+    float lanes[kLanes], bias[kLanes] = {};
+    if (op.bias != nullptr) std::copy(op.bias + n0, op.bias + op.N, bias);
+    Isa::store(lanes, Isa::add(y, Isa::load(bias)));
+    std::copy(lanes, lanes + (op.N - n0), dst);
+  }
+}
 
 // The micro-kernel: output rows m0 .. m0+RM, panels p0 .. p0+RP (8 columns each), over all
 // of K. Each weight chunk is widened once for the RM rows, each row's pair broadcast once
@@ -324,14 +380,7 @@ __attribute__((noinline)) void tile(const Operands<S>& op, int64_t m0, int64_t p
         if (mins != nullptr) Isa::prefetch(mins + factors_at + p * op.scales_per_row * kLanes);
       }
     }
-    if constexpr (Bits == 4 && kChunkAsm && kFromXb && RM == 4 && RP == 3) {
-#if defined(__AVX2__) && !defined(__AVX512F__) && !defined(__AVXVNNI__)
-      alignas(32) int32_t sums[RM][RP][kLanes];  // rows x panels, as group_4x3 stores them
-      group_4x3(&sums[0][0][0], chunks, op.panel_bytes, xb + g * kBlock / 2 * kLanes, op.K / 2 * kLanes);
-      for (int r = 0; r < RM; ++r)
-        for (int p = 0; p < RP; ++p) dots[r][p] = _mm256_load_si256(reinterpret_cast<const __m256i*>(sums[r][p]));
-#endif
-    } else if constexpr (Bits == 4) {
+    if constexpr (Bits == 4) {
       for (int c = 0; c < 8; ++c) {
         typename Isa::W lo[RP], hi[RP];
         for (int p = 0; p < RP; ++p) {
@@ -394,22 +443,8 @@ __attribute__((noinline)) void tile(const Operands<S>& op, int64_t m0, int64_t p
       left = op.groups_per_scale;
     }
   }
-  for (int r = 0; r < RM; ++r) {
-    for (int p = 0; p < RP; ++p) {
-      const int64_t n0 = (p0 + p) * kLanes;
-      float* dst = op.out + (m0 + r) * op.N + n0;
-      typename Isa::F y = Isa::load(acc[r][p]);
-      if (n0 + kLanes <= op.N) {
-        if (op.bias != nullptr) y = Isa::add(y, Isa::load(op.bias + n0));
-        Isa::store(dst, y);
-      } else {  // the last panel of an N that is not a multiple of 8: its lanes past N are padding
-        float lanes[kLanes], bias[kLanes] = {};
-        if (op.bias != nullptr) std::copy(op.bias + n0, op.bias + op.N, bias);
-        Isa::store(lanes, Isa::add(y, Isa::load(bias)));
-        std::copy(lanes, lanes + (op.N - n0), dst);
-      }
-    }
-  }
+  for (int r = 0; r < RM; ++r)
+    for (int p = 0; p < RP; ++p) store_output(op, m0 + r, p0 + p, acc[r][p]);
 }
 
 // tile<Bits, rm, rp> for run-time rm <= RM, rp <= RP (the edges of the output).
@@ -423,6 +458,49 @@ void tile_upto(const Operands<S>& op, int64_t m0, int64_t p0, int rm, int rp) {
   }
   tile<Bits, RM, RP, FromXb>(op, m0, p0);
 }
+
+#if defined(__AVX2__) && !defined(__AVX512F__) && !defined(__AVXVNNI__)
+// AVX2's 4 x 3 tiles of 4 bits (group_4x3), K a slice at a time: each tile of the task's panels takes
+// the slice's groups, then the next slice. Pairs pre-broadcast fill 8 times the bytes of the rows
+// (4 rows of K = 2048: 128 KB), so a tile that went over all of K read each chunk's pairs from L2:
+// 26.5 cycles a chunk on a Zen 3, where pairs in L1 take 16 (measured: group_4x3 alone, looped
+// over K = 2048 and over K = 256). A slice of 8 groups is 16 KB of pairs, read from L1 by every
+// tile. The float sums of the task's tiles wait in `acc` between slices; each output still takes its
+// groups in order, so the bits are `tile`'s.
+constexpr int64_t kSliceGroups = 8;
+template <typename S>
+void sliced_tiles_4x3(const Operands<S>& op, int64_t m0, int64_t p_begin, int64_t tiles, float* acc) {
+  constexpr int kTileFloats = 4 * 3 * kLanes;
+  constexpr int kGroupBytes = kBlock / 2 * kLanes;
+  std::fill(acc, acc + tiles * kTileFloats, 0.f);
+  const int64_t pb = op.panel_bytes, fs = op.scales_per_row * kLanes, stride = op.K / 2 * kLanes;
+  for (int64_t g0 = 0; g0 < op.nb; g0 += kSliceGroups) {
+    const int64_t g1 = std::min(op.nb, g0 + kSliceGroups);
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t p0 = p_begin + 3 * t;
+      const uint8_t* w = op.w + p0 * pb;
+      const S* scales = op.scales + p0 * fs;
+      const S* mins = op.mins != nullptr ? op.mins + p0 * fs : nullptr;
+      for (int64_t g = g0; g < g1; ++g) {
+        if (const int64_t ahead = g + kSliceGroups; ahead < op.nb) {  // this tile's next slice, into L2
+          const int64_t factors_at = ahead / op.groups_per_scale * kLanes;
+          for (int p = 0; p < 3; ++p) {
+            for (int line = 0; line < kGroupBytes; line += 64) Isa::prefetch(w + p * pb + ahead * kGroupBytes + line);
+            Isa::prefetch(scales + p * fs + factors_at);
+            if (mins != nullptr) Isa::prefetch(mins + p * fs + factors_at);
+          }
+        }
+        const int64_t at = g / op.groups_per_scale * kLanes;
+        group_4x3(acc + t * kTileFloats, w + g * kGroupBytes, pb, op.xb + g * kBlock / 2 * kLanes, stride, op.xf + g * 12,
+                  scales + at, mins != nullptr ? mins + at : nullptr, fs);
+      }
+    }
+  }
+  for (int64_t t = 0; t < tiles; ++t)
+    for (int r = 0; r < 4; ++r)
+      for (int p = 0; p < 3; ++p) store_output(op, m0 + r, p_begin + 3 * t + p, acc + t * kTileFloats + (r * 3 + p) * kLanes);
+}
+#endif
 
 // ---- Wide tiles (AVX-512 VNNI): two panels a vector --------------------------------------
 //
@@ -667,6 +745,9 @@ void int_qlinear(const Operands<S>& op) {
         if (broadcast_storage.size() < static_cast<size_t>(kTileRows * pairs * kLanes + 16))
           broadcast_storage.resize(kTileRows * pairs * kLanes + 16);
         int32_t* const broadcast = reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(broadcast_storage.data()) + 63) & ~uintptr_t{63});
+        thread_local std::vector<float> factor_storage;
+        factor_storage.resize(op.nb * 12);
+        float* const factors = factor_storage.data();
         for (int64_t m0 = m_begin; m0 < m_end; m0 += kTileRows) {
           const int rm = static_cast<int>(std::min<int64_t>(kTileRows, m_end - m0));
           for (int r = 0; r < rm; ++r) {
@@ -676,11 +757,32 @@ void int_qlinear(const Operands<S>& op) {
               std::memcpy(&v, x + 2 * j, sizeof v);
               Isa::store_pair(broadcast + (r * pairs + j) * kLanes, v);
             }
+            for (int64_t g = 0; g < op.nb; ++g) {
+              const int64_t at = (m0 + r) * op.nb + g;
+              const int32_t xmin = op.xmin != nullptr ? op.xmin[at] : 0;
+              std::memcpy(factors + g * 12 + r, &xmin, sizeof xmin);
+              factors[g * 12 + 4 + r] = op.xscale[at];
+              factors[g * 12 + 8 + r] = op.xsum[at];
+            }
           }
           Operands<S> rows = op;
           rows.xb = broadcast;
+          rows.xf = factors;
           constexpr int RP = Bits == 4 ? kPrebroadcastPanels4 : kTilePanels;
-          for (int64_t p0 = p_begin; p0 < p_end; p0 += RP)
+          int64_t p0 = p_begin;
+#if defined(__AVX2__) && !defined(__AVX512F__) && !defined(__AVXVNNI__)
+          // Whole 4 x 3 tiles in assembly (mins stored, folded or none; a min made from the scales
+          // that is not an integer takes `tile`), the edges below.
+          if (Bits == 4 && rm == kTileRows && (op.mins != nullptr || op.xmin != nullptr || op.min_per_scale == 0.f)) {
+            const int64_t tiles = (p_end - p_begin) / 3;
+            thread_local std::vector<float> acc_storage;
+            acc_storage.resize(tiles * kTileRows * 3 * kLanes + 16);
+            float* const acc = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(acc_storage.data()) + 63) & ~uintptr_t{63});
+            sliced_tiles_4x3(rows, m0, p_begin, tiles, acc);
+            p0 += 3 * tiles;
+          }
+#endif
+          for (; p0 < p_end; p0 += RP)
             tile_upto<Bits, kTileRows, RP, true>(rows, m0, p0, rm, static_cast<int>(std::min<int64_t>(RP, p_end - p0)));
         }
       } else {
@@ -765,7 +867,7 @@ at::Tensor quant_linear(
   quantize_activations(xf.data_ptr<float>(), M, K, xq, xscale, xsum, xmin, static_cast<int32_t>(min_per_scale));
   const auto run = [&](auto* sc, auto* mn) {
     using S = std::remove_const_t<std::remove_pointer_t<decltype(sc)>>;
-    const Operands<S> op{xq, xscale, xsum, xmin, nullptr,
+    const Operands<S> op{xq, xscale, xsum, xmin, nullptr, nullptr,
                          reinterpret_cast<const uint8_t*>(qweight.data_ptr()), sc, mn,
                          static_cast<float>(min_per_scale),
                          bias.has_value() ? bias_f.data_ptr<float>() : nullptr, out.data_ptr<float>(),
