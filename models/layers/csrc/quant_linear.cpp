@@ -218,14 +218,15 @@ struct Isa {  // plain C++: the same lane arithmetic, one lane at a time
 // A 4 x 3 tile's group of 4 bits in assembly (AVX2; the pairs pre-broadcast, `Isa::kPrebroadcast`),
 // its float step included: 12 integer sums (ymm0-11), the 0x0F mask (ymm12) and 3 scratch registers
 // are the 16. Given the same arithmetic as intrinsics, gcc widened every panel's nibbles up front and
-// kept 5 of the sums on the stack; with the float step in C the sums went through memory and back
-// and the step took 55 of a group's ~205 cycles (Zen 3, `perf annotate`). Row r's pairs at x[r]
-// (+ 256 bytes: the high nibbles' pairs), panel p's chunks at w[p]: a base register and a constant
-// an operand, no index (indexed memory operands ran a chunk at half the speed on a Zen 3: 31
-// against 16 cycles, measured). The rows' group factors at `rf` (int32 xmin[4], float xscale[4],
-// float xsum[4]: `Operands::xf`), panel p's scales at f + p * fs bytes (mins at mn + p * fs), the
-// float sums at acc[r][p]. The arithmetic of `tile`'s C loop, operation for operation: the integer
-// sums start at the rows' xmin (integer addition: where the sum starts does not change it), then
+// kept 5 of the sums on the stack. (The float step was C after the integer assembly, the sums
+// stored and loaded back; in here it costs no less that could be measured on a Zen 3, but it keeps
+// the sums in registers whatever the compiler does.) Row r's pairs at x[r] (+ 256 bytes: the high
+// nibbles' pairs), panel p's chunks at w[p]: a base register and a constant an operand, no index
+// (indexed memory operands ran a chunk at half the speed on a Zen 3: 31 against 16 cycles,
+// measured). The rows' group factors at `rf` (int32 xmin[4], float xscale[4], float xsum[4]),
+// panel p's scales at f + p * fs bytes (mins at mn + p * fs), the float sums at acc[r][p]. The
+// arithmetic of `tile`'s C loop, operation for operation: the integer sums start at the rows' xmin
+// (integer addition: where the sum starts does not change it), then
 // acc = fma(float(sum) * xscale, scale, acc) and, with mins, acc = fma(xsum, min, acc).
 #define PS_ROW(off, x, d) "vpmaddwd " off "(%[" x "]), %%ymm14, %%ymm15\n\tvpaddd %%ymm15, %%ymm" d ", %%ymm" d "\n\t"
 #define PS_HALF(off, a, b, c, d) PS_ROW(off, "x0", a) PS_ROW(off, "x1", b) PS_ROW(off, "x2", c) PS_ROW(off, "x3", d)
@@ -303,8 +304,6 @@ struct Operands {
   const float* xsum;     // (M, K/32): xscale * sum of the block's xq
   const int32_t* xmin;   // (M, K/32): min_per_scale * sum of the block's xq where that is folded, or nullptr
   const int32_t* xb;     // the tile's rows as (rows, K/2, 8): each pair of xq in all 8 lanes (Isa::kPrebroadcast)
-  const float* xf;       // with xb, the tile's 4 rows' factors by group (K/32, 12): int32 xmin[4] (0 without
-                         // xmin), float xscale[4], float xsum[4] (group_4x3 reads them in that order)
   const uint8_t* w;      // (P, nb, chunk bytes): see the top of the file
   const S* scales;       // (P, K/G, 8)
   const S* mins;         // like scales, or nullptr
@@ -460,22 +459,39 @@ void tile_upto(const Operands<S>& op, int64_t m0, int64_t p0, int rm, int rp) {
 }
 
 #if defined(__AVX2__) && !defined(__AVX512F__) && !defined(__AVXVNNI__)
-// AVX2's 4 x 3 tiles of 4 bits (group_4x3), K a slice at a time: each tile of the task's panels takes
-// the slice's groups, then the next slice. Pairs pre-broadcast fill 8 times the bytes of the rows
-// (4 rows of K = 2048: 128 KB), so a tile that went over all of K read each chunk's pairs from L2:
-// 26.5 cycles a chunk on a Zen 3, where pairs in L1 take 16 (measured: group_4x3 alone, looped
-// over K = 2048 and over K = 256). A slice of 8 groups is 16 KB of pairs, read from L1 by every
-// tile. The float sums of the task's tiles wait in `acc` between slices; each output still takes its
-// groups in order, so the bits are `tile`'s.
+// AVX2's 4 x 3 tiles of 4 bits (group_4x3) over 4 rows and a task's panels, K a slice of 8 groups at
+// a time: the rows' pairs of the slice are broadcast (16 KB, in L1), every tile takes the slice's
+// groups, then the next slice. Pairs broadcast for all of K (8 times the bytes of the rows: 128 KB
+// at K = 2048) were read from L2 by each tile: 26.5 cycles a chunk on a Zen 3, where pairs in L1
+// take 16 (group_4x3 alone, looped over K = 2048 and over K = 256); and K = 8192 did not fit at
+// all. The float sums of the task's tiles wait in `acc` between slices; each output still takes
+// its groups in order, so the bits are `tile`'s.
 constexpr int64_t kSliceGroups = 8;
+constexpr int64_t kSlicePairs = kSliceGroups * kBlock / 2;
 template <typename S>
-void sliced_tiles_4x3(const Operands<S>& op, int64_t m0, int64_t p_begin, int64_t tiles, float* acc) {
+void sliced_tiles_4x3(const Operands<S>& op, int64_t m0, int64_t p_begin, int64_t tiles, float* acc, int32_t* xb,
+                      float* xf) {
   constexpr int kTileFloats = 4 * 3 * kLanes;
   constexpr int kGroupBytes = kBlock / 2 * kLanes;
   std::fill(acc, acc + tiles * kTileFloats, 0.f);
-  const int64_t pb = op.panel_bytes, fs = op.scales_per_row * kLanes, stride = op.K / 2 * kLanes;
+  const int64_t pb = op.panel_bytes, fs = op.scales_per_row * kLanes;
   for (int64_t g0 = 0; g0 < op.nb; g0 += kSliceGroups) {
     const int64_t g1 = std::min(op.nb, g0 + kSliceGroups);
+    for (int r = 0; r < 4; ++r) {  // the slice's pairs in all 8 lanes, and its factors as group_4x3 reads them
+      const int16_t* x = op.xq + (m0 + r) * op.K + g0 * kBlock;
+      for (int64_t j = 0; j < (g1 - g0) * kBlock / 2; ++j) {
+        int32_t v;
+        std::memcpy(&v, x + 2 * j, sizeof v);
+        Isa::store_pair(xb + (r * kSlicePairs + j) * kLanes, v);
+      }
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t at = (m0 + r) * op.nb + g;
+        const int32_t xmin = op.xmin != nullptr ? op.xmin[at] : 0;
+        std::memcpy(xf + (g - g0) * 12 + r, &xmin, sizeof xmin);
+        xf[(g - g0) * 12 + 4 + r] = op.xscale[at];
+        xf[(g - g0) * 12 + 8 + r] = op.xsum[at];
+      }
+    }
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t p0 = p_begin + 3 * t;
       const uint8_t* w = op.w + p0 * pb;
@@ -491,8 +507,8 @@ void sliced_tiles_4x3(const Operands<S>& op, int64_t m0, int64_t p_begin, int64_
           }
         }
         const int64_t at = g / op.groups_per_scale * kLanes;
-        group_4x3(acc + t * kTileFloats, w + g * kGroupBytes, pb, op.xb + g * kBlock / 2 * kLanes, stride, op.xf + g * 12,
-                  scales + at, mins != nullptr ? mins + at : nullptr, fs);
+        group_4x3(acc + t * kTileFloats, w + g * kGroupBytes, pb, xb + (g - g0) * kBlock / 2 * kLanes, kSlicePairs * kLanes,
+                  xf + (g - g0) * 12, scales + at, mins != nullptr ? mins + at : nullptr, fs);
       }
     }
   }
@@ -733,11 +749,34 @@ void int_qlinear(const Operands<S>& op) {
         continue;
       }
 #endif
-      // Rows outer: each 4 rows broadcast once for the task's panels, where 4 rows' pairs (K x 64
-      // bytes) leave room in a 512 KB L2 for the task's weights (up to 256 KB); K = 8192 (1.7B's
-      // down projection, 512 KB of pairs) keeps the 4 x 2 tiles that broadcast at each use. The
-      // bound is reasoned from the cache sizes: runs with and without it on that shape (Zen 3)
-      // were within this VM's noise (30-46 ms either way).
+#if defined(__AVX2__) && !defined(__AVX512F__) && !defined(__AVXVNNI__)
+      // 4 bits with mins stored, folded or none (a min made from the scales that is not an integer
+      // takes `tile`): whole 4 x 3 tiles in assembly, K in slices; the edges broadcast at each use.
+      if (Bits == 4 && (op.mins != nullptr || op.xmin != nullptr || op.min_per_scale == 0.f)) {
+        const int64_t tiles = (p_end - p_begin) / 3;
+        thread_local std::vector<float> storage;  // the slice's pairs, its factors, the tiles' float sums
+        storage.resize(4 * kSlicePairs * kLanes + kSliceGroups * 12 + tiles * kTileRows * 3 * kLanes + 16);
+        int32_t* const xb = reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
+        float* const xf = reinterpret_cast<float*>(xb + 4 * kSlicePairs * kLanes);
+        float* const acc = xf + kSliceGroups * 12;  // 64-byte aligned: the pairs and factors are multiples of 64 bytes
+        for (int64_t m0 = m_begin; m0 < m_end; m0 += kTileRows) {
+          const int rm = static_cast<int>(std::min<int64_t>(kTileRows, m_end - m0));
+          int64_t p0 = p_begin;
+          if (rm == kTileRows && tiles > 0) {
+            sliced_tiles_4x3(op, m0, p_begin, tiles, acc, xb, xf);
+            p0 += 3 * tiles;
+          }
+          for (; p0 < p_end; p0 += kTilePanels)
+            tile_upto<Bits, kTileRows, kTilePanels>(op, m0, p0, rm, static_cast<int>(std::min<int64_t>(kTilePanels, p_end - p0)));
+        }
+        continue;
+      }
+#endif
+      // 8 bits (and 4 bits that group_4x3 does not take), rows outer: each 4 rows broadcast once for
+      // the task's panels, where 4 rows' pairs (K x 64 bytes) leave room in a 512 KB L2 for the
+      // task's weights (up to 256 KB); K = 8192 (1.7B's down projection, 512 KB of pairs) keeps the
+      // 4 x 2 tiles that broadcast at each use. The bound is reasoned from the cache sizes: runs
+      // with and without it on that shape (Zen 3) were within this VM's noise (30-46 ms either way).
       if (Isa::kPrebroadcast && op.K * 64 <= (192 << 10)) {
         // 64-byte aligned: a madd operand that crosses a cache line costs (a chunk 6.8 -> 8.5 ns, Zen 3).
         thread_local std::vector<int32_t> broadcast_storage;
@@ -745,9 +784,6 @@ void int_qlinear(const Operands<S>& op) {
         if (broadcast_storage.size() < static_cast<size_t>(kTileRows * pairs * kLanes + 16))
           broadcast_storage.resize(kTileRows * pairs * kLanes + 16);
         int32_t* const broadcast = reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(broadcast_storage.data()) + 63) & ~uintptr_t{63});
-        thread_local std::vector<float> factor_storage;
-        factor_storage.resize(op.nb * 12);
-        float* const factors = factor_storage.data();
         for (int64_t m0 = m_begin; m0 < m_end; m0 += kTileRows) {
           const int rm = static_cast<int>(std::min<int64_t>(kTileRows, m_end - m0));
           for (int r = 0; r < rm; ++r) {
@@ -757,32 +793,11 @@ void int_qlinear(const Operands<S>& op) {
               std::memcpy(&v, x + 2 * j, sizeof v);
               Isa::store_pair(broadcast + (r * pairs + j) * kLanes, v);
             }
-            for (int64_t g = 0; g < op.nb; ++g) {
-              const int64_t at = (m0 + r) * op.nb + g;
-              const int32_t xmin = op.xmin != nullptr ? op.xmin[at] : 0;
-              std::memcpy(factors + g * 12 + r, &xmin, sizeof xmin);
-              factors[g * 12 + 4 + r] = op.xscale[at];
-              factors[g * 12 + 8 + r] = op.xsum[at];
-            }
           }
           Operands<S> rows = op;
           rows.xb = broadcast;
-          rows.xf = factors;
           constexpr int RP = Bits == 4 ? kPrebroadcastPanels4 : kTilePanels;
-          int64_t p0 = p_begin;
-#if defined(__AVX2__) && !defined(__AVX512F__) && !defined(__AVXVNNI__)
-          // Whole 4 x 3 tiles in assembly (mins stored, folded or none; a min made from the scales
-          // that is not an integer takes `tile`), the edges below.
-          if (Bits == 4 && rm == kTileRows && (op.mins != nullptr || op.xmin != nullptr || op.min_per_scale == 0.f)) {
-            const int64_t tiles = (p_end - p_begin) / 3;
-            thread_local std::vector<float> acc_storage;
-            acc_storage.resize(tiles * kTileRows * 3 * kLanes + 16);
-            float* const acc = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(acc_storage.data()) + 63) & ~uintptr_t{63});
-            sliced_tiles_4x3(rows, m0, p_begin, tiles, acc);
-            p0 += 3 * tiles;
-          }
-#endif
-          for (; p0 < p_end; p0 += RP)
+          for (int64_t p0 = p_begin; p0 < p_end; p0 += RP)
             tile_upto<Bits, kTileRows, RP, true>(rows, m0, p0, rm, static_cast<int>(std::min<int64_t>(RP, p_end - p0)));
         }
       } else {
@@ -867,7 +882,7 @@ at::Tensor quant_linear(
   quantize_activations(xf.data_ptr<float>(), M, K, xq, xscale, xsum, xmin, static_cast<int32_t>(min_per_scale));
   const auto run = [&](auto* sc, auto* mn) {
     using S = std::remove_const_t<std::remove_pointer_t<decltype(sc)>>;
-    const Operands<S> op{xq, xscale, xsum, xmin, nullptr, nullptr,
+    const Operands<S> op{xq, xscale, xsum, xmin, nullptr,
                          reinterpret_cast<const uint8_t*>(qweight.data_ptr()), sc, mn,
                          static_cast<float>(min_per_scale),
                          bias.has_value() ? bias_f.data_ptr<float>() : nullptr, out.data_ptr<float>(),
