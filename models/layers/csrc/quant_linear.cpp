@@ -215,6 +215,10 @@ struct Isa {  // plain C++: the same lane arithmetic, one lane at a time
 #endif
 
 #if defined(__AVX2__) && !defined(__AVX512F__) && !defined(__AVXVNNI__)
+#define PAGEDSERVE_GROUP_ASM 1  // group_4x3, sliced_tiles_4x3: AVX2's 16 registers, no fused dot
+#endif
+
+#if defined(PAGEDSERVE_GROUP_ASM)
 // A 4 x 3 tile's group of 4 bits in assembly (AVX2; the pairs pre-broadcast, `Isa::kPrebroadcast`),
 // its float step included: 12 integer sums (ymm0-11), the 0x0F mask (ymm12) and 3 scratch registers
 // are the 16. Given the same arithmetic as intrinsics, gcc widened every panel's nibbles up front and
@@ -291,9 +295,6 @@ inline void group_4x3(float* acc, const uint8_t* w, int64_t panel_bytes, const i
 #undef PS_PANEL
 #undef PS_HALF
 #undef PS_ROW
-constexpr bool kChunkAsm = true;
-#else
-constexpr bool kChunkAsm = false;
 #endif
 
 // What one product reads: the int16 activations, the panelled weights, their factors.
@@ -458,7 +459,7 @@ void tile_upto(const Operands<S>& op, int64_t m0, int64_t p0, int rm, int rp) {
   tile<Bits, RM, RP, FromXb>(op, m0, p0);
 }
 
-#if defined(__AVX2__) && !defined(__AVX512F__) && !defined(__AVXVNNI__)
+#if defined(PAGEDSERVE_GROUP_ASM)
 // AVX2's 4 x 3 tiles of 4 bits (group_4x3) over 4 rows and a task's panels, K a slice of 8 groups at
 // a time: the rows' pairs of the slice are broadcast (16 KB, in L1), every tile takes the slice's
 // groups, then the next slice. Pairs broadcast for all of K (8 times the bytes of the rows: 128 KB
@@ -698,7 +699,8 @@ inline bool wide_tiles_enabled() { return false; }
 // more panels, having no rows to share a chunk with.
 constexpr int kTileRows = 4;
 constexpr int kTilePanels = Isa::kRegisters >= 32 ? 4 : 2;
-// With pairs pre-broadcast, 4 bits take 3 panels (group_4x3); 8 bits, two widened chunks a panel, keep 2.
+// With pairs pre-broadcast (all of K), 4 bits take 3 panels where group_4x3 does not; 8 bits, two widened
+// chunks a panel, keep 2.
 constexpr int kPrebroadcastPanels4 = 3;
 constexpr int kDecodePanels = Isa::kRegisters >= 32 ? 6 : 3;
 
@@ -749,7 +751,7 @@ void int_qlinear(const Operands<S>& op) {
         continue;
       }
 #endif
-#if defined(__AVX2__) && !defined(__AVX512F__) && !defined(__AVXVNNI__)
+#if defined(PAGEDSERVE_GROUP_ASM)
       // 4 bits with mins stored, folded or none (a min made from the scales that is not an integer
       // takes `tile`): whole 4 x 3 tiles in assembly, K in slices; the edges broadcast at each use.
       if (Bits == 4 && (op.mins != nullptr || op.xmin != nullptr || op.min_per_scale == 0.f)) {
