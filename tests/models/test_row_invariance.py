@@ -1,7 +1,7 @@
 """A token comes out the same bits however it is scheduled (issue 16): in a fresh prompt, in a
 chunk after cached tokens (what a prefix-cache hit makes of a prompt), as a decode, among other
 sequences' prompts and decodes (up to 256 rows in its step), on 1 thread or 2, with a float32 or
-float16 cache. Attention is held to it directly; whole logits where every linear layer computes
+float16 or bfloat16 cache. Attention is held to it directly; whole logits where every linear layer computes
 a row alone (a test method here; the quantized kernel once it is row-invariant)."""
 from __future__ import annotations
 
@@ -112,7 +112,8 @@ def assert_same_everywhere(seqs: Sequences) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype,cache_dtype", [
-    (torch.float32, torch.float32), (torch.float32, torch.float16), (torch.bfloat16, torch.bfloat16)])
+    (torch.float32, torch.float32), (torch.float32, torch.float16), (torch.float32, torch.bfloat16),
+    (torch.bfloat16, torch.bfloat16)])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 4, 20), (8, 1, 8)])
 def test_attention_of_a_token_is_the_same_however_it_is_scheduled(num_heads, num_kv_heads, head_dim, dtype,
                                                                     cache_dtype):

@@ -60,6 +60,31 @@ inline f32x8 load8(const float* p) {
 }
 inline void store8(float* p, const f32x8& v) { std::memcpy(p, &v, sizeof(v)); }
 
+inline float widen(float x) { return x; }
+inline float widen(c10::Half x) { return static_cast<float>(x); }
+inline float widen(c10::BFloat16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// 8 numbers of a 16-bit cache row as floats (exact: every 16-bit value is a float).
+inline f32x8 load8(const c10::Half* p) {
+#if defined(__F16C__)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  return f32x8{widen(p[0]), widen(p[1]), widen(p[2]), widen(p[3]), widen(p[4]), widen(p[5]), widen(p[6]), widen(p[7])};
+#endif
+}
+inline f32x8 load8(const c10::BFloat16* p) {
+#if defined(__AVX2__)
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+#else
+  return f32x8{widen(p[0]), widen(p[1]), widen(p[2]), widen(p[3]), widen(p[4]), widen(p[5]), widen(p[6]), widen(p[7])};
+#endif
+}
+
 // a * b + c as one instruction where the build has FMA: -ffast-math may reassociate a chain of
 // `acc += a * b`, but not an FMA, so every chain below runs in the order it is written. (Without
 // FMA, the generic build, the order is the compiler's: the same for every row in practice, but
@@ -112,8 +137,8 @@ inline f32x8 exp8(f32x8 x) {
 // kKeyMajor: key after key, each read front to back (consecutive keys of a cache block are
 // consecutive in memory: a decode's keys stream in the order the hardware prefetcher follows);
 // else all 4 keys at each step along D (a prompt's keys are in cache: fewer loads per FMA).
-template <int kRows, int64_t kD, bool kKeyMajor>
-inline void dots(const float* const* q, const float* const* k, int64_t head_dim, float* const* s) {
+template <int kRows, int64_t kD, bool kKeyMajor, typename kv_t>
+inline void dots(const float* const* q, const kv_t* const* k, int64_t head_dim, float* const* s) {
   const int64_t D = kD > 0 ? kD : head_dim, D8 = D / 8 * 8;
   f32x8 a[kRows][4] = {};
   if constexpr (kKeyMajor) {
@@ -136,7 +161,7 @@ inline void dots(const float* const* q, const float* const* k, int64_t head_dim,
   for (int x = 0; x < kRows; ++x) {
     f32x4 sum = sum_lanes4(a[x][0], a[x][1], a[x][2], a[x][3]);
     for (int64_t e = D8; e < D; ++e) {
-      for (int i = 0; i < 4; ++i) sum[i] = __builtin_fmaf(q[x][e], k[i][e], sum[i]);
+      for (int i = 0; i < 4; ++i) sum[i] = __builtin_fmaf(q[x][e], widen(k[i][e]), sum[i]);
     }
     std::memcpy(s[x], &sum, sizeof(sum));
   }
@@ -144,8 +169,8 @@ inline void dots(const float* const* q, const float* const* k, int64_t head_dim,
 
 // acc[x][d] += p[x][t] v[t][d] for t = from..to-1 in order, one FMA each, for kRows rows at once
 // (sharing the loads of v): 64 / kRows numbers of each row at a time in registers.
-template <int kRows, int64_t kD>
-inline void accumulate(float* const* acc, const float* const* p, const float* const* v, int64_t from, int64_t to,
+template <int kRows, int64_t kD, typename kv_t>
+inline void accumulate(float* const* acc, const float* const* p, const kv_t* const* v, int64_t from, int64_t to,
                        int64_t value_dim) {
   constexpr int kVecs = 8 / kRows;
   const int64_t Dv = kD > 0 ? kD : value_dim;
@@ -156,7 +181,7 @@ inline void accumulate(float* const* acc, const float* const* p, const float* co
       for (int j = 0; j < kVecs; ++j) r[x][j] = load8(acc[x] + d + 8 * j);
     }
     for (int64_t t = from; t < to; ++t) {
-      const float* vt = v[t] + d;
+      const kv_t* vt = v[t] + d;
       for (int x = 0; x < kRows; ++x) {
         const f32x8 w = splat(p[x][t]);
         for (int j = 0; j < kVecs; ++j) r[x][j] = fma8(w, load8(vt + 8 * j), r[x][j]);
@@ -176,19 +201,10 @@ inline void accumulate(float* const* acc, const float* const* p, const float* co
   for (; d < Dv; ++d) {
     for (int x = 0; x < kRows; ++x) {
       float r = acc[x][d];
-      for (int64_t t = from; t < to; ++t) r = __builtin_fmaf(p[x][t], v[t][d], r);
+      for (int64_t t = from; t < to; ++t) r = __builtin_fmaf(p[x][t], widen(v[t][d]), r);
       acc[x][d] = r;
     }
   }
-}
-
-inline float widen(float x) { return x; }
-inline float widen(c10::Half x) { return static_cast<float>(x); }
-inline float widen(c10::BFloat16 x) {
-  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
 }
 
 // A cache row's lines, asked for now, read later: into L2 (a block's rows asked for into L1 held
@@ -207,13 +223,7 @@ inline const float* row_as_float(const cache_t* row, int64_t n, float* buf) {
     return row;
   } else {
     int64_t d = 0;
-#if defined(__F16C__)
-    if constexpr (std::is_same_v<cache_t, c10::Half>) {
-      for (; d + 8 <= n; d += 8) {
-        _mm256_storeu_ps(buf + d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d))));
-      }
-    }
-#endif
+    for (; d + 8 <= n; d += 8) store8(buf + d, load8(row + d));
     for (; d < n; ++d) buf[d] = widen(row[d]);
     return buf;
   }
@@ -248,6 +258,7 @@ struct Attention {
     float* vbuf = kbuf + kKeys * Dk;       // (kKeys, Dv) widened values
     float* zero = vbuf + kKeys * Dv;       // (Dk,) the key of padding columns
     std::fill(zero, zero + Dk, 0.f);
+    const cache_t* zero16 = reinterpret_cast<const cache_t*>(zero);  // zero bits: 0 in every format
     float* s = zero + Dk;                  // (R, kKeys) the rows' scores, then their exps
     float m[kMaxVecs], l[kMaxVecs];
     int64_t len[kMaxVecs];
@@ -266,9 +277,7 @@ struct Attention {
     int64_t r0 = 0;  // rows before r0 have seen all their keys: lengths grow with r
     for (int64_t b0 = 0; b0 < len[R - 1]; b0 += kKeys) {
       const int64_t nk = std::min(kKeys, len[R - 1] - b0);
-      // Walk the block table from key b0: one division per block of keys, not per key. Keys
-      // now, values once the scores are done: a 16-bit cache's rows widened into 32 KB each,
-      // one buffer hot at a time.
+      // Walk the block table from key b0: one division per block of keys, not per key.
       int64_t slots[kKeys];
       for (int64_t t = 0, b = b0 / lay.block_size, o = b0 % lay.block_size; t < nk; ++t) {
         slots[t] = table[b] * lay.block_size + o;
@@ -281,37 +290,36 @@ struct Attention {
         prefetch_row(kbase + slots[t] * lay.slot_stride, Dk);
         if (!lay.values_in_keys) prefetch_row(vbase + slots[t] * lay.slot_stride, Dv);
       }
-      for (int64_t t = 0; t < nk; ++t) krow[t] = row_as_float(kbase + slots[t] * lay.slot_stride, Dk, kbuf + t * Dk);
-      for (int64_t t = nk; t < nk + 3; ++t) krow[t] = zero;  // the columns past the block's end
       while (len[r0] <= b0) ++r0;
       int64_t n[kMaxVecs];  // each row's keys in this block
       for (int64_t r = r0; r < R; ++r) n[r] = std::min(nk, len[r] - b0);
+      const bool few = R - r0 <= kFewRows;
       // Scores, 4 keys at a time for every row that needs them (the keys stay in L1), two rows at
       // a time sharing the loads of the keys; a row left over goes alone.
-      const bool few = R - r0 <= kFewRows;
-      for (int64_t t = 0; t < nk; t += 4) {
-        for (int64_t r = r0; r < R; r += 2) {
-          if (n[std::min(r + 1, R - 1)] <= t) continue;
-          const float* qs[2] = {qf + r * Dk, qf + (r + 1) * Dk};
-          float* out[2] = {s + r * kKeys + t, s + (r + 1) * kKeys + t};
-          if (r + 1 < R && few) {
-            dots<2, kD, true>(qs, krow + t, Dk, out);
-          } else if (r + 1 < R) {
-            dots<2, kD, false>(qs, krow + t, Dk, out);
-          } else {
-            dots<1, kD, true>(qs, krow + t, Dk, out);
+      auto scores = [&](const auto* const* rows) {
+        for (int64_t t = 0; t < nk; t += 4) {
+          for (int64_t r = r0; r < R; r += 2) {
+            if (n[std::min(r + 1, R - 1)] <= t) continue;
+            const float* qs[2] = {qf + r * Dk, qf + (r + 1) * Dk};
+            float* out[2] = {s + r * kKeys + t, s + (r + 1) * kKeys + t};
+            if (r + 1 < R && few) {
+              dots<2, kD, true>(qs, rows + t, Dk, out);
+            } else if (r + 1 < R) {
+              dots<2, kD, false>(qs, rows + t, Dk, out);
+            } else {
+              dots<1, kD, true>(qs, rows + t, Dk, out);
+            }
           }
         }
-      }
-      for (int64_t r = r0; r < R; ++r) softmax_block(s + r * kKeys, n[r], b0, m[r], l[r], acc + r * Dv, Dv);
-      for (int64_t t = 0; t < nk; ++t) {
-        vrow[t] = lay.values_in_keys ? krow[t] : row_as_float(vbase + slots[t] * lay.slot_stride, Dv, vbuf + t * Dv);
-      }
-      if (R - r0 == 1) {  // one row (a decode without GQA): its output in registers across the keys
-        float* acc_r = acc + r0 * Dv;
-        const float* p = s + r0 * kKeys;
-        accumulate<1, kD>(&acc_r, &p, vrow, 0, n[r0], Dv);
-      } else {
+        for (int64_t r = r0; r < R; ++r) softmax_block(s + r * kKeys, n[r], b0, m[r], l[r], acc + r * Dv, Dv);
+      };
+      auto values = [&](const auto* const* rows) {
+        if (R - r0 == 1) {  // one row (a decode without GQA): its output in registers across the keys
+          float* acc_r = acc + r0 * Dv;
+          const float* p = s + r0 * kKeys;
+          accumulate<1, kD>(&acc_r, &p, rows, 0, n[r0], Dv);
+          return;
+        }
         // Two rows at a time hold a part of their outputs in registers across the block's keys,
         // sharing the loads of the values. (A decode's few rows went key by key, each term of
         // each row through memory, so that a value row was read once: the stores and the loads
@@ -321,13 +329,38 @@ struct Attention {
           float* accs[2] = {acc + r * Dv, acc + (r + 1) * Dv};
           const float* ps[2] = {s + r * kKeys, s + (r + 1) * kKeys};
           if (r + 1 < R) {
-            accumulate<2, kD>(accs, ps, vrow, 0, n[r], Dv);
-            accumulate<1, kD>(accs + 1, ps + 1, vrow, n[r], n[r + 1], Dv);  // n[r + 1] >= n[r]
+            accumulate<2, kD>(accs, ps, rows, 0, n[r], Dv);
+            accumulate<1, kD>(accs + 1, ps + 1, rows, n[r], n[r + 1], Dv);  // n[r + 1] >= n[r]
           } else {
-            accumulate<1, kD>(accs, ps, vrow, 0, n[r], Dv);
+            accumulate<1, kD>(accs, ps, rows, 0, n[r], Dv);
           }
         }
+      };
+      // A 16-bit cache: a decode's few rows widen each number as they load it (F16C, or a shift
+      // for bfloat16: exact, so the same sums); many rows share one widening into a buffer (keys
+      // now, values once the scores are done: 32 KB each, one buffer hot at a time). Writing a
+      // decode's rows into the buffers and reading them back took 20-30% of its time (Zen 3, 2
+      // threads, cold cache: 1.7B's 32 heads x 16 decodes 2.9-3.8 -> 2.4-3.3 ms a layer, 360M's
+      // 5 x 3 heads x 16 decodes 744-782 -> 572-697 us).
+      if constexpr (!std::is_same_v<cache_t, float>) {
+        if (few) {
+          const cache_t* krow16[kKeys + 3];
+          const cache_t* vrow16[kKeys];
+          for (int64_t t = 0; t < nk; ++t) krow16[t] = kbase + slots[t] * lay.slot_stride;
+          for (int64_t t = nk; t < nk + 3; ++t) krow16[t] = zero16;
+          scores(krow16);
+          for (int64_t t = 0; t < nk; ++t) vrow16[t] = lay.values_in_keys ? krow16[t] : vbase + slots[t] * lay.slot_stride;
+          values(vrow16);
+          continue;
+        }
       }
+      for (int64_t t = 0; t < nk; ++t) krow[t] = row_as_float(kbase + slots[t] * lay.slot_stride, Dk, kbuf + t * Dk);
+      for (int64_t t = nk; t < nk + 3; ++t) krow[t] = zero;  // the columns past the block's end
+      scores(krow);
+      for (int64_t t = 0; t < nk; ++t) {
+        vrow[t] = lay.values_in_keys ? krow[t] : row_as_float(vbase + slots[t] * lay.slot_stride, Dv, vbuf + t * Dv);
+      }
+      values(vrow);
     }
     for (int64_t r = 0; r < R; ++r) {
       const int64_t vec = task.first + r, j = vec / G, head = h * G + vec % G;
