@@ -691,6 +691,7 @@ void wide_tile_upto(const Operands<S>& op, int64_t m0, int64_t p0, int rm, int r
 #else
 constexpr bool kWide = false;
 constexpr int kWideRows = 4;
+constexpr int kWideVectors = 1;
 inline bool wide_tiles_enabled() { return false; }
 #endif
 
@@ -720,14 +721,23 @@ void int_qlinear(const Operands<S>& op) {
   // Enough panel blocks for every thread to get several (one decode: all the parallelism).
   while (block_panels > 12 && row_blocks * ((panels + block_panels - 1) / block_panels) < 4 * threads)
     block_panels /= 2;
-  if (row_blocks == 1) {  // one row block (decodes): as many blocks for each thread, of equal size
-    const int64_t tasks = threads * ((panels + threads * kBalancedPanels - 1) / (threads * kBalancedPanels));
-    block_panels = (panels + tasks - 1) / tasks;
+  // The panels of the path's whole tiles (below): a task's panels start at a multiple of it, so
+  // that only the last task of a row block ends in a narrower tile (which broadcasts at each use).
+  // (AVX2's 4 bits: group_4x3 or the pre-broadcast tiles, 3 panels either way.)
+  int64_t tile_panels = op.M <= 2 ? kDecodePanels : wide ? 2 * kWideVectors : kTilePanels;
+  if (op.M > 2 && Isa::kPrebroadcast && Bits == 4) tile_panels = kPrebroadcastPanels4;
+  int64_t panel_blocks = (panels + block_panels - 1) / block_panels;
+  if (row_blocks == 1) {  // one row block (decodes): as many blocks for each thread, of about equal size
+    panel_blocks = threads * ((panels + threads * kBalancedPanels - 1) / (threads * kBalancedPanels));
   }
-  const int64_t panel_blocks = (panels + block_panels - 1) / block_panels;
+  // Task t's panels: whole tiles [t * tiles / n, (t + 1) * tiles / n) of the row block's `tiles`.
+  const int64_t whole_tiles = (panels + tile_panels - 1) / tile_panels;
+  panel_blocks = std::min(panel_blocks, whole_tiles);
   at::parallel_for(0, panel_blocks * row_blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t p_begin = task / row_blocks * block_panels, p_end = std::min(panels, p_begin + block_panels);
+      const int64_t pb = task / row_blocks;
+      const int64_t p_begin = pb * whole_tiles / panel_blocks * tile_panels;
+      const int64_t p_end = std::min(panels, (pb + 1) * whole_tiles / panel_blocks * tile_panels);
       const int64_t m_begin = task % row_blocks * block_rows, m_end = std::min(op.M, m_begin + block_rows);
       if (op.M <= 2) {
         for (int64_t p0 = p_begin; p0 < p_end; p0 += kDecodePanels)
