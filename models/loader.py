@@ -27,6 +27,7 @@ from models.fetch import hub_snapshot, is_hub_id
 from models.layers.linear import (
     Linear, MergedLinear, can_pack_weights, linear_weight_bytes, pack_linear_weights, process_weights_after_loading,
 )
+from models.layers import hugepages
 from models.layers import parallel as tp_state
 from models.layers.quantization import DENSE, QUANTIZATIONS, LinearMethod, method_for
 from models.registry import MODEL_REGISTRY, get_model_class
@@ -224,6 +225,8 @@ def build_model(
         # bf16 on CPU: oneDNN's own layout, not reordered at every call; small models also
         # keep the plain weights, for the faster single-row gemv (see pack_linear_weights).
         pack_linear_weights(model, keep_plain=linear_weight_bytes(model) <= KEEP_PLAIN_WEIGHTS_MAX_BYTES)
+    if torch.device(device).type == "cpu":
+        hugepages.move_to_arena(model)  # one stream for the kernels to read, on huge pages
     return model.requires_grad_(False).eval()
 
 

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from models.layers import cpu_kernels
+from models.layers import cpu_kernels, hugepages
 from models.layers.step_kernels import DEFAULT_KERNELS, StepKernels
 
 
@@ -69,10 +69,10 @@ class KVCacheSpec:
         return self.num_layers * numel * torch.empty((), dtype=self.dtype).element_size()
 
     def allocate(self, num_blocks: int, block_size: int, device: torch.device | str) -> list[torch.Tensor]:
-        return [
-            torch.zeros((num_blocks, block_size, *self.entry_shape), dtype=self.dtype, device=device)
-            for _ in range(self.num_layers)
-        ]
+        shape = (num_blocks, block_size, *self.entry_shape)
+        if torch.device(device).type == "cpu":  # one huge-page arena: decodes stream their rows
+            return hugepages.zeros([shape] * self.num_layers, self.dtype)
+        return [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(self.num_layers)]
 
 
 @dataclass
