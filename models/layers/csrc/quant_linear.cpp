@@ -728,7 +728,11 @@ void int_qlinear(const Operands<S>& op) {
   if (op.M > 2 && Isa::kPrebroadcast && Bits == 4) tile_panels = kPrebroadcastPanels4;
   int64_t panel_blocks = (panels + block_panels - 1) / block_panels;
   if (row_blocks == 1) {  // one row block (decodes): as many blocks for each thread, of about equal size
-    panel_blocks = threads * ((panels + threads * kBalancedPanels - 1) / (threads * kBalancedPanels));
+    // Tiles of more than 2 rows broadcast each K slice's pairs once a task (sliced_tiles_4x3,
+    // 4 rows at a time): twice the panels a task halves that (16 rows, 1 thread, Zen 3: the
+    // broadcast loop was ~12% of the product's samples with 24-panel tasks).
+    const int64_t balanced = op.M <= 2 ? kBalancedPanels : 2 * kBalancedPanels;
+    panel_blocks = threads * ((panels + threads * balanced - 1) / (threads * balanced));
   }
   // Task t's panels: whole tiles [t * tiles / n, (t + 1) * tiles / n) of the row block's `tiles`.
   const int64_t whole_tiles = (panels + tile_panels - 1) / tile_panels;
