@@ -94,19 +94,20 @@ def test_int16_activation_path_equals_its_emulation(bits, rows, scale_dtype):
     assert (got - exact).abs().max() < 1e-4 * exact.abs().max()
 
 
-@pytest.mark.parametrize("bits,group,k", [(4, 32, 576), (8, 32, 576), (4, 64, 576), (8, None, 576), ("q4_0", 32, 576),
-                                          (4, 32, 3136), ("q4_0", 32, 3136)])
+@pytest.mark.parametrize("bits,group,k,n", [(4, 32, 576, 37), (8, 32, 576, 37), (4, 64, 576, 37), (8, None, 576, 37),
+                                            ("q4_0", 32, 576, 37), ("q4_0", 32, 576, 203), (4, 32, 3136, 37),
+                                            ("q4_0", 32, 3136, 37)])
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16])
-def test_a_rows_product_is_bit_identical_whatever_the_step_size_and_threads(bits, group, k, scale_dtype):
+def test_a_rows_product_is_bit_identical_whatever_the_step_size_and_threads(bits, group, k, n, scale_dtype):
     """A quantized layer runs one kernel for every row count (it used to dequantize and call
     a float GEMM from 8 or 32 rows on), work split over outputs, never over a sum: a row
     alone, among 1..256 rows at any offset (so any tile edge and alignment), with 1 or 2
     threads, gives the same bits. Columns not a multiple of any tile width (37) and K with a
     tail of groups (18 * 32) cover the kernel's edges; Q4_0 (its -8 folded into the integer
     sums) and a K past what AVX2 builds pre-broadcast (3136: 4 x 2 tiles that broadcast at each
-    use, where K = 576 takes the 4 x 3 assembly tiles) too."""
+    use, where K = 576 takes the 4 x 3 assembly tiles) too; 203 columns give a task several whole
+    tiles for each 4 rows of a step (AVX2 runs them slice by slice of K, every 4 rows in each)."""
     needs_kernel()
-    n = 37
     q4_0 = bits == "q4_0"
     bits = 4 if q4_0 else bits
     qw = random_quantized(bits, n, k, group)

@@ -460,62 +460,74 @@ void tile_upto(const Operands<S>& op, int64_t m0, int64_t p0, int rm, int rp) {
 }
 
 #if defined(PAGEDSERVE_GROUP_ASM)
-// AVX2's 4 x 3 tiles of 4 bits (group_4x3) over 4 rows and a task's panels, K a slice of 8 groups at
-// a time: the rows' pairs of the slice are broadcast (16 KB, in L1), every tile takes the slice's
-// groups, then the next slice. Pairs broadcast for all of K (8 times the bytes of the rows: 128 KB
-// at K = 2048) were read from L2 by each tile: 26.5 cycles a chunk on a Zen 3, where pairs in L1
-// take 16 (group_4x3 alone, looped over K = 2048 and over K = 256); and K = 8192 did not fit at
-// all. The float sums of the task's tiles wait in `acc` between slices; each output still takes
-// its groups in order, so the bits are `tile`'s.
+// AVX2's 4 x 3 tiles of 4 bits (group_4x3) over a task's rows (4 at a time) and panels, K a slice of
+// 8 groups at a time: for each slice, each 4 rows' pairs of the slice are broadcast (16 KB, in L1)
+// and every tile takes the slice's groups, then the next 4 rows, then the next slice. Pairs
+// broadcast for all of K (8 times the bytes of the rows: 128 KB at K = 2048) were read from L2 by
+// each tile: 26.5 cycles a chunk on a Zen 3, where pairs in L1 take 16 (group_4x3 alone, looped over
+// K = 2048 and over K = 256); and K = 8192 did not fit at all. Rows inside slices: a task's slice of
+// weights (48 panels: 48 KB) is read from memory once and by the other rows from L2, where rows
+// outside slices read all of the task's weights (384 KB at K = 2048, 1.5 MB at K = 8192) once per 4
+// rows, from L3 or memory, and two threads slowed each other there. The float sums of the task's
+// tiles wait in `acc` between slices; each output still takes its groups in order, so the bits are
+// `tile`'s.
 constexpr int64_t kSliceGroups = 8;
 constexpr int64_t kSlicePairs = kSliceGroups * kBlock / 2;
+constexpr int kSlicedTileFloats = 4 * 3 * kLanes;
 template <typename S>
-void sliced_tiles_4x3(const Operands<S>& op, int64_t m0, int64_t p_begin, int64_t tiles, float* acc, int32_t* xb,
-                      float* xf) {
-  constexpr int kTileFloats = 4 * 3 * kLanes;
+void sliced_tiles_4x3(const Operands<S>& op, int64_t m_begin, int64_t row_tiles, int64_t p_begin, int64_t tiles, float* acc,
+                      int32_t* xb, float* xf) {
   constexpr int kGroupBytes = kBlock / 2 * kLanes;
-  std::fill(acc, acc + tiles * kTileFloats, 0.f);
+  std::fill(acc, acc + row_tiles * tiles * kSlicedTileFloats, 0.f);
   const int64_t pb = op.panel_bytes, fs = op.scales_per_row * kLanes;
   for (int64_t g0 = 0; g0 < op.nb; g0 += kSliceGroups) {
     const int64_t g1 = std::min(op.nb, g0 + kSliceGroups);
-    for (int r = 0; r < 4; ++r) {  // the slice's pairs in all 8 lanes, and its factors as group_4x3 reads them
-      const int16_t* x = op.xq + (m0 + r) * op.K + g0 * kBlock;
-      for (int64_t j = 0; j < (g1 - g0) * kBlock / 2; ++j) {
-        int32_t v;
-        std::memcpy(&v, x + 2 * j, sizeof v);
-        Isa::store_pair(xb + (r * kSlicePairs + j) * kLanes, v);
-      }
-      for (int64_t g = g0; g < g1; ++g) {
-        const int64_t at = (m0 + r) * op.nb + g;
-        const int32_t xmin = op.xmin != nullptr ? op.xmin[at] : 0;
-        std::memcpy(xf + (g - g0) * 12 + r, &xmin, sizeof xmin);
-        xf[(g - g0) * 12 + 4 + r] = op.xscale[at];
-        xf[(g - g0) * 12 + 8 + r] = op.xsum[at];
-      }
-    }
-    for (int64_t t = 0; t < tiles; ++t) {
-      const int64_t p0 = p_begin + 3 * t;
-      const uint8_t* w = op.w + p0 * pb;
-      const S* scales = op.scales + p0 * fs;
-      const S* mins = op.mins != nullptr ? op.mins + p0 * fs : nullptr;
-      for (int64_t g = g0; g < g1; ++g) {
-        if (const int64_t ahead = g + kSliceGroups; ahead < op.nb) {  // this tile's next slice, into L2
-          const int64_t factors_at = ahead / op.groups_per_scale * kLanes;
-          for (int p = 0; p < 3; ++p) {
-            for (int line = 0; line < kGroupBytes; line += 64) Isa::prefetch(w + p * pb + ahead * kGroupBytes + line);
-            Isa::prefetch(scales + p * fs + factors_at);
-            if (mins != nullptr) Isa::prefetch(mins + p * fs + factors_at);
-          }
+    for (int64_t rt = 0; rt < row_tiles; ++rt) {
+      const int64_t m0 = m_begin + 4 * rt;
+      for (int r = 0; r < 4; ++r) {  // the slice's pairs in all 8 lanes, and its factors as group_4x3 reads them
+        const int16_t* x = op.xq + (m0 + r) * op.K + g0 * kBlock;
+        for (int64_t j = 0; j < (g1 - g0) * kBlock / 2; ++j) {
+          int32_t v;
+          std::memcpy(&v, x + 2 * j, sizeof v);
+          Isa::store_pair(xb + (r * kSlicePairs + j) * kLanes, v);
         }
-        const int64_t at = g / op.groups_per_scale * kLanes;
-        group_4x3(acc + t * kTileFloats, w + g * kGroupBytes, pb, xb + (g - g0) * kBlock / 2 * kLanes, kSlicePairs * kLanes,
-                  xf + (g - g0) * 12, scales + at, mins != nullptr ? mins + at : nullptr, fs);
+        for (int64_t g = g0; g < g1; ++g) {
+          const int64_t at = (m0 + r) * op.nb + g;
+          const int32_t xmin = op.xmin != nullptr ? op.xmin[at] : 0;
+          std::memcpy(xf + (g - g0) * 12 + r, &xmin, sizeof xmin);
+          xf[(g - g0) * 12 + 4 + r] = op.xscale[at];
+          xf[(g - g0) * 12 + 8 + r] = op.xsum[at];
+        }
+      }
+      float* const row_acc = acc + rt * tiles * kSlicedTileFloats;
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t p0 = p_begin + 3 * t;
+        const uint8_t* w = op.w + p0 * pb;
+        const S* scales = op.scales + p0 * fs;
+        const S* mins = op.mins != nullptr ? op.mins + p0 * fs : nullptr;
+        for (int64_t g = g0; g < g1; ++g) {
+          // this tile's next slice, into L2 (by the first rows: the others find this slice there)
+          if (const int64_t ahead = g + kSliceGroups; rt == 0 && ahead < op.nb) {
+            const int64_t factors_at = ahead / op.groups_per_scale * kLanes;
+            for (int p = 0; p < 3; ++p) {
+              for (int line = 0; line < kGroupBytes; line += 64) Isa::prefetch(w + p * pb + ahead * kGroupBytes + line);
+              Isa::prefetch(scales + p * fs + factors_at);
+              if (mins != nullptr) Isa::prefetch(mins + p * fs + factors_at);
+            }
+          }
+          const int64_t at = g / op.groups_per_scale * kLanes;
+          group_4x3(row_acc + t * kSlicedTileFloats, w + g * kGroupBytes, pb, xb + (g - g0) * kBlock / 2 * kLanes,
+                    kSlicePairs * kLanes, xf + (g - g0) * 12, scales + at, mins != nullptr ? mins + at : nullptr, fs);
+        }
       }
     }
   }
-  for (int64_t t = 0; t < tiles; ++t)
-    for (int r = 0; r < 4; ++r)
-      for (int p = 0; p < 3; ++p) store_output(op, m0 + r, p_begin + 3 * t + p, acc + t * kTileFloats + (r * 3 + p) * kLanes);
+  for (int64_t rt = 0; rt < row_tiles; ++rt)
+    for (int64_t t = 0; t < tiles; ++t)
+      for (int r = 0; r < 4; ++r)
+        for (int p = 0; p < 3; ++p)
+          store_output(op, m_begin + 4 * rt + r, p_begin + 3 * t + p,
+                       acc + (rt * tiles + t) * kSlicedTileFloats + (r * 3 + p) * kLanes);
 }
 #endif
 
@@ -770,18 +782,16 @@ void int_qlinear(const Operands<S>& op) {
       // takes `tile`): whole 4 x 3 tiles in assembly, K in slices; the edges broadcast at each use.
       if (Bits == 4 && (op.mins != nullptr || op.xmin != nullptr || op.min_per_scale == 0.f)) {
         const int64_t tiles = (p_end - p_begin) / 3;
+        const int64_t row_tiles = (m_end - m_begin) / kTileRows;
         thread_local std::vector<float> storage;  // the slice's pairs, its factors, the tiles' float sums
-        storage.resize(4 * kSlicePairs * kLanes + kSliceGroups * 12 + tiles * kTileRows * 3 * kLanes + 16);
+        storage.resize(4 * kSlicePairs * kLanes + kSliceGroups * 12 + row_tiles * tiles * kSlicedTileFloats + 16);
         int32_t* const xb = reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
         float* const xf = reinterpret_cast<float*>(xb + 4 * kSlicePairs * kLanes);
         float* const acc = xf + kSliceGroups * 12;  // 64-byte aligned: the pairs and factors are multiples of 64 bytes
-        for (int64_t m0 = m_begin; m0 < m_end; m0 += kTileRows) {
+        if (row_tiles > 0 && tiles > 0) sliced_tiles_4x3(op, m_begin, row_tiles, p_begin, tiles, acc, xb, xf);
+        for (int64_t m0 = m_begin; m0 < m_end; m0 += kTileRows) {  // the edges: panels past whole tiles, rows past 4s
           const int rm = static_cast<int>(std::min<int64_t>(kTileRows, m_end - m0));
-          int64_t p0 = p_begin;
-          if (rm == kTileRows && tiles > 0) {
-            sliced_tiles_4x3(op, m0, p_begin, tiles, acc, xb, xf);
-            p0 += 3 * tiles;
-          }
+          int64_t p0 = rm == kTileRows ? p_begin + 3 * tiles : p_begin;
           for (; p0 < p_end; p0 += kTilePanels)
             tile_upto<Bits, kTileRows, kTilePanels>(op, m0, p0, rm, static_cast<int>(std::min<int64_t>(kTilePanels, p_end - p0)));
         }
