@@ -727,22 +727,22 @@ void int_qlinear(const Operands<S>& op) {
   const bool wide = kWide && op.M > 2 && wide_tiles_enabled();
   const int64_t tile_rows = wide ? kWideRows : kTileRows;
   int64_t block_rows = std::clamp<int64_t>((256 << 10) / (op.K * 2) / tile_rows * tile_rows, tile_rows, 64);
+  int64_t block_panels = std::clamp<int64_t>((256 << 10) / op.panel_bytes / 12 * 12, 12, 48);
 #if defined(PAGEDSERVE_GROUP_ASM)
-  // AVX2's sliced 4-bit tiles (sliced_tiles_4x3) keep a K slice of the task's rows, pairs and weights
-  // in cache at a time, not all of K: the largest tasks whatever K. Each slice's pairs are broadcast
-  // once a task (K = 8192 had tasks of 12 panels, the broadcast ~10% of the product) and the weights
-  // read from memory once a row block (K = 8192 had blocks of 16 rows). 128 x 8192 -> 2048, 1 thread,
-  // Zen 3: 51.5-57.4 -> 44.4-46.9 ms (tasks of 48 panels alone).
-  // 4 bits with mins stored, folded or none (a min made from the scales that is not an integer takes `tile`).
+  // AVX2's sliced 4-bit tiles (sliced_tiles_4x3; 4 bits with mins stored, folded or none: a min made
+  // from the scales that is not an integer takes `tile`) keep a K slice of the task's rows, pairs and
+  // weights in cache at a time, not all of K: the largest tasks whatever K. Each slice's pairs are
+  // broadcast once a task (K = 8192 had tasks of 12 panels, the broadcast ~10% of the product) and
+  // the weights read from memory once a row block (K = 8192 had blocks of 16 rows). 128 x 8192 ->
+  // 2048, 1 thread, Zen 3: 51.5-57.4 -> 44.4-46.9 ms (tasks of 48 panels alone).
   const bool sliced = Bits == 4 && op.M > 2 && (op.mins != nullptr || op.xmin != nullptr || op.min_per_scale == 0.f);
-  if (sliced) block_rows = 64;
+  if (sliced) {
+    block_rows = 64;
+    block_panels = 48;
+  }
 #endif
   const int64_t row_blocks = (op.M + block_rows - 1) / block_rows;
   const int64_t threads = at::get_num_threads();
-  int64_t block_panels = std::clamp<int64_t>((256 << 10) / op.panel_bytes / 12 * 12, 12, 48);
-#if defined(PAGEDSERVE_GROUP_ASM)
-  if (sliced) block_panels = 48;
-#endif
   // Enough panel blocks for every thread to get several (one decode: all the parallelism).
   while (block_panels > 12 && row_blocks * ((panels + block_panels - 1) / block_panels) < 4 * threads)
     block_panels /= 2;
