@@ -46,6 +46,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -64,6 +65,20 @@ constexpr int64_t kBlock = 32;  // values per quantization block of weights and 
 constexpr int kLanes = 8;       // output columns per panel
 constexpr int kPrefetchGroups = 24;  // how far ahead a tile's stream is prefetched
 constexpr int kBalancedPanels = 24;  // a one-row-block step's panels per task, about
+
+// f(0) .. f(n - 1) on the thread team, each task claimed by whichever thread is free next, in
+// order: a thread held up (the event loop shares its core) or given the larger share no longer
+// keeps the other idle for the rest of the split. Served 360M shape, 16 streams, 2 threads, Zen 3
+// (perf, cpu-clock): the engine's thread waited in the OpenMP barrier for the other's products in
+// 6.2% of its samples with the static split, 3.2% with this. A task's result never depends on
+// which thread runs it, so the split changes no bit.
+template <typename F>
+void parallel_tasks(int64_t n, const F& f) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    for (int64_t task; (task = next.fetch_add(1, std::memory_order_relaxed)) < n;) f(task);
+  });
+}
 
 // x (M, K) float -> xq (M, K) int16, xscale (M, K/32), xsum (M, K/32) = xscale * sum of xq, and where
 // `xmin` is given, xmin (M, K/32) = min_per_scale * sum of xq (an integer min, folded into the dot).
@@ -718,9 +733,9 @@ constexpr int kPrebroadcastPanels4 = 3;
 constexpr int kDecodePanels = Isa::kRegisters >= 32 ? 6 : 3;
 
 // The block loop around the micro-kernel. Tasks are blocks of panels x blocks of rows (a row
-// block kept small enough to stay in L2, a panel block's weights in L2); a thread takes
-// consecutive tasks, so it walks the row blocks under one panel block and reads that block's
-// weights from memory once.
+// block kept small enough to stay in L2, a panel block's weights in L2), claimed in order, so
+// the threads walk the row blocks under one panel block together and its weights come from
+// memory once.
 template <int Bits, typename S>
 void int_qlinear(const Operands<S>& op) {
   const int64_t panels = (op.N + kLanes - 1) / kLanes;
@@ -742,6 +757,9 @@ void int_qlinear(const Operands<S>& op) {
   }
 #endif
   const int64_t row_blocks = (op.M + block_rows - 1) / block_rows;
+  // Row blocks of about equal size (a multiple of the tile's rows): 143 rows (a prompt's chunk
+  // and 15 decodes) are 48 + 48 + 47, not 64 + 64 + 15.
+  block_rows = ((op.M + row_blocks - 1) / row_blocks + tile_rows - 1) / tile_rows * tile_rows;
   const int64_t threads = at::get_num_threads();
   // Enough panel blocks for every thread to get several (one decode: all the parallelism).
   while (block_panels > 12 && row_blocks * ((panels + block_panels - 1) / block_panels) < 4 * threads)
@@ -761,90 +779,91 @@ void int_qlinear(const Operands<S>& op) {
   }
   // Task t's panels: whole tiles [t * tiles / n, (t + 1) * tiles / n) of the row block's `tiles`.
   const int64_t whole_tiles = (panels + tile_panels - 1) / tile_panels;
+  // A task count that the threads divide: 3 row blocks x 5 panel blocks gave one thread 8 tasks
+  // and the other 7.
+  while (row_blocks * panel_blocks % threads != 0) ++panel_blocks;
   panel_blocks = std::min(panel_blocks, whole_tiles);
-  at::parallel_for(0, panel_blocks * row_blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t pb = task / row_blocks;
-      const int64_t p_begin = pb * whole_tiles / panel_blocks * tile_panels;
-      const int64_t p_end = std::min(panels, (pb + 1) * whole_tiles / panel_blocks * tile_panels);
-      const int64_t m_begin = task % row_blocks * block_rows, m_end = std::min(op.M, m_begin + block_rows);
-      if (op.M <= 2) {
-        for (int64_t p0 = p_begin; p0 < p_end; p0 += kDecodePanels)
-          tile_upto<Bits, 2, kDecodePanels>(op, m_begin, p0, static_cast<int>(m_end - m_begin),
-                                            static_cast<int>(std::min<int64_t>(kDecodePanels, p_end - p0)));
-        continue;
-      }
+  parallel_tasks(panel_blocks * row_blocks, [&](int64_t task) {
+    const int64_t pb = task / row_blocks;
+    const int64_t p_begin = pb * whole_tiles / panel_blocks * tile_panels;
+    const int64_t p_end = std::min(panels, (pb + 1) * whole_tiles / panel_blocks * tile_panels);
+    const int64_t m_begin = task % row_blocks * block_rows, m_end = std::min(op.M, m_begin + block_rows);
+    if (op.M <= 2) {
+      for (int64_t p0 = p_begin; p0 < p_end; p0 += kDecodePanels)
+        tile_upto<Bits, 2, kDecodePanels>(op, m_begin, p0, static_cast<int>(m_end - m_begin),
+                                          static_cast<int>(std::min<int64_t>(kDecodePanels, p_end - p0)));
+      return;
+    }
 #if defined(PAGEDSERVE_HAS_WIDE_TILES)
-      if (wide) {  // two panels a vector; a last odd panel on the 8-lane tile
-        constexpr int RP = 2 * kWideVectors;
-        for (int64_t p0 = p_begin; p0 < p_end; p0 += RP) {
-          const int np = static_cast<int>(std::min<int64_t>(RP, p_end - p0));
-          for (int64_t m0 = m_begin; m0 < m_end; m0 += kWideRows) {
-            const int rm = static_cast<int>(std::min<int64_t>(kWideRows, m_end - m0));
-            if (np >= 2) wide_tile_upto<Bits, kWideRows, kWideVectors>(op, m0, p0, rm, np / 2);
-            if (np % 2)
-              for (int64_t m1 = m0; m1 < m0 + rm; m1 += kTileRows)
-                tile_upto<Bits, kTileRows, 1>(op, m1, p0 + np - 1, static_cast<int>(std::min<int64_t>(kTileRows, m0 + rm - m1)), 1);
-          }
+    if (wide) {  // two panels a vector; a last odd panel on the 8-lane tile
+      constexpr int RP = 2 * kWideVectors;
+      for (int64_t p0 = p_begin; p0 < p_end; p0 += RP) {
+        const int np = static_cast<int>(std::min<int64_t>(RP, p_end - p0));
+        for (int64_t m0 = m_begin; m0 < m_end; m0 += kWideRows) {
+          const int rm = static_cast<int>(std::min<int64_t>(kWideRows, m_end - m0));
+          if (np >= 2) wide_tile_upto<Bits, kWideRows, kWideVectors>(op, m0, p0, rm, np / 2);
+          if (np % 2)
+            for (int64_t m1 = m0; m1 < m0 + rm; m1 += kTileRows)
+              tile_upto<Bits, kTileRows, 1>(op, m1, p0 + np - 1, static_cast<int>(std::min<int64_t>(kTileRows, m0 + rm - m1)), 1);
         }
-        continue;
       }
+      return;
+    }
 #endif
 #if defined(PAGEDSERVE_GROUP_ASM)
-      // whole 4 x 3 tiles in assembly, K in slices; the edges broadcast at each use
-      if (sliced) {
-        const int64_t tiles = (p_end - p_begin) / 3;
-        const int64_t row_tiles = (m_end - m_begin) / kTileRows;
-        thread_local std::vector<float> storage;  // the slice's pairs, its factors, the tiles' float sums
-        storage.resize(4 * kSlicePairs * kLanes + kSliceGroups * 12 + row_tiles * tiles * kSlicedTileFloats + 16);
-        int32_t* const xb = reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
-        float* const xf = reinterpret_cast<float*>(xb + 4 * kSlicePairs * kLanes);
-        float* const acc = xf + kSliceGroups * 12;  // 64-byte aligned: the pairs and factors are multiples of 64 bytes
-        if (row_tiles > 0 && tiles > 0) sliced_tiles_4x3(op, m_begin, row_tiles, p_begin, tiles, acc, xb, xf);
-        for (int64_t m0 = m_begin; m0 < m_end; m0 += kTileRows) {  // the edges: panels past whole tiles, rows past 4s
-          const int rm = static_cast<int>(std::min<int64_t>(kTileRows, m_end - m0));
-          int64_t p0 = rm == kTileRows ? p_begin + 3 * tiles : p_begin;
-          for (; p0 < p_end; p0 += kTilePanels)
-            tile_upto<Bits, kTileRows, kTilePanels>(op, m0, p0, rm, static_cast<int>(std::min<int64_t>(kTilePanels, p_end - p0)));
-        }
-        continue;
+    // whole 4 x 3 tiles in assembly, K in slices; the edges broadcast at each use
+    if (sliced) {
+      const int64_t tiles = (p_end - p_begin) / 3;
+      const int64_t row_tiles = (m_end - m_begin) / kTileRows;
+      thread_local std::vector<float> storage;  // the slice's pairs, its factors, the tiles' float sums
+      storage.resize(4 * kSlicePairs * kLanes + kSliceGroups * 12 + row_tiles * tiles * kSlicedTileFloats + 16);
+      int32_t* const xb = reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
+      float* const xf = reinterpret_cast<float*>(xb + 4 * kSlicePairs * kLanes);
+      float* const acc = xf + kSliceGroups * 12;  // 64-byte aligned: the pairs and factors are multiples of 64 bytes
+      if (row_tiles > 0 && tiles > 0) sliced_tiles_4x3(op, m_begin, row_tiles, p_begin, tiles, acc, xb, xf);
+      for (int64_t m0 = m_begin; m0 < m_end; m0 += kTileRows) {  // the edges: panels past whole tiles, rows past 4s
+        const int rm = static_cast<int>(std::min<int64_t>(kTileRows, m_end - m0));
+        int64_t p0 = rm == kTileRows ? p_begin + 3 * tiles : p_begin;
+        for (; p0 < p_end; p0 += kTilePanels)
+          tile_upto<Bits, kTileRows, kTilePanels>(op, m0, p0, rm, static_cast<int>(std::min<int64_t>(kTilePanels, p_end - p0)));
       }
+      return;
+    }
 #endif
-      // 8 bits (and 4 bits that group_4x3 does not take), rows outer: each 4 rows broadcast once for
-      // the task's panels, where 4 rows' pairs (K x 64 bytes) leave room in a 512 KB L2 for the
-      // task's weights (up to 256 KB); K = 8192 (1.7B's down projection, 512 KB of pairs) keeps the
-      // 4 x 2 tiles that broadcast at each use. The bound is reasoned from the cache sizes: runs
-      // with and without it on that shape (Zen 3) were within this VM's noise (30-46 ms either way).
-      if (Isa::kPrebroadcast && op.K * 64 <= (192 << 10)) {
-        // 64-byte aligned: a madd operand that crosses a cache line costs (a chunk 6.8 -> 8.5 ns, Zen 3).
-        thread_local std::vector<int32_t> broadcast_storage;
-        const int64_t pairs = op.K / 2;
-        if (broadcast_storage.size() < static_cast<size_t>(kTileRows * pairs * kLanes + 16))
-          broadcast_storage.resize(kTileRows * pairs * kLanes + 16);
-        int32_t* const broadcast = reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(broadcast_storage.data()) + 63) & ~uintptr_t{63});
-        for (int64_t m0 = m_begin; m0 < m_end; m0 += kTileRows) {
-          const int rm = static_cast<int>(std::min<int64_t>(kTileRows, m_end - m0));
-          for (int r = 0; r < rm; ++r) {
-            const int16_t* x = op.xq + (m0 + r) * op.K;
-            for (int64_t j = 0; j < pairs; ++j) {
-              int32_t v;
-              std::memcpy(&v, x + 2 * j, sizeof v);
-              Isa::store_pair(broadcast + (r * pairs + j) * kLanes, v);
-            }
+    // 8 bits (and 4 bits that group_4x3 does not take), rows outer: each 4 rows broadcast once for
+    // the task's panels, where 4 rows' pairs (K x 64 bytes) leave room in a 512 KB L2 for the
+    // task's weights (up to 256 KB); K = 8192 (1.7B's down projection, 512 KB of pairs) keeps the
+    // 4 x 2 tiles that broadcast at each use. The bound is reasoned from the cache sizes: runs
+    // with and without it on that shape (Zen 3) were within this VM's noise (30-46 ms either way).
+    if (Isa::kPrebroadcast && op.K * 64 <= (192 << 10)) {
+      // 64-byte aligned: a madd operand that crosses a cache line costs (a chunk 6.8 -> 8.5 ns, Zen 3).
+      thread_local std::vector<int32_t> broadcast_storage;
+      const int64_t pairs = op.K / 2;
+      if (broadcast_storage.size() < static_cast<size_t>(kTileRows * pairs * kLanes + 16))
+        broadcast_storage.resize(kTileRows * pairs * kLanes + 16);
+      int32_t* const broadcast = reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(broadcast_storage.data()) + 63) & ~uintptr_t{63});
+      for (int64_t m0 = m_begin; m0 < m_end; m0 += kTileRows) {
+        const int rm = static_cast<int>(std::min<int64_t>(kTileRows, m_end - m0));
+        for (int r = 0; r < rm; ++r) {
+          const int16_t* x = op.xq + (m0 + r) * op.K;
+          for (int64_t j = 0; j < pairs; ++j) {
+            int32_t v;
+            std::memcpy(&v, x + 2 * j, sizeof v);
+            Isa::store_pair(broadcast + (r * pairs + j) * kLanes, v);
           }
-          Operands<S> rows = op;
-          rows.xb = broadcast;
-          constexpr int RP = Bits == 4 ? kPrebroadcastPanels4 : kTilePanels;
-          for (int64_t p0 = p_begin; p0 < p_end; p0 += RP)
-            tile_upto<Bits, kTileRows, RP, true>(rows, m0, p0, rm, static_cast<int>(std::min<int64_t>(RP, p_end - p0)));
         }
-      } else {
-        for (int64_t p0 = p_begin; p0 < p_end; p0 += kTilePanels) {
-          const int rp = static_cast<int>(std::min<int64_t>(kTilePanels, p_end - p0));
-          for (int64_t m0 = m_begin; m0 < m_end; m0 += kTileRows)
-            tile_upto<Bits, kTileRows, kTilePanels>(op, m0, p0, static_cast<int>(std::min<int64_t>(kTileRows, m_end - m0)),
-                                                    rp);
-        }
+        Operands<S> rows = op;
+        rows.xb = broadcast;
+        constexpr int RP = Bits == 4 ? kPrebroadcastPanels4 : kTilePanels;
+        for (int64_t p0 = p_begin; p0 < p_end; p0 += RP)
+          tile_upto<Bits, kTileRows, RP, true>(rows, m0, p0, rm, static_cast<int>(std::min<int64_t>(RP, p_end - p0)));
+      }
+    } else {
+      for (int64_t p0 = p_begin; p0 < p_end; p0 += kTilePanels) {
+        const int rp = static_cast<int>(std::min<int64_t>(kTilePanels, p_end - p0));
+        for (int64_t m0 = m_begin; m0 < m_end; m0 += kTileRows)
+          tile_upto<Bits, kTileRows, kTilePanels>(op, m0, p0, static_cast<int>(std::min<int64_t>(kTileRows, m_end - m0)),
+                                                  rp);
       }
     }
   });
