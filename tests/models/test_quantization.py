@@ -101,8 +101,9 @@ def test_int16_activation_path_equals_its_emulation(bits, rows, scale_dtype):
 def test_a_rows_product_is_bit_identical_whatever_the_step_size_and_threads(bits, group, k, n, scale_dtype):
     """A quantized layer runs one kernel for every row count (it used to dequantize and call
     a float GEMM from 8 or 32 rows on), work split over outputs, never over a sum: a row
-    alone, among 1..256 rows at any offset (so any tile edge and alignment), with 1 or 2
-    threads, gives the same bits. Columns not a multiple of any tile width (37) and K with a
+    alone, among 1..256 rows at any offset (so any tile edge and alignment), with 1, 2 or 3
+    threads (tasks are claimed by whichever thread is free: 143 rows make 3 row blocks), gives
+    the same bits. Columns not a multiple of any tile width (37) and K with a
     tail of groups (18 * 32) cover the kernel's edges; Q4_0 (its -8 folded into the integer
     sums) and a K past what AVX2 builds pre-broadcast (3136: 4 x 2 tiles that broadcast at each
     use, where K = 576 takes the 4 x 3 assembly tiles) too; 203 columns give a task several whole
@@ -128,9 +129,9 @@ def test_a_rows_product_is_bit_identical_whatever_the_step_size_and_threads(bits
     try:
         torch.set_num_threads(1)
         alone = torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])
-        for num_threads in (1, 2):
+        for num_threads in (1, 2, 3):  # 3 on 2 cores: a thread descheduled mid-split, tasks claimed by the others
             torch.set_num_threads(num_threads)
-            for rows in (2, 3, 4, 5, 7, 8, 9, 16, 33, 64, 65, 256):
+            for rows in (2, 3, 4, 5, 7, 8, 9, 16, 33, 64, 65, 143, 256):
                 for start in (0, 1, 6, 300 - rows):
                     got = layer(x[start : start + rows])
                     assert torch.equal(got, alone[start : start + rows]), (num_threads, rows, start)
