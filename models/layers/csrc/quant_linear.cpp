@@ -146,7 +146,16 @@ struct Isa {
     return _mm256_set1_epi32(v);
   }
   static W load_pair(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-  static void store_pair(int32_t* p, int32_t v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_set1_epi32(v)); }
+  // x's pairs 0 .. n - 1 (n a multiple of 16: K's groups) each in all 8 lanes of dst (32-byte aligned):
+  // 8 pairs a load, each to its lanes by a permute (a broadcast from memory per pair costs a load
+  // and a vector pipe, and the loop ran twice the instructions).
+  static void broadcast_pairs(int32_t* dst, const int16_t* x, int64_t n) {
+    for (int64_t j = 0; j < n; j += 8) {
+      const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 2 * j));
+      __m256i* to = reinterpret_cast<__m256i*>(dst + j * kLanes);
+      for (int i = 0; i < 8; ++i) _mm256_store_si256(to + i, _mm256_permutevar8x32_epi32(pairs, _mm256_set1_epi32(i)));
+    }
+  }
   // |127 * 32767 * 2| per madd lane, 16 pairs a group: far inside int32.
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) || defined(__AVXVNNI__)
   static constexpr bool kFusedDot = true;
@@ -209,7 +218,10 @@ struct Isa {  // plain C++: the same lane arithmetic, one lane at a time
   static W high_nibbles(W w) { for (auto& e : w.v) e = static_cast<int16_t>(e >> 4); return w; }
   static W pair(const int16_t* x) { W w; for (int j = 0; j < 2 * kLanes; ++j) w.v[j] = x[j % 2]; return w; }
   static W load_pair(const int32_t* p) { W w; std::memcpy(w.v, p, sizeof w.v); return w; }
-  static void store_pair(int32_t* p, int32_t v) { for (int j = 0; j < kLanes; ++j) p[j] = v; }
+  static void broadcast_pairs(int32_t* dst, const int16_t* x, int64_t n) {
+    for (int64_t j = 0; j < n; ++j)
+      for (int i = 0; i < kLanes; ++i) std::memcpy(dst + j * kLanes + i, x + 2 * j, sizeof(int32_t));
+  }
   static I dot(I acc, W w, W x) {
     for (int i = 0; i < kLanes; ++i) acc.v[i] += w.v[2 * i] * x.v[2 * i] + w.v[2 * i + 1] * x.v[2 * i + 1];
     return acc;
@@ -507,21 +519,40 @@ void sliced_tiles_4x3(const Operands<S>& op, int64_t m_begin, int64_t row_tiles,
   const int64_t pb = op.panel_bytes, fs = op.scales_per_row * kLanes;
   for (int64_t g0 = 0; g0 < op.nb; g0 += kSliceGroups) {
     const int64_t g1 = std::min(op.nb, g0 + kSliceGroups);
+    // The slice's groups' factor offsets (and those a slice ahead), divided out once a slice rather
+    // than at every group of every tile: an `idiv` each, ~1% of a 2048-row product's samples.
+    int64_t factor_at[kSliceGroups], factor_ahead[kSliceGroups];
+    for (int64_t g = g0; g < g1; ++g) {
+      factor_at[g - g0] = g / op.groups_per_scale * kLanes;
+      factor_ahead[g - g0] = (g + kSliceGroups) / op.groups_per_scale * kLanes;
+    }
     for (int64_t rt = 0; rt < row_tiles; ++rt) {
       const int64_t m0 = m_begin + 4 * rt;
       for (int r = 0; r < 4; ++r) {  // the slice's pairs in all 8 lanes, and its factors as group_4x3 reads them
         const int16_t* x = op.xq + (m0 + r) * op.K + g0 * kBlock;
-        for (int64_t j = 0; j < (g1 - g0) * kBlock / 2; ++j) {
-          int32_t v;
-          std::memcpy(&v, x + 2 * j, sizeof v);
-          Isa::store_pair(xb + (r * kSlicePairs + j) * kLanes, v);
-        }
+        Isa::broadcast_pairs(xb + r * kSlicePairs * kLanes, x, (g1 - g0) * kBlock / 2);
         for (int64_t g = g0; g < g1; ++g) {
           const int64_t at = (m0 + r) * op.nb + g;
           const int32_t xmin = op.xmin != nullptr ? op.xmin[at] : 0;
           std::memcpy(xf + (g - g0) * 12 + r, &xmin, sizeof xmin);
           xf[(g - g0) * 12 + 4 + r] = op.xscale[at];
           xf[(g - g0) * 12 + 8 + r] = op.xsum[at];
+        }
+      }
+      // The next row tile's slice (or the next slice's first row tile), pairs and factors, into L2
+      // while this one's tiles run: at 2048 rows a task's rows (64 x K int16) come from L3 or memory,
+      // and the broadcast above waited on them (~9% of the product's samples, ~5% with this).
+      {
+        const bool last = rt + 1 == row_tiles;
+        const int64_t nm = last ? m_begin : m0 + 4, ng = last ? g1 : g0;
+        const int64_t ng1 = std::min(op.nb, ng + kSliceGroups);
+        for (int r = 0; r < 4 && ng < op.nb; ++r) {
+          const char* x = reinterpret_cast<const char*>(op.xq + (nm + r) * op.K + ng * kBlock);
+          for (int64_t line = 0; line < (ng1 - ng) * kBlock * 2; line += 64) Isa::prefetch(x + line);
+          const int64_t at = (nm + r) * op.nb + ng;
+          if (op.xmin != nullptr) Isa::prefetch(op.xmin + at);
+          Isa::prefetch(op.xscale + at);
+          Isa::prefetch(op.xsum + at);
         }
       }
       float* const row_acc = acc + rt * tiles * kSlicedTileFloats;
@@ -533,14 +564,14 @@ void sliced_tiles_4x3(const Operands<S>& op, int64_t m_begin, int64_t row_tiles,
         for (int64_t g = g0; g < g1; ++g) {
           // this tile's next slice, into L2 (by the first rows: the others find this slice there)
           if (const int64_t ahead = g + kSliceGroups; rt == 0 && ahead < op.nb) {
-            const int64_t factors_at = ahead / op.groups_per_scale * kLanes;
+            const int64_t factors_at = factor_ahead[g - g0];
             for (int p = 0; p < 3; ++p) {
               for (int line = 0; line < kGroupBytes; line += 64) Isa::prefetch(w + p * pb + ahead * kGroupBytes + line);
               Isa::prefetch(scales + p * fs + factors_at);
               if (mins != nullptr) Isa::prefetch(mins + p * fs + factors_at);
             }
           }
-          const int64_t at = g / op.groups_per_scale * kLanes;
+          const int64_t at = factor_at[g - g0];
           group_4x3(row_acc + t * kSlicedTileFloats, w + g * kGroupBytes, pb, xb + (g - g0) * kBlock / 2 * kLanes,
                     kSlicePairs * kLanes, xf + (g - g0) * 12, scales + at, mins != nullptr ? mins + at : nullptr, fs);
         }
@@ -854,14 +885,7 @@ void int_qlinear(const Operands<S>& op) {
       int32_t* const broadcast = reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(broadcast_storage.data()) + 63) & ~uintptr_t{63});
       for (int64_t m0 = m_begin; m0 < m_end; m0 += kTileRows) {
         const int rm = static_cast<int>(std::min<int64_t>(kTileRows, m_end - m0));
-        for (int r = 0; r < rm; ++r) {
-          const int16_t* x = op.xq + (m0 + r) * op.K;
-          for (int64_t j = 0; j < pairs; ++j) {
-            int32_t v;
-            std::memcpy(&v, x + 2 * j, sizeof v);
-            Isa::store_pair(broadcast + (r * pairs + j) * kLanes, v);
-          }
-        }
+        for (int r = 0; r < rm; ++r) Isa::broadcast_pairs(broadcast + r * pairs * kLanes, op.xq + (m0 + r) * op.K, pairs);
         Operands<S> rows = op;
         rows.xb = broadcast;
         constexpr int RP = Bits == 4 ? kPrebroadcastPanels4 : kTilePanels;
