@@ -43,7 +43,7 @@ _SOURCES = [
     Path(__file__).parent / "csrc" / name
     for name in ("paged_attention.cpp", "elementwise.cpp", "quant_linear.cpp", "decode_ops.cpp", "decoder_layer.cpp")
 ]
-_OPS = ("paged_attention", "rms_norm", "silu_and_mul", "quant_linear", "rope_neox",
+_OPS = ("paged_attention", "rms_norm", "silu_and_mul", "quant_linear", "quant_linear_silu_mul", "rope_neox",
         "write_kv_planes", "llama_decoder_layer")
 
 _lock = threading.Lock()
@@ -238,6 +238,16 @@ def quant_linear(
     min = scale * min_per_scale (Q4_0's -8), or none."""
     return torch.ops.pagedserve.quant_linear(x, qweight, scales, mins, bias, bits, group_size, out_features,
                                              min_per_scale)
+
+
+def quant_linear_silu_mul(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+    bias: torch.Tensor | None, bits: int, group_size: int, out_features: int, min_per_scale: float = 0.0,
+) -> torch.Tensor:
+    """silu_and_mul(quant_linear(...)) in one pass, float32 x, out_features = 2I a multiple of 16
+    ([gate | up]) -> (M, I): the same numbers, without the (M, 2I) product between the two."""
+    return torch.ops.pagedserve.quant_linear_silu_mul(x, qweight, scales, mins, bias, bits, group_size, out_features,
+                                                      min_per_scale)
 
 
 def rope_neox(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

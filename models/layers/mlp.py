@@ -30,8 +30,12 @@ class GatedMLP(nn.Module):
         self.is_silu = hidden_act == "silu"
 
     def forward(self, x: torch.Tensor, kernels: StepKernels) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x, kernels)  # (num_tokens, 2 * intermediate_size)
         if self.is_silu and cpu_kernels.usable(x):
-            return self.down_proj(cpu_kernels.silu_and_mul(gate_up), kernels)
+            layer = self.gate_up_proj  # column-parallel: this rank's [gate | up], no gather
+            act = layer.quant_method.apply_silu_mul(layer, x, layer.bias, kernels)
+            if act is None:
+                act = cpu_kernels.silu_and_mul(self.gate_up_proj(x, kernels))
+            return self.down_proj(act, kernels)
+        gate_up = self.gate_up_proj(x, kernels)  # (num_tokens, 2 * intermediate_size)
         gate, up = self.gate_up_proj.split(gate_up)  # each (num_tokens, intermediate_size)
         return self.down_proj(self.act_fn(gate) * up, kernels)

@@ -201,6 +201,13 @@ class LinearMethod:
         """x W^T + b on the kernels the step chose (models/layers/step_kernels.py)."""
         raise NotImplementedError
 
+    def apply_silu_mul(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, kernels: StepKernels
+    ) -> torch.Tensor | None:
+        """silu(gate) * up of a [gate | up] layer's x W^T + b in one kernel, or None where this
+        method has none for x (the caller runs `apply` and silu_and_mul)."""
+        return None
+
     def load(self, layer: nn.Module, rows: slice, weight: torch.Tensor | QuantizedWeight, name: str) -> None:
         """Copy (a row range of) a checkpoint weight, quantizing or dequantizing as needed."""
         raise NotImplementedError
@@ -334,6 +341,17 @@ class QuantMethod(LinearMethod):
                 layer.in_features // layer.scales.shape[1], layer.out_features, layer.min_per_scale,
             )
         return kernels.matmul(F.linear, x, self.dense_weight(layer).to(x.dtype), bias)
+
+    def apply_silu_mul(self, layer, x, bias, kernels):
+        # The product and silu_and_mul in one pass (csrc/quant_linear.cpp, quant_linear_silu_mul):
+        # the same numbers, without the (rows, 2 * intermediate) output between them.
+        if (x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and self.quantize_input
+                and layer.out_features % 16 == 0 and self.process_weights_after_loading(layer)):
+            return cpu_kernels.quant_linear_silu_mul(
+                x, layer.qweight, layer.scales, layer.mins if self.bits == 4 else None, bias, self.bits,
+                layer.in_features // layer.scales.shape[1], layer.out_features, layer.min_per_scale,
+            )
+        return None
 
     def load(self, layer, rows, weight, name):
         if getattr(layer, "panelled", False):

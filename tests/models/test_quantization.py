@@ -94,6 +94,57 @@ def test_int16_activation_path_equals_its_emulation(bits, rows, scale_dtype):
     assert (got - exact).abs().max() < 1e-4 * exact.abs().max()
 
 
+@pytest.mark.parametrize("bits,group,k,inter", [("q4_0", 32, 576, 104), (4, 32, 576, 8), (8, 32, 576, 104),
+                                                ("q4_0", 32, 3136, 24), (4, 64, 576, 104)])
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16])
+def test_gate_up_product_and_silu_in_one_kernel_equal_the_two_ops(bits, group, k, inter, scale_dtype):
+    """quant_linear_silu_mul (a [gate | up] layer's product and silu(gate) * up in one pass, each
+    task putting its gate and up panels through a scratch of its own) gives exactly
+    silu_and_mul(quant_linear(x)): in every step size (decodes, the 4 x 3 tiles, several row
+    blocks), on 1, 2 and 3 threads, with a bias; and a row's result is its result alone. 13 gate
+    panels (104) leave tasks uneven edges; 8 is one panel of each."""
+    needs_kernel()
+    q4_0 = bits == "q4_0"
+    bits = 4 if q4_0 else bits
+    n = 2 * inter
+    qw = random_quantized(bits, n, k, group)
+    if scale_dtype == torch.float16:
+        qw = half_factors(qw)
+    if q4_0:
+        qw = Q.QuantizedWeight(4, qw.qweight, qw.scales, qw.scales * -8, k)
+    layer = Linear(k, n, bias=True)
+    layer.set_quant_method(Q.QuantMethod(bits, group, scale_dtype=scale_dtype))
+    layer.load_weight(qw, "w")
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(300, k, generator=gen) * 3
+    with torch.no_grad():
+        layer.bias.copy_(torch.randn(n, generator=gen))
+    method = layer.quant_method
+
+    def fused(rows):
+        return method.apply_silu_mul(layer, rows, layer.bias, None)
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([fused(x[i : i + 1]) for i in range(x.shape[0])])
+        assert alone.shape == (300, inter)
+        for num_threads in (1, 2, 3):
+            torch.set_num_threads(num_threads)
+            for rows in (1, 2, 3, 16, 65, 143, 300):
+                got = fused(x[:rows])
+                assert torch.equal(got, cpu_kernels.silu_and_mul(layer(x[:rows]))), (num_threads, rows)
+                assert torch.equal(got, alone[:rows]), (num_threads, rows)
+    finally:
+        torch.set_num_threads(threads)
+    # not a [gate | up] of whole panels, or not float32: no fused form, the caller runs the two ops
+    odd = Linear(k, 24, bias=False)
+    odd.set_quant_method(Q.QuantMethod(bits, group, scale_dtype=scale_dtype))
+    odd.load_weight(random_quantized(bits, 24, k, group), "w")
+    assert odd.quant_method.apply_silu_mul(odd, x[:2], None, None) is None
+    assert method.apply_silu_mul(layer, x[:2].bfloat16(), layer.bias, None) is None
+
+
 @pytest.mark.parametrize("bits,group,k,n", [(4, 32, 576, 37), (8, 32, 576, 37), (4, 64, 576, 37), (8, None, 576, 37),
                                             ("q4_0", 32, 576, 37), ("q4_0", 32, 576, 203), (4, 32, 3136, 37),
                                             ("q4_0", 32, 3136, 37)])

@@ -3,7 +3,7 @@
 //
 //   h = rms_norm(x);  qkv = h W_qkv^T;  q, k = rope(q, k);  cache <- k, v
 //   x = x + attention(q, cache) W_o^T
-//   x = x + down(silu(gate) * up)(rms_norm(x))
+//   x = x + down(silu(gate) * up)(rms_norm(x))     (gate_up's product and silu * up one op)
 //
 // It calls the very kernels the module-by-module path calls, in the same order on the same
 // tensors, so its result is bit-identical to that path (tests/models/test_decoder_layer_op.py):
@@ -19,11 +19,16 @@ namespace {
 
 using Opt = std::optional<at::Tensor>;
 
-at::Tensor quant_linear(const at::Tensor& x, const c10::List<Opt>& weights, at::IntArrayRef info, int64_t i) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("pagedserve::quant_linear", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const Opt&,
-                                         const Opt&, int64_t, int64_t, int64_t, double)>();
+// Projection i of x: quant_linear, or (silu_mul) quant_linear_silu_mul, gate_up's product and
+// silu_and_mul in one op.
+at::Tensor quant_linear(const at::Tensor& x, const c10::List<Opt>& weights, at::IntArrayRef info, int64_t i,
+                        bool silu_mul = false) {
+  using Signature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const Opt&, const Opt&, int64_t,
+                               int64_t, int64_t, double);
+  static auto plain = c10::Dispatcher::singleton().findSchemaOrThrow("pagedserve::quant_linear", "").typed<Signature>();
+  static auto fused =
+      c10::Dispatcher::singleton().findSchemaOrThrow("pagedserve::quant_linear_silu_mul", "").typed<Signature>();
+  const auto& op = silu_mul ? fused : plain;
   const Opt qweight = weights.get(4 * i), scales = weights.get(4 * i + 1);
   TORCH_CHECK(qweight.has_value() && scales.has_value(), "decoder_layer: projection ", i, " has no weights");
   return op.call(x, *qweight, *scales, weights.get(4 * i + 2), weights.get(4 * i + 3), info[4 * i], info[4 * i + 1],
@@ -57,8 +62,11 @@ at::Tensor llama_decoder_layer(
   write_kv.call(kv_cache, qk.slice(1, H, H + Hk), qkv.slice(1, H + Hk, H + 2 * Hk), slot_mapping);
   const at::Tensor out = attention.call(qk.slice(1, 0, H), kv_cache, block_table, seq_lens, query_start, scale, 0);
   const at::Tensor h = x + quant_linear(out.reshape({T, H * D}), weights, info, 1);
-  const at::Tensor gate_up = quant_linear(rms_norm.call(h, post_norm, eps), weights, info, 2);
-  return h + quant_linear(silu_and_mul.call(gate_up), weights, info, 3);
+  const at::Tensor post = rms_norm.call(h, post_norm, eps);
+  // [gate | up] of whole panels: the product and silu * up in one op, as models/layers/mlp.py runs it
+  const at::Tensor act = info[4 * 2 + 2] % 16 == 0 ? quant_linear(post, weights, info, 2, true)
+                                                   : silu_and_mul.call(quant_linear(post, weights, info, 2));
+  return h + quant_linear(act, weights, info, 3);
 }
 
 }  // namespace

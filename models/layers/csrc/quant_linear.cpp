@@ -337,15 +337,19 @@ struct Operands {
   const S* mins;         // like scales, or nullptr
   float min_per_scale;   // without mins: min = scale * this (Q4_0's -8), or 0
   const float* bias;     // (N,) or nullptr
-  float* out;            // (M, N)
+  float* out;            // (M, N), or a task's part of it (below)
   int64_t M, N, K, nb, panel_bytes, groups_per_scale, scales_per_row;
+  // Row m, panel p goes to out + (m - out_row0) * out_stride + (p - out_panel0) * 8: the whole
+  // output (0, N, 0), or a task's scratch (quant_linear_silu_mul's gate and up halves).
+  int64_t out_row0 = 0, out_stride = 0, out_panel0 = 0;
+  float* at(int64_t m, int64_t n0) const { return out + (m - out_row0) * out_stride + n0 - out_panel0 * kLanes; }
 };
 
 // Row m, panel p of the output: its float sums plus the bias.
 template <typename S>
 inline void store_output(const Operands<S>& op, int64_t m, int64_t p, const float* sums) {
   const int64_t n0 = p * kLanes;
-  float* dst = op.out + m * op.N + n0;
+  float* dst = op.at(m, n0);
   typename Isa::F y = Isa::load(sums);
   if (n0 + kLanes <= op.N) {
     if (op.bias != nullptr) y = Isa::add(y, Isa::load(op.bias + n0));
@@ -731,7 +735,7 @@ __attribute__((noinline)) void wide_tile(const Operands<S>& op, int64_t m0, int6
   for (int r = 0; r < RM; ++r) {
     for (int z = 0; z < RZ; ++z) {
       const int64_t n0 = (p0 + 2 * z) * kLanes;
-      float* dst = op.out + (m0 + r) * op.N + n0;
+      float* dst = op.at(m0 + r, n0);
       __m512 y = _mm512_load_ps(acc[r][z]);
       if (n0 + 2 * kLanes <= op.N) {
         if (op.bias != nullptr) y = _mm512_add_ps(y, _mm512_loadu_ps(op.bias + n0));
@@ -777,9 +781,24 @@ constexpr int kDecodePanels = Isa::kRegisters >= 32 ? 6 : 3;
 // block kept small enough to stay in L2, a panel block's weights in L2), claimed in order, so
 // the threads walk the row blocks under one panel block together and its weights come from
 // memory once.
+// silu(gate) * up over a row's n columns, in float32: elementwise.cpp's silu_and_mul, expression for
+// expression (the exp clamped: the kernels are built with -ffast-math, which assumes no infinities).
+inline void silu_mul_row(const float* gate, const float* up, float* out, int64_t n) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) {
+    const float x = gate[j];
+    out[j] = x / (1.f + std::exp(std::fmin(-x, 88.f))) * up[j];
+  }
+}
+
+// With `silu_out`: N = 2I is [gate | up] (I a multiple of 8) and the result is silu(gate) * up,
+// (M, I) at silu_out: each task takes its gate panels and the up panels I / 8 further, into a
+// scratch of its own (in L2), and writes only the product. The (M, 2I) output that silu_and_mul
+// read back (128 MB at 1.7B for a 2048-token step, paged in fresh at every layer) is never made.
 template <int Bits, typename S>
-void int_qlinear(const Operands<S>& op) {
-  const int64_t panels = (op.N + kLanes - 1) / kLanes;
+void int_qlinear(const Operands<S>& op, float* silu_out = nullptr) {
+  // the panels the tasks divide: all of them, or the gate's (each task also takes the same up panels)
+  const int64_t panels = (op.N + kLanes - 1) / kLanes / (silu_out != nullptr ? 2 : 1);
   const bool wide = kWide && op.M > 2 && wide_tiles_enabled();
   const int64_t tile_rows = wide ? kWideRows : kTileRows;
   int64_t block_rows = std::clamp<int64_t>((256 << 10) / (op.K * 2) / tile_rows * tile_rows, tile_rows, 64);
@@ -824,11 +843,8 @@ void int_qlinear(const Operands<S>& op) {
   // and the other 7.
   while (row_blocks * panel_blocks % threads != 0) ++panel_blocks;
   panel_blocks = std::min(panel_blocks, whole_tiles);
-  parallel_tasks(panel_blocks * row_blocks, [&](int64_t task) {
-    const int64_t pb = task / row_blocks;
-    const int64_t p_begin = pb * whole_tiles / panel_blocks * tile_panels;
-    const int64_t p_end = std::min(panels, (pb + 1) * whole_tiles / panel_blocks * tile_panels);
-    const int64_t m_begin = task % row_blocks * block_rows, m_end = std::min(op.M, m_begin + block_rows);
+  // Output rows [m_begin, m_end) x panels [p_begin, p_end) into op.out.
+  const auto compute = [&](const Operands<S>& op, int64_t m_begin, int64_t m_end, int64_t p_begin, int64_t p_end) {
     if (op.M <= 2) {
       for (int64_t p0 = p_begin; p0 < p_end; p0 += kDecodePanels)
         tile_upto<Bits, 2, kDecodePanels>(op, m_begin, p0, static_cast<int>(m_end - m_begin),
@@ -900,6 +916,26 @@ void int_qlinear(const Operands<S>& op) {
                                                   rp);
       }
     }
+  };
+  parallel_tasks(panel_blocks * row_blocks, [&](int64_t task) {
+    const int64_t pb = task / row_blocks;
+    const int64_t p_begin = pb * whole_tiles / panel_blocks * tile_panels;
+    const int64_t p_end = std::min(panels, (pb + 1) * whole_tiles / panel_blocks * tile_panels);
+    const int64_t m_begin = task % row_blocks * block_rows, m_end = std::min(op.M, m_begin + block_rows);
+    if (silu_out == nullptr) return compute(op, m_begin, m_end, p_begin, p_end);
+    const int64_t width = (p_end - p_begin) * kLanes;  // the task's columns of gate, and of up
+    thread_local std::vector<float> storage;
+    storage.resize((m_end - m_begin) * 2 * width + 16);
+    float* const gate = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
+    Operands<S> part = op;
+    part.out = gate, part.out_row0 = m_begin, part.out_stride = 2 * width, part.out_panel0 = p_begin;
+    compute(part, m_begin, m_end, p_begin, p_end);
+    part.out = gate + width, part.out_panel0 = p_begin + panels;
+    compute(part, m_begin, m_end, p_begin + panels, p_end + panels);
+    for (int64_t m = m_begin; m < m_end; ++m) {
+      const float* row = gate + (m - m_begin) * 2 * width;
+      silu_mul_row(row, row + width, silu_out + m * panels * kLanes + p_begin * kLanes, width);
+    }
   });
 }
 
@@ -907,11 +943,14 @@ void int_qlinear(const Operands<S>& op) {
 // (8 bits), P = ceil(N / 8) panels; scales, mins (P, K/group_size, 8) float32 or float16
 // (mins only for asymmetric 4 bits; or none, and min = scale * min_per_scale, a power of two
 // such as Q4_0's -8, which reads a sixth fewer bytes a weight); bias (N,) -> (M, N) in x's dtype.
-at::Tensor quant_linear(
+// With silu_mul: x float32, N = 2I a multiple of 16 ([gate | up]) -> silu(gate) * up (M, I) in float32.
+at::Tensor qlinear(
     const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
     const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias, int64_t bits,
-    int64_t group_size, int64_t N, double min_per_scale) {
+    int64_t group_size, int64_t N, double min_per_scale, bool silu_mul) {
   TORCH_CHECK(bits == 4 || bits == 8, "quant_linear: bits must be 4 or 8");
+  TORCH_CHECK(!silu_mul || (x.scalar_type() == at::kFloat && N % (2 * kLanes) == 0),
+              "quant_linear_silu_mul: x float32, out_features a multiple of 16 ([gate | up])");
   TORCH_CHECK(x.dim() == 2 && qweight.dim() == 3 && scales.dim() == 3, "quant_linear: x 2-D, panelled weights 3-D");
   const int64_t M = x.size(0), K = x.size(1), P = qweight.size(0);
   TORCH_CHECK(K % kBlock == 0 && group_size % kBlock == 0 && K % group_size == 0,
@@ -936,7 +975,7 @@ at::Tensor quant_linear(
     bias_f = bias->to(at::kFloat).contiguous();
   }
   const at::Tensor xf = x.to(at::kFloat).contiguous();
-  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  at::Tensor out = at::empty({M, silu_mul ? N / 2 : N}, x.options().dtype(at::kFloat));
   // A small step's rounded activations go in this thread's scratch, kept across calls: three
   // tensors a call were ~1 of the ~3 us a decode's product costs besides its reads (128 products
   // a 360M step). Large steps (prefill) allocate, so the scratch stays at ~2 MB.
@@ -973,13 +1012,15 @@ at::Tensor quant_linear(
   quantize_activations(xf.data_ptr<float>(), M, K, xq, xscale, xsum, xmin, static_cast<int32_t>(min_per_scale));
   const auto run = [&](auto* sc, auto* mn) {
     using S = std::remove_const_t<std::remove_pointer_t<decltype(sc)>>;
-    const Operands<S> op{xq, xscale, xsum, xmin, nullptr,
-                         reinterpret_cast<const uint8_t*>(qweight.data_ptr()), sc, mn,
-                         static_cast<float>(min_per_scale),
-                         bias.has_value() ? bias_f.data_ptr<float>() : nullptr, out.data_ptr<float>(),
-                         M, N, K, nb, qweight.size(1) * qweight.size(2), group_size / kBlock,
-                         K / group_size};
-    if (bits == 4) int_qlinear<4>(op); else int_qlinear<8>(op);
+    Operands<S> op{xq, xscale, xsum, xmin, nullptr,
+                   reinterpret_cast<const uint8_t*>(qweight.data_ptr()), sc, mn,
+                   static_cast<float>(min_per_scale),
+                   bias.has_value() ? bias_f.data_ptr<float>() : nullptr, out.data_ptr<float>(),
+                   M, N, K, nb, qweight.size(1) * qweight.size(2), group_size / kBlock,
+                   K / group_size};
+    op.out_stride = N;
+    float* const silu_out = silu_mul ? out.data_ptr<float>() : nullptr;
+    if (bits == 4) int_qlinear<4>(op, silu_out); else int_qlinear<8>(op, silu_out);
   };
   if (scales.scalar_type() == at::kHalf) {
     run(scales.data_ptr<c10::Half>(), mins.has_value() ? mins->data_ptr<c10::Half>() : nullptr);
@@ -989,13 +1030,33 @@ at::Tensor quant_linear(
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
+at::Tensor quant_linear(
+    const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+    const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias, int64_t bits,
+    int64_t group_size, int64_t N, double min_per_scale) {
+  return qlinear(x, qweight, scales, mins, bias, bits, group_size, N, min_per_scale, false);
+}
+
+// quant_linear then silu_and_mul, in one pass: the same numbers (each output element is the
+// kernel's gate and up sums, then silu_and_mul's expression), without the (M, N) float32 output
+// between them.
+at::Tensor quant_linear_silu_mul(
+    const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+    const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias, int64_t bits,
+    int64_t group_size, int64_t N, double min_per_scale) {
+  return qlinear(x, qweight, scales, mins, bias, bits, group_size, N, min_per_scale, true);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? bias, int bits, "
         "int group_size, int out_features, float min_per_scale=0) -> Tensor");
+  m.def("quant_linear_silu_mul(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? bias, int bits, "
+        "int group_size, int out_features, float min_per_scale=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("quant_linear", &quant_linear);
+  m.impl("quant_linear_silu_mul", &quant_linear_silu_mul);
 }
