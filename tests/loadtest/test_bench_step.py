@@ -28,6 +28,8 @@ def test_phases_print_timings_and_profile_breaks_forwards_down_by_op(tiny_gguf, 
     assert prefill and all(line.startswith("    ") and line.endswith("calls") for line in prefill)
     shares = [float(line.split()[-3].rstrip("%")) for line in prefill]  # "<op> <t> ms <share>% <n> calls"
     assert shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 100.5
-    if cpu_kernels.available():  # the model's linear layers are the kernel's, two products a layer
-        linear = next(line for line in prefill if "pagedserve::quant_linear" in line)
-        assert int(linear.split()[-2]) == 4 * 2  # 4 merged linears x 2 layers, one call each per forward
+    if cpu_kernels.available():  # the model's linear layers are the kernel's
+        calls = {line.split()[0]: int(line.split()[-2]) for line in prefill}
+        # qkv, o and down x 2 layers, one call each per forward; gate_up with silu * up in one op
+        assert calls["pagedserve::quant_linear"] == 3 * 2
+        assert calls["pagedserve::quant_linear_silu_mul"] == 2
