@@ -816,10 +816,13 @@ void int_qlinear(const Operands<S>& op, float* silu_out = nullptr) {
     block_panels = 48;
   }
 #endif
-  const int64_t row_blocks = (op.M + block_rows - 1) / block_rows;
+  int64_t row_blocks = (op.M + block_rows - 1) / block_rows;
   // Row blocks of about equal size (a multiple of the tile's rows): 143 rows (a prompt's chunk
-  // and 15 decodes) are 48 + 48 + 47, not 64 + 64 + 15.
+  // and 15 decodes) are 48 + 48 + 47, not 64 + 64 + 15. Rounding up to the tile can leave the
+  // last blocks empty (6-row wide tiles, 721 rows: 12 blocks of 61 rounded to 66, the twelfth from row 726),
+  // so the count follows the size: no task without rows.
   block_rows = ((op.M + row_blocks - 1) / row_blocks + tile_rows - 1) / tile_rows * tile_rows;
+  row_blocks = (op.M + block_rows - 1) / block_rows;
   const int64_t threads = at::get_num_threads();
   // Enough panel blocks for every thread to get several (one decode: all the parallelism).
   while (block_panels > 12 && row_blocks * ((panels + block_panels - 1) / block_panels) < 4 * threads)
