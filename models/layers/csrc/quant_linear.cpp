@@ -595,12 +595,12 @@ void sliced_tiles_4x3(const Operands<S>& op, int64_t m_begin, int64_t row_tiles,
 //
 // On a core with two 512-bit pipes (Intel Xeons) a 512-bit `vpdpwssd` does twice the products of
 // a 256-bit one in the same slot; on one that splits 512-bit operations in two (Zen 4) it costs two
-// and the count of everything else halves. Tiles of three rows or more (prompts, mixed steps,
-// verification) therefore run 16 lanes: the chunks of panels p and p + 1 side by side, so lanes
+// and the count of everything else halves. Tiles of two rows or more (prompts, mixed steps,
+// verification, two decodes) therefore run 16 lanes: the chunks of panels p and p + 1 side by side, so lanes
 // 0-7 are panel p's 8 columns and 8-15 panel p + 1's, the pair broadcast to all 16. Each lane
 // runs exactly the arithmetic of `tile` above (the integer dot is exact, then the same convert,
 // multiply and fused multiply-adds, group by group in order), so a row's bits do not depend on
-// which of the two it fell in: decodes keep `tile`. PAGEDSERVE_WIDE_TILES=0 turns them off (to
+// which of the two it fell in: a lone decode keeps `tile`. PAGEDSERVE_WIDE_TILES=0 turns them off (to
 // compare; results are the same bits). Measured on a 16-core Intel Xeon (AVX-512 VNNI, AMX; the
 // SmolLM2-1.7B shape's linears, 2 layers, Q4_0, `loadtest.bench_quant`): 128 rows 261 -> 171 ms on
 // 1 thread, 37-39 -> 24-27 ms on 16; 16 rows 32.5 -> 22.6 ms on 1. Not measured on a Zen 4.
@@ -849,6 +849,21 @@ void int_qlinear(const Operands<S>& op, float* silu_out = nullptr) {
   // Output rows [m_begin, m_end) x panels [p_begin, p_end) into op.out.
   const auto compute = [&](const Operands<S>& op, int64_t m_begin, int64_t m_end, int64_t p_begin, int64_t p_end) {
     if (op.M <= 2) {
+#if defined(PAGEDSERVE_HAS_WIDE_TILES)
+      // Two rows on the 512-bit tiles (a vector for each two panels; kDecodePanels = 2 * kWideVectors,
+      // so tasks start on whole tiles either way): 360M's 128 two-row products 6.90 -> 6.29 ms p25 on
+      // 2 threads, 8.82 -> 7.31 on 1, 1.7B's 96 26.3 -> 25.7 on 2 (Zen 5, calls interleaved, the same
+      // bits). One row stays on 8 lanes: level there (6.08 / 6.09), its reads being what bounds it.
+      if (op.M == 2 && wide_tiles_enabled()) {
+        constexpr int RP = 2 * kWideVectors;
+        for (int64_t p0 = p_begin; p0 < p_end; p0 += RP) {
+          const int np = static_cast<int>(std::min<int64_t>(RP, p_end - p0));
+          if (np >= 2) wide_tile_upto<Bits, 2, kWideVectors>(op, m_begin, p0, 2, np / 2);
+          if (np % 2) tile_upto<Bits, 2, 1>(op, m_begin, p0 + np - 1, 2, 1);
+        }
+        return;
+      }
+#endif
       for (int64_t p0 = p_begin; p0 < p_end; p0 += kDecodePanels)
         tile_upto<Bits, 2, kDecodePanels>(op, m_begin, p0, static_cast<int>(m_end - m_begin),
                                           static_cast<int>(std::min<int64_t>(kDecodePanels, p_end - p0)));
