@@ -104,20 +104,25 @@ def wait_healthy(proc, url: str, timeout: float, output=None) -> None:
 
 class StreamReader:
     """POST a streaming request from a thread, keeping its non-empty SSE lines as they arrive
-    (a stream the server cuts ends the thread's read with an exception, lines kept)."""
+    (a stream the server cuts ends the read, lines kept, the transport error in `error`: pytest
+    used to report each as an unhandled thread exception)."""
 
     def __init__(self, url: str, body: dict, headers: dict | None = None, timeout: float = 60):
         self.lines: list[str] = []
+        self.error: httpx.TransportError | None = None
         self.first = threading.Event()  # set on the first line
         self.thread = threading.Thread(target=self._read, args=(url, body, headers, timeout))
         self.thread.start()
 
     def _read(self, url: str, body: dict, headers: dict | None, timeout: float) -> None:
-        with httpx.stream("POST", url, json=body, headers=headers, timeout=timeout) as response:
-            for line in response.iter_lines():
-                if line:
-                    self.lines.append(line)
-                    self.first.set()
+        try:
+            with httpx.stream("POST", url, json=body, headers=headers, timeout=timeout) as response:
+                for line in response.iter_lines():
+                    if line:
+                        self.lines.append(line)
+                        self.first.set()
+        except httpx.TransportError as e:
+            self.error = e
 
 
 @pytest.fixture(scope="session")
