@@ -103,26 +103,36 @@ def wait_healthy(proc, url: str, timeout: float, output=None) -> None:
 
 
 class StreamReader:
-    """POST a streaming request from a thread, keeping its non-empty SSE lines as they arrive
-    (a stream the server cuts ends the read, lines kept, the transport error in `error`: pytest
-    used to report each as an unhandled thread exception)."""
+    """POST a streaming request from a thread, keeping its non-empty SSE lines as they arrive and
+    the response's status. A stream the other side cuts ends the read with its lines kept and the
+    error in `error` (not raised in the thread, which pytest reported as an unhandled exception).
+    `first` is set on the first line, or when the stream ends without one."""
 
     def __init__(self, url: str, body: dict, headers: dict | None = None, timeout: float = 60):
         self.lines: list[str] = []
-        self.error: httpx.TransportError | None = None
-        self.first = threading.Event()  # set on the first line
-        self.thread = threading.Thread(target=self._read, args=(url, body, headers, timeout))
+        self.status: int | None = None
+        self.error: httpx.HTTPError | None = None
+        self.first = threading.Event()
+        self.thread = threading.Thread(target=self._read, args=(url, body, headers, timeout), daemon=True)
         self.thread.start()
 
     def _read(self, url: str, body: dict, headers: dict | None, timeout: float) -> None:
         try:
             with httpx.stream("POST", url, json=body, headers=headers, timeout=timeout) as response:
+                self.status = response.status_code
                 for line in response.iter_lines():
                     if line:
                         self.lines.append(line)
                         self.first.set()
-        except httpx.TransportError as e:
+        except httpx.HTTPError as e:
             self.error = e
+        finally:
+            self.first.set()
+
+    @property
+    def done(self) -> bool:
+        """The stream ended with its [DONE] line."""
+        return bool(self.lines) and self.lines[-1] == "data: [DONE]"
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,6 @@ import json
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -29,7 +28,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.models.conftest import make_hf_model, save_checkpoint
-from tests.server.conftest import wait_healthy
+from tests.server.conftest import StreamReader, wait_healthy
 
 REPO = Path(__file__).resolve().parents[2]
 ROUTER = Path(sys.executable).with_name("vllm-router")
@@ -116,36 +115,6 @@ def cluster(tmp_path_factory):
     finally:
         for process in reversed(started):
             process.stop()
-
-
-class SSEReader:
-    """POST a streaming request from a thread, keeping its SSE data lines; a stream cut by the
-    other side ends with `error` set instead of raising in the thread."""
-
-    def __init__(self, url: str, body: dict):
-        self.lines: list[str] = []
-        self.status: int | None = None
-        self.error: Exception | None = None
-        self.first = threading.Event()
-        self.thread = threading.Thread(target=self._read, args=(url, body), daemon=True)
-        self.thread.start()
-
-    def _read(self, url: str, body: dict) -> None:
-        try:
-            with httpx.stream("POST", url, json=body, timeout=60) as response:
-                self.status = response.status_code
-                for line in response.iter_lines():
-                    if line:
-                        self.lines.append(line)
-                        self.first.set()
-        except httpx.HTTPError as exc:
-            self.error = exc
-        finally:
-            self.first.set()
-
-    @property
-    def done(self) -> bool:
-        return bool(self.lines) and self.lines[-1] == "data: [DONE]"
 
 
 def metrics(url: str) -> dict[str, float]:
@@ -244,7 +213,7 @@ def test_vllm_gauges_rise_under_load_and_return_to_idle(cluster):
     assert metrics(url) == {"vllm:num_requests_running": 0, "vllm:num_requests_waiting": 0,
                             "vllm:kv_cache_usage_perc": 0}
     body = {"model": M, "max_tokens": 400, "ignore_eos": True, "stream": True}
-    readers = [SSEReader(f"{url}/v1/completions", {**body, "prompt": f"{i} {PROMPT}"})
+    readers = [StreamReader(f"{url}/v1/completions", {**body, "prompt": f"{i} {PROMPT}"})
                for i in range(MAX_NUM_SEQS + 2)]
     seen = []
     while any(r.thread.is_alive() for r in readers):
@@ -265,13 +234,13 @@ def test_a_replica_killed_mid_run_and_every_later_request_is_200(cluster):
     router = cluster.router.url
     # A long stream through the router; the replica serving it is the one killed.
     long = {"model": M, "prompt": f"killed {PROMPT}", "max_tokens": 1900, "ignore_eos": True, "stream": True}
-    victim_stream = SSEReader(f"{router}/v1/completions", long)
+    victim_stream = StreamReader(f"{router}/v1/completions", long)
     assert victim_stream.first.wait(30) and victim_stream.status == 200
     running = [metrics(r.url)["vllm:num_requests_running"] for r in cluster.replicas]
     assert sorted(running) == [0, 1], running
     victim, survivor = (cluster.replicas[i] for i in ((0, 1) if running[0] else (1, 0)))
     # Another client's stream, on the replica that stays up.
-    other = SSEReader(f"{survivor.url}/v1/completions", {**long, "prompt": PROMPT, "max_tokens": 300})
+    other = StreamReader(f"{survivor.url}/v1/completions", {**long, "prompt": PROMPT, "max_tokens": 300})
     assert other.first.wait(30)
     victim.proc.kill()
     victim.proc.wait(10)
