@@ -51,6 +51,7 @@ using i32x8 = int32_t __attribute__((vector_size(32)));
 constexpr int64_t kKeys = 128;  // keys per softmax block: a constant, never the tile's or cache's
 constexpr int64_t kMaxVecs = 32;  // query vectors per task
 constexpr int64_t kFewRows = 8;   // up to this many rows left in a block: their scores key by key
+constexpr int64_t kAhead = 24;    // keys whose rows are asked for ahead of their scores (see run)
 
 inline f32x8 splat(float x) { return f32x8{x, x, x, x, x, x, x, x}; }
 inline f32x8 load8(const float* p) {
@@ -209,7 +210,7 @@ inline void accumulate(float* const* acc, const float* const* p, const kv_t* con
 
 // A cache row's lines, asked for now, read later: into L2 (a block's rows asked for into L1 held
 // the fill buffers the reads need: 1.7B's 32 heads, 200 keys, 16-bit cache, cold, 205 -> 140 us
-// a layer on a Zen 4; 360M 44 -> 38).
+// a layer on a Zen 4; 360M 44 -> 38). How far ahead: see Attention::run.
 template <typename cache_t>
 inline void prefetch_row(const cache_t* row, int64_t n) {
   const char* bytes = reinterpret_cast<const char*>(row);
@@ -249,7 +250,20 @@ struct Attention {
   float scale;
   scalar_t* out;
 
-  void run(const Task& task, std::vector<float>& buf) const {
+  // The key row of key u (absolute position) of a task's sequence and KV head.
+  const cache_t* key_row(const Task& task, int64_t u) const {
+    const int64_t* table = tables + task.seq * table_stride;
+    return cache + task.head * lay.head_stride + (table[u / lay.block_size] * lay.block_size + u % lay.block_size) * lay.slot_stride;
+  }
+  // How many keys a task reads: those of its last query.
+  int64_t keys_of(const Task& task) const {
+    const int64_t q_len = query_start[task.seq + 1] - query_start[task.seq];
+    return seq_lens[task.seq] - q_len + (task.first + task.count - 1) / G + 1;
+  }
+
+  // `next`: the task this thread runs after this one (or null); `asked`: whether the previous
+  // one asked for this task's first keys already.
+  void run(const Task& task, std::vector<float>& buf, const Task* next, bool asked) const {
     const int64_t Dk = kD > 0 ? kD : lay.Dk, Dv = kD > 0 ? kD : lay.Dv, R = task.count;
     const int64_t i = task.seq, h = task.head, q_len = query_start[i + 1] - query_start[i];
     float* qf = buf.data();                // (R, Dk) scaled queries
@@ -283,21 +297,39 @@ struct Attention {
         slots[t] = table[b] * lay.block_size + o;
         if (++o == lay.block_size) o = 0, ++b;
       }
-      // Ask for every key and value row of the block at once, then read them: a decode's rows
-      // come from memory (the layers' weights went through the cache since), and read one by
-      // one their misses queue behind each other (360M: 67 -> 45 us a layer, Zen 4).
-      for (int64_t t = 0; t < nk; ++t) {
-        prefetch_row(kbase + slots[t] * lay.slot_stride, Dk);
-        if (!lay.values_in_keys) prefetch_row(vbase + slots[t] * lay.slot_stride, Dv);
-      }
       while (len[r0] <= b0) ++r0;
       int64_t n[kMaxVecs];  // each row's keys in this block
       for (int64_t r = r0; r < R; ++r) n[r] = std::min(nk, len[r] - b0);
       const bool few = R - r0 <= kFewRows;
+      const bool widen = !few && !std::is_same_v<cache_t, float>;  // keys widened into kbuf first
+      // A decode's rows come from memory (the layers' weights went through the cache since), and
+      // read one by one their misses queue behind each other: rows are asked for ahead of use.
+      // Keys stream kAhead keys ahead of the scores, on into the thread's next task; a value row
+      // is asked for as its key's score is computed and read after the block's scores. (Asking
+      // for a block's 128 key and value rows at once, then reading them, stalled on the requests
+      // themselves, with no arithmetic to overlap: 1.7B's 32 heads x 16 decodes of 128-256 keys,
+      // 16-bit cache, 2 threads, Zen 5: 1.39 -> 1.01 ms a layer; 360M's 5 heads 300 -> 177 us.)
+      // Keys widened into a buffer are all read now: those are asked for here.
+      if (widen) {
+        for (int64_t t = 0; t < nk; ++t) prefetch_row(kbase + slots[t] * lay.slot_stride, Dk);
+      } else if (b0 == 0 && !asked) {
+        for (int64_t t = 0; t < std::min(nk, kAhead); ++t) prefetch_row(kbase + slots[t] * lay.slot_stride, Dk);
+      }
+      const int64_t keys = len[R - 1], next_keys = next ? keys_of(*next) : 0;
       // Scores, 4 keys at a time for every row that needs them (the keys stay in L1), two rows at
       // a time sharing the loads of the keys; a row left over goes alone.
       auto scores = [&](const auto* const* rows) {
         for (int64_t t = 0; t < nk; t += 4) {
+          for (int64_t u = t; u < std::min(t + 4, nk) && !lay.values_in_keys; ++u) {
+            prefetch_row(vbase + slots[u] * lay.slot_stride, Dv);
+          }
+          for (int64_t u = b0 + t + kAhead; u < b0 + t + kAhead + 4; ++u) {
+            if (u < keys && (!widen || u >= b0 + nk)) {  // a widened block's keys are asked for above
+              prefetch_row(key_row(task, u), Dk);
+            } else if (u >= keys && u - keys < next_keys) {
+              prefetch_row(key_row(*next, u - keys), Dk);
+            }
+          }
           for (int64_t r = r0; r < R; r += 2) {
             if (n[std::min(r + 1, R - 1)] <= t) continue;
             const float* qs[2] = {qf + r * Dk, qf + (r + 1) * Dk};
@@ -441,7 +473,9 @@ void run_tasks(const Kernel& kernel, int64_t n, int64_t Hk) {
     thread_local std::vector<float> buf;
     if (buf.size() < kernel.buffer_floats()) buf.resize(kernel.buffer_floats());
     for (int64_t p = begin; p < end; ++p) {
-      for (size_t t = bounds[p]; t < bounds[p + 1]; ++t) kernel.run(tasks[t], buf);
+      for (size_t t = bounds[p]; t < bounds[p + 1]; ++t) {
+        kernel.run(tasks[t], buf, t + 1 < bounds[p + 1] ? &tasks[t + 1] : nullptr, t > bounds[p]);
+      }
     }
   });
 }
