@@ -53,6 +53,7 @@
 #include <cstring>
 #include <optional>
 #include <type_traits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) || defined(__F16C__)
@@ -608,8 +609,17 @@ void sliced_tiles_4x3(const Operands<S>& op, int64_t m_begin, int64_t row_tiles,
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) || defined(PAGEDSERVE_WIDE_EMULATED)
 #define PAGEDSERVE_HAS_WIDE_TILES 1
 constexpr bool kWide = true;
-constexpr int kWideRows = 6;   // 6 rows x 3 vectors: 18 sums, 6 widened chunks, 2 pairs of the 32 registers
-constexpr int kWideVectors = 3;
+// Two tile shapes of the 32 registers: steps of more than 6 rows take 8 rows x 2 vectors (16 sums, 4
+// widened chunks, 2 pairs: 32 products for 2 widenings, where 6 x 3 does 36 for 3), fewer rows 6 x 3
+// (more panels to share each row's pairs, where rows are few). The widenings compete with `vpdpwssd`
+// for the vector pipes: Zen 5, 2 threads, 1.7B's linears x 24 (Q4_0, interleaved calls, the same
+// bits), 256 rows 1066 -> 1046 ms p25, 16 rows 75.2 -> 71.0; 360M's 256 rows 224 -> 216, 16 rows
+// 16.9 -> 16.5; 5 rows on 8 x 2 were slower (7.60 -> 8.05). 12 x 2, 10 x 2, 9 x 2, 7 x 3 and 4 x 4
+// were no better than 8 x 2 there. Measured on that Zen 5 only.
+constexpr int kWideRows = 8;
+constexpr int kWideVectors = 2;
+constexpr int kFewWideRows = 6;
+constexpr int kFewWideVectors = 3;
 
 inline bool wide_tiles_enabled() {
   static const bool enabled = [] {
@@ -643,37 +653,64 @@ inline __m512i pair16(const int16_t* x) {
   return _mm512_set1_epi32(v);
 }
 
+// How a tile's groups take the weights' mins (Operands): none (symmetric 8 bits), folded into the
+// integer sums (op.xmin: Q4_0's integral min_per_scale), stored (op.mins), or scale * min_per_scale.
+// A template argument of the wide tiles, so that their per-group step has no branch on it.
+enum MinKind { kNoMin, kFoldedMin, kStoredMins, kScaledMins };
+
+template <typename S>
+MinKind min_kind(const Operands<S>& op) {
+  if (op.mins != nullptr) return kStoredMins;
+  if (op.xmin != nullptr) return kFoldedMin;
+  return op.min_per_scale != 0.f ? kScaledMins : kNoMin;
+}
+
 // Rows m0 .. m0+RM, panels p0 .. p0+2*RZ: `tile`'s loop with a vector for each two panels.
-template <int Bits, int RM, int RZ, typename S>
+template <int Bits, int RM, int RZ, MinKind Min, typename S>
 __attribute__((noinline)) void wide_tile(const Operands<S>& op, int64_t m0, int64_t p0) {
   constexpr int kGroupBytes = Bits == 4 ? kBlock / 2 * kLanes : kBlock * kLanes;
   constexpr int RP = 2 * RZ;
+  constexpr bool kFloatMin = Min == kStoredMins || Min == kScaledMins;
   alignas(64) float acc[RM][RZ][2 * kLanes];
   for (int r = 0; r < RM; ++r)
     for (int z = 0; z < RZ; ++z) _mm512_store_ps(acc[r][z], _mm512_setzero_ps());
   const int64_t pb = op.panel_bytes, fs = op.scales_per_row * kLanes;  // next panel's weights, factors
   const uint8_t* w = op.w + p0 * pb;
   const S* scales = op.scales + p0 * fs;
-  const S* mins = op.mins != nullptr ? op.mins + p0 * fs : nullptr;
-  const bool has_min = mins != nullptr || (op.min_per_scale != 0.f && op.xmin == nullptr);
-  int64_t sg = 0, left = op.groups_per_scale;
-  for (int64_t g = 0; g < op.nb; ++g) {
+  const S* mins = Min == kStoredMins ? op.mins + p0 * fs : nullptr;
+  const int64_t nb = op.nb, groups_per_scale = op.groups_per_scale;
+  const int16_t* const x0 = op.xq + m0 * op.K;
+  const float* const xscale = op.xscale + m0 * nb;
+  const float* const xsum = op.xsum + m0 * nb;
+  const int32_t* const xmin = Min == kFoldedMin ? op.xmin + m0 * nb : nullptr;
+  int64_t sg = 0, left = groups_per_scale;
+  // The group kPrefetchGroups ahead, followed as in `tile` (no division a group).
+  int64_t ahead_g = kPrefetchGroups % nb, ahead_panels = kPrefetchGroups / nb * RP;
+  int64_t ahead_sg = ahead_g / groups_per_scale, ahead_left = groups_per_scale - ahead_g % groups_per_scale;
+  for (int64_t g = 0; g < nb; ++g) {
     __m512i dots[RM][RZ];
-    for (int r = 0; r < RM; ++r)
-      for (int z = 0; z < RZ; ++z) dots[r][z] = _mm512_setzero_si512();
+    // Folded mins: the integer sums start at the rows' xmin (where a sum starts does not change it).
+    for (int r = 0; r < RM; ++r) {
+      const __m512i start = Min == kFoldedMin ? _mm512_set1_epi32(xmin[r * nb + g]) : _mm512_setzero_si512();
+      for (int z = 0; z < RZ; ++z) dots[r][z] = start;
+    }
     const uint8_t* chunks = w + g * kGroupBytes;
     {  // as in `tile`: the group kPrefetchGroups ahead, this tile's panels then the next tile's
-      const int64_t ahead = g + kPrefetchGroups, panels_ahead = ahead / op.nb * RP;
-      const uint8_t* at = w + panels_ahead * pb + ahead % op.nb * kGroupBytes;
-      const int64_t factors_at = panels_ahead * fs + ahead % op.nb / op.groups_per_scale * kLanes;
+      const uint8_t* at = w + ahead_panels * pb + ahead_g * kGroupBytes;
+      const int64_t factors_at = ahead_panels * fs + ahead_sg * kLanes;
       for (int p = 0; p < RP; ++p)
         for (int line = 0; line < kGroupBytes; line += 64) Isa::prefetch(at + p * pb + line);
       for (int p = 0; p < RP; ++p) {
         Isa::prefetch(scales + factors_at + p * fs);
-        if (mins != nullptr) Isa::prefetch(mins + factors_at + p * fs);
+        if constexpr (Min == kStoredMins) Isa::prefetch(mins + factors_at + p * fs);
+      }
+      if (++ahead_g == nb) {
+        ahead_g = 0, ahead_panels += RP, ahead_sg = 0, ahead_left = groups_per_scale;
+      } else if (--ahead_left == 0) {
+        ++ahead_sg, ahead_left = groups_per_scale;
       }
     }
-    const int16_t* x = op.xq + m0 * op.K + g * kBlock;
+    const int16_t* x = x0 + g * kBlock;
     if constexpr (Bits == 4) {
       for (int c = 0; c < 8; ++c) {
         __m512i lo[RZ], hi[RZ];
@@ -706,30 +743,27 @@ __attribute__((noinline)) void wide_tile(const Operands<S>& op, int64_t m0, int6
         }
       }
     }
-    if (op.xmin != nullptr)
-      for (int r = 0; r < RM; ++r)
-        for (int z = 0; z < RZ; ++z) dots[r][z] = _mm512_add_epi32(dots[r][z], _mm512_set1_epi32(op.xmin[(m0 + r) * op.nb + g]));
     __m512 ws[RZ], mn[RZ];
     for (int z = 0; z < RZ; ++z) {
       const int64_t at = 2 * z * fs + sg * kLanes;
       ws[z] = two_factors(scales + at, scales + at + fs);
-      if (mins != nullptr) mn[z] = two_factors(mins + at, mins + at + fs);
-      else if (has_min) mn[z] = _mm512_mul_ps(ws[z], _mm512_set1_ps(op.min_per_scale));
+      if constexpr (Min == kStoredMins) mn[z] = two_factors(mins + at, mins + at + fs);
+      if constexpr (Min == kScaledMins) mn[z] = _mm512_mul_ps(ws[z], _mm512_set1_ps(op.min_per_scale));
     }
     for (int r = 0; r < RM; ++r) {
-      const __m512 xs = _mm512_set1_ps(op.xscale[(m0 + r) * op.nb + g]);
+      const __m512 xs = _mm512_set1_ps(xscale[r * nb + g]);
       for (int z = 0; z < RZ; ++z)
         _mm512_store_ps(acc[r][z], _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dots[r][z]), xs), ws[z],
                                                    _mm512_load_ps(acc[r][z])));
-      if (has_min) {
-        const __m512 xm = _mm512_set1_ps(op.xsum[(m0 + r) * op.nb + g]);
+      if constexpr (kFloatMin) {
+        const __m512 xm = _mm512_set1_ps(xsum[r * nb + g]);
         for (int z = 0; z < RZ; ++z) _mm512_store_ps(acc[r][z], _mm512_fmadd_ps(xm, mn[z], _mm512_load_ps(acc[r][z])));
       }
     }
     __asm__("" : "+m"(acc));
     if (--left == 0) {
       ++sg;
-      left = op.groups_per_scale;
+      left = groups_per_scale;
     }
   }
   for (int r = 0; r < RM; ++r) {
@@ -750,20 +784,32 @@ __attribute__((noinline)) void wide_tile(const Operands<S>& op, int64_t m0, int6
   }
 }
 
-template <int Bits, int RM, int RZ, typename S>
+template <int Bits, int RM, int RZ, MinKind Min, typename S>
 void wide_tile_upto(const Operands<S>& op, int64_t m0, int64_t p0, int rm, int rz) {
   if constexpr (RM > 1) {
-    if (rm < RM) return wide_tile_upto<Bits, RM - 1, RZ>(op, m0, p0, rm, rz);
+    if (rm < RM) return wide_tile_upto<Bits, RM - 1, RZ, Min>(op, m0, p0, rm, rz);
   }
   if constexpr (RZ > 1) {
-    if (rz < RZ) return wide_tile_upto<Bits, RM, RZ - 1>(op, m0, p0, rm, rz);
+    if (rz < RZ) return wide_tile_upto<Bits, RM, RZ - 1, Min>(op, m0, p0, rm, rz);
   }
-  wide_tile<Bits, RM, RZ>(op, m0, p0);
+  wide_tile<Bits, RM, RZ, Min>(op, m0, p0);
+}
+
+template <int Bits, int RM, int RZ, typename S>
+void wide_tile_upto(const Operands<S>& op, int64_t m0, int64_t p0, int rm, int rz) {
+  switch (min_kind(op)) {
+    case kNoMin: return wide_tile_upto<Bits, RM, RZ, kNoMin>(op, m0, p0, rm, rz);
+    case kFoldedMin: return wide_tile_upto<Bits, RM, RZ, kFoldedMin>(op, m0, p0, rm, rz);
+    case kStoredMins: return wide_tile_upto<Bits, RM, RZ, kStoredMins>(op, m0, p0, rm, rz);
+    case kScaledMins: return wide_tile_upto<Bits, RM, RZ, kScaledMins>(op, m0, p0, rm, rz);
+  }
 }
 #else
 constexpr bool kWide = false;
 constexpr int kWideRows = 4;
 constexpr int kWideVectors = 1;
+constexpr int kFewWideRows = 4;
+constexpr int kFewWideVectors = 1;
 inline bool wide_tiles_enabled() { return false; }
 #endif
 
@@ -799,8 +845,12 @@ template <int Bits, typename S>
 void int_qlinear(const Operands<S>& op, float* silu_out = nullptr) {
   // the panels the tasks divide: all of them, or the gate's (each task also takes the same up panels)
   const int64_t panels = (op.N + kLanes - 1) / kLanes / (silu_out != nullptr ? 2 : 1);
+#if defined(PAGEDSERVE_HAS_WIDE_TILES)
+
+#endif
   const bool wide = kWide && op.M > 2 && wide_tiles_enabled();
-  const int64_t tile_rows = wide ? kWideRows : kTileRows;
+  const bool few_wide = op.M <= kFewWideRows;  // the wide tiles' shape: 6 x 3 or 8 x 2 (above)
+  const int64_t tile_rows = !wide ? kTileRows : few_wide ? kFewWideRows : kWideRows;
   int64_t block_rows = std::clamp<int64_t>((256 << 10) / (op.K * 2) / tile_rows * tile_rows, tile_rows, 64);
   int64_t block_panels = std::clamp<int64_t>((256 << 10) / op.panel_bytes / 12 * 12, 12, 48);
 #if defined(PAGEDSERVE_GROUP_ASM)
@@ -830,7 +880,7 @@ void int_qlinear(const Operands<S>& op, float* silu_out = nullptr) {
   // The panels of the path's whole tiles (below): a task's panels start at a multiple of it, so
   // that only the last task of a row block ends in a narrower tile (which broadcasts at each use).
   // (AVX2's 4 bits: group_4x3 or the pre-broadcast tiles, 3 panels either way.)
-  int64_t tile_panels = op.M <= 2 ? kDecodePanels : wide ? 2 * kWideVectors : kTilePanels;
+  int64_t tile_panels = op.M <= 2 ? kDecodePanels : !wide ? kTilePanels : 2 * (few_wide ? kFewWideVectors : kWideVectors);
   if (op.M > 2 && Isa::kPrebroadcast && Bits == 4) tile_panels = kPrebroadcastPanels4;
   int64_t panel_blocks = (panels + block_panels - 1) / block_panels;
   if (row_blocks == 1) {  // one row block (decodes): as many blocks for each thread, of about equal size
@@ -850,15 +900,15 @@ void int_qlinear(const Operands<S>& op, float* silu_out = nullptr) {
   const auto compute = [&](const Operands<S>& op, int64_t m_begin, int64_t m_end, int64_t p_begin, int64_t p_end) {
     if (op.M <= 2) {
 #if defined(PAGEDSERVE_HAS_WIDE_TILES)
-      // Two rows on the 512-bit tiles (a vector for each two panels; kDecodePanels = 2 * kWideVectors,
+      // Two rows on the 512-bit tiles (a vector for each two panels; kDecodePanels = 2 * kFewWideVectors,
       // so tasks start on whole tiles either way): 360M's 128 two-row products 6.90 -> 6.29 ms p25 on
       // 2 threads, 8.82 -> 7.31 on 1, 1.7B's 96 26.3 -> 25.7 on 2 (Zen 5, calls interleaved, the same
       // bits). One row stays on 8 lanes: level there (6.08 / 6.09), its reads being what bounds it.
       if (op.M == 2 && wide_tiles_enabled()) {
-        constexpr int RP = 2 * kWideVectors;
+        constexpr int RP = 2 * kFewWideVectors;
         for (int64_t p0 = p_begin; p0 < p_end; p0 += RP) {
           const int np = static_cast<int>(std::min<int64_t>(RP, p_end - p0));
-          if (np >= 2) wide_tile_upto<Bits, 2, kWideVectors>(op, m_begin, p0, 2, np / 2);
+          if (np >= 2) wide_tile_upto<Bits, 2, kFewWideVectors>(op, m_begin, p0, 2, np / 2);
           if (np % 2) tile_upto<Bits, 2, 1>(op, m_begin, p0 + np - 1, 2, 1);
         }
         return;
@@ -871,16 +921,23 @@ void int_qlinear(const Operands<S>& op, float* silu_out = nullptr) {
     }
 #if defined(PAGEDSERVE_HAS_WIDE_TILES)
     if (wide) {  // two panels a vector; a last odd panel on the 8-lane tile
-      constexpr int RP = 2 * kWideVectors;
-      for (int64_t p0 = p_begin; p0 < p_end; p0 += RP) {
-        const int np = static_cast<int>(std::min<int64_t>(RP, p_end - p0));
-        for (int64_t m0 = m_begin; m0 < m_end; m0 += kWideRows) {
-          const int rm = static_cast<int>(std::min<int64_t>(kWideRows, m_end - m0));
-          if (np >= 2) wide_tile_upto<Bits, kWideRows, kWideVectors>(op, m0, p0, rm, np / 2);
-          if (np % 2)
-            for (int64_t m1 = m0; m1 < m0 + rm; m1 += kTileRows)
-              tile_upto<Bits, kTileRows, 1>(op, m1, p0 + np - 1, static_cast<int>(std::min<int64_t>(kTileRows, m0 + rm - m1)), 1);
+      const auto tiles = [&](auto rows, auto vectors) {  // RM x RZ wide tiles over the task
+        constexpr int RM = decltype(rows)::value, RZ = decltype(vectors)::value, RP = 2 * RZ;
+        for (int64_t p0 = p_begin; p0 < p_end; p0 += RP) {
+          const int np = static_cast<int>(std::min<int64_t>(RP, p_end - p0));
+          for (int64_t m0 = m_begin; m0 < m_end; m0 += RM) {
+            const int rm = static_cast<int>(std::min<int64_t>(RM, m_end - m0));
+            if (np >= 2) wide_tile_upto<Bits, RM, RZ>(op, m0, p0, rm, np / 2);
+            if (np % 2)
+              for (int64_t m1 = m0; m1 < m0 + rm; m1 += kTileRows)
+                tile_upto<Bits, kTileRows, 1>(op, m1, p0 + np - 1, static_cast<int>(std::min<int64_t>(kTileRows, m0 + rm - m1)), 1);
+          }
         }
+      };
+      if (few_wide) {
+        tiles(std::integral_constant<int, kFewWideRows>{}, std::integral_constant<int, kFewWideVectors>{});
+      } else {
+        tiles(std::integral_constant<int, kWideRows>{}, std::integral_constant<int, kWideVectors>{});
       }
       return;
     }
