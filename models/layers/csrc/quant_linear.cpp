@@ -81,6 +81,52 @@ void parallel_tasks(int64_t n, const F& f) {
   });
 }
 
+// f(0) .. f(n - 1) on the thread team, thread t owning the tasks [t n / T, (t + 1) n / T) and taking
+// them front to back, one at a time; a thread out of its own takes the last task left of the range
+// with the most left. For the steps of one row block (decodes), whose tasks are runs of panels:
+// a thread's tasks follow each other in memory, so the prefetch of one's last tile runs into the
+// next one's first (claimed in one shared order, the two threads' tasks interleave and each began
+// at a cold stream), and a thread held up still has its share taken. Zen 5, 2 threads, Q4_0 one-row
+// products (interleaved calls, the same bits): 360M's linears x 32 6.7 -> 5.8 ms p25, 135M's 2.70 ->
+// 2.26, two rows 6.2 -> 5.8 and 2.73 -> 2.49; 1.7B's level (28.7 / 28.8).
+template <typename F>
+void parallel_ranges(int64_t n, const F& f) {
+  const int64_t T = std::min<int64_t>(n, at::get_num_threads());
+  if (T <= 1) {
+    for (int64_t task = 0; task < n; ++task) f(task);
+    return;
+  }
+  struct alignas(64) Range { std::atomic<uint64_t> span; };  // front << 32 | end
+  std::vector<Range> ranges(T);
+  for (int64_t t = 0; t < T; ++t) ranges[t].span.store(static_cast<uint64_t>(t * n / T) << 32 | static_cast<uint64_t>((t + 1) * n / T));
+  // The front task (or, from another thread, the last) of range r, or -1 where none is left.
+  const auto take = [&](int64_t r, bool front) -> int64_t {
+    uint64_t span = ranges[r].span.load(std::memory_order_relaxed);
+    for (;;) {
+      const uint64_t first = span >> 32, end = span & 0xFFFFFFFFu;
+      if (first >= end) return -1;
+      const uint64_t taken = front ? (first + 1) << 32 | end : first << 32 | (end - 1);
+      if (ranges[r].span.compare_exchange_weak(span, taken, std::memory_order_relaxed)) return static_cast<int64_t>(front ? first : end - 1);
+    }
+  };
+  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t own = begin; own < end; ++own) {
+      for (int64_t task; (task = take(own, true)) >= 0;) f(task);
+    }
+    for (;;) {  // the others' last tasks, from the range with the most left
+      int64_t most = -1, left = 0;
+      for (int64_t r = 0; r < T; ++r) {
+        const uint64_t span = ranges[r].span.load(std::memory_order_relaxed);
+        const int64_t n_left = static_cast<int64_t>(span & 0xFFFFFFFFu) - static_cast<int64_t>(span >> 32);
+        if (n_left > left) most = r, left = n_left;
+      }
+      if (most < 0) return;
+      const int64_t task = take(most, false);
+      if (task >= 0) f(task);
+    }
+  });
+}
+
 // x (M, K) float -> xq (M, K) int16, xscale (M, K/32), xsum (M, K/32) = xscale * sum of xq, and where
 // `xmin` is given, xmin (M, K/32) = min_per_scale * sum of xq (an integer min, folded into the dot).
 void quantize_activations(const float* x, int64_t M, int64_t K, int16_t* xq, float* xscale, float* xsum,
@@ -992,7 +1038,7 @@ void int_qlinear(const Operands<S>& op, float* silu_out = nullptr) {
       }
     }
   };
-  parallel_tasks(panel_blocks * row_blocks, [&](int64_t task) {
+  const auto run_task = [&](int64_t task) {
     const int64_t pb = task / row_blocks;
     const int64_t p_begin = pb * whole_tiles / panel_blocks * tile_panels;
     const int64_t p_end = std::min(panels, (pb + 1) * whole_tiles / panel_blocks * tile_panels);
@@ -1011,7 +1057,12 @@ void int_qlinear(const Operands<S>& op, float* silu_out = nullptr) {
       const float* row = gate + (m - m_begin) * 2 * width;
       silu_mul_row(row, row + width, silu_out + m * panels * kLanes + p_begin * kLanes, width);
     }
-  });
+  };
+  if (row_blocks == 1) {
+    parallel_ranges(panel_blocks, run_task);
+  } else {
+    parallel_tasks(panel_blocks * row_blocks, run_task);
+  }
 }
 
 // x (M, K) float32 or bfloat16; qweight (P, K/32, 128) uint8 (4 bits) or (P, K/32, 256) int8
