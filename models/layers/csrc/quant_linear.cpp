@@ -843,11 +843,15 @@ void wide_tile_upto(const Operands<S>& op, int64_t m0, int64_t p0, int rm, int r
 
 template <int Bits, int RM, int RZ, typename S>
 void wide_tile_upto(const Operands<S>& op, int64_t m0, int64_t p0, int rm, int rz) {
-  switch (min_kind(op)) {
-    case kNoMin: return wide_tile_upto<Bits, RM, RZ, kNoMin>(op, m0, p0, rm, rz);
-    case kFoldedMin: return wide_tile_upto<Bits, RM, RZ, kFoldedMin>(op, m0, p0, rm, rz);
-    case kStoredMins: return wide_tile_upto<Bits, RM, RZ, kStoredMins>(op, m0, p0, rm, rz);
-    case kScaledMins: return wide_tile_upto<Bits, RM, RZ, kScaledMins>(op, m0, p0, rm, rz);
+  if constexpr (Bits == 8) {  // qlinear takes no mins with 8 bits
+    wide_tile_upto<Bits, RM, RZ, kNoMin>(op, m0, p0, rm, rz);
+  } else {
+    switch (min_kind(op)) {
+      case kNoMin: return wide_tile_upto<Bits, RM, RZ, kNoMin>(op, m0, p0, rm, rz);
+      case kFoldedMin: return wide_tile_upto<Bits, RM, RZ, kFoldedMin>(op, m0, p0, rm, rz);
+      case kStoredMins: return wide_tile_upto<Bits, RM, RZ, kStoredMins>(op, m0, p0, rm, rz);
+      case kScaledMins: return wide_tile_upto<Bits, RM, RZ, kScaledMins>(op, m0, p0, rm, rz);
+    }
   }
 }
 #else
