@@ -450,9 +450,10 @@ void run_tasks(const Kernel& kernel, int64_t n, int64_t Hk) {
     for (int64_t h = 0; h < Hk; ++h) {
       for (int64_t first = 0; first < vecs; first += kMaxVecs) {
         const int64_t count = std::min(kMaxVecs, vecs - first);
-        const int64_t last_len = kernel.seq_lens[i] - q_len + (first + count - 1) / kernel.G + 1;
-        tasks.push_back({i, h, first, count, count * last_len});
-        total += count * last_len;
+        Task task{i, h, first, count, 0};
+        task.cost = count * kernel.keys_of(task);
+        tasks.push_back(task);
+        total += task.cost;
       }
     }
   }

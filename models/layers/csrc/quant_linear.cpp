@@ -53,7 +53,6 @@
 #include <cstring>
 #include <optional>
 #include <type_traits>
-#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) || defined(__F16C__)
@@ -895,9 +894,6 @@ template <int Bits, typename S>
 void int_qlinear(const Operands<S>& op, float* silu_out = nullptr) {
   // the panels the tasks divide: all of them, or the gate's (each task also takes the same up panels)
   const int64_t panels = (op.N + kLanes - 1) / kLanes / (silu_out != nullptr ? 2 : 1);
-#if defined(PAGEDSERVE_HAS_WIDE_TILES)
-
-#endif
   const bool wide = kWide && op.M > 2 && wide_tiles_enabled();
   const bool few_wide = op.M <= kFewWideRows;  // the wide tiles' shape: 6 x 3 or 8 x 2 (above)
   const int64_t tile_rows = !wide ? kTileRows : few_wide ? kFewWideRows : kWideRows;
@@ -919,7 +915,7 @@ void int_qlinear(const Operands<S>& op, float* silu_out = nullptr) {
   int64_t row_blocks = (op.M + block_rows - 1) / block_rows;
   // Row blocks of about equal size (a multiple of the tile's rows): 143 rows (a prompt's chunk
   // and 15 decodes) are 48 + 48 + 47, not 64 + 64 + 15. Rounding up to the tile can leave the
-  // last blocks empty (6-row wide tiles, 721 rows: 12 blocks of 61 rounded to 66, the twelfth from row 726),
+  // last blocks empty (6-row tiles, 721 rows: 12 blocks of 61 rounded to 66, the twelfth from row 726),
   // so the count follows the size: no task without rows.
   block_rows = ((op.M + row_blocks - 1) / row_blocks + tile_rows - 1) / tile_rows * tile_rows;
   row_blocks = (op.M + block_rows - 1) / block_rows;
