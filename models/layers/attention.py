@@ -113,7 +113,7 @@ class AttentionMetadata:
     query_start: torch.Tensor  # (num_seqs + 1,) int64: sequence i's tokens are rows query_start[i]..[i+1]-1
     kernels: StepKernels = DEFAULT_KERNELS
     # What `groups` is built from, on first use (the C++ kernel needs no groups: a CPU step never
-    # builds them): query lens, seq lens, padded tables, sequence of each token, block_size, device.
+    # builds them): query lens, seq lens (lists), the padded tables, block_size, device.
     group_inputs: tuple = field(default=(), repr=False)
 
     @classmethod
@@ -132,20 +132,31 @@ class AttentionMetadata:
         """
         if not (len(query_lens) == len(seq_lens) == len(block_tables)):
             raise ValueError("query_lens, seq_lens and block_tables must have one entry per sequence")
-        tables = _padded_tables(seq_lens, block_tables, block_size)  # (num_seqs, width)
-        q_lens = torch.tensor(query_lens, dtype=torch.int64)
-        s_lens = torch.tensor(seq_lens, dtype=torch.int64)
-        num_tokens = sum(query_lens)
-        # Flat token t belongs to sequence seq[t] and is query number t - start[seq[t]] of it:
-        #   query_lens [3, 1, 2] -> seq [0 0 0 1 2 2], start [0 3 4], query number [0 1 2 0 0 1]
-        seq = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)  # (num_tokens,)
-        start = torch.cumsum(q_lens, 0) - q_lens  # (num_seqs,)
-        pos = (s_lens - q_lens)[seq] + torch.arange(num_tokens) - start[seq]  # absolute position of each new token
-        slot_mapping = tables[seq, pos // block_size] * block_size + pos % block_size
+        # Plain Python over sequences and blocks, then one tensor each: a step of a few decodes
+        # would otherwise spend ~0.1 ms in a dozen torch ops on tensors of a few elements.
+        used = [(s + block_size - 1) // block_size for s in seq_lens]
+        width = max(used, default=0)
+        rows, slots, query_start = [], [], [0]
+        for table, q, s, n in zip(block_tables, query_lens, seq_lens, used):
+            if len(table) < n:
+                raise ValueError(f"block table of {len(table)} blocks is too short for {n * block_size} tokens")
+            row = table[:n]
+            rows.append(row + [0] * (width - n) if n < width else row)
+            # The new tokens sit at positions s - q .. s - 1: each block's share is one run of slots.
+            position = s - q
+            while position < s:
+                offset = position % block_size
+                run = min(block_size - offset, s - position)
+                base = row[position // block_size] * block_size + offset
+                slots.extend(range(base, base + run))
+                position += run
+            query_start.append(query_start[-1] + q)
+        tables = torch.tensor(rows, dtype=torch.int64).view(len(rows), width)  # (num_seqs, width)
         return cls(
-            slot_mapping=slot_mapping.to(device), num_tokens=num_tokens, block_table=tables.to(device),
-            seq_lens=s_lens.to(device), query_start=torch.cat((start, q_lens.sum().view(1))).to(device),
-            kernels=kernels, group_inputs=(q_lens, s_lens, tables, seq, block_size, device),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device), num_tokens=query_start[-1],
+            block_table=tables.to(device), seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+            query_start=torch.tensor(query_start, dtype=torch.int64, device=device), kernels=kernels,
+            group_inputs=(list(query_lens), list(seq_lens), tables, block_size, device),
         )
 
     @functools.cached_property
@@ -153,7 +164,10 @@ class AttentionMetadata:
         """The eager paths' groups: decodes, fresh prefills (nothing cached: no gather) and
         prefill chunks after cached tokens attend differently; one chunk of a long prompt must
         not slow down the rest."""
-        q_lens, s_lens, tables, seq, block_size, device = self.group_inputs
+        query_lens, seq_lens, tables, block_size, device = self.group_inputs
+        q_lens = torch.tensor(query_lens, dtype=torch.int64)
+        s_lens = torch.tensor(seq_lens, dtype=torch.int64)
+        seq = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)  # (num_tokens,) sequence of each token
         query_no = torch.arange(self.num_tokens) - (torch.cumsum(q_lens, 0) - q_lens)[seq]
         is_decode = q_lens == 1
         is_fresh = ~is_decode & (q_lens == s_lens)
@@ -162,18 +176,6 @@ class AttentionMetadata:
             _build_group(k.nonzero().squeeze(1), k[seq], seq, query_no, q_lens, s_lens, tables, block_size, device)
             for k in kinds
         ]
-
-
-def _padded_tables(seq_lens: list[int], block_tables: list[list[int]], block_size: int) -> torch.Tensor:
-    """Each table cut to the blocks its sequence uses, padded with block 0 to a rectangle."""
-    used = [(s + block_size - 1) // block_size for s in seq_lens]
-    width = max(used, default=0)
-    rows = []
-    for table, n in zip(block_tables, used):
-        if len(table) < n:
-            raise ValueError(f"block table of {len(table)} blocks is too short for {n * block_size} tokens")
-        rows.append(table[:n] + [0] * (width - n))
-    return torch.tensor(rows, dtype=torch.int64).view(len(rows), width)  # (num_seqs, width)
 
 
 def _build_group(idx, token_in_group, seq, query_no, q_lens, s_lens, tables, block_size, device):
