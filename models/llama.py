@@ -104,13 +104,12 @@ class LlamaDecoderLayer(DecoderLayer):
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, bias=mlp_bias)
         self._one_op: tuple | None = None  # the one-op form's weight arguments, once known
 
-    def as_one_op(
-        self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor | None:
-        args = self._one_op_args(x, kv_cache)
-        if args is None:
-            return None
+    def one_op_args(self, x: torch.Tensor, kv_cache: torch.Tensor) -> tuple | None:
+        return self._one_op_args(x, kv_cache)
+
+    @staticmethod
+    def call_one_op(x: torch.Tensor, args: tuple, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
+                    attn_metadata: AttentionMetadata) -> torch.Tensor:
         # The same kernels in the same order as the modules below, in one call: bit-identical
         # results without ~14 ops' worth of Python and dispatch (csrc/decoder_layer.cpp).
         layer, scale = args
