@@ -79,8 +79,24 @@ class NgramIndex:
             if len(tokens) > n:
                 start = self._tables[n].get(tuple(tokens[len(tokens) - n :]))
                 if start is not None:
-                    return list(tokens[start : start + k])
+                    return _continued(tokens, start, k)
         return []
+
+
+def _continued(tokens: Sequence[int], start: int, k: int) -> list[int]:
+    """k tokens from `start` on, of the tokens followed by the draft itself: a match that ends
+    less than k tokens before the end (the text repeats with period len - start) goes on repeating,
+    as looking the drafted tokens up in turn would give. Without this, a loop of period 1 or 2 (greedy
+    text that repeats) got drafts of 1 or 2 tokens where k were asked for.
+
+        tokens  ... x y x y       suffix "x y" last occurred at -4..-3, followed by "x y" and the end
+        draft   x y x             (k = 3): the period continued
+    """
+    draft = list(tokens[start : start + k])
+    num_tokens = len(tokens)
+    while len(draft) < k:
+        draft.append(draft[start + len(draft) - num_tokens])
+    return draft
 
 
 def expected_tokens(acceptance: float, k: int) -> float:

@@ -8,10 +8,12 @@ variable and give the whole function back"), `quote` (repeat a paragraph of
 loadtest/data/perplexity.txt), `summary` (summarise one, quoting it), `chat` (open questions)
 and `json` (a JSON schema to fill). Each runs at temperature 0 and at 0.8 with a seed per request, so
 both configurations of a server produce the same tokens (ours: exactly; llama.cpp: its own
-answer). Servers run one after the other on the same cores: pagedserve without drafts, with
-`--speculative ngram`, and where given llama-server without and with `--spec-type ngram-simple`.
-Requests go one at a time (c=1: output tok/s = completion tokens / wall time), then a mixed
-run at `--concurrency` streams (default 16). The acceptance rate is read from /metrics
+answer). Servers run in pairs on the same cores: pagedserve without drafts and with
+`--speculative ngram` side by side, then where given llama-server without and with `--spec-type
+ngram-simple`; each row runs on one server of the pair and at once on the other (alternating
+which goes first), so drift of the machine's speed falls on both alike. Requests go one at a
+time (c=1: output tok/s = completion tokens / wall time), then a mixed run at `--concurrency`
+streams (default 16). The acceptance rate is read from /metrics
 (vLLM's `spec_decode` counters). Prints a table with the CPU named; `--out` writes JSON.
 """
 from __future__ import annotations
@@ -132,38 +134,50 @@ async def run_concurrent(url: str, bodies: list[dict], concurrency: int) -> tupl
         return tokens, time.perf_counter() - start
 
 
-def commands(args, port: int) -> dict[str, list[str]]:
-    ours = [sys.executable, "-m", "server", "--model", str(args.model), "--port", str(port),
+def commands(args) -> dict[str, list[str]]:
+    """Each server's command line, each on a port of its own (a pair runs side by side)."""
+    ours = [sys.executable, "-m", "server", "--model", str(args.model), "--port", "{port}",
             "--served-model-name", "model", "--log-level", "warning", "--max-num-seqs", str(max(16, args.concurrency)),
             *(["--num-threads", str(args.threads)] if args.threads else [])]
     spec = ["--speculative", "ngram", "--num-speculative-tokens", str(args.k)]
     out = {"pagedserve": ours, "pagedserve --speculative ngram": ours + spec}
     if args.llama_server:
-        theirs = [str(args.llama_server), "-m", str(args.model), "--host", "127.0.0.1", "--port", str(port),
+        theirs = [str(args.llama_server), "-m", str(args.model), "--host", "127.0.0.1", "--port", "{port}",
                   "-c", str(4096 * max(16, args.concurrency)), "-np", str(max(16, args.concurrency)),
                   "-t", str(args.threads or os.cpu_count()), "-a", "model", "--log-disable", "--metrics"]
         out["llama-server"] = theirs
         out["llama-server --spec-type ngram-simple"] = theirs + ["--spec-type", "ngram-simple",
                                                                "--spec-draft-n-max", str(args.k)]
-    return out
+    return {name: [str(free_port()) if part == "{port}" else part for part in command] for name, command in out.items()}
 
 
-def measure(name: str, command: list[str], port: int, args, loads: dict[str, list[dict]]) -> dict:
-    url = f"http://127.0.0.1:{port}"
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    results = {}
+def measure(servers: dict[str, list[str]], args, loads: dict[str, list[dict]]) -> dict[str, dict]:
+    """Start the servers of one pair (a server with and without speculation) side by side, then run
+    each row on one and at once on the other, alternating which goes first, so that the two
+    figures of a row are minutes closer than whole runs one after the other (this machine's speed
+    drifts by 10-30% over minutes: such drift read as 0.8x "costs" of speculation that made no draft).
+    The idle server waits on its sockets and queue, using no CPU."""
+    processes = {}
+    results: dict[str, dict] = {name: {} for name in servers}
     try:
-        wait_healthy(url, process)
+        for name, command in servers.items():
+            print(f"{name}: {' '.join(command)}", flush=True)
+            processes[name] = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        urls = {name: f"http://127.0.0.1:{command[command.index('--port') + 1]}" for name, command in servers.items()}
+        for name in servers:
+            wait_healthy(urls[name], processes[name])
         time.sleep(2.0)
-        for workload, bodies in loads.items():
-            for temperature in args.temperatures:
-                sized = [{**b, "max_tokens": args.max_tokens, "temperature": temperature,
-                          **({"seed": 1000 + i} if temperature > 0 else {})} for i, b in enumerate(bodies)]
-                before = spec_counters(url)
-                tokens, seconds = asyncio.run(run_serial(url, sized))
-                after = spec_counters(url)
+        order = list(servers)
+        rows = [(workload, temperature) for workload in loads for temperature in args.temperatures]
+        for i, (workload, temperature) in enumerate(rows):
+            sized = [{**b, "max_tokens": args.max_tokens, "temperature": temperature,
+                      **({"seed": 1000 + j} if temperature > 0 else {})} for j, b in enumerate(loads[workload])]
+            for name in order if i % 2 == 0 else order[::-1]:
+                before = spec_counters(urls[name])
+                tokens, seconds = asyncio.run(run_serial(urls[name], sized))
+                after = spec_counters(urls[name])
                 drafted, accepted = after[0] - before[0], after[1] - before[1]
-                results[f"{workload} t={temperature} c=1"] = {
+                results[name][f"{workload} t={temperature} c=1"] = {
                     "tok_s": tokens / seconds, "tokens": tokens,
                     "acceptance": accepted / drafted if drafted else None}
                 print(f"  {name}: {workload} t={temperature} c=1: {tokens / seconds:.1f} tok/s "
@@ -171,12 +185,15 @@ def measure(name: str, command: list[str], port: int, args, loads: dict[str, lis
                       flush=True)
         mixed = [{**b, "max_tokens": args.max_tokens, "temperature": 0.8, "seed": i}
                  for i, b in enumerate(sum((loads[w] for w in loads), []) * 2)]
-        tokens, seconds = asyncio.run(run_concurrent(url, mixed, args.concurrency))
-        results[f"mixed t=0.8 c={args.concurrency}"] = {"tok_s": tokens / seconds, "tokens": tokens, "acceptance": None}
-        print(f"  {name}: mixed c={args.concurrency}: {tokens / seconds:.1f} tok/s", flush=True)
+        for name in order if len(rows) % 2 == 0 else order[::-1]:
+            tokens, seconds = asyncio.run(run_concurrent(urls[name], mixed, args.concurrency))
+            results[name][f"mixed t=0.8 c={args.concurrency}"] = {"tok_s": tokens / seconds, "tokens": tokens,
+                                                                  "acceptance": None}
+            print(f"  {name}: mixed c={args.concurrency}: {tokens / seconds:.1f} tok/s", flush=True)
         return results
     finally:
-        stop_server(process)
+        for process in processes.values():
+            stop_server(process)
 
 
 def report(results: dict[str, dict], args) -> str:
@@ -218,10 +235,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.workloads:
         loads = {name: loads[name] for name in args.workloads}
     results = {}
-    for name, command in commands(args, free_port()).items():
-        port = int(command[command.index("--port") + 1])
-        print(f"{name}: {' '.join(command)}", flush=True)
-        results[name] = measure(name, command, port, args, loads)
+    servers = commands(args)
+    for pair in (("pagedserve", "pagedserve --speculative ngram"),
+                 ("llama-server", "llama-server --spec-type ngram-simple")):
+        if pair[0] in servers:
+            results.update(measure({name: servers[name] for name in pair}, args, loads))
     table = report(results, args)
     print(table)
     if args.out:

@@ -25,14 +25,18 @@ from engine.step import ScheduledRequest
 
 
 def brute_force_proposal(tokens, k, ngram_min, ngram_max):
-    """The continuation of the most recent earlier occurrence of the longest suffix that has one."""
+    """The continuation of the most recent earlier occurrence of the longest suffix that has one,
+    read on into the draft itself where it reaches the end (a text that repeats goes on repeating)."""
     for n in range(ngram_max, ngram_min - 1, -1):
         if len(tokens) <= n:
             continue
         suffix = tokens[-n:]
         for start in range(len(tokens) - n - 1, -1, -1):  # occurrences ending before the last token
             if tokens[start : start + n] == suffix:
-                return tokens[start + n : start + n + k]
+                extended = list(tokens)
+                for position in range(start + n, start + n + k):
+                    extended.append(extended[position])
+                return extended[len(tokens):]
     return []
 
 
@@ -46,6 +50,15 @@ def test_ngram_proposes_what_followed_the_suffix_last_time():
     # "c a b" (n=3) occurred once, followed by x; "a b" alone last occurred before y: longest wins.
     assert index.propose([c, a, b, x, d, a, b, y, c, a, b], 1) == [x]
     assert NgramIndex(2, 4).propose([a, b, c], 3) == []
+
+
+def test_ngram_draft_of_a_repeating_text_goes_on_repeating():
+    """A match that ends just before the end leaves fewer than k tokens after it: the draft reads on
+    into itself (greedy loops of period 1 or 2 got 1- or 2-token drafts where 3 were asked for)."""
+    a, b, c = 1, 2, 3
+    assert NgramIndex(2, 4).propose([c, a, b, a, b], 3) == [a, b, a]
+    assert NgramIndex(2, 4).propose([c, a, a, a], 3) == [a, a, a]
+    assert NgramIndex(2, 4).propose([c, a, b, c, a, b], 5) == [c, a, b, c, a]
 
 
 @settings(max_examples=200, deadline=None)
