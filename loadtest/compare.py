@@ -1,4 +1,4 @@
-"""pagedserve against llama.cpp's llama-server on one GGUF file, one after the other, same client.
+"""pagedserve against llama.cpp's llama-server on one GGUF file, side by side, same client.
 
     python -m loadtest.compare --llama-server ~/.cache/llama.cpp-0.3.36/llama.cpp/build/bin/llama-server
     python -m loadtest.compare                   # ours alone
@@ -14,8 +14,10 @@ capacity (llama-server `-c CTX -np SLOTS`, ours `--num-kv-blocks CTX/16 --max-nu
 and `--device cpu` unless --device says otherwise: on a GPU machine ours would take the GPU),
 its idle resident memory read from /proc once it is healthy, then `python -m loadtest`'s
 benchmark runs each concurrency (streaming /v1/completions, fixed-length prompts,
-`ignore_eos`), and the server is stopped by its own handle. Prints one table with the
-CPU model and ISA flags, and writes every figure as JSON with --out.
+`ignore_eos`) on one server and then on the other, which goes first alternating (both are up
+at once; `--sequential` starts one at a time), and the servers are stopped by their own
+handles. Prints one table with the CPU model and ISA flags, and writes every figure as JSON
+with --out.
 """
 from __future__ import annotations
 
@@ -105,37 +107,53 @@ def server_commands(args, port: int, threads: int | None = None) -> dict[str, li
     return commands
 
 
-def measure(name: str, command: list[str], port: int, args, tokenizer_dir: str, threads: int | None = None) -> dict:
-    url = f"http://127.0.0.1:{port}"
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+def measure(commands: dict[str, list[str]], args, tokenizer_dir: str, threads: int | None = None) -> list[dict]:
+    """Start the servers (both, side by side: the idle one waits on its sockets and uses no CPU),
+    then run each concurrency on one and at once on the other, alternating which goes first: the
+    two figures of a row come minutes closer than whole runs one after the other, and this
+    machine's speed drifts over minutes (ours at 360M read 7.0 and 9.5 ms a token in runs minutes
+    apart). One result per server, in the order given."""
+    processes: dict[str, subprocess.Popen] = {}
+    results: dict[str, dict] = {}
     try:
-        wait_healthy(url, process)
+        for name, command in commands.items():
+            print(f"{name}: {' '.join(command)}", flush=True)
+            processes[name] = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        urls = {name: f"http://127.0.0.1:{command[command.index('--port') + 1]}" for name, command in commands.items()}
+        for name, process in processes.items():
+            wait_healthy(urls[name], process)
         time.sleep(2.0)  # let start-up work (kernel loads, first allocations) settle
-        result = {"server": name, "threads": threads or os.cpu_count(), "command": command,
-                  "idle_rss_mb": rss_mb(process.pid), "runs": {}}
-        for concurrency in args.concurrency:
-            config = BenchmarkConfig(
-                url=url, model="model", concurrency=concurrency, num_requests=max(args.requests_per_stream * concurrency, 8),
-                warmup=min(concurrency, 4), input_len=args.input_len, output_len=args.output_len,
-                ignore_eos=True, tokenizer=tokenizer_dir, server_metrics=False, seed=concurrency,
-            )
-            summary = asyncio.run(run_benchmark(config))["summary"]
-            result["runs"][concurrency] = {
-                "output_tok_s": summary["output_token_throughput"],
-                "ttft_p50_ms": summary["ttft_ms"]["p50"],
-                "itl_p50_ms": summary["itl_ms"]["p50"],
-                "completed": summary["completed"],
-                "failed": summary["failed"],
-                "failures": summary["failures"],
-                "stale_connection_retries": summary["stale_connection_retries"],
-                "first_error_by_kind": summary["first_error_by_kind"],
-            }
-            shown = {k: v for k, v in result["runs"][concurrency].items() if k != "first_error_by_kind"}
-            print(f"  {name} c={concurrency}: {shown}", flush=True)
-        result["busy_rss_mb"] = rss_mb(process.pid)
-        return result
+        for name, command in commands.items():
+            results[name] = {"server": name, "threads": threads or os.cpu_count(), "command": command,
+                             "idle_rss_mb": rss_mb(processes[name].pid), "runs": {}}
+        names = list(commands)
+        for i, concurrency in enumerate(args.concurrency):
+            for name in names if i % 2 == 0 else names[::-1]:
+                config = BenchmarkConfig(
+                    url=urls[name], model="model", concurrency=concurrency,
+                    num_requests=max(args.requests_per_stream * concurrency, 8), warmup=min(concurrency, 4),
+                    input_len=args.input_len, output_len=args.output_len, ignore_eos=True, tokenizer=tokenizer_dir,
+                    server_metrics=False, seed=concurrency,
+                )
+                summary = asyncio.run(run_benchmark(config))["summary"]
+                results[name]["runs"][concurrency] = {
+                    "output_tok_s": summary["output_token_throughput"],
+                    "ttft_p50_ms": summary["ttft_ms"]["p50"],
+                    "itl_p50_ms": summary["itl_ms"]["p50"],
+                    "completed": summary["completed"],
+                    "failed": summary["failed"],
+                    "failures": summary["failures"],
+                    "stale_connection_retries": summary["stale_connection_retries"],
+                    "first_error_by_kind": summary["first_error_by_kind"],
+                }
+                shown = {k: v for k, v in results[name]["runs"][concurrency].items() if k != "first_error_by_kind"}
+                print(f"  {name} c={concurrency}: {shown}", flush=True)
+        for name, process in processes.items():
+            results[name]["busy_rss_mb"] = rss_mb(process.pid)
+        return [results[name] for name in commands]
     finally:
-        stop_server(process)
+        for process in processes.values():
+            stop_server(process)
 
 
 def report(results: list[dict], args) -> str:
@@ -231,6 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--requests-per-stream", type=int, default=2, help="requests = this x concurrency (at least 8)")
     p.add_argument("--ctx", type=int, default=16384, help="KV capacity in tokens, both servers")
     p.add_argument("--slots", type=int, default=64, help="parallel sequences, both servers")
+    p.add_argument("--sequential", action="store_true",
+                   help="start one server at a time (default: both side by side, each concurrency run on one "
+                        "and then on the other; needs memory for both)")
     p.add_argument("--out", type=Path, default=None, help="write every figure as JSON here")
     return p
 
@@ -251,11 +272,13 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tokenizer_dir:
         load_tokenizer(args.model).save_pretrained(tokenizer_dir)  # one client-side tokenizer for both
         for threads in args.threads or [None]:
-            for name in server_commands(args, 0, threads):
-                port = free_port()
-                command = server_commands(args, port, threads)[name]
-                print(f"{name}: {' '.join(command)}", flush=True)
-                results.append(measure(name, command, port, args, tokenizer_dir, threads))
+            commands = {name: server_commands(args, free_port(), threads)[name]
+                        for name in server_commands(args, 0, threads)}
+            if args.sequential:  # one server at a time (where memory holds only one)
+                for name, command in commands.items():
+                    results += measure({name: command}, args, tokenizer_dir, threads)
+            else:
+                results += measure(commands, args, tokenizer_dir, threads)
     text = report(results, args)
     print("\n" + text)
     if args.out:

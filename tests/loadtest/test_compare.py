@@ -1,10 +1,12 @@
 """loadtest.compare's arguments: a wrong --llama-server or --model fails before any server starts;
-both servers get the same threads, and ours the CPU unless told otherwise."""
+both servers get the same threads, and ours the CPU unless told otherwise; and a run of ours alone
+on a tiny GGUF reports every concurrency."""
 from __future__ import annotations
 
-import pytest
-
 import argparse
+import json
+
+import pytest
 
 from loadtest.compare import build_parser, check_executable, main, report, resolve_model, server_commands
 
@@ -72,3 +74,20 @@ def test_several_thread_counts_get_a_table_each_and_a_scaling_table():
     assert rows[1].startswith("| 4 | 4.0 / 8.0 (0.50x) | 25.0 / 12.5 (2.00x)")
     one = report(results[:2], args)  # one thread count: no scaling table
     assert "scaling" not in one and "| c=16: output tok/s | 32.0 | 16.0 | 2.00 (higher is better) |" in one
+
+
+@pytest.mark.slow
+def test_ours_alone_on_a_tiny_gguf_reports_every_concurrency(tmp_path, capsys):
+    from loadtest.make_gguf import tokenizer_fields, write_gguf
+    from models.fetch import default_model_path
+
+    model = write_gguf(tmp_path / "tiny-q4_0.gguf", "tiny", "q4_0", seed=1, tokenizer=tokenizer_fields(default_model_path()))
+    out = tmp_path / "compare.json"
+    main(["--model", str(model), "--threads", "1", "--concurrency", "1", "2", "--requests-per-stream", "1",
+          "--input-len", "16", "--output-len", "4", "--out", str(out)])
+    results = json.loads(out.read_text())["results"]
+    assert [r["server"] for r in results] == ["pagedserve"]
+    runs = results[0]["runs"]
+    assert sorted(runs) == ["1", "2"] and all(run["completed"] == 8 and run["failed"] == 0 for run in runs.values())
+    assert results[0]["idle_rss_mb"] > 0 and results[0]["busy_rss_mb"] > 0
+    assert "| c=2: output tok/s |" in capsys.readouterr().out
