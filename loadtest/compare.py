@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -31,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -107,14 +109,13 @@ def server_commands(args, port: int, threads: int | None = None) -> dict[str, li
     return commands
 
 
-def measure(commands: dict[str, list[str]], args, tokenizer_dir: str, threads: int | None = None) -> list[dict]:
-    """Start the servers (both, side by side: the idle one waits on its sockets and uses no CPU),
-    then run each concurrency on one and at once on the other, alternating which goes first: the
-    two figures of a row come minutes closer than whole runs one after the other, and this
-    machine's speed drifts over minutes (ours at 360M read 7.0 and 9.5 ms a token in runs minutes
-    apart). One result per server, in the order given."""
+@contextlib.contextmanager
+def side_by_side(commands: dict[str, list[str]]) -> Iterator[tuple[dict[str, str], dict[str, subprocess.Popen]]]:
+    """Start every server (each command names its `--port`), wait until all are healthy and settled,
+    and give their URLs and processes; each is stopped by its own handle however the block ends.
+    An idle server waits on its sockets and uses no CPU (0-1 ticks in 5 s, measured for ours and for
+    llama-server), so what one server does while the other idles is its own figure."""
     processes: dict[str, subprocess.Popen] = {}
-    results: dict[str, dict] = {}
     try:
         for name, command in commands.items():
             print(f"{name}: {' '.join(command)}", flush=True)
@@ -123,9 +124,21 @@ def measure(commands: dict[str, list[str]], args, tokenizer_dir: str, threads: i
         for name, process in processes.items():
             wait_healthy(urls[name], process)
         time.sleep(2.0)  # let start-up work (kernel loads, first allocations) settle
-        for name, command in commands.items():
-            results[name] = {"server": name, "threads": threads or os.cpu_count(), "command": command,
-                             "idle_rss_mb": rss_mb(processes[name].pid), "runs": {}}
+        yield urls, processes
+    finally:
+        for process in processes.values():
+            stop_server(process)
+
+
+def measure(commands: dict[str, list[str]], args, tokenizer_dir: str, threads: int | None = None) -> list[dict]:
+    """Run each concurrency on one server and at once on the other (side_by_side), alternating which
+    goes first: the two figures of a row come minutes closer than whole runs one after the other,
+    and this machine's speed drifts over minutes (ours at 360M read 7.0 and 9.5 ms a token in runs
+    minutes apart). One result per server, in the order given."""
+    with side_by_side(commands) as (urls, processes):
+        results = {name: {"server": name, "threads": threads or os.cpu_count(), "command": command,
+                          "idle_rss_mb": rss_mb(processes[name].pid), "runs": {}}
+                   for name, command in commands.items()}
         names = list(commands)
         for i, concurrency in enumerate(args.concurrency):
             for name in names if i % 2 == 0 else names[::-1]:
@@ -150,10 +163,7 @@ def measure(commands: dict[str, list[str]], args, tokenizer_dir: str, threads: i
                 print(f"  {name} c={concurrency}: {shown}", flush=True)
         for name, process in processes.items():
             results[name]["busy_rss_mb"] = rss_mb(process.pid)
-        return [results[name] for name in commands]
-    finally:
-        for process in processes.values():
-            stop_server(process)
+        return list(results.values())
 
 
 def report(results: list[dict], args) -> str:

@@ -23,7 +23,6 @@ import ast
 import asyncio
 import json
 import os
-import subprocess
 import sys
 import textwrap
 import time
@@ -31,7 +30,7 @@ from pathlib import Path
 
 import httpx
 
-from loadtest.compare import check_executable, cpu_description, free_port, resolve_model, stop_server, wait_healthy
+from loadtest.compare import check_executable, cpu_description, free_port, resolve_model, side_by_side
 
 DATA = Path(__file__).parent / "data"
 SOURCE = Path(__file__).parent.parent / "engine" / "block_manager.py"
@@ -152,21 +151,12 @@ def commands(args) -> dict[str, list[str]]:
 
 
 def measure(servers: dict[str, list[str]], args, loads: dict[str, list[dict]]) -> dict[str, dict]:
-    """Start the servers of one pair (a server with and without speculation) side by side, then run
-    each row on one and at once on the other, alternating which goes first, so that the two
-    figures of a row are minutes closer than whole runs one after the other (this machine's speed
-    drifts by 10-30% over minutes: such drift read as 0.8x "costs" of speculation that made no draft).
-    The idle server waits on its sockets and queue, using no CPU."""
-    processes = {}
+    """Run each row on one server of a pair (with and without speculation, side by side) and at once
+    on the other, alternating which goes first, so that the two figures of a row are minutes closer
+    than whole runs one after the other (this machine's speed drifts by 10-30% over minutes: such
+    drift read as 0.8x "costs" of speculation that made no draft)."""
     results: dict[str, dict] = {name: {} for name in servers}
-    try:
-        for name, command in servers.items():
-            print(f"{name}: {' '.join(command)}", flush=True)
-            processes[name] = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        urls = {name: f"http://127.0.0.1:{command[command.index('--port') + 1]}" for name, command in servers.items()}
-        for name in servers:
-            wait_healthy(urls[name], processes[name])
-        time.sleep(2.0)
+    with side_by_side(servers) as (urls, _):
         order = list(servers)
         rows = [(workload, temperature) for workload in loads for temperature in args.temperatures]
         for i, (workload, temperature) in enumerate(rows):
@@ -190,10 +180,7 @@ def measure(servers: dict[str, list[str]], args, loads: dict[str, list[dict]]) -
             results[name][f"mixed t=0.8 c={args.concurrency}"] = {"tok_s": tokens / seconds, "tokens": tokens,
                                                                   "acceptance": None}
             print(f"  {name}: mixed c={args.concurrency}: {tokens / seconds:.1f} tok/s", flush=True)
-        return results
-    finally:
-        for process in processes.values():
-            stop_server(process)
+    return results
 
 
 def report(results: dict[str, dict], args) -> str:
