@@ -126,9 +126,8 @@ class EngineCore:
         seconds = time.perf_counter() - start
         self.num_computed_tokens += scheduler_output.num_batched_tokens
         speculator = self.scheduler.speculator
-        if speculator is not None:
-            speculator.observe_step(scheduler_output.num_batched_tokens,
-                                    sum(len(s.draft_token_ids) for s in scheduler_output.scheduled), seconds)
+        if speculator is not None and all(len(s.token_ids) == 1 + len(s.draft_token_ids) for s in scheduler_output.scheduled):
+            speculator.observe_step(len(scheduler_output.scheduled), scheduler_output.num_batched_tokens, seconds)
         outputs = []
         for request_id, message in result.errors.items():
             outputs += self._fail(request_id, message)

@@ -27,6 +27,8 @@ sampler; the interface leaves room for that.
 """
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
@@ -36,8 +38,8 @@ SPECULATIVE_METHODS = ("ngram",)
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str = "ngram"
-    num_speculative_tokens: int = 3  # k: drafts per step at most
-    ngram_min: int = 2  # the shortest suffix of prompt + output looked up
+    num_speculative_tokens: int = 5  # k: drafts per step at most (the policy picks fewer where they pay less)
+    ngram_min: int = 1  # the shortest suffix of prompt + output looked up
     ngram_max: int = 4  # the longest, tried first
     # No drafts while more than this many requests run: each request's draft rows then cost a
     # whole row of the step's compute (see README "Speculative decoding" for the measurement).
@@ -67,7 +69,9 @@ class NgramIndex:
         self._tables: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self._sizes}
         self._indexed = 0  # n-grams ending before this position are in the tables
 
-    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+    def lookup(self, tokens: Sequence[int]) -> tuple[int, int] | None:
+        """(n, start): the longest suffix of `tokens` (n from ngram_max down to ngram_min) that
+        occurred before, and where what followed its most recent occurrence starts; None if none."""
         # Index every n-gram that has a token after it: those ending before the last token.
         end = len(tokens) - 1
         for i in range(self._indexed, end):  # the n-gram tokens[i-n+1 .. i]; what follows starts at i+1
@@ -79,8 +83,12 @@ class NgramIndex:
             if len(tokens) > n:
                 start = self._tables[n].get(tuple(tokens[len(tokens) - n :]))
                 if start is not None:
-                    return _continued(tokens, start, k)
-        return []
+                    return n, start
+        return None
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        match = self.lookup(tokens)
+        return _continued(tokens, match[1], k) if match is not None else []
 
 
 def _continued(tokens: Sequence[int], start: int, k: int) -> list[int]:
@@ -105,12 +113,32 @@ def expected_tokens(acceptance: float, k: int) -> float:
     return sum(acceptance**i for i in range(k + 1))
 
 
+# Where a draft came from -> the chance that each of its tokens is accepted, given the ones before
+# it were (a prior; the engine learns the rates as it runs). FORCED: tokens the grammar allows
+# alone; n >= 1: an n-gram match of n tokens. A longer match is the better guess: real SmolLM2-135M
+# outputs (the loadtest.speculative workloads, t=0 and t=0.8, 5-12 requests each) accepted a
+# draft's first token after a match of 1 token 6-21% of the time, of 2 tokens 39-74%, of 3 33-94%,
+# of 4 or more 44-97% (open chat lowest, quoting and code edits highest).
+FORCED = 0
+PRIOR_ACCEPTANCE = {FORCED: 0.95, 1: 0.15, 2: 0.45, 3: 0.7, 4: 0.85}
+# What one more row is taken to cost, relative to the step, until a step with it has been timed:
+# low, so that a draft length is tried and then judged by its time.
+UNTIMED_ROW_COST = 0.1
+STEP_WINDOW = 15
+
+
+def prior_acceptance(source: int) -> float:
+    return PRIOR_ACCEPTANCE[min(source, max(PRIOR_ACCEPTANCE))]
+
+
 @dataclass
 class DraftState:
-    """A request's speculation: its n-gram index and how well its drafts have done."""
+    """A request's speculation: its n-gram index and how well its drafts have done, by source."""
 
     index: NgramIndex
-    acceptance: float = 0.7  # per draft position, given the ones before it were accepted (a prior)
+    # source (FORCED or the match length) -> per draft position, given the ones before it were accepted
+    acceptance: dict[int, float] = field(default_factory=dict)
+    source: int | None = None  # of the drafts proposed last (those the next verification judges)
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted: int = 0
@@ -136,49 +164,83 @@ class Proposer(Protocol):
 class Speculator:
     """Proposes each decode's drafts (for the scheduler) and learns from their verification.
 
-    k per request: the one that maximises expected tokens per unit of step time, from the
-    request's running acceptance rate and the cost of a row of drafts relative to the step
-    (`draft_row_cost`, measured by the engine and updated as it runs).
+    k per request and step: the one that maximises the step's expected tokens per unit of its time,
+
+        (requests - 1 + expected_tokens(a, k)) / (time of the step with k more rows / without),
+
+    a = the acceptance rate of the draft's source (a match of n tokens, or the grammar), learned per
+    request from a rate learned across requests, and the times of decode steps by (requests, rows),
+    measured as the engine runs. Both matter: a match of 1 token is right ~15% of the time and one of
+    4 ~85%; and a step's time is not linear in its rows (one 135M request, 2 threads, Zen 5: 2 rows
+    cost ~1.0x one row, 4 rows ~1.3-1.4x; the 360M shape 1.1x and ~1.6x).
     """
 
     def __init__(self, config: SpeculativeConfig):
         self.config = config
         self.stats = SpecStats(accepted_per_position=[0] * config.num_speculative_tokens)
-        # The time of one more row in a decode step, relative to the step (an estimate until
-        # the engine has timed steps with drafts: ModelRunner reports them).
-        self.draft_row_cost = 0.1
-        self._step_seconds: dict[int, float] = {}  # rows -> running mean time of steps without drafts
+        self.acceptance = {source: prior_acceptance(source) for source in range(FORCED, config.ngram_max + 1)}
+        # (requests, rows) -> the median time of the last STEP_WINDOW decode steps of that shape. A
+        # median: one step held up (the event loop, a collection) took a running mean of a rarely seen
+        # shape to 1.7x its time for dozens of steps (135M, 2 rows: 7.4 ms where the median was 4.5).
+        self._recent_steps: dict[tuple[int, int], deque[float]] = {}
+        self._step_seconds: dict[tuple[int, int], float] = {}
 
     def state(self, request) -> DraftState:
         if request.draft_state is None:
             request.draft_state = DraftState(NgramIndex(self.config.ngram_min, self.config.ngram_max))
         return request.draft_state
 
-    def choose_k(self, acceptance: float) -> int:
-        best_k, best = 0, 1.0
-        for k in range(1, self.config.num_speculative_tokens + 1):
-            value = expected_tokens(acceptance, k) / (1.0 + self.draft_row_cost * k)
+    def step_cost(self, num_requests: int, extra_rows: int) -> float:
+        """The time of a decode step of `num_requests` with `extra_rows` drafts, relative to the same
+        step without; UNTIMED_ROW_COST a row until both have been timed."""
+        base = self._step_seconds.get((num_requests, num_requests))
+        more = self._step_seconds.get((num_requests, num_requests + extra_rows))
+        if base and more:
+            return more / base
+        return 1.0 + UNTIMED_ROW_COST * extra_rows
+
+    def choose_k(self, acceptance: float, limit: int | None = None, num_requests: int = 1) -> int:
+        limit = self.config.num_speculative_tokens if limit is None else limit
+        best_k, best = 0, float(num_requests)
+        for k in range(1, limit + 1):
+            value = (num_requests - 1 + expected_tokens(acceptance, k)) / self.step_cost(num_requests, k)
             if value > best:
                 best_k, best = k, value
         return best_k
 
-    def propose(self, request, limit: int) -> list[int]:
-        """Drafts for a request about to decode: at most `limit` (its max_tokens and context
-        left), cut at the first token its grammar refuses."""
+    def propose(self, request, limit: int, num_requests: int = 1) -> list[int]:
+        """Drafts for a request about to decode in a step of `num_requests` decodes: at most
+        `limit` (its max_tokens and context left), cut at the first token its grammar refuses."""
         state = self.state(request)
-        k = min(self.choose_k(state.acceptance), limit)
+        state.source = None
+        if limit <= 0:
+            return []
+        tokens = request.all_token_ids
+        grammar = request.grammar
+        forced = grammar.forced_tokens(limit) if grammar is not None else []
+        if forced:  # what the grammar allows alone beats a guess
+            source, draft = FORCED, forced
+        else:
+            match = state.index.lookup(tokens)
+            if match is None:
+                return []
+            source, start = match
+            draft = None
+        k = self.choose_k(self.rate(state, source), limit, num_requests)
         if k <= 0:
             return []
-        drafts = state.index.propose(request.all_token_ids, k)
-        grammar = request.grammar
+        drafts = draft[:k] if draft is not None else _continued(tokens, start, k)
         if grammar is not None:
-            forced = grammar.forced_tokens(k)
-            if forced:  # what the grammar allows alone beats a guess
-                drafts = forced
             valid = grammar.valid_prefix(drafts)
             self.stats.num_cut_by_grammar += len(drafts) - valid
             drafts = drafts[:valid]
+        if drafts:
+            state.source = source
         return drafts
+
+    def rate(self, state: DraftState, source: int) -> float:
+        """The request's acceptance rate for drafts from `source` (the engine's, until it has its own)."""
+        return state.acceptance.get(source, self.acceptance[source])
 
     def record(self, request, num_drafts: int, num_accepted: int) -> None:
         """A step verified `num_drafts` drafts of the request and accepted the first `num_accepted`."""
@@ -188,11 +250,16 @@ class Speculator:
         state.num_drafts += 1
         state.num_draft_tokens += num_drafts
         state.num_accepted += num_accepted
-        # Per position: accepted ones were each a success; the first rejected one a failure.
-        trials = min(num_accepted + 1, num_drafts)
-        rate = num_accepted / trials
-        weight = min(0.5, 0.15 * trials)
-        state.acceptance = (1 - weight) * state.acceptance + weight * rate
+        if state.source is not None:
+            # Per position: accepted ones were each a success; the first rejected one a failure.
+            trials = min(num_accepted + 1, num_drafts)
+            rate = num_accepted / trials
+            source = state.source
+            weight = min(0.5, 0.15 * trials)
+            state.acceptance[source] = (1 - weight) * self.rate(state, source) + weight * rate
+            weight = min(0.2, 0.03 * trials)
+            self.acceptance[source] = (1 - weight) * self.acceptance[source] + weight * rate
+            state.source = None
         stats = self.stats
         stats.num_drafts += 1
         stats.num_draft_tokens += num_drafts
@@ -205,14 +272,10 @@ class Speculator:
         return SpecStats(stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
                          list(stats.accepted_per_position), stats.num_cut_by_grammar, stats.num_cut_by_budget)
 
-    def observe_step(self, num_rows: int, num_draft_rows: int, seconds: float) -> None:
-        """A step's time. Steps without drafts set the time of each row count; a step with
-        drafts, against the time of its rows without them, gives what a draft row costs."""
-        if num_draft_rows == 0:
-            known = self._step_seconds.get(num_rows)
-            self._step_seconds[num_rows] = seconds if known is None else 0.8 * known + 0.2 * seconds
-            return
-        base = self._step_seconds.get(num_rows - num_draft_rows)
-        if base:
-            cost = max(0.0, seconds / base - 1.0) / num_draft_rows
-            self.draft_row_cost = 0.8 * self.draft_row_cost + 0.2 * min(cost, 1.0)
+    def observe_step(self, num_requests: int, num_rows: int, seconds: float) -> None:
+        """The time of a step of `num_requests` decodes and nothing else, `num_rows` rows with their
+        drafts (the engine's time from schedule output to sampled tokens)."""
+        key = (num_requests, num_rows)
+        recent = self._recent_steps.setdefault(key, deque(maxlen=STEP_WINDOW))
+        recent.append(seconds)
+        self._step_seconds[key] = statistics.median(recent)

@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
                 fwd = timeit(forward, args.repeats, 3, clock)
                 report(f"forward decode b{n} ctx128-256", fwd, baseline(weights, n, args.repeats), forward, 10)
         if "verify" in phases:  # one request's speculative step: its token and k drafts, k+1 rows
-            for rows in (1, 2, 4, 6):
+            for rows in (1, 2, 3, 4, 5, 6, 8):
                 batch = Batch([rows], [200], num_blocks, device, seed=3)
                 meta = batch.build()
                 forward = lambda: model(batch.input_ids, batch.positions, kv_caches, meta)  # noqa: E731

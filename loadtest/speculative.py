@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default=None, help="a GGUF file, or SHAPE:TYPE (loadtest.make_gguf); default SmolLM2-135M")
     p.add_argument("--llama-server", default=None, help="llama-server binary (loadtest/llama_server.sh)")
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--k", type=int, default=3, help="drafts per step at most, both servers")
+    p.add_argument("--k", type=int, default=5, help="drafts per step at most, both servers")
     p.add_argument("--requests", type=int, default=4, help="requests per workload and temperature")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.8])

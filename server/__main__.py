@@ -84,8 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--speculative", default=None, choices=["ngram"],
                       help="draft tokens to verify in one step: ngram = lookup of the last tokens in the prompt and "
                            "output (and a grammar's forced tokens); outputs are the same as without (default: off)")
-    spec.add_argument("--num-speculative-tokens", type=int, default=3, help="drafts per step at most")
-    spec.add_argument("--prompt-lookup-min", type=int, default=2, help="shortest n-gram looked up")
+    spec.add_argument("--num-speculative-tokens", type=int, default=5,
+                      help="drafts per step at most (fewer where the policy finds they pay less)")
+    spec.add_argument("--prompt-lookup-min", type=int, default=1, help="shortest n-gram looked up")
     spec.add_argument("--prompt-lookup-max", type=int, default=4, help="longest n-gram looked up (tried first)")
     spec.add_argument("--speculative-max-batch-size", type=int, default=4,
                       help="no drafts while more requests than this run (where they stop paying)")

@@ -72,13 +72,60 @@ def test_ngram_index_kept_as_tokens_arrive_equals_a_fresh_scan(tokens, k, ngram_
 
 def test_policy_drafts_more_when_drafts_are_accepted_and_none_when_they_never_are():
     speculator = Speculator(SpeculativeConfig(num_speculative_tokens=5))
-    speculator.draft_row_cost = 0.1
+    assert speculator.step_cost(1, 3) == pytest.approx(1.3)  # untimed rows: cheap, so that they get tried
     assert speculator.choose_k(0.0) == 0
     assert speculator.choose_k(0.05) == 0
     assert 1 <= speculator.choose_k(0.5) < speculator.choose_k(0.95) == 5
-    speculator.draft_row_cost = 1.0  # a draft row costs a whole step: never worth it
+    assert speculator.choose_k(0.95, limit=2) == 2
+    for rows in range(1, 7):  # timed: each draft row costs a whole step, never worth it
+        speculator.observe_step(1, rows, 0.01 * rows)
     assert speculator.choose_k(0.9) == 0
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+def test_policy_follows_the_timed_cost_of_each_row_count():
+    """A step's time is not linear in its rows: where 2 rows cost what 1 does and more cost much
+    more, a weak source gets one draft; in a batch, the extra rows cost less of the step."""
+    speculator = Speculator(SpeculativeConfig(num_speculative_tokens=5))
+    for rows, ms in [(1, 10), (2, 10), (3, 14), (4, 15), (5, 16), (6, 17)]:
+        speculator.observe_step(1, rows, ms / 1000)
+    assert speculator.step_cost(1, 1) == pytest.approx(1.0)
+    assert speculator.choose_k(0.2) == 1
+    assert speculator.choose_k(0.9) == 5
+    for rows, ms in [(4, 30), (5, 30.5), (6, 40)]:
+        speculator.observe_step(4, rows, ms / 1000)
+    assert speculator.step_cost(4, 1) == pytest.approx(30.5 / 30)
+    assert speculator.choose_k(0.2, num_requests=4) == 1
+    assert speculator.choose_k(0.2, num_requests=4, limit=0) == 0
+
+
+class FakeRequest:
+    def __init__(self, tokens, grammar=None):
+        self.all_token_ids = tokens
+        self.grammar = grammar
+        self.draft_state = None
+
+
+def test_policy_drafts_longer_after_longer_matches_and_learns_each_source_rate():
+    speculator = Speculator(SpeculativeConfig(num_speculative_tokens=5))
+    for rows in range(1, 7):  # a row costs 15% of the step
+        speculator.observe_step(1, rows, 1 + 0.15 * (rows - 1))
+    a, b, c, d, x = range(1, 6)
+    long_match = FakeRequest([a, b, c, d, x, a, b, c, d])  # "a b c d" again: a match of 4
+    short_match = FakeRequest([a, b, c, d, x, d])  # "d" again: a match of 1
+    assert speculator.propose(long_match, 5) == [x, a, b, c, d]
+    assert speculator.propose(short_match, 5) == []  # ~15% right: not worth a row at this cost
+    # Matches of 4 keep failing for this request: it drafts less, and the engine's rate moves too.
+    lengths = []
+    while drafts := speculator.propose(long_match, 5):
+        lengths.append(len(drafts))
+        speculator.record(long_match, len(drafts), 0)
+        assert len(lengths) < 20
+    assert lengths[0] == 5 and lengths[-1] < 5 and lengths == sorted(lengths, reverse=True)
+    assert long_match.draft_state.acceptance[4] < 0.2
+    assert speculator.acceptance[4] < 0.85
+    fresh = FakeRequest([a, b, c, d, x, a, b, c, d])
+    assert speculator.propose(fresh, 5)  # a new request starts from the engine's rate, still high
 
 
 # ------------------------------------------------------------------------------ verification
@@ -228,7 +275,7 @@ class OracleProposer:
         self.wrong = wrong
         self.proposed = []  # (request id, num_tokens, drafts)
 
-    def __call__(self, request, limit):
+    def __call__(self, request, limit, num_requests=1):
         from tests.engine.test_scheduler import VOCAB as FAKE_VOCAB, reference_output
 
         k = min(self.rng.randint(0, 4), limit)
