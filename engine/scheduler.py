@@ -108,13 +108,15 @@ class Scheduler:
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         speculating = self._speculating(decodes)
+        if speculating:
+            self.speculator.begin_step(len(decodes))
         for request in decodes + prefills:
             if budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            drafts = self._drafts(request, budget, len(decodes)) if request in speculating else []
+            drafts = self._drafts(request, budget) if request in speculating else []
             table = bm.append_slots(request, request.num_computed_tokens + num_new + len(drafts))
             if table is None and drafts:  # drafts go before anyone is preempted
                 self.speculator.stats.num_cut_by_budget += len(drafts)
@@ -173,13 +175,13 @@ class Scheduler:
             return set()
         return set(decodes)
 
-    def _drafts(self, request: Request, budget: int, num_decodes: int) -> list[int]:
-        """Drafts for one of a step's `num_decodes` decodes: within the step's token budget, and
-        such that the whole run (drafts plus one token) stays within max_tokens and the context."""
+    def _drafts(self, request: Request, budget: int) -> list[int]:
+        """Drafts for a decode: within the step's token budget, and such that the whole run
+        (drafts plus one token) stays within max_tokens and the context."""
         limit = min(budget - 1, request.params.max_tokens - request.num_output_tokens - 1,
                     self.limits.max_model_len - request.num_tokens - 1,
                     self.speculator.config.num_speculative_tokens)
-        return self.speculator.propose(request, limit, num_decodes)[:limit] if limit > 0 else []
+        return self.speculator.propose(request, limit)[:limit] if limit > 0 else []
 
     def _scheduled(self, request: Request, num_new: int, table: list[int], drafts: list[int] = ()) -> ScheduledRequest:
         start = request.num_computed_tokens

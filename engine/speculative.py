@@ -166,7 +166,9 @@ class Speculator:
 
     k per request and step: the one that maximises the step's expected tokens per unit of its time,
 
-        (requests - 1 + expected_tokens(a, k)) / (time of the step with k more rows / without),
+        (tokens - 1 + expected_tokens(a, k)) / (time of the step with k more rows / without),
+
+    tokens = what the step is expected to yield with the drafts of the requests before this one,
 
     a = the acceptance rate of the draft's source (a match of n tokens, or the grammar), learned per
     request from a rate learned across requests, and the times of decode steps by (requests, rows),
@@ -184,33 +186,43 @@ class Speculator:
         # shape to 1.7x its time for dozens of steps (135M, 2 rows: 7.4 ms where the median was 4.5).
         self._recent_steps: dict[tuple[int, int], deque[float]] = {}
         self._step_seconds: dict[tuple[int, int], float] = {}
+        self._step = [1, 1, 1.0]  # the step being scheduled (begin_step): requests, rows so far, expected tokens
 
     def state(self, request) -> DraftState:
         if request.draft_state is None:
             request.draft_state = DraftState(NgramIndex(self.config.ngram_min, self.config.ngram_max))
         return request.draft_state
 
-    def step_cost(self, num_requests: int, extra_rows: int) -> float:
-        """The time of a decode step of `num_requests` with `extra_rows` drafts, relative to the same
-        step without; UNTIMED_ROW_COST a row until both have been timed."""
-        base = self._step_seconds.get((num_requests, num_requests))
-        more = self._step_seconds.get((num_requests, num_requests + extra_rows))
+    def step_cost(self, num_requests: int, rows: int, extra_rows: int) -> float:
+        """The time of a decode step of `num_requests` with `rows` rows and `extra_rows` more,
+        relative to the step without them; UNTIMED_ROW_COST a row until both have been timed."""
+        base = self._step_seconds.get((num_requests, rows))
+        more = self._step_seconds.get((num_requests, rows + extra_rows))
         if base and more:
             return more / base
         return 1.0 + UNTIMED_ROW_COST * extra_rows
 
-    def choose_k(self, acceptance: float, limit: int | None = None, num_requests: int = 1) -> int:
+    def choose_k(self, acceptance: float, limit: int | None = None, num_requests: int = 1, rows: int | None = None,
+                 tokens: float | None = None) -> int:
+        """Drafts for one request of a step of `num_requests` decodes that has `rows` rows so far
+        (the decodes and the drafts given to those before it) and `tokens` expected tokens."""
         limit = self.config.num_speculative_tokens if limit is None else limit
-        best_k, best = 0, float(num_requests)
+        rows = num_requests if rows is None else rows
+        tokens = float(num_requests) if tokens is None else tokens
+        best_k, best = 0, tokens
         for k in range(1, limit + 1):
-            value = (num_requests - 1 + expected_tokens(acceptance, k)) / self.step_cost(num_requests, k)
+            value = (tokens - 1 + expected_tokens(acceptance, k)) / self.step_cost(num_requests, rows, k)
             if value > best:
                 best_k, best = k, value
         return best_k
 
-    def propose(self, request, limit: int, num_requests: int = 1) -> list[int]:
-        """Drafts for a request about to decode in a step of `num_requests` decodes: at most
-        `limit` (its max_tokens and context left), cut at the first token its grammar refuses."""
+    def begin_step(self, num_decodes: int) -> None:
+        """A step of `num_decodes` decodes is being scheduled: drafts are proposed for it next."""
+        self._step = [num_decodes, num_decodes, float(num_decodes)]  # requests, rows, expected tokens
+
+    def propose(self, request, limit: int) -> list[int]:
+        """Drafts for a request about to decode in the step begun last: at most `limit` (its
+        max_tokens and context left), cut at the first token its grammar refuses."""
         state = self.state(request)
         state.source = None
         if limit <= 0:
@@ -226,7 +238,9 @@ class Speculator:
                 return []
             source, start = match
             draft = None
-        k = self.choose_k(self.rate(state, source), limit, num_requests)
+        acceptance = self.rate(state, source)
+        num_requests, rows, expected = self._step
+        k = self.choose_k(acceptance, limit, num_requests, rows, expected)
         if k <= 0:
             return []
         drafts = draft[:k] if draft is not None else _continued(tokens, start, k)
@@ -236,6 +250,7 @@ class Speculator:
             drafts = drafts[:valid]
         if drafts:
             state.source = source
+            self._step = [num_requests, rows + len(drafts), expected - 1 + expected_tokens(acceptance, len(drafts))]
         return drafts
 
     def rate(self, state: DraftState, source: int) -> float:

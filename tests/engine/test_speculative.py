@@ -72,7 +72,7 @@ def test_ngram_index_kept_as_tokens_arrive_equals_a_fresh_scan(tokens, k, ngram_
 
 def test_policy_drafts_more_when_drafts_are_accepted_and_none_when_they_never_are():
     speculator = Speculator(SpeculativeConfig(num_speculative_tokens=5))
-    assert speculator.step_cost(1, 3) == pytest.approx(1.3)  # untimed rows: cheap, so that they get tried
+    assert speculator.step_cost(1, 1, 3) == pytest.approx(1.3)  # untimed rows: cheap, so that they get tried
     assert speculator.choose_k(0.0) == 0
     assert speculator.choose_k(0.05) == 0
     assert 1 <= speculator.choose_k(0.5) < speculator.choose_k(0.95) == 5
@@ -89,14 +89,30 @@ def test_policy_follows_the_timed_cost_of_each_row_count():
     speculator = Speculator(SpeculativeConfig(num_speculative_tokens=5))
     for rows, ms in [(1, 10), (2, 10), (3, 14), (4, 15), (5, 16), (6, 17)]:
         speculator.observe_step(1, rows, ms / 1000)
-    assert speculator.step_cost(1, 1) == pytest.approx(1.0)
+    assert speculator.step_cost(1, 1, 1) == pytest.approx(1.0)
     assert speculator.choose_k(0.2) == 1
     assert speculator.choose_k(0.9) == 5
     for rows, ms in [(4, 30), (5, 30.5), (6, 40)]:
         speculator.observe_step(4, rows, ms / 1000)
-    assert speculator.step_cost(4, 1) == pytest.approx(30.5 / 30)
+    assert speculator.step_cost(4, 4, 1) == pytest.approx(30.5 / 30)
     assert speculator.choose_k(0.2, num_requests=4) == 1
     assert speculator.choose_k(0.2, num_requests=4, limit=0) == 0
+    # The second request of that step, after the first took its free row: one more costs 40 / 30.5.
+    assert speculator.choose_k(0.2, num_requests=4, rows=5, tokens=4.2) == 0
+
+
+def test_policy_counts_the_drafts_of_the_requests_before_in_the_step():
+    """Each request's k is judged against the step as the requests before it left it: four
+    requests that could each take 5 drafts at the cost of a lone request's rows do not all get
+    them when 4 + 20 rows cost what they do."""
+    speculator = Speculator(SpeculativeConfig(num_speculative_tokens=5))
+    for rows in range(4, 25):  # 4 decodes: 4-8 rows cost the same, then each row 10% of the step
+        speculator.observe_step(4, rows, 1.0 + 0.1 * max(0, rows - 8))
+    a, b, c, d, x = range(1, 6)
+    requests = [FakeRequest([a, b, c, d, x, a, b, c, d]) for _ in range(4)]
+    speculator.begin_step(4)
+    lengths = [len(speculator.propose(r, 5)) for r in requests]
+    assert lengths[0] == 4 and sum(lengths) < 20, lengths
 
 
 class FakeRequest:
@@ -113,11 +129,15 @@ def test_policy_drafts_longer_after_longer_matches_and_learns_each_source_rate()
     a, b, c, d, x = range(1, 6)
     long_match = FakeRequest([a, b, c, d, x, a, b, c, d])  # "a b c d" again: a match of 4
     short_match = FakeRequest([a, b, c, d, x, d])  # "d" again: a match of 1
-    assert speculator.propose(long_match, 5) == [x, a, b, c, d]
-    assert speculator.propose(short_match, 5) == []  # ~15% right: not worth a row at this cost
+    def propose(request):  # a step of its own
+        speculator.begin_step(1)
+        return speculator.propose(request, 5)
+
+    assert propose(long_match) == [x, a, b, c, d]
+    assert propose(short_match) == []  # ~15% right: not worth a row at this cost
     # Matches of 4 keep failing for this request: it drafts less, and the engine's rate moves too.
     lengths = []
-    while drafts := speculator.propose(long_match, 5):
+    while drafts := propose(long_match):
         lengths.append(len(drafts))
         speculator.record(long_match, len(drafts), 0)
         assert len(lengths) < 20
@@ -275,7 +295,7 @@ class OracleProposer:
         self.wrong = wrong
         self.proposed = []  # (request id, num_tokens, drafts)
 
-    def __call__(self, request, limit, num_requests=1):
+    def __call__(self, request, limit):
         from tests.engine.test_scheduler import VOCAB as FAKE_VOCAB, reference_output
 
         k = min(self.rng.randint(0, 4), limit)

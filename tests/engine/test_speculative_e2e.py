@@ -48,7 +48,7 @@ class Oracle:
     def __init__(self, outputs_by_key, k=4):
         self.outputs, self.k, self.calls = outputs_by_key, k, 0
 
-    def __call__(self, request, limit, num_requests=1):
+    def __call__(self, request, limit):
         self.calls += 1
         done = request.num_output_tokens
         drafts = list(self.outputs[key(request.prompt_token_ids, request.params)][done : done + min(self.k, limit)])
