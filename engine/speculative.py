@@ -180,7 +180,11 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig):
         self.config = config
         self.stats = SpecStats(accepted_per_position=[0] * config.num_speculative_tokens)
-        self.acceptance = {source: prior_acceptance(source) for source in range(FORCED, config.ngram_max + 1)}
+        # (greedy, source) -> the engine's rate, a request's until it has its own: greedy requests
+        # and sampled ones apart (sampling at t=0.8 follows a draft less often; a run of greedy
+        # requests that accepted ~90% left sampled ones on a random-weight model drafting for nothing).
+        self.acceptance = {(greedy, source): prior_acceptance(source)
+                           for greedy in (False, True) for source in range(FORCED, config.ngram_max + 1)}
         # (requests, rows) -> the median time of the last STEP_WINDOW decode steps of that shape. A
         # median: one step held up (the event loop, a collection) took a running mean of a rarely seen
         # shape to 1.7x its time for dozens of steps (135M, 2 rows: 7.4 ms where the median was 4.5).
@@ -238,7 +242,7 @@ class Speculator:
                 return []
             source, start = match
             draft = None
-        acceptance = self.rate(state, source)
+        acceptance = self.rate(request, source)
         num_requests, rows, expected = self._step
         k = self.choose_k(acceptance, limit, num_requests, rows, expected)
         if k <= 0:
@@ -253,9 +257,10 @@ class Speculator:
             self._step = [num_requests, rows + len(drafts), expected - 1 + expected_tokens(acceptance, len(drafts))]
         return drafts
 
-    def rate(self, state: DraftState, source: int) -> float:
+    def rate(self, request, source: int) -> float:
         """The request's acceptance rate for drafts from `source` (the engine's, until it has its own)."""
-        return state.acceptance.get(source, self.acceptance[source])
+        state = self.state(request)
+        return state.acceptance.get(source, self.acceptance[request.params.greedy, source])
 
     def record(self, request, num_drafts: int, num_accepted: int) -> None:
         """A step verified `num_drafts` drafts of the request and accepted the first `num_accepted`."""
@@ -271,9 +276,10 @@ class Speculator:
             rate = num_accepted / trials
             source = state.source
             weight = min(0.5, 0.15 * trials)
-            state.acceptance[source] = (1 - weight) * self.rate(state, source) + weight * rate
-            weight = min(0.2, 0.03 * trials)
-            self.acceptance[source] = (1 - weight) * self.acceptance[source] + weight * rate
+            state.acceptance[source] = (1 - weight) * self.rate(request, source) + weight * rate
+            key = (request.params.greedy, source)
+            weight = min(0.2, 0.05 * trials)
+            self.acceptance[key] = (1 - weight) * self.acceptance[key] + weight * rate
             state.source = None
         stats = self.stats
         stats.num_drafts += 1

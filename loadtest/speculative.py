@@ -11,7 +11,8 @@ both configurations of a server produce the same tokens (ours: exactly; llama.cp
 answer). Servers run in pairs on the same cores: pagedserve without drafts and with
 `--speculative ngram` side by side, then where given llama-server without and with `--spec-type
 ngram-simple`; each row runs on one server of the pair and at once on the other (alternating
-which goes first), so drift of the machine's speed falls on both alike. Requests go one at a
+which goes first), so drift of the machine's speed falls on both alike, `--rounds` times (default
+3; the median counts). Requests go one at a
 time (c=1: output tok/s = completion tokens / wall time), then a mixed run at `--concurrency`
 streams (default 16). The acceptance rate is read from /metrics
 (vLLM's `spec_decode` counters). Prints a table with the CPU named; `--out` writes JSON.
@@ -23,6 +24,7 @@ import ast
 import asyncio
 import json
 import os
+import statistics
 import sys
 import textwrap
 import time
@@ -154,7 +156,9 @@ def measure(servers: dict[str, list[str]], args, loads: dict[str, list[dict]]) -
     """Run each row on one server of a pair (with and without speculation, side by side) and at once
     on the other, alternating which goes first, so that the two figures of a row are minutes closer
     than whole runs one after the other (this machine's speed drifts by 10-30% over minutes: such
-    drift read as 0.8x "costs" of speculation that made no draft)."""
+    drift read as 0.8x "costs" of speculation that made no draft); `args.rounds` times, each row's
+    figure the median. One round of the 360M shape's t=0.8 rows, where no draft was made, read
+    0.94-1.26x."""
     results: dict[str, dict] = {name: {} for name in servers}
     with side_by_side(servers) as (urls, _):
         order = list(servers)
@@ -162,17 +166,24 @@ def measure(servers: dict[str, list[str]], args, loads: dict[str, list[dict]]) -
         for i, (workload, temperature) in enumerate(rows):
             sized = [{**b, "max_tokens": args.max_tokens, "temperature": temperature,
                       **({"seed": 1000 + j} if temperature > 0 else {})} for j, b in enumerate(loads[workload])]
-            for name in order if i % 2 == 0 else order[::-1]:
-                before = spec_counters(urls[name])
-                tokens, seconds = asyncio.run(run_serial(urls[name], sized))
-                after = spec_counters(urls[name])
-                drafted, accepted = after[0] - before[0], after[1] - before[1]
+            runs: dict[str, list[float]] = {name: [] for name in servers}
+            counted = {name: [0.0, 0.0] for name in servers}
+            for r in range(args.rounds):
+                for name in order if (i + r) % 2 == 0 else order[::-1]:
+                    before = spec_counters(urls[name])
+                    tokens, seconds = asyncio.run(run_serial(urls[name], sized))
+                    after = spec_counters(urls[name])
+                    drafted, accepted = after[0] - before[0], after[1] - before[1]
+                    runs[name].append(tokens / seconds)
+                    counted[name][0] += drafted
+                    counted[name][1] += accepted
+                    print(f"  {name}: {workload} t={temperature} c=1: {tokens / seconds:.1f} tok/s ({tokens} tokens)"
+                          + (f", {accepted / drafted:.0%} of {drafted:.0f} drafts accepted" if drafted else ""), flush=True)
+            for name in servers:
+                drafted, accepted = counted[name]
                 results[name][f"{workload} t={temperature} c=1"] = {
-                    "tok_s": tokens / seconds, "tokens": tokens,
+                    "tok_s": statistics.median(runs[name]), "tok_s_runs": runs[name], "tokens": tokens,
                     "acceptance": accepted / drafted if drafted else None}
-                print(f"  {name}: {workload} t={temperature} c=1: {tokens / seconds:.1f} tok/s "
-                      f"({tokens} tokens)" + (f", {accepted / drafted:.0%} of {drafted:.0f} drafts accepted" if drafted else ""),
-                      flush=True)
         mixed = [{**b, "max_tokens": args.max_tokens, "temperature": 0.8, "seed": i}
                  for i, b in enumerate(sum((loads[w] for w in loads), []) * 2)]
         for name in order if len(rows) % 2 == 0 else order[::-1]:
@@ -209,6 +220,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--k", type=int, default=5, help="drafts per step at most, both servers")
     p.add_argument("--requests", type=int, default=4, help="requests per workload and temperature")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="each row this many times on each server, alternating which goes first; the median counts")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.8])
     p.add_argument("--concurrency", type=int, default=16)

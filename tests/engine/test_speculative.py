@@ -116,10 +116,11 @@ def test_policy_counts_the_drafts_of_the_requests_before_in_the_step():
 
 
 class FakeRequest:
-    def __init__(self, tokens, grammar=None):
+    def __init__(self, tokens, grammar=None, temperature=0.8):
         self.all_token_ids = tokens
         self.grammar = grammar
         self.draft_state = None
+        self.params = SamplingParams(temperature=temperature)
 
 
 def test_policy_drafts_longer_after_longer_matches_and_learns_each_source_rate():
@@ -143,9 +144,10 @@ def test_policy_drafts_longer_after_longer_matches_and_learns_each_source_rate()
         assert len(lengths) < 20
     assert lengths[0] == 5 and lengths[-1] < 5 and lengths == sorted(lengths, reverse=True)
     assert long_match.draft_state.acceptance[4] < 0.2
-    assert speculator.acceptance[4] < 0.85
+    assert speculator.acceptance[False, 4] < 0.8  # the engine's rate for sampled requests
+    assert speculator.acceptance[True, 4] == 0.85  # greedy ones: not what sampled ones found
     fresh = FakeRequest([a, b, c, d, x, a, b, c, d])
-    assert speculator.propose(fresh, 5)  # a new request starts from the engine's rate, still high
+    assert propose(fresh)  # a new request starts from the engine's rate, still above what pays
 
 
 # ------------------------------------------------------------------------------ verification

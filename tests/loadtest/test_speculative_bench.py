@@ -30,7 +30,7 @@ def test_a_pair_runs_side_by_side_and_reports_every_row(tmp_path, capsys):
     model = write_gguf(tmp_path / "tiny-q4_0.gguf", "tiny", "q4_0", seed=1, tokenizer=tokenizer_fields(default_model_path()))
     out = tmp_path / "spec.json"
     speculative.main(["--model", str(model), "--threads", "1", "--requests", "1", "--max-tokens", "8",
-                      "--temperatures", "0", "0.8", "--concurrency", "2", "--workloads", "quote", "chat",
+                      "--temperatures", "0", "0.8", "--concurrency", "2", "--workloads", "quote", "chat", "--rounds", "2",
                       "--out", str(out)])
     printed = capsys.readouterr().out
     result = json.loads(out.read_text())["results"]
@@ -41,8 +41,12 @@ def test_a_pair_runs_side_by_side_and_reports_every_row(tmp_path, capsys):
     # Seeded and greedy requests: the same tokens with and without drafts.
     for row in rows[:-1]:
         assert result["pagedserve"][row]["tokens"] == result["pagedserve --speculative ngram"][row]["tokens"]
-    # The rows alternate which server goes first.
+        for name in ("pagedserve", "pagedserve --speculative ngram"):  # twice on each, the figure their median
+            runs = result[name][row]["tok_s_runs"]
+            assert len(runs) == 2 and result[name][row]["tok_s"] == pytest.approx(sum(runs) / 2)
+    # The rounds of a row, and the rows, alternate which server goes first.
     runs = [line for line in printed.splitlines() if line.startswith("  pagedserve") and " c=1:" in line]
     firsts = [runs[i].split(":")[0].strip() for i in range(0, len(runs), 2)]
-    assert firsts == ["pagedserve", "pagedserve --speculative ngram"] * 2
+    on, off = "pagedserve --speculative ngram", "pagedserve"
+    assert firsts == [off, on, on, off] * 2
     assert "| quote t=0.0 c=1 |" in printed
