@@ -433,7 +433,8 @@ def _draw(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     # A row with no probability left (every token -inf) or NaN ones has no distribution to
     # draw from: it takes its most probable token, and an id in the vocabulary whatever happens.
     drawable = (torch.isfinite(total) & (total > 0)).squeeze(1)  # (N,)
-    token_ids = torch.where(drawable, token_ids, probs.nan_to_num(nan=0.0).argmax(dim=-1))
+    if not bool(drawable.all()):  # (the argmax over the vocabulary was ~20% of a 1-row draw, 30 of 147 us)
+        token_ids = torch.where(drawable, token_ids, probs.nan_to_num(nan=0.0).argmax(dim=-1))
     return token_ids.clamp_(0, probs.shape[1] - 1)
 
 
