@@ -52,6 +52,14 @@ constexpr int64_t kKeys = 128;  // keys per softmax block: a constant, never the
 constexpr int64_t kMaxVecs = 32;  // query vectors per task
 constexpr int64_t kFewRows = 8;   // up to this many rows left in a block: their scores key by key
 constexpr int64_t kAhead = 24;    // keys whose rows are asked for ahead of their scores (see run)
+// Rows that share the loads (and widening) of keys and values: three where the build has 32 vector
+// registers (a row's 64 value numbers are 8 of them: three rows' outputs, the value and the weights
+// fit), which is the query heads of a KV head of SmolLM2-135M and -360M (9 / 3, 15 / 5); two else.
+#if defined(__AVX512F__)
+constexpr int kShareRows = 3;
+#else
+constexpr int kShareRows = 2;
+#endif
 
 inline f32x8 splat(float x) { return f32x8{x, x, x, x, x, x, x, x}; }
 inline f32x8 load8(const float* p) {
@@ -169,11 +177,11 @@ inline void dots(const float* const* q, const kv_t* const* k, int64_t head_dim, 
 }
 
 // acc[x][d] += p[x][t] v[t][d] for t = from..to-1 in order, one FMA each, for kRows rows at once
-// (sharing the loads of v): 64 / kRows numbers of each row at a time in registers.
-template <int kRows, int64_t kD, typename kv_t>
+// (sharing the loads of v): 8 * kVecs numbers of each row at a time in registers (64 / kRows unless
+// given).
+template <int kRows, int64_t kD, typename kv_t, int kVecs = 8 / kRows>
 inline void accumulate(float* const* acc, const float* const* p, const kv_t* const* v, int64_t from, int64_t to,
                        int64_t value_dim) {
-  constexpr int kVecs = 8 / kRows;
   const int64_t Dv = kD > 0 ? kD : value_dim;
   int64_t d = 0;
   for (; d + 8 * kVecs <= Dv; d += 8 * kVecs) {
@@ -330,17 +338,25 @@ struct Attention {
               prefetch_row(key_row(*next, u - keys), Dk);
             }
           }
-          for (int64_t r = r0; r < R; r += 2) {
-            if (n[std::min(r + 1, R - 1)] <= t) continue;
-            const float* qs[2] = {qf + r * Dk, qf + (r + 1) * Dk};
-            float* out[2] = {s + r * kKeys + t, s + (r + 1) * kKeys + t};
-            if (r + 1 < R && few) {
-              dots<2, kD, true>(qs, rows + t, Dk, out);
-            } else if (r + 1 < R) {
-              dots<2, kD, false>(qs, rows + t, Dk, out);
+          for (int64_t r = r0; r < R;) {
+            const int64_t together = std::min<int64_t>(kShareRows, R - r);
+            const int64_t last = r + together - 1;
+            if (n[last] <= t) {
+              r += together;
+              continue;
+            }
+            const float* qs[3] = {qf + r * Dk, qf + std::min(r + 1, last) * Dk, qf + last * Dk};
+            float* out[3] = {s + r * kKeys + t, s + std::min(r + 1, last) * kKeys + t, s + last * kKeys + t};
+            if (together == 3) {
+              if (few) dots<3, kD, true>(qs, rows + t, Dk, out);
+              else dots<3, kD, false>(qs, rows + t, Dk, out);
+            } else if (together == 2) {
+              if (few) dots<2, kD, true>(qs, rows + t, Dk, out);
+              else dots<2, kD, false>(qs, rows + t, Dk, out);
             } else {
               dots<1, kD, true>(qs, rows + t, Dk, out);
             }
+            r += together;
           }
         }
         for (int64_t r = r0; r < R; ++r) softmax_block(s + r * kKeys, n[r], b0, m[r], l[r], acc + r * Dv, Dv);
@@ -357,15 +373,23 @@ struct Attention {
         // each row through memory, so that a value row was read once: the stores and the loads
         // that waited on them took a third of a GQA decode's time, and the rows are in L1 or L2
         // by then, asked for above.)
-        for (int64_t r = r0; r < R; r += 2) {
-          float* accs[2] = {acc + r * Dv, acc + (r + 1) * Dv};
-          const float* ps[2] = {s + r * kKeys, s + (r + 1) * kKeys};
-          if (r + 1 < R) {
+        // Three rows (kShareRows): each of the 64 numbers of each row in a register at once.
+        for (int64_t r = r0; r < R;) {
+          const int64_t together = std::min<int64_t>(kShareRows, R - r);
+          float* accs[3] = {acc + r * Dv, acc + std::min(r + 1, R - 1) * Dv, acc + std::min(r + 2, R - 1) * Dv};
+          const float* ps[3] = {s + r * kKeys, s + std::min(r + 1, R - 1) * kKeys, s + std::min(r + 2, R - 1) * kKeys};
+          if (together == 3) {  // n[r] <= n[r + 1] <= n[r + 2]: each row's keys in order, split at the others' ends
+            using row_t = std::remove_cv_t<std::remove_pointer_t<std::remove_cv_t<std::remove_pointer_t<decltype(rows)>>>>;
+            accumulate<3, kD, row_t, 8>(accs, ps, rows, 0, n[r], Dv);
+            accumulate<2, kD>(accs + 1, ps + 1, rows, n[r], n[r + 1], Dv);
+            accumulate<1, kD>(accs + 2, ps + 2, rows, n[r + 1], n[r + 2], Dv);
+          } else if (together == 2) {
             accumulate<2, kD>(accs, ps, rows, 0, n[r], Dv);
             accumulate<1, kD>(accs + 1, ps + 1, rows, n[r], n[r + 1], Dv);  // n[r + 1] >= n[r]
           } else {
             accumulate<1, kD>(accs, ps, rows, 0, n[r], Dv);
           }
+          r += together;
         }
       };
       // A 16-bit cache: a decode's few rows widen each number as they load it (F16C, or a shift
