@@ -176,14 +176,55 @@ inline void dots(const float* const* q, const kv_t* const* k, int64_t head_dim, 
   }
 }
 
+#if defined(__AVX512F__)
+// 16 numbers of a cache row as floats (exact, as load8).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __m512 load16(const c10::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// accumulate's arithmetic on 16 lanes: 64 numbers of each of kRows rows (4 vectors a row) from d on,
+// while they last. Every number is its own chain of FMAs in key order, so the width of the vectors
+// that carry them changes no bit; it halves the instructions (and on a core with 512-bit FMA units the
+// cycles). 360M's 1-16 decodes x 32 layers, 16-bit cache, Zen 5, both forms interleaved in one process:
+// 3-5% faster.
+template <int kRows, typename kv_t>
+inline void accumulate16(float* const* acc, const float* const* p, const kv_t* const* v, int64_t from, int64_t to,
+                         int64_t& d, int64_t Dv) {
+  constexpr int kVecs = 4;
+  for (; d + 16 * kVecs <= Dv; d += 16 * kVecs) {
+    __m512 r[kRows][kVecs];
+    for (int x = 0; x < kRows; ++x) {
+      for (int j = 0; j < kVecs; ++j) r[x][j] = _mm512_loadu_ps(acc[x] + d + 16 * j);
+    }
+    for (int64_t t = from; t < to; ++t) {
+      const kv_t* vt = v[t] + d;
+      __m512 vv[kVecs];
+      for (int j = 0; j < kVecs; ++j) vv[j] = load16(vt + 16 * j);
+      for (int x = 0; x < kRows; ++x) {
+        const __m512 w = _mm512_set1_ps(p[x][t]);
+        for (int j = 0; j < kVecs; ++j) r[x][j] = _mm512_fmadd_ps(w, vv[j], r[x][j]);
+      }
+    }
+    for (int x = 0; x < kRows; ++x) {
+      for (int j = 0; j < kVecs; ++j) _mm512_storeu_ps(acc[x] + d + 16 * j, r[x][j]);
+    }
+  }
+}
+#endif
+
 // acc[x][d] += p[x][t] v[t][d] for t = from..to-1 in order, one FMA each, for kRows rows at once
 // (sharing the loads of v): 8 * kVecs numbers of each row at a time in registers (64 / kRows unless
-// given).
+// given); on AVX-512, 64 numbers of each row at a time, 16 an instruction, first.
 template <int kRows, int64_t kD, typename kv_t, int kVecs = 8 / kRows>
 inline void accumulate(float* const* acc, const float* const* p, const kv_t* const* v, int64_t from, int64_t to,
                        int64_t value_dim) {
   const int64_t Dv = kD > 0 ? kD : value_dim;
   int64_t d = 0;
+#if defined(__AVX512F__)
+  if (from < to) accumulate16<kRows>(acc, p, v, from, to, d, Dv);
+#endif
   for (; d + 8 * kVecs <= Dv; d += 8 * kVecs) {
     f32x8 r[kRows][kVecs];
     for (int x = 0; x < kRows; ++x) {
