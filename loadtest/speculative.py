@@ -186,11 +186,15 @@ def measure(servers: dict[str, list[str]], args, loads: dict[str, list[dict]]) -
                     "acceptance": accepted / drafted if drafted else None}
         mixed = [{**b, "max_tokens": args.max_tokens, "temperature": 0.8, "seed": i}
                  for i, b in enumerate(sum((loads[w] for w in loads), []) * 2)]
-        for name in order if len(rows) % 2 == 0 else order[::-1]:
-            tokens, seconds = asyncio.run(run_concurrent(urls[name], mixed, args.concurrency))
-            results[name][f"mixed t=0.8 c={args.concurrency}"] = {"tok_s": tokens / seconds, "tokens": tokens,
-                                                                  "acceptance": None}
-            print(f"  {name}: mixed c={args.concurrency}: {tokens / seconds:.1f} tok/s", flush=True)
+        runs = {name: [] for name in servers}
+        for r in range(args.rounds):
+            for name in order if (len(rows) + r) % 2 == 0 else order[::-1]:
+                tokens, seconds = asyncio.run(run_concurrent(urls[name], mixed, args.concurrency))
+                runs[name].append(tokens / seconds)
+                print(f"  {name}: mixed c={args.concurrency}: {tokens / seconds:.1f} tok/s", flush=True)
+        for name in servers:
+            results[name][f"mixed t=0.8 c={args.concurrency}"] = {
+                "tok_s": statistics.median(runs[name]), "tok_s_runs": runs[name], "tokens": tokens, "acceptance": None}
     return results
 
 
