@@ -104,9 +104,6 @@ class LlamaDecoderLayer(DecoderLayer):
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, bias=mlp_bias)
         self._one_op: tuple | None = None  # the one-op form's weight arguments, once known
 
-    def one_op_args(self, x: torch.Tensor, kv_cache: torch.Tensor) -> tuple | None:
-        return self._one_op_args(x, kv_cache)
-
     @staticmethod
     def call_one_op(x: torch.Tensor, args: tuple, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
                     attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -117,7 +114,7 @@ class LlamaDecoderLayer(DecoderLayer):
         return cpu_kernels.llama_decoder_layer(x, *layer, *rope, kv_cache, meta.slot_mapping, meta.block_table,
                                                meta.seq_lens, meta.query_start, scale)
 
-    def _one_op_args(self, x: torch.Tensor, kv_cache: torch.Tensor) -> tuple | None:
+    def one_op_args(self, x: torch.Tensor, kv_cache: torch.Tensor) -> tuple | None:
         """The arguments of csrc/decoder_layer.cpp that do not change from step to step (norm weights,
         eps, projection weights and their info, head counts; and the scale), when this step can run
         the layer as one op: float32 on CPU, every projection on the quantized kernel, a plain

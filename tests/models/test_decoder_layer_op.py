@@ -49,7 +49,7 @@ def test_smollm2_layers_as_one_op_give_the_same_bits(monkeypatch, kv_dtype):
     calls = one_op_calls(monkeypatch)
     fused = three_steps(loaded.model, kv_dtype, 49152)
     assert len(calls) == 3 * 30  # every layer of every step
-    monkeypatch.setattr(LlamaDecoderLayer, "_one_op_args", lambda self, x, kv_cache: None)
+    monkeypatch.setattr(LlamaDecoderLayer, "one_op_args", lambda self, x, kv_cache: None)
     calls.clear()
     modules = three_steps(loaded.model, kv_dtype, 49152)
     assert not calls
@@ -65,7 +65,7 @@ def test_tiny_layers_as_one_op_give_the_same_bits(monkeypatch, make_checkpoint, 
     calls = one_op_calls(monkeypatch)
     fused = three_steps(loaded.model, torch.float32, hf_model.config.vocab_size)
     assert len(calls) == 3 * hf_model.config.num_hidden_layers
-    monkeypatch.setattr(LlamaDecoderLayer, "_one_op_args", lambda self, x, kv_cache: None)
+    monkeypatch.setattr(LlamaDecoderLayer, "one_op_args", lambda self, x, kv_cache: None)
     modules = three_steps(loaded.model, torch.float32, hf_model.config.vocab_size)
     for a, b in zip(fused, modules, strict=True):
         assert torch.equal(a, b)

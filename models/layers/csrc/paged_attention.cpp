@@ -215,11 +215,12 @@ inline void accumulate16(float* const* acc, const float* const* p, const kv_t* c
 #endif
 
 // acc[x][d] += p[x][t] v[t][d] for t = from..to-1 in order, one FMA each, for kRows rows at once
-// (sharing the loads of v): 8 * kVecs numbers of each row at a time in registers (64 / kRows unless
-// given); on AVX-512, 64 numbers of each row at a time, 16 an instruction, first.
-template <int kRows, int64_t kD, typename kv_t, int kVecs = 8 / kRows>
+// (sharing the loads of v): 64 / kRows numbers of each row at a time in registers (on AVX-512, 64
+// of each row at a time, 16 an instruction, first).
+template <int kRows, int64_t kD, typename kv_t>
 inline void accumulate(float* const* acc, const float* const* p, const kv_t* const* v, int64_t from, int64_t to,
                        int64_t value_dim) {
+  constexpr int kVecs = 8 / kRows;
   const int64_t Dv = kD > 0 ? kD : value_dim;
   int64_t d = 0;
 #if defined(__AVX512F__)
@@ -414,14 +415,12 @@ struct Attention {
         // each row through memory, so that a value row was read once: the stores and the loads
         // that waited on them took a third of a GQA decode's time, and the rows are in L1 or L2
         // by then, asked for above.)
-        // Three rows (kShareRows): each of the 64 numbers of each row in a register at once.
         for (int64_t r = r0; r < R;) {
           const int64_t together = std::min<int64_t>(kShareRows, R - r);
           float* accs[3] = {acc + r * Dv, acc + std::min(r + 1, R - 1) * Dv, acc + std::min(r + 2, R - 1) * Dv};
           const float* ps[3] = {s + r * kKeys, s + std::min(r + 1, R - 1) * kKeys, s + std::min(r + 2, R - 1) * kKeys};
           if (together == 3) {  // n[r] <= n[r + 1] <= n[r + 2]: each row's keys in order, split at the others' ends
-            using row_t = std::remove_cv_t<std::remove_pointer_t<std::remove_cv_t<std::remove_pointer_t<decltype(rows)>>>>;
-            accumulate<3, kD, row_t, 8>(accs, ps, rows, 0, n[r], Dv);
+            accumulate<3, kD>(accs, ps, rows, 0, n[r], Dv);
             accumulate<2, kD>(accs + 1, ps + 1, rows, n[r], n[r + 1], Dv);
             accumulate<1, kD>(accs + 2, ps + 2, rows, n[r + 1], n[r + 2], Dv);
           } else if (together == 2) {
