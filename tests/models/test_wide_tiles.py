@@ -1,10 +1,10 @@
-"""The quantized kernel's 16-lane tiles (AVX-512 VNNI builds: two panels a vector, for steps of 2
-rows or more) give every row the bits the 8-lane tiles give it alone (a lone decode), for 4 and 8
+"""The quantized kernel's 16-lane tiles (AVX-512 VNNI builds: two panels a vector, for a lone row
+and for steps of more) give every row the bits the 8-lane tiles give it alone, for 4 and 8
 bits, Q4_0's folded -8, float16 and float32 factors, groups of 32 and 64, and every edge (rows and
 panels not multiples of the tile, N not a multiple of 8, K past one group). Where the CPU has no
 AVX-512, the same source is built with its 512-bit intrinsics emulated lane by lane
 (csrc/wide_tiles_emulated.cpp); where it has, test_quantization's row-invariance test runs them on
-the real instructions (a row alone takes the 8-lane decode tile, a step of 2..256 the wide one)."""
+the real instructions (rows alone on the 8-lane tiles, PAGEDSERVE_WIDE_TILES=0, against the wide ones)."""
 from __future__ import annotations
 
 import hashlib
@@ -24,7 +24,7 @@ HARNESS = Path(__file__).parent / "csrc" / "wide_tiles_emulated.cpp"
 
 CHECK = textwrap.dedent(
     """
-    import sys, torch
+    import os, sys, torch
     from torch.utils.cpp_extension import load
     # The kernel's source is #included, which torch's build cache does not hash: its digest goes in a flag.
     load(name="pagedserve_wide_tiles_emulated", sources=[sys.argv[1]], is_python_module=False,
@@ -50,7 +50,11 @@ CHECK = textwrap.dedent(
         x = torch.randn(300, k, generator=gen) * 3
         x[0, 5] = 70.0
         f = lambda xs: op(xs, qweight, scales, mins, bias, bits, qw.group_size, n, min_per_scale)
-        alone = torch.cat([f(x[i : i + 1]) for i in range(300)])  # the 8-lane decode tile
+        os.environ["PAGEDSERVE_WIDE_TILES"] = "0"  # read at every product
+        alone = torch.cat([f(x[i : i + 1]) for i in range(300)])  # the 8-lane tiles
+        os.environ["PAGEDSERVE_WIDE_TILES"] = "1"
+        if not torch.equal(torch.cat([f(x[i : i + 1]) for i in range(300)]), alone):  # a lone row's wide tile
+            failures.append((case, 1, "alone"))
         blocks = x.view(300, k // 32, 32)
         d = blocks.abs().amax(-1, keepdim=True) / 32767
         x_rounded = (torch.round(blocks / d) * d).view(300, k)

@@ -177,6 +177,7 @@ struct Isa {
 #endif
   static I izero() { return _mm256_setzero_si256(); }
   static I iadd(I a, int32_t b) { return _mm256_add_epi32(a, _mm256_set1_epi32(b)); }
+  static I iadd(I a, I b) { return _mm256_add_epi32(a, b); }
   static F zero() { return _mm256_setzero_ps(); }
   static W widen_u8(const uint8_t* p) {
     return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -255,6 +256,7 @@ struct Isa {  // plain C++: the same lane arithmetic, one lane at a time
   static constexpr int kRegisters = 16;
   static I izero() { return I{}; }
   static I iadd(I a, int32_t b) { for (auto& e : a.v) e += b; return a; }
+  static I iadd(I a, I b) { for (int i = 0; i < kLanes; ++i) a.v[i] += b.v[i]; return a; }
   static F zero() { return F{}; }
   static W widen_u8(const uint8_t* p) { W w; for (int j = 0; j < 2 * kLanes; ++j) w.v[j] = p[j]; return w; }
   static W widen_s8(const uint8_t* p) {
@@ -438,10 +440,14 @@ __attribute__((noinline)) void tile(const Operands<S>& op, int64_t m0, int64_t p
     if constexpr (kFromXb) return Isa::load_pair(xb + (r * op.K / 2 + j) * kLanes);
     else return Isa::pair(x);
   };
+  // A lone row's integer sums in two chains a panel, as wide_tile's kSplit (fused dots: a madd + add
+  // chain keeps its one order, see Isa::order).
+  constexpr bool kSplit = RM == 1 && Isa::kFusedDot;
   for (int64_t g = 0; g < op.nb; ++g) {
-    typename Isa::I dots[RM][RP];
+    typename Isa::I dots[RM][RP], dots2[RP];
     for (int r = 0; r < RM; ++r)
       for (int p = 0; p < RP; ++p) dots[r][p] = Isa::izero();
+    for (int p = 0; p < RP; ++p) dots2[p] = Isa::izero();
     const uint8_t* chunks = w + g * kGroupBytes;
     // Every cache line of the group kPrefetchGroups ahead in the order the tiles read them: this
     // tile's panels, then (past their last group) the next tile's, which follow in memory. Into
@@ -479,7 +485,12 @@ __attribute__((noinline)) void tile(const Operands<S>& op, int64_t m0, int64_t p
           const int16_t* x = op.xq + (m0 + r) * op.K + g * kBlock + 2 * c;
           const typename Isa::W xa = pair(r, x, g * kBlock / 2 + c), xb = pair(r, x + 16, g * kBlock / 2 + c + 8);
           for (int p = 0; p < RP; ++p) {
-            dots[r][p] = Isa::dot(Isa::dot(dots[r][p], lo[p], xa), hi[p], xb);
+            if constexpr (kSplit) {
+              dots[r][p] = Isa::dot(dots[r][p], lo[p], xa);
+              dots2[p] = Isa::dot(dots2[p], hi[p], xb);
+            } else {
+              dots[r][p] = Isa::dot(Isa::dot(dots[r][p], lo[p], xa), hi[p], xb);
+            }
             if constexpr (!Isa::kFusedDot || (RM > 1 && Isa::kRegisters < 32)) Isa::order(dots[r][p]);
           }
         }
@@ -495,7 +506,12 @@ __attribute__((noinline)) void tile(const Operands<S>& op, int64_t m0, int64_t p
           const int16_t* x = op.xq + (m0 + r) * op.K + g * kBlock + 2 * c;
           const typename Isa::W xa = pair(r, x, g * kBlock / 2 + c), xb = pair(r, x + 2, g * kBlock / 2 + c + 1);
           for (int p = 0; p < RP; ++p) {
-            dots[r][p] = Isa::dot(Isa::dot(dots[r][p], q0[p], xa), q1[p], xb);
+            if constexpr (kSplit) {
+              dots[r][p] = Isa::dot(dots[r][p], q0[p], xa);
+              dots2[p] = Isa::dot(dots2[p], q1[p], xb);
+            } else {
+              dots[r][p] = Isa::dot(Isa::dot(dots[r][p], q0[p], xa), q1[p], xb);
+            }
             if constexpr (!Isa::kFusedDot || (RM > 1 && Isa::kRegisters < 32)) Isa::order(dots[r][p]);
           }
         }
@@ -504,6 +520,8 @@ __attribute__((noinline)) void tile(const Operands<S>& op, int64_t m0, int64_t p
     // The group's factors, once for the RM rows: scales, and mins as stored or made from the
     // scales (scale * a power of two is exact: the same numbers as stored mins), except where an
     // integral min_per_scale (Q4_0's -8) went into the integer sums instead (op.xmin).
+    if constexpr (kSplit)
+      for (int p = 0; p < RP; ++p) dots[0][p] = Isa::iadd(dots[0][p], dots2[p]);
     typename Isa::F ws[RP], mn[RP];
     if (op.xmin != nullptr)
       for (int r = 0; r < RM; ++r)
@@ -642,11 +660,11 @@ void sliced_tiles_4x3(const Operands<S>& op, int64_t m_begin, int64_t row_tiles,
 // On a core with two 512-bit pipes (Intel Xeons) a 512-bit `vpdpwssd` does twice the products of
 // a 256-bit one in the same slot; on one that splits 512-bit operations in two (Zen 4) it costs two
 // and the count of everything else halves. Tiles of two rows or more (prompts, mixed steps,
-// verification, two decodes) therefore run 16 lanes: the chunks of panels p and p + 1 side by side, so lanes
+// verification, decodes) therefore run 16 lanes: the chunks of panels p and p + 1 side by side, so lanes
 // 0-7 are panel p's 8 columns and 8-15 panel p + 1's, the pair broadcast to all 16. Each lane
 // runs exactly the arithmetic of `tile` above (the integer dot is exact, then the same convert,
 // multiply and fused multiply-adds, group by group in order), so a row's bits do not depend on
-// which of the two it fell in: a lone decode keeps `tile`. PAGEDSERVE_WIDE_TILES=0 turns them off (to
+// which of the two it fell in (a task's last odd panel takes `tile`). PAGEDSERVE_WIDE_TILES=0 turns them off (to
 // compare; results are the same bits). Measured on a 16-core Intel Xeon (AVX-512 VNNI, AMX; the
 // SmolLM2-1.7B shape's linears, 2 layers, Q4_0, `loadtest.bench_quant`): 128 rows 261 -> 171 ms on
 // 1 thread, 37-39 -> 24-27 ms on 16; 16 rows 32.5 -> 22.6 ms on 1. Not measured on a Zen 4.
@@ -666,12 +684,11 @@ constexpr int kWideVectors = 2;
 constexpr int kFewWideRows = 6;
 constexpr int kFewWideVectors = 3;
 
+// Read at every product (a lookup, against microseconds of arithmetic), so that a test can hold the
+// tiles' bits to the 8-lane ones in one process.
 inline bool wide_tiles_enabled() {
-  static const bool enabled = [] {
-    const char* v = std::getenv("PAGEDSERVE_WIDE_TILES");
-    return v == nullptr || std::strcmp(v, "0") != 0;
-  }();
-  return enabled;
+  const char* v = std::getenv("PAGEDSERVE_WIDE_TILES");
+  return v == nullptr || std::strcmp(v, "0") != 0;
 }
 
 // As Isa::order: without it gcc copied the sums between registers and spilled 10 of 18 every chunk.
@@ -732,13 +749,18 @@ __attribute__((noinline)) void wide_tile(const Operands<S>& op, int64_t m0, int6
   // The group kPrefetchGroups ahead, followed as in `tile` (no division a group).
   int64_t ahead_g = kPrefetchGroups % nb, ahead_panels = kPrefetchGroups / nb * RP;
   int64_t ahead_sg = ahead_g / groups_per_scale, ahead_left = groups_per_scale - ahead_g % groups_per_scale;
+  // A lone row's integer sums in two chains a vector (the low and the high nibbles, or the even and
+  // odd chunks), added at the group's end: with one, each vector's 16 dependent `vpdpwssd` a group
+  // waited on each other's latency (an integer sum is exact in any order: the same bits).
+  constexpr bool kSplit = RM == 1;
   for (int64_t g = 0; g < nb; ++g) {
-    __m512i dots[RM][RZ];
+    __m512i dots[RM][RZ], dots2[RZ];
     // Folded mins: the integer sums start at the rows' xmin (where a sum starts does not change it).
     for (int r = 0; r < RM; ++r) {
       const __m512i start = Min == kFoldedMin ? _mm512_set1_epi32(xmin[r * nb + g]) : _mm512_setzero_si512();
       for (int z = 0; z < RZ; ++z) dots[r][z] = start;
     }
+    for (int z = 0; z < RZ; ++z) dots2[z] = _mm512_setzero_si512();
     const uint8_t* chunks = w + g * kGroupBytes;
     {  // as in `tile`: the group kPrefetchGroups ahead, this tile's panels then the next tile's
       const uint8_t* at = w + ahead_panels * pb + ahead_g * kGroupBytes;
@@ -767,7 +789,13 @@ __attribute__((noinline)) void wide_tile(const Operands<S>& op, int64_t m0, int6
         for (int r = 0; r < RM; ++r) {
           const __m512i xa = pair16(x + r * op.K + 2 * c), xb = pair16(x + r * op.K + 16 + 2 * c);
           for (int z = 0; z < RZ; ++z) {
-            dots[r][z] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(dots[r][z], lo[z], xa), hi[z], xb);
+            if constexpr (kSplit) {
+              dots[r][z] = _mm512_dpwssd_epi32(dots[r][z], lo[z], xa);
+              dots2[z] = _mm512_dpwssd_epi32(dots2[z], hi[z], xb);
+              wide_order(dots2[z]);
+            } else {
+              dots[r][z] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(dots[r][z], lo[z], xa), hi[z], xb);
+            }
             wide_order(dots[r][z]);
           }
         }
@@ -782,12 +810,20 @@ __attribute__((noinline)) void wide_tile(const Operands<S>& op, int64_t m0, int6
         for (int r = 0; r < RM; ++r) {
           const __m512i xa = pair16(x + r * op.K + 2 * c), xb = pair16(x + r * op.K + 2 * c + 2);
           for (int z = 0; z < RZ; ++z) {
-            dots[r][z] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(dots[r][z], q0[z], xa), q1[z], xb);
+            if constexpr (kSplit) {
+              dots[r][z] = _mm512_dpwssd_epi32(dots[r][z], q0[z], xa);
+              dots2[z] = _mm512_dpwssd_epi32(dots2[z], q1[z], xb);
+              wide_order(dots2[z]);
+            } else {
+              dots[r][z] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(dots[r][z], q0[z], xa), q1[z], xb);
+            }
             wide_order(dots[r][z]);
           }
         }
       }
     }
+    if constexpr (kSplit)
+      for (int z = 0; z < RZ; ++z) dots[0][z] = _mm512_add_epi32(dots[0][z], dots2[z]);
     __m512 ws[RZ], mn[RZ];
     for (int z = 0; z < RZ; ++z) {
       const int64_t at = 2 * z * fs + sg * kLanes;
@@ -946,17 +982,23 @@ void int_qlinear(const Operands<S>& op, float* silu_out = nullptr) {
   const auto compute = [&](const Operands<S>& op, int64_t m_begin, int64_t m_end, int64_t p_begin, int64_t p_end) {
     if (op.M <= 2) {
 #if defined(PAGEDSERVE_HAS_WIDE_TILES)
-      // Two rows on the 512-bit tiles (a vector for each two panels; kDecodePanels = 2 * kFewWideVectors,
-      // so tasks start on whole tiles either way): 360M's 128 two-row products 6.90 -> 6.29 ms p25 on
-      // 2 threads, 8.82 -> 7.31 on 1, 1.7B's 96 26.3 -> 25.7 on 2 (Zen 5, calls interleaved, the same
-      // bits). One row stays on 8 lanes: level there (6.08 / 6.09), its reads being what bounds it.
-      if (op.M == 2 && wide_tiles_enabled()) {
-        constexpr int RP = 2 * kFewWideVectors;
-        for (int64_t p0 = p_begin; p0 < p_end; p0 += RP) {
-          const int np = static_cast<int>(std::min<int64_t>(RP, p_end - p0));
-          if (np >= 2) wide_tile_upto<Bits, 2, kFewWideVectors>(op, m_begin, p0, 2, np / 2);
-          if (np % 2) tile_upto<Bits, 2, 1>(op, m_begin, p0 + np - 1, 2, 1);
-        }
+      // One or two rows on the 512-bit tiles (a vector for each two panels; kDecodePanels = 2 *
+      // kFewWideVectors, so tasks start on whole tiles either way): 360M's 128 two-row products 6.90
+      // -> 6.29 ms p25 on 2 threads, 8.82 -> 7.31 on 1, 1.7B's 96 26.3 -> 25.7 on 2 (Zen 5, calls
+      // interleaved, the same bits). One row was level there (6.08 / 6.09) while its sums ran in one
+      // chain a panel; with two (wide_tile's kSplit) 360M's 128 one-row products went 4.96 -> 4.18-4.89
+      // ms p25 and 1.7B's (8 layers) 6.13 -> 5.13, a 360M decode's forward and logits 7.67 -> 6.39.
+      if (wide_tiles_enabled()) {
+        const auto wide_rows = [&](auto rows) {
+          constexpr int RM = decltype(rows)::value, RP = 2 * kFewWideVectors;
+          for (int64_t p0 = p_begin; p0 < p_end; p0 += RP) {
+            const int np = static_cast<int>(std::min<int64_t>(RP, p_end - p0));
+            if (np >= 2) wide_tile_upto<Bits, RM, kFewWideVectors>(op, m_begin, p0, RM, np / 2);
+            if (np % 2) tile_upto<Bits, RM, 1>(op, m_begin, p0 + np - 1, RM, 1);
+          }
+        };
+        if (op.M == 2) wide_rows(std::integral_constant<int, 2>{});
+        else wide_rows(std::integral_constant<int, 1>{});
         return;
       }
 #endif
