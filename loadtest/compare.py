@@ -3,6 +3,7 @@
     python -m loadtest.compare --llama-server ~/.cache/llama.cpp-0.3.36/llama.cpp/build/bin/llama-server
     python -m loadtest.compare                   # ours alone
     python -m loadtest.compare --llama-server PATH --model smollm2-1.7b:q4_0   # a random-weight 1.7B shape
+    python -m loadtest.compare --llama-server PATH --model smollm2-360m:q4_0 --rounds 3   # medians of 3, alternating
     python -m loadtest.compare --llama-server PATH --model some/model.gguf
     python -m loadtest.compare --llama-server PATH --model smollm2-1.7b:q4_0 --threads 1 4 8 16   # thread scaling
 
@@ -23,11 +24,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import json
 import os
 import platform
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -130,37 +133,60 @@ def side_by_side(commands: dict[str, list[str]]) -> Iterator[tuple[dict[str, str
             stop_server(process)
 
 
+FIGURES = ("output_tok_s", "ttft_p50_ms", "itl_p50_ms")
+
+
+def merge_rounds(rounds: list[dict]) -> dict:
+    """One concurrency's rounds on one server -> each figure's median over the rounds (the others
+    summed), with the rounds themselves under "rounds"."""
+    merged = {key: statistics.median(r[key] for r in rounds) if all(r[key] is not None for r in rounds) else None
+              for key in FIGURES}
+    for key in ("completed", "failed", "stale_connection_retries"):
+        merged[key] = sum(r[key] for r in rounds)
+    merged["failures"] = dict(sum((collections.Counter(r["failures"]) for r in rounds), collections.Counter()))
+    merged["first_error_by_kind"] = next((r["first_error_by_kind"] for r in rounds if r["first_error_by_kind"]), {})
+    merged["rounds"] = [{key: r[key] for key in FIGURES} for r in rounds]
+    return merged
+
+
 def measure(commands: dict[str, list[str]], args, tokenizer_dir: str, threads: int | None = None) -> list[dict]:
     """Run each concurrency on one server and at once on the other (side_by_side), alternating which
     goes first: the two figures of a row come minutes closer than whole runs one after the other,
     and this machine's speed drifts over minutes (ours at 360M read 7.0 and 9.5 ms a token in runs
-    minutes apart). One result per server, in the order given."""
+    minutes apart). With --rounds N, all of that N times, which server goes first alternating from
+    round to round too, and each figure the median of its N. One result per server, in the order given."""
     with side_by_side(commands) as (urls, processes):
         results = {name: {"server": name, "threads": threads or os.cpu_count(), "command": command,
                           "idle_rss_mb": rss_mb(processes[name].pid), "runs": {}}
                    for name, command in commands.items()}
         names = list(commands)
-        for i, concurrency in enumerate(args.concurrency):
-            for name in names if i % 2 == 0 else names[::-1]:
-                config = BenchmarkConfig(
-                    url=urls[name], model="model", concurrency=concurrency,
-                    num_requests=max(args.requests_per_stream * concurrency, 8), warmup=min(concurrency, 4),
-                    input_len=args.input_len, output_len=args.output_len, ignore_eos=True, tokenizer=tokenizer_dir,
-                    server_metrics=False, seed=concurrency,
-                )
-                summary = asyncio.run(run_benchmark(config))["summary"]
-                results[name]["runs"][concurrency] = {
-                    "output_tok_s": summary["output_token_throughput"],
-                    "ttft_p50_ms": summary["ttft_ms"]["p50"],
-                    "itl_p50_ms": summary["itl_ms"]["p50"],
-                    "completed": summary["completed"],
-                    "failed": summary["failed"],
-                    "failures": summary["failures"],
-                    "stale_connection_retries": summary["stale_connection_retries"],
-                    "first_error_by_kind": summary["first_error_by_kind"],
-                }
-                shown = {k: v for k, v in results[name]["runs"][concurrency].items() if k != "first_error_by_kind"}
-                print(f"  {name} c={concurrency}: {shown}", flush=True)
+        rounds: dict[tuple[str, int], list[dict]] = collections.defaultdict(list)
+        for round_index in range(args.rounds):
+            for i, concurrency in enumerate(args.concurrency):
+                for name in names if (i + round_index) % 2 == 0 else names[::-1]:
+                    config = BenchmarkConfig(
+                        url=urls[name], model="model", concurrency=concurrency,
+                        num_requests=max(args.requests_per_stream * concurrency, 8), warmup=min(concurrency, 4),
+                        input_len=args.input_len, output_len=args.output_len, ignore_eos=True, tokenizer=tokenizer_dir,
+                        server_metrics=False, seed=concurrency,
+                    )
+                    summary = asyncio.run(run_benchmark(config))["summary"]
+                    run = {
+                        "output_tok_s": summary["output_token_throughput"],
+                        "ttft_p50_ms": summary["ttft_ms"]["p50"],
+                        "itl_p50_ms": summary["itl_ms"]["p50"],
+                        "completed": summary["completed"],
+                        "failed": summary["failed"],
+                        "failures": summary["failures"],
+                        "stale_connection_retries": summary["stale_connection_retries"],
+                        "first_error_by_kind": summary["first_error_by_kind"],
+                    }
+                    rounds[name, concurrency].append(run)
+                    shown = {k: v for k, v in run.items() if k != "first_error_by_kind"}
+                    tag = f" round {round_index + 1}/{args.rounds}" if args.rounds > 1 else ""
+                    print(f"  {name} c={concurrency}{tag}: {shown}", flush=True)
+        for (name, concurrency), runs in rounds.items():
+            results[name]["runs"][concurrency] = merge_rounds(runs)
         for name, process in processes.items():
             results[name]["busy_rss_mb"] = rss_mb(process.pid)
         return list(results.values())
@@ -257,6 +283,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--requests-per-stream", type=int, default=2, help="requests = this x concurrency (at least 8)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every concurrency on both servers this many times, alternating, and report each "
+                        "figure's median (this machine's speed drifts by tens of percent over minutes: use 3 or more "
+                        "for a ratio to quote)")
     p.add_argument("--ctx", type=int, default=16384, help="KV capacity in tokens, both servers")
     p.add_argument("--slots", type=int, default=64, help="parallel sequences, both servers")
     p.add_argument("--sequential", action="store_true",

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from loadtest.compare import build_parser, check_executable, main, report, resolve_model, server_commands
+from loadtest.compare import build_parser, check_executable, main, merge_rounds, report, resolve_model, server_commands
 
 
 def test_llama_server_must_be_an_executable_file(tmp_path):
@@ -55,6 +55,20 @@ def test_device_defaults_to_cpu():
     assert build_parser().parse_args([]).device == "cpu"
 
 
+def test_rounds_merge_into_medians_and_sums():
+    def run(tok_s, failed=0):
+        return {"output_tok_s": tok_s, "ttft_p50_ms": 1000 / tok_s, "itl_p50_ms": 100 / tok_s, "completed": 8,
+                "failed": failed, "failures": {"timeout": failed} if failed else {}, "stale_connection_retries": 1,
+                "first_error_by_kind": {"timeout": "slow"} if failed else {}}
+
+    merged = merge_rounds([run(10.0), run(30.0, failed=2), run(20.0)])
+    assert merged["output_tok_s"] == 20.0 and merged["itl_p50_ms"] == 5.0 and merged["ttft_p50_ms"] == 50.0
+    assert merged["completed"] == 24 and merged["failed"] == 2 and merged["failures"] == {"timeout": 2}
+    assert merged["stale_connection_retries"] == 3 and merged["first_error_by_kind"] == {"timeout": "slow"}
+    assert [r["output_tok_s"] for r in merged["rounds"]] == [10.0, 30.0, 20.0]
+    assert build_parser().parse_args([]).rounds == 1
+
+
 def test_several_thread_counts_get_a_table_each_and_a_scaling_table():
     args = build_parser().parse_args(["--model", "m.gguf", "--threads", "1", "4", "--concurrency", "1", "16"])
     assert args.threads == [1, 4]
@@ -84,10 +98,13 @@ def test_ours_alone_on_a_tiny_gguf_reports_every_concurrency(tmp_path, capsys):
     model = write_gguf(tmp_path / "tiny-q4_0.gguf", "tiny", "q4_0", seed=1, tokenizer=tokenizer_fields(default_model_path()))
     out = tmp_path / "compare.json"
     main(["--model", str(model), "--threads", "1", "--concurrency", "1", "2", "--requests-per-stream", "1",
-          "--input-len", "16", "--output-len", "4", "--out", str(out)])
+          "--input-len", "16", "--output-len", "4", "--rounds", "2", "--out", str(out)])
     results = json.loads(out.read_text())["results"]
     assert [r["server"] for r in results] == ["pagedserve"]
     runs = results[0]["runs"]
-    assert sorted(runs) == ["1", "2"] and all(run["completed"] == 8 and run["failed"] == 0 for run in runs.values())
+    assert sorted(runs) == ["1", "2"] and all(run["completed"] == 16 and run["failed"] == 0 for run in runs.values())
+    for run in runs.values():  # each figure the median of its rounds (of two: their mean)
+        assert len(run["rounds"]) == 2
+        assert run["itl_p50_ms"] == pytest.approx(sum(r["itl_p50_ms"] for r in run["rounds"]) / 2)
     assert results[0]["idle_rss_mb"] > 0 and results[0]["busy_rss_mb"] > 0
     assert "| c=2: output tok/s |" in capsys.readouterr().out
