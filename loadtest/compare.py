@@ -168,7 +168,9 @@ def measure(commands: dict[str, list[str]], args, tokenizer_dir: str, threads: i
                         url=urls[name], model="model", concurrency=concurrency,
                         num_requests=max(args.requests_per_stream * concurrency, 8), warmup=min(concurrency, 4),
                         input_len=args.input_len, output_len=args.output_len, ignore_eos=True, tokenizer=tokenizer_dir,
-                        server_metrics=False, seed=concurrency,
+                        # fresh prompts each round (both servers the same): a prompt seen in an
+                        # earlier round would come from the servers' prefix caches
+                        server_metrics=False, seed=concurrency + 1009 * round_index,
                     )
                     summary = asyncio.run(run_benchmark(config))["summary"]
                     run = {

@@ -69,6 +69,38 @@ def test_rounds_merge_into_medians_and_sums():
     assert build_parser().parse_args([]).rounds == 1
 
 
+def test_rounds_alternate_the_servers_and_send_fresh_prompts(monkeypatch):
+    import contextlib
+    import types
+
+    import loadtest.compare as compare
+
+    calls = []
+
+    async def fake_run(config):
+        calls.append((config.url, config.concurrency, config.seed))
+        return {"summary": {"output_token_throughput": 1.0, "ttft_ms": {"p50": 1.0}, "itl_ms": {"p50": 1.0},
+                            "completed": 8, "failed": 0, "failures": {}, "stale_connection_retries": 0,
+                            "first_error_by_kind": {}}}
+
+    @contextlib.contextmanager
+    def fake_side_by_side(commands):
+        yield {name: f"http://{name}" for name in commands}, {name: types.SimpleNamespace(pid=0) for name in commands}
+
+    monkeypatch.setattr(compare, "run_benchmark", fake_run)
+    monkeypatch.setattr(compare, "side_by_side", fake_side_by_side)
+    monkeypatch.setattr(compare, "rss_mb", lambda pid: 1.0)
+    args = build_parser().parse_args(["--model", "m.gguf", "--concurrency", "1", "16", "--rounds", "3"])
+    results = compare.measure({"ours": ["x"], "theirs": ["y"]}, args, "tok")
+    first = [url for url, _, _ in calls[::2]]  # who goes first, concurrency after concurrency, round after round
+    assert first == ["http://ours", "http://theirs", "http://theirs", "http://ours", "http://ours", "http://theirs"]
+    for c in (1, 16):
+        seeds = [seed for url, conc, seed in calls if conc == c and url == "http://ours"]
+        assert len(set(seeds)) == 3  # each round its own prompts: none served from a prefix cache
+        assert seeds == [seed for url, conc, seed in calls if conc == c and url == "http://theirs"]  # both the same
+    assert [len(r["runs"][1]["rounds"]) for r in results] == [3, 3]
+
+
 def test_several_thread_counts_get_a_table_each_and_a_scaling_table():
     args = build_parser().parse_args(["--model", "m.gguf", "--threads", "1", "4", "--concurrency", "1", "16"])
     assert args.threads == [1, 4]
