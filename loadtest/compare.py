@@ -153,23 +153,27 @@ def measure(commands: dict[str, list[str]], args, tokenizer_dir: str, threads: i
     """Run each concurrency on one server and at once on the other (side_by_side), alternating which
     goes first: the two figures of a row come minutes closer than whole runs one after the other,
     and this machine's speed drifts over minutes (ours at 360M read 7.0 and 9.5 ms a token in runs
-    minutes apart). With --rounds N, all of that N times, which server goes first alternating from
-    round to round too, and each figure the median of its N. One result per server, in the order given."""
-    with side_by_side(commands) as (urls, processes):
-        results = {name: {"server": name, "threads": threads or os.cpu_count(), "command": command,
-                          "idle_rss_mb": rss_mb(processes[name].pid), "runs": {}}
-                   for name, command in commands.items()}
-        names = list(commands)
-        rounds: dict[tuple[str, int], list[dict]] = collections.defaultdict(list)
-        for round_index in range(args.rounds):
+    minutes apart). With --rounds N, all of that N times on servers started afresh each round (a
+    llama-server that had served a round kept its finished requests' cache cells, and its c=16
+    throughput fell from 154 to 108-120 tok/s at 360M: each decode attends over the cells in use),
+    which server goes first alternating from round to round too, each round its own prompts (the
+    same for both servers: a prompt of an earlier round would come from a prefix cache), and each
+    figure the median of its N. One result per server, in the order given."""
+    results = {name: {"server": name, "threads": threads or os.cpu_count(), "command": command, "runs": {}}
+               for name, command in commands.items()}
+    names = list(commands)
+    rounds: dict[tuple[str, int], list[dict]] = collections.defaultdict(list)
+    for round_index in range(args.rounds):
+        with side_by_side(commands) as (urls, processes):
+            if round_index == 0:
+                for name, process in processes.items():
+                    results[name]["idle_rss_mb"] = rss_mb(process.pid)
             for i, concurrency in enumerate(args.concurrency):
                 for name in names if (i + round_index) % 2 == 0 else names[::-1]:
                     config = BenchmarkConfig(
                         url=urls[name], model="model", concurrency=concurrency,
                         num_requests=max(args.requests_per_stream * concurrency, 8), warmup=min(concurrency, 4),
                         input_len=args.input_len, output_len=args.output_len, ignore_eos=True, tokenizer=tokenizer_dir,
-                        # fresh prompts each round (both servers the same): a prompt seen in an
-                        # earlier round would come from the servers' prefix caches
                         server_metrics=False, seed=concurrency + 1009 * round_index,
                     )
                     summary = asyncio.run(run_benchmark(config))["summary"]
@@ -187,11 +191,12 @@ def measure(commands: dict[str, list[str]], args, tokenizer_dir: str, threads: i
                     shown = {k: v for k, v in run.items() if k != "first_error_by_kind"}
                     tag = f" round {round_index + 1}/{args.rounds}" if args.rounds > 1 else ""
                     print(f"  {name} c={concurrency}{tag}: {shown}", flush=True)
-        for (name, concurrency), runs in rounds.items():
-            results[name]["runs"][concurrency] = merge_rounds(runs)
-        for name, process in processes.items():
-            results[name]["busy_rss_mb"] = rss_mb(process.pid)
-        return list(results.values())
+            if round_index == args.rounds - 1:
+                for name, process in processes.items():
+                    results[name]["busy_rss_mb"] = rss_mb(process.pid)
+    for (name, concurrency), runs in rounds.items():
+        results[name]["runs"][concurrency] = merge_rounds(runs)
+    return list(results.values())
 
 
 def report(results: list[dict], args) -> str:
@@ -286,9 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--requests-per-stream", type=int, default=2, help="requests = this x concurrency (at least 8)")
     p.add_argument("--rounds", type=int, default=1,
-                   help="run every concurrency on both servers this many times, alternating, and report each "
-                        "figure's median (this machine's speed drifts by tens of percent over minutes: use 3 or more "
-                        "for a ratio to quote)")
+                   help="run every concurrency on both servers this many times, on servers started afresh each "
+                        "round, alternating, and report each figure's median (this machine's speed drifts by tens of "
+                        "percent over minutes: use 3 or more for a ratio to quote)")
     p.add_argument("--ctx", type=int, default=16384, help="KV capacity in tokens, both servers")
     p.add_argument("--slots", type=int, default=64, help="parallel sequences, both servers")
     p.add_argument("--sequential", action="store_true",

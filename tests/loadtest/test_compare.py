@@ -69,7 +69,7 @@ def test_rounds_merge_into_medians_and_sums():
     assert build_parser().parse_args([]).rounds == 1
 
 
-def test_rounds_alternate_the_servers_and_send_fresh_prompts(monkeypatch):
+def test_rounds_alternate_the_servers_on_fresh_servers_and_prompts(monkeypatch):
     import contextlib
     import types
 
@@ -83,8 +83,11 @@ def test_rounds_alternate_the_servers_and_send_fresh_prompts(monkeypatch):
                             "completed": 8, "failed": 0, "failures": {}, "stale_connection_retries": 0,
                             "first_error_by_kind": {}}}
 
+    starts = []
+
     @contextlib.contextmanager
     def fake_side_by_side(commands):
+        starts.append(len(calls))
         yield {name: f"http://{name}" for name in commands}, {name: types.SimpleNamespace(pid=0) for name in commands}
 
     monkeypatch.setattr(compare, "run_benchmark", fake_run)
@@ -99,6 +102,7 @@ def test_rounds_alternate_the_servers_and_send_fresh_prompts(monkeypatch):
         assert len(set(seeds)) == 3  # each round its own prompts: none served from a prefix cache
         assert seeds == [seed for url, conc, seed in calls if conc == c and url == "http://theirs"]  # both the same
     assert [len(r["runs"][1]["rounds"]) for r in results] == [3, 3]
+    assert starts == [0, 4, 8]  # fresh servers each round
 
 
 def test_several_thread_counts_get_a_table_each_and_a_scaling_table():
