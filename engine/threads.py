@@ -27,11 +27,19 @@
 The tuner:
 
     step shape      bucket = number of tokens rounded up to a power of two
-    per (bucket, s) median seconds per token of the last 3 steps run with setting s
-    each step       the s with the lowest median; candidates never timed go first
+    per (bucket, s) median seconds per token of the last 3 steps run with setting s, after
+                    its first (which pays first-use costs, and could pick the count alone)
+    each step       the best setting: at first the candidates' first (most threads); another
+                    replaces it when both have 3 timed steps and its median is at least
+                    `margin` (10%) lower. Without the margin, noise flipped the count: a 360M
+                    shape's decodes in one process, 2 threads 7.16 ms a step (median), 1 thread
+                    9.23, ran 24 of 252 steps on 1 thread, 29 of them in a row; with it, 8
+                    (Zen 5, 2 cores, in a minute whose steps ran 8.3 ms on 2 threads).
+    first steps     candidates run in order until each has a timed step
     re-checks       every `recheck_every` steps of a bucket, another candidate runs once,
                     less often the worse it did (its time ratio, at most 4, x recheck_every),
-                    and again at once if it now looks faster, so 2 good runs move the median
+                    and again at once while a run of it beats the best by the margin, so
+                    that 2 good runs move its median
 """
 from __future__ import annotations
 
@@ -88,12 +96,17 @@ class StepTuner:
         candidates: Callable[[int], tuple[StepSetting, ...]],
         recheck_every: int = 50,
         window: int = 3,
+        margin: float = 0.1,
     ):
         if recheck_every < 1 or window < 1:
             raise ValueError(f"recheck_every and window must be at least 1, got {recheck_every}, {window}")
+        if not 0 <= margin < 1:
+            raise ValueError(f"margin must be in [0, 1), got {margin}")
         self.candidates = candidates
         self.recheck_every = recheck_every
         self.window = window
+        self.margin = margin
+        self._warm: set[tuple[int, StepSetting]] = set()  # (bucket, setting) whose first step was run
         self._seconds_per_token: dict[tuple[int, StepSetting], deque[float]] = {}
         self._num_steps: dict[int, int] = {}  # bucket -> steps chosen for it
         self._next_check: dict[int, int] = {}  # bucket -> step count at which to re-check
@@ -110,10 +123,11 @@ class StepTuner:
         candidates = self._bucket_candidates(num_tokens)
         bucket = num_tokens.bit_length()
         step = self._num_steps[bucket] = self._num_steps.get(bucket, 0) + 1
-        untimed = [s for s in candidates if (bucket, s) not in self._seconds_per_token]
+        untimed = [s for s in candidates if (bucket, s) not in self._warm]  # each one's first step, in order,
+        untimed = untimed or [s for s in candidates if (bucket, s) not in self._seconds_per_token]  # then a timed one
         if untimed:
             return untimed[0]
-        best = self._best[bucket]
+        best = self._best.get(bucket, candidates[0])
         if len(candidates) == 1 or step < self._next_check.setdefault(bucket, step + self.recheck_every):
             return best
         others = [s for s in candidates if s != best]
@@ -127,15 +141,27 @@ class StepTuner:
         """How long a step chosen by `choose(num_tokens)` took with `setting`; returns the
         new best setting for steps of that size when this changed it."""
         bucket = num_tokens.bit_length()
+        if (bucket, setting) not in self._warm:  # its first step: first-use costs, not the setting's
+            self._warm.add((bucket, setting))
+            return None
         times = self._seconds_per_token.setdefault((bucket, setting), deque(maxlen=self.window))
         times.append(seconds / max(num_tokens, 1))
-        timed = [s for s in self.candidates(num_tokens) if (bucket, s) in self._seconds_per_token]
-        best = min(timed, key=lambda s: self._median(bucket, s))
+        candidates = self.candidates(num_tokens)
         previous = self._best.get(bucket)
+        best = previous if previous is not None else candidates[0]
+        if self._full(bucket, best):
+            full = [s for s in candidates if s != best and self._full(bucket, s)]
+            challenger = min(full, key=lambda s: self._median(bucket, s), default=None)
+            if challenger is not None and self._median(bucket, challenger) < (1 - self.margin) * self._median(bucket, best):
+                best = challenger
         self._best[bucket] = best
-        if previous is not None and setting != previous and times[-1] < self._median(bucket, previous):
-            self._next_check[bucket] = 0  # looked faster once: run it again to confirm
+        if (setting != best and (bucket, best) in self._seconds_per_token
+                and times[-1] < (1 - self.margin) * self._median(bucket, best)):
+            self._next_check[bucket] = 0  # looked faster by the margin: run it again, until its median shows it or not
         return best if previous is not None and best != previous else None
+
+    def _full(self, bucket: int, setting: StepSetting) -> bool:
+        return len(self._seconds_per_token.get((bucket, setting), ())) == self.window
 
     def _median(self, bucket: int, setting: StepSetting) -> float:
         return statistics.median(self._seconds_per_token[(bucket, setting)])
