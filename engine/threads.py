@@ -27,19 +27,18 @@
 The tuner:
 
     step shape      bucket = number of tokens rounded up to a power of two
-    per (bucket, s) median seconds per token of the last 3 steps run with setting s, after
-                    its first (which pays first-use costs, and could pick the count alone)
+    per (bucket, s) median seconds per token of the last 3 steps run with setting s
     each step       the best setting: at first the candidates' first (most threads); another
                     replaces it when both have 3 timed steps and its median is at least
-                    `margin` (10%) lower. Without the margin, noise flipped the count: a 360M
-                    shape's decodes in one process, 2 threads 7.16 ms a step (median), 1 thread
-                    9.23, ran 24 of 252 steps on 1 thread, 29 of them in a row; with it, 8
-                    (Zen 5, 2 cores, in a minute whose steps ran 8.3 ms on 2 threads).
-    first steps     candidates run in order until each has a timed step
+                    `margin` (10%) lower. Without the margin (the lowest median of however
+                    many steps won), noise flipped the count: a 360M shape's decodes in one
+                    process, 2 threads 7.16 ms a step (median), 1 thread 9.23, ran 24 of 252
+                    steps on 1 thread, 29 of them in a row (Zen 5, 2 cores)
+    first steps     each candidate once, in order; then the best until it has 3 timed steps
     re-checks       every `recheck_every` steps of a bucket, another candidate runs once,
                     less often the worse it did (its time ratio, at most 4, x recheck_every),
-                    and again at once while a run of it beats the best by the margin, so
-                    that 2 good runs move its median
+                    and again at once while its last run beats the best's median by the
+                    margin, so that 2 good runs move its median
 """
 from __future__ import annotations
 
@@ -106,7 +105,6 @@ class StepTuner:
         self.recheck_every = recheck_every
         self.window = window
         self.margin = margin
-        self._warm: set[tuple[int, StepSetting]] = set()  # (bucket, setting) whose first step was run
         self._seconds_per_token: dict[tuple[int, StepSetting], deque[float]] = {}
         self._num_steps: dict[int, int] = {}  # bucket -> steps chosen for it
         self._next_check: dict[int, int] = {}  # bucket -> step count at which to re-check
@@ -123,12 +121,12 @@ class StepTuner:
         candidates = self._bucket_candidates(num_tokens)
         bucket = num_tokens.bit_length()
         step = self._num_steps[bucket] = self._num_steps.get(bucket, 0) + 1
-        untimed = [s for s in candidates if (bucket, s) not in self._warm]  # each one's first step, in order,
-        untimed = untimed or [s for s in candidates if (bucket, s) not in self._seconds_per_token]  # then a timed one
+        untimed = [s for s in candidates if (bucket, s) not in self._seconds_per_token]
         if untimed:
             return untimed[0]
         best = self._best.get(bucket, candidates[0])
-        if len(candidates) == 1 or step < self._next_check.setdefault(bucket, step + self.recheck_every):
+        if (len(candidates) == 1 or not self._full(bucket, best)
+                or step < self._next_check.setdefault(bucket, step + self.recheck_every)):
             return best
         others = [s for s in candidates if s != best]
         other = others[step % len(others)]
@@ -141,23 +139,22 @@ class StepTuner:
         """How long a step chosen by `choose(num_tokens)` took with `setting`; returns the
         new best setting for steps of that size when this changed it."""
         bucket = num_tokens.bit_length()
-        if (bucket, setting) not in self._warm:  # its first step: first-use costs, not the setting's
-            self._warm.add((bucket, setting))
-            return None
         times = self._seconds_per_token.setdefault((bucket, setting), deque(maxlen=self.window))
         times.append(seconds / max(num_tokens, 1))
         candidates = self.candidates(num_tokens)
         previous = self._best.get(bucket)
         best = previous if previous is not None else candidates[0]
         if self._full(bucket, best):
+            bar = (1 - self.margin) * self._median(bucket, best)
             full = [s for s in candidates if s != best and self._full(bucket, s)]
             challenger = min(full, key=lambda s: self._median(bucket, s), default=None)
-            if challenger is not None and self._median(bucket, challenger) < (1 - self.margin) * self._median(bucket, best):
+            if challenger is not None and self._median(bucket, challenger) < bar:
                 best = challenger
+                bar = (1 - self.margin) * self._median(bucket, best)
+            others = [s for s in candidates if s != best and (bucket, s) in self._seconds_per_token]
+            if any(self._seconds_per_token[(bucket, s)][-1] < bar for s in others):
+                self._next_check[bucket] = 0  # its last run beat the best by the margin: run it again
         self._best[bucket] = best
-        if (setting != best and (bucket, best) in self._seconds_per_token
-                and times[-1] < (1 - self.margin) * self._median(bucket, best)):
-            self._next_check[bucket] = 0  # looked faster by the margin: run it again, until its median shows it or not
         return best if previous is not None and best != previous else None
 
     def _full(self, bucket: int, setting: StepSetting) -> bool:
