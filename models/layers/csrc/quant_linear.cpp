@@ -699,6 +699,19 @@ inline void wide_order(__m512i& v) { __asm__("" : "+v"(v)); }
 inline void wide_order(__m512i&) {}  // PAGEDSERVE_WIDE_EMULATED: the same tiles on emulated vectors, to test them
 #endif
 
+// sum += a . xa + b . xb (pairs of int16, exact): in one chain, or (kSplit) b's into sum2, a chain of its own.
+template <bool kSplit>
+inline void dot_pair(__m512i& sum, __m512i& sum2, __m512i a, __m512i xa, __m512i b, __m512i xb) {
+  if constexpr (kSplit) {
+    sum = _mm512_dpwssd_epi32(sum, a, xa);
+    sum2 = _mm512_dpwssd_epi32(sum2, b, xb);
+    wide_order(sum2);
+  } else {
+    sum = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(sum, a, xa), b, xb);
+  }
+  wide_order(sum);
+}
+
 inline __m256i two_chunks(const uint8_t* a, const uint8_t* b) {
   return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
                                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1);
@@ -789,16 +802,7 @@ __attribute__((noinline)) void wide_tile(const Operands<S>& op, int64_t m0, int6
         }
         for (int r = 0; r < RM; ++r) {
           const __m512i xa = pair16(x + r * op.K + 2 * c), xb = pair16(x + r * op.K + 16 + 2 * c);
-          for (int z = 0; z < RZ; ++z) {
-            if constexpr (kSplit) {
-              dots[r][z] = _mm512_dpwssd_epi32(dots[r][z], lo[z], xa);
-              dots2[z] = _mm512_dpwssd_epi32(dots2[z], hi[z], xb);
-              wide_order(dots2[z]);
-            } else {
-              dots[r][z] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(dots[r][z], lo[z], xa), hi[z], xb);
-            }
-            wide_order(dots[r][z]);
-          }
+          for (int z = 0; z < RZ; ++z) dot_pair<kSplit>(dots[r][z], dots2[z], lo[z], xa, hi[z], xb);
         }
       }
     } else {
@@ -810,16 +814,7 @@ __attribute__((noinline)) void wide_tile(const Operands<S>& op, int64_t m0, int6
         }
         for (int r = 0; r < RM; ++r) {
           const __m512i xa = pair16(x + r * op.K + 2 * c), xb = pair16(x + r * op.K + 2 * c + 2);
-          for (int z = 0; z < RZ; ++z) {
-            if constexpr (kSplit) {
-              dots[r][z] = _mm512_dpwssd_epi32(dots[r][z], q0[z], xa);
-              dots2[z] = _mm512_dpwssd_epi32(dots2[z], q1[z], xb);
-              wide_order(dots2[z]);
-            } else {
-              dots[r][z] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(dots[r][z], q0[z], xa), q1[z], xb);
-            }
-            wide_order(dots[r][z]);
-          }
+          for (int z = 0; z < RZ; ++z) dot_pair<kSplit>(dots[r][z], dots2[z], q0[z], xa, q1[z], xb);
         }
       }
     }
