@@ -108,7 +108,7 @@ class StepTuner:
         self._seconds_per_token: dict[tuple[int, StepSetting], deque[float]] = {}
         self._num_steps: dict[int, int] = {}  # bucket -> steps chosen for it
         self._next_check: dict[int, int] = {}  # bucket -> step count at which to re-check
-        self._best: dict[int, StepSetting] = {}  # bucket -> setting with the lowest median
+        self._best: dict[int, StepSetting] = {}  # bucket -> the setting its steps run with (see above)
 
     def _bucket_candidates(self, num_tokens: int) -> tuple[StepSetting, ...]:
         candidates = self.candidates(num_tokens)
