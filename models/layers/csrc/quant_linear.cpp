@@ -685,7 +685,7 @@ constexpr int kWideVectors = 2;
 constexpr int kFewWideRows = 6;
 constexpr int kFewWideVectors = 3;
 
-// Read at every product (a lookup, against microseconds of arithmetic), so that a test can hold the
+// Read once a product (a lookup, against microseconds of arithmetic), so that a test can hold the
 // tiles' bits to the 8-lane ones in one process.
 inline bool wide_tiles_enabled() {
   const char* v = std::getenv("PAGEDSERVE_WIDE_TILES");
@@ -926,7 +926,8 @@ template <int Bits, typename S>
 void int_qlinear(const Operands<S>& op, float* silu_out = nullptr) {
   // the panels the tasks divide: all of them, or the gate's (each task also takes the same up panels)
   const int64_t panels = (op.N + kLanes - 1) / kLanes / (silu_out != nullptr ? 2 : 1);
-  const bool wide = kWide && op.M > 2 && wide_tiles_enabled();
+  const bool wide_enabled = wide_tiles_enabled();  // once, on the calling thread (tasks run on others)
+  const bool wide = kWide && op.M > 2 && wide_enabled;
   const bool few_wide = op.M <= kFewWideRows;  // the wide tiles' shape: 6 x 3 or 8 x 2 (above)
   const int64_t tile_rows = !wide ? kTileRows : few_wide ? kFewWideRows : kWideRows;
   int64_t block_rows = std::clamp<int64_t>((256 << 10) / (op.K * 2) / tile_rows * tile_rows, tile_rows, 64);
@@ -984,7 +985,7 @@ void int_qlinear(const Operands<S>& op, float* silu_out = nullptr) {
       // interleaved, the same bits). One row was level there (6.08 / 6.09) while its sums ran in one
       // chain a panel; with two (wide_tile's kSplit) 360M's 128 one-row products went 4.96 -> 4.18-4.89
       // ms p25 and 1.7B's (8 layers) 6.13 -> 5.13, a 360M decode's forward and logits 7.67 -> 6.39.
-      if (wide_tiles_enabled()) {
+      if (wide_enabled) {
         const auto wide_rows = [&](auto rows) {
           constexpr int RM = decltype(rows)::value, RP = 2 * kFewWideVectors;
           for (int64_t p0 = p_begin; p0 < p_end; p0 += RP) {
