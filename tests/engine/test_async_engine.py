@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 import time
 
 import pytest
@@ -45,21 +46,31 @@ def test_concurrent_streams_match_offline_generation(engine, loaded):
     prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(1, 40))] for _ in range(8)] + ["Hello world"]
     params = [greedy(rng.randint(1, 20)) for _ in prompts]
 
-    async def main():
-        ticks = 0
+    # The loop keeps running while the engine computes: each step waits, on the engine's
+    # thread, for the loop to tick, which it can only do if the step does not hold it.
+    ticked = threading.Event()
+    ticked_during_step = []
+    core_step = engine.core.step
 
-        async def ticker():  # the loop keeps running while the engine computes
-            nonlocal ticks
+    def step():
+        ticked.clear()
+        ticked_during_step.append(ticked.wait(timeout=10))
+        return core_step()
+
+    engine.core.step = step
+
+    async def main():
+        async def ticker():
             while True:
-                ticks += 1
+                ticked.set()
                 await asyncio.sleep(0.001)
 
         tick_task = asyncio.create_task(ticker())
         streams = await asyncio.gather(*(collect(engine, p, sp, f"c{i}") for i, (p, sp) in enumerate(zip(prompts, params))))
         tick_task.cancel()
-        return streams, ticks
+        return streams
 
-    streams, ticks = asyncio.run(main())
+    streams = asyncio.run(main())
     expected = LLM.from_loaded(loaded, **CONFIG).generate(prompts, params)
     for outs, want, sp in zip(streams, expected, params):
         assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
@@ -68,7 +79,7 @@ def test_concurrent_streams_match_offline_generation(engine, loaded):
         final = outs[-1]
         assert final.finish_reason == "length" and final.num_output_tokens == sp.max_tokens
         assert final.queue_time >= 0 and final.prefill_time > 0 and final.decode_time >= 0
-    assert ticks > 10
+    assert len(ticked_during_step) >= max(sp.max_tokens for sp in params) and all(ticked_during_step)
     s = engine.stats()
     assert s.num_generation_tokens == sum(sp.max_tokens for sp in params)
     assert s.num_finished == {"length": len(prompts)} and s.num_audit_discrepancies == 0
