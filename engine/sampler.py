@@ -34,6 +34,7 @@ import torch
 
 from engine.request import SamplingParams, TokenLogprob
 from engine.structured import GrammarMatcher, allowed_tokens
+from models.layers import cpu_kernels
 
 # Top-p rows look for their nucleus among this many best tokens first, then 16x as
 # many; only a row whose nucleus is wider still pays for a full sort of the vocabulary.
@@ -276,7 +277,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         raise ValueError(f"logits have shape {tuple(logits.shape)}, batch expects "
                          f"({batch.num_rows}, {batch.vocab_size})")
     logits = process_logits(logits, batch)
-    logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs is not None else None
+    logprobs = softmax(logits, log=True) if batch.max_logprobs is not None else None
     if batch.all_greedy:
         token_ids = greedy_argmax(logits)
     else:
@@ -347,12 +348,22 @@ def sampling_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         logits = logits / batch.temperature
     if batch.top_k_top_p is not None:
         logits = _top_k_top_p(logits, batch.top_k_top_p)
-    probs = logits.softmax(dim=-1)
+    probs = softmax(logits)
     if batch.min_p is not None:
         # Relative to the most likely token, which renormalising by top-k/top-p does not change.
         too_unlikely = probs < probs.amax(dim=-1, keepdim=True) * batch.min_p
-        probs = logits.masked_fill(too_unlikely, float("-inf")).softmax(dim=-1)
+        probs = softmax(logits.masked_fill(too_unlikely, float("-inf")))
     return probs
+
+
+def softmax(logits: torch.Tensor, log: bool = False) -> torch.Tensor:
+    """Softmax (or log_softmax) of each row of logits (N, V). On CPU with our kernels, in one order
+    whatever the CPU: torch's own sums 8 or 16 lanes as the CPU allows and calls its own exp, so a
+    seeded request's logprobs (and, rarely, a token) differed between an AVX2 and an AVX-512 CPU.
+    A row whose logits are all -inf gets probabilities 0 and logprobs -inf there (torch: NaN)."""
+    if logits.dtype == torch.float32 and cpu_kernels.usable(logits):
+        return cpu_kernels.softmax_rows(logits, log)
+    return logits.log_softmax(dim=-1) if log else logits.softmax(dim=-1)
 
 
 def _top_k_top_p(logits: torch.Tensor, f: TopKTopP) -> torch.Tensor:
@@ -372,7 +383,7 @@ def _top_k_top_p(logits: torch.Tensor, f: TopKTopP) -> torch.Tensor:
     if f.top_p is None:
         threshold = kth
     else:
-        probs = sub.softmax(dim=-1)  # (M, V)
+        probs = softmax(sub)  # (M, V)
         kept_mass = torch.ones_like(kth)  # top-p renormalises over what top-k kept, ties included
         if f.any_top_k:
             # A running sum, not .sum(): torch splits the sum of one long row across threads (a

@@ -43,7 +43,8 @@ _SOURCES = [
     Path(__file__).parent / "csrc" / name
     for name in ("paged_attention.cpp", "elementwise.cpp", "quant_linear.cpp", "decode_ops.cpp", "decoder_layer.cpp")
 ]
-_OPS = ("paged_attention", "rms_norm", "silu_and_mul", "quant_linear", "quant_linear_silu_mul", "rope_neox",
+_HEADERS = [Path(__file__).parent / "csrc" / "vec8.h"]  # not compiled alone; a build is stale when one is newer
+_OPS = ("paged_attention", "rms_norm", "silu_and_mul", "softmax_rows", "quant_linear", "quant_linear_silu_mul", "rope_neox",
         "write_kv_planes", "llama_decoder_layer")
 
 _lock = threading.Lock()
@@ -111,7 +112,7 @@ def _current_library(target: str) -> Path | None:
     library = build_directory(target) / f"{build_name(target)}.so"
     try:
         built = library.stat().st_mtime
-        if any(source.stat().st_mtime > built for source in _SOURCES):
+        if any(source.stat().st_mtime > built for source in _SOURCES + _HEADERS):
             return None
     except OSError:
         return None
@@ -222,6 +223,12 @@ def usable(x: torch.Tensor) -> bool:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x (T, N), weight (N,) of x's dtype -> weight * round(x * rsqrt(mean(x^2) + eps))."""
     return torch.ops.pagedserve.rms_norm(x, weight, eps)
+
+
+def softmax_rows(logits: torch.Tensor, log: bool = False) -> torch.Tensor:
+    """logits (N, V) float32 -> softmax (or log_softmax) of each row: exactly 0 (-inf) where a logit
+    is -inf, summed in one order whatever the ISA build, the row's neighbours or the thread count."""
+    return torch.ops.pagedserve.softmax_rows(logits, log)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

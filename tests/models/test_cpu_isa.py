@@ -183,3 +183,59 @@ def test_a_request_the_cpu_cannot_run_is_refused_in_the_log(generic_build):
     out = run_kernels(generic_build, CPUS["zen3"], {**NO_COMPILER, "PAGEDSERVE_CPU_ISA": "avx512"})
     assert "AVAILABLE True generic" in out.stdout and "OPS OK" in out.stdout, out.stderr
     assert "PAGEDSERVE_CPU_ISA=avx512 refused: avx512 needs avx512f avx512bw avx512vl avx512dq" in out.stderr
+
+
+# ---- the same numbers from every build with FMA: a seeded request does not depend on the CPU
+
+_SAME_ON_EVERY_CPU = """
+import json, torch
+from engine.llm import LLM
+from engine.request import SamplingParams
+from models.fetch import default_model_path
+from models.layers import cpu_kernels
+assert cpu_kernels.available()
+print("BUILD", cpu_kernels.loaded_target(), "torch", torch.backends.cpu.get_cpu_capability())
+# Inputs made by integer arithmetic and one division: torch's randn and sin are vectorized per CPU too.
+x = ((torch.arange(7 * 1003) * 7919 % 1000 - 500) / 97.0).view(7, 1003)
+ops = [cpu_kernels.rms_norm(x, x[0], 1e-6), cpu_kernels.silu_and_mul(x[:, :1000]), cpu_kernels.softmax_rows(x),
+       cpu_kernels.softmax_rows(x, log=True)]
+print("OPS", json.dumps([[v.hex() for v in op.flatten().tolist()] for op in ops]))
+llm = LLM(str(default_model_path()))
+params = [SamplingParams(temperature=1.0, seed=123, max_tokens=16, logprobs=3),
+          SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=16, logprobs=1),
+          SamplingParams(temperature=0.7, top_k=40, min_p=0.05, presence_penalty=0.5, seed=9, max_tokens=16, logprobs=2)]
+outs = llm.generate(["The capital of France is", "def fib(n):", "Once upon a time"], params)
+print("OUT", json.dumps([[o.token_ids, [[lp.logprob.hex(), [[t, v.hex()] for t, v in lp.top]] for lp in o.logprobs]]
+                         for o in outs]))
+"""
+
+
+@pytest.mark.slow
+def test_a_seeded_request_gets_the_same_tokens_and_logprobs_from_every_build_with_fma():
+    """The CPU's best build with torch's own kernels for it, against the avx2 build with torch's
+    AVX2 kernels (ATEN_CPU_CAPABILITY): what an AVX2-only CPU runs. The products' integer sums are
+    exact; every float sum (RMSNorm, attention, softmax) and exp is written on 8-lane vectors with
+    FMA (csrc/vec8.h), and the sampler's softmax is ours, so the bits are the same. Builds the avx2
+    target where it is not built yet (~30-60 s)."""
+    from torch.utils.cpp_extension import get_cxx_compiler
+
+    flags = cpu_isa.read_cpu_flags()
+    fma_builds = [t.name for t in cpu_isa.supported(flags) if "fma" in t.cpu_flags]
+    if len(fma_builds) < 2:
+        pytest.skip(f"this CPU runs {fma_builds or 'no'} FMA build: nothing to compare")
+    if shutil.which(get_cxx_compiler()) is None:
+        pytest.skip("no C++ compiler to build the avx2 target with")
+    inherited = {k: v for k, v in os.environ.items() if k not in ("PAGEDSERVE_CPU_ISA", "ATEN_CPU_CAPABILITY")}
+    runs = {}
+    for build, capability in ((fma_builds[-1], None), ("avx2", "avx2")):
+        env = {**inherited, "PAGEDSERVE_CPU_ISA": build, **({"ATEN_CPU_CAPABILITY": capability} if capability else {})}
+        out = subprocess.run([sys.executable, "-c", _SAME_ON_EVERY_CPU], cwd=REPO, env=env, capture_output=True,
+                             text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if line.split(" ", 1)[0] in ("BUILD", "OPS", "OUT"))
+        assert lines["BUILD"].startswith(build), lines["BUILD"]
+        runs[build] = lines
+    best, avx2 = runs[fma_builds[-1]], runs["avx2"]
+    assert avx2["BUILD"].endswith("torch AVX2"), avx2["BUILD"]
+    assert best["OPS"] == avx2["OPS"]
+    assert best["OUT"] == avx2["OUT"]

@@ -112,7 +112,7 @@ def test_rms_norm_and_silu_and_mul_equal_the_pytorch_layers(rows):
     weight = torch.randn(96, generator=gen) * 0.5 + 1
     gate_up = torch.randn(rows, 2 * 80, generator=gen) * 4
     for dtype in (torch.float32, torch.bfloat16):
-        # A few ulps: the vectorized exp/rsqrt differ by ISA (AVX2 vs AVX-512) in the last bits.
+        # A few ulps: our exp (vec8.h's, the same in every ISA build) is not torch's.
         tol = 8 * torch.finfo(dtype).eps
         xd, wd, gd = x.to(dtype), weight.to(dtype), gate_up.to(dtype)
         got = cpu_kernels.rms_norm(xd, wd, 1e-6)
@@ -132,6 +132,26 @@ def test_rms_norm_and_silu_and_mul_equal_the_pytorch_layers(rows):
         cpu_kernels.rms_norm(x, weight[:10], 1e-6)
     with pytest.raises(RuntimeError, match="gate_up"):
         cpu_kernels.silu_and_mul(gate_up[:, :-1])
+
+
+@pytest.mark.parametrize("width", [1, 7, 8, 33, 67, 49152 + 5])
+def test_softmax_rows_equal_torchs_and_give_a_forbidden_token_nothing(width):
+    needs_kernel()
+    gen = torch.Generator().manual_seed(width)
+    logits = torch.randn(4, width, generator=gen) * 6
+    logits[1, 1::3] = float("-inf")  # forbidden tokens (a grammar, top-k, min_tokens)
+    logits[2, 0] = 120.0  # one token far ahead: the others' exps underflow
+    logits[3] = float("-inf")  # nothing allowed
+    eps = torch.finfo(torch.float32).eps
+    probs, logprobs = cpu_kernels.softmax_rows(logits), cpu_kernels.softmax_rows(logits, log=True)
+    # Within a few dozen ulps of torch's (another exp; 49157 terms summed in another order).
+    torch.testing.assert_close(probs[:3], logits[:3].softmax(-1), rtol=32 * eps, atol=1e-30)
+    torch.testing.assert_close(logprobs[:3], logits[:3].log_softmax(-1), rtol=32 * eps, atol=32 * eps)
+    forbidden = torch.isinf(logits)
+    assert (probs[forbidden] == 0).all() and (logprobs[forbidden] == float("-inf")).all()  # never 1e-38
+    assert torch.isfinite(logprobs[~forbidden]).all() and (probs[:3].sum(-1) - 1).abs().max() < 1e-5
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_kernels.softmax_rows(logits.double())
 
 
 def test_the_kernels_can_be_switched_off():
@@ -242,10 +262,13 @@ def test_a_rows_norm_activation_and_rotation_do_not_depend_on_its_batch_address_
     weight = torch.randn(width, generator=gen)
     qk, cos, sin = (torch.randn(300, 5, 20, generator=gen), torch.randn(300, 1, 20, generator=gen),
                     torch.randn(300, 1, 20, generator=gen))
+    logits = torch.randn(300, 1003, generator=gen) * 5
     ops = {
         "rms_norm": lambda rows: cpu_kernels.rms_norm(x[rows], weight, 1e-6),
         "silu_and_mul": lambda rows: cpu_kernels.silu_and_mul(gate_up[rows]),
         "rope_neox": lambda rows: cpu_kernels.rope_neox(qk[rows], cos[rows], sin[rows]),
+        "softmax_rows": lambda rows: cpu_kernels.softmax_rows(logits[rows]),
+        "softmax_rows log": lambda rows: cpu_kernels.softmax_rows(logits[rows], log=True),
     }
     before = torch.get_num_threads()
     try:

@@ -81,7 +81,8 @@ def test_wide_tiles_give_each_row_the_bits_of_the_row_alone_emulated():
         pytest.skip("no C++ compiler to build the emulation with")
     env = {key: value for key, value in os.environ.items() if key != "PAGEDSERVE_WIDE_TILES"}
     repo = Path(__file__).resolve().parents[2]
-    kernel = hashlib.sha256((repo / "models/layers/csrc/quant_linear.cpp").read_bytes()).hexdigest()[:16]
+    csrc = repo / "models/layers/csrc"
+    kernel = hashlib.sha256((csrc / "quant_linear.cpp").read_bytes() + (csrc / "vec8.h").read_bytes()).hexdigest()[:16]
     done = subprocess.run([sys.executable, "-c", CHECK, str(HARNESS), kernel], cwd=repo, env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -9,54 +9,104 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
+#include <type_traits>
+
+#include "vec8.h"
 
 namespace {
+
+using namespace pagedserve_vec;
 
 template <typename scalar_t>
 inline scalar_t round_to(float x) {
   return static_cast<scalar_t>(x);
 }
 
-// x (T, N), weight (N,): weight * round(x * rsqrt(mean(x^2) + eps)).
+// The `count` (1..8) numbers at p as floats, 0 past them.
+template <typename T>
+inline f32x8 load_part(const T* p, int64_t count) {
+  if (count == 8) return load8(p);
+  alignas(32) float v[8] = {};
+  for (int64_t i = 0; i < count; ++i) v[i] = widen(p[i]);
+  return load8(v);
+}
+
+// v's first `count` lanes stored at p, each rounded to T.
+template <typename T>
+inline void store_part(T* p, f32x8 v, int64_t count) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (count == 8) return store8(p, v);
+  }
+  alignas(32) float lanes[8];
+  store8(lanes, v);
+  for (int64_t i = 0; i < count; ++i) p[i] = round_to<T>(lanes[i]);
+}
+
+// Each lane rounded to T and back (as the PyTorch layers round between their ops).
+template <typename T>
+inline f32x8 rounded(f32x8 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    alignas(32) float lanes[8];
+    store8(lanes, v);
+    for (float& lane : lanes) lane = static_cast<float>(round_to<T>(lane));
+    return load8(lanes);
+  }
+}
+
+// One row of n: weight * round(x * rsqrt(mean(x^2) + eps)). (A function of its own, its arguments
+// locals: in the rows' lambda, every store (a memcpy) could alias what the lambda reads through its
+// captures, which were reloaded at each vector: 2048 rows of 960 took 2.7x as long.)
+template <typename scalar_t>
+void rms_norm_row(const scalar_t* x, const scalar_t* w, scalar_t* out, int64_t n, float eps) {
+  const float sum = sum_squares(x, n);  // one order in every ISA build (vec8.h)
+  // One IEEE operation at a time, each result held (vec8.h): under -ffast-math the compilers for
+  // the AVX2 and AVX-512 builds chose differently here (sum * (1 / n) + eps as one FMA in one, a
+  // division and an add in the other; 1 / sqrt as an approximate reciprocal square root and a
+  // Newton step, whose start is `rsqrtss`'s 12 bits or `vrsqrt14ss`'s 14).
+  float count = static_cast<float>(n);
+  hold(count);
+  float mean = sum / count;
+  hold(mean);
+  float root = std::sqrt(mean + eps);
+  hold(root);
+  const f32x8 inv = splat(1.f / root);
+  // x * inv held apart from the weight's product: a vectorized loop let -ffast-math turn
+  // w * (x * inv) into another order in its last, partial vector, which falls on other columns
+  // for 16 lanes than for 8 (the AVX-512 and AVX2 builds differed there).
+  for (int64_t j = 0; j < n; j += 8) {
+    const int64_t part = std::min<int64_t>(8, n - j);
+    f32x8 normed = load_part(x + j, part) * inv;
+    hold(normed);
+    store_part(out + j, load_part(w + j, part) * rounded<scalar_t>(normed), part);
+  }
+}
+
 template <typename scalar_t>
 void rms_norm_rows(const scalar_t* xp, const scalar_t* wp, scalar_t* op, int64_t rows, int64_t n, float eps) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const scalar_t* xr = xp + r * n;
-      scalar_t* orow = op + r * n;
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < n; ++j) {
-        const float v = static_cast<float>(xr[j]);
-        sum += v * v;
-      }
-      const float inv = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
-#pragma omp simd
-      for (int64_t j = 0; j < n; ++j) {
-        const float normed = static_cast<float>(round_to<scalar_t>(static_cast<float>(xr[j]) * inv));
-        orow[j] = round_to<scalar_t>(static_cast<float>(wp[j]) * normed);
-      }
-    }
+    for (int64_t r = begin; r < end; ++r) rms_norm_row(xp + r * n, wp, op + r * n, n, eps);
   });
 }
 
-// gate_up (T, 2I) = [gate | up] -> (T, I): round(silu(gate)) * up.
+// One row of gate_up's halves -> round(silu(gate)) * up (a function of its own, as rms_norm_row).
+template <typename scalar_t>
+void silu_and_mul_row(const scalar_t* gate, const scalar_t* up, scalar_t* out, int64_t inter) {
+  for (int64_t j = 0; j < inter; j += 8) {  // silu8 on 8 at a time (vec8.h)
+    const int64_t part = std::min<int64_t>(8, inter - j);
+    store_part(out + j, rounded<scalar_t>(silu8(load_part(gate + j, part))) * load_part(up + j, part), part);
+  }
+}
+
+// gate_up (T, 2I) = [gate | up] -> (T, I).
 template <typename scalar_t>
 void silu_and_mul_rows(const scalar_t* ip, scalar_t* op, int64_t rows, int64_t inter) {
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const scalar_t* g = ip + r * 2 * inter;
-      const scalar_t* u = g + inter;
-      scalar_t* o = op + r * inter;
-#pragma omp simd
-      for (int64_t j = 0; j < inter; ++j) {
-        const float x = static_cast<float>(g[j]);
-        // exp clamped: the kernels are built with -ffast-math, which assumes no infinities.
-        const float act = static_cast<float>(round_to<scalar_t>(x / (1.f + std::exp(std::fmin(-x, 88.f)))));
-        o[j] = round_to<scalar_t>(act * static_cast<float>(u[j]));
-      }
-    }
+    for (int64_t r = begin; r < end; ++r) silu_and_mul_row(ip + r * 2 * inter, ip + r * 2 * inter + inter, op + r * inter, inter);
   });
 }
 
@@ -84,9 +134,97 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+// Whether a lane is -inf, read from its bits: -ffast-math lets the compiler assume no infinities in
+// float comparisons, and a sampler's logits hold -inf for every token a row may not take.
+inline i32x8 is_minus_inf(f32x8 x) {
+  i32x8 bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  return bits == static_cast<int32_t>(0xFF800000u);
+}
+
+// One row of V logits -> softmax (probabilities; exactly 0 where the logit is -inf) or log_softmax
+// (-inf there), in one order for every ISA build: the max, then e^(x - max) by exp8 summed in four
+// 8-lane chains (each add held in its order, vec8.h: -ffast-math reassociates a plain
+// chain), their lanes by sum_lanes4's tree. torch's softmax sums 8 or 16 lanes as the CPU allows and
+// calls its own exp: a seeded request's logprobs differed between an AVX2 and an AVX-512 CPU.
+template <bool kLog>
+void softmax_row(const float* x, float* out, int64_t n) {
+  const f32x8 minus_inf = splat(-std::numeric_limits<float>::infinity());
+  // The row as whole vectors: a last partial one is copied into `padded`, -inf past n.
+  const int64_t whole = n / 8 * 8, vectors = (n + 7) / 8;
+  alignas(32) float padded[8], padded_out[8];
+  store8(padded, minus_inf);
+  std::copy(x + whole, x + n, padded);
+  const auto in = [&](int64_t v) { return v * 8 < whole ? load8(x + v * 8) : load8(padded); };
+  f32x8 m8 = minus_inf;
+  for (int64_t v = 0; v < vectors; ++v) m8 = in(v) > m8 ? in(v) : m8;
+  float m = m8[0];
+  for (int i = 1; i < 8; ++i) m = std::max(m, m8[i]);  // a max is exact in any order
+  const f32x8 mv = splat(m), zero = splat(0.f);
+  // Vector v's terms go to sum v % 4; each add held in its place.
+  f32x8 s0 = zero, s1 = zero, s2 = zero, s3 = zero;
+  float* const dst = kLog ? nullptr : out;
+  int64_t v = 0;
+  for (; v + 4 <= whole / 8; v += 4) {
+    const f32x8 x0 = load8(x + 8 * v), x1 = load8(x + 8 * v + 8), x2 = load8(x + 8 * v + 16), x3 = load8(x + 8 * v + 24);
+    const f32x8 e0 = is_minus_inf(x0) ? zero : exp8(x0 - mv), e1 = is_minus_inf(x1) ? zero : exp8(x1 - mv);
+    const f32x8 e2 = is_minus_inf(x2) ? zero : exp8(x2 - mv), e3 = is_minus_inf(x3) ? zero : exp8(x3 - mv);
+    s0 = s0 + e0, s1 = s1 + e1, s2 = s2 + e2, s3 = s3 + e3;
+    hold(s0), hold(s1), hold(s2), hold(s3);
+    if constexpr (!kLog) {
+      store8(dst + 8 * v, e0), store8(dst + 8 * v + 8, e1), store8(dst + 8 * v + 16, e2), store8(dst + 8 * v + 24, e3);
+    }
+  }
+  for (; v < vectors; ++v) {  // the last 0-3 vectors, the partial one padded
+    const f32x8 xv = in(v), e = is_minus_inf(xv) ? zero : exp8(xv - mv);
+    f32x8& sum = v % 4 == 0 ? s0 : v % 4 == 1 ? s1 : v % 4 == 2 ? s2 : s3;
+    sum = sum + e;
+    hold(sum);
+    if constexpr (!kLog) {
+      if (8 * v < whole) store8(dst + 8 * v, e);
+      else store8(padded_out, e), std::copy(padded_out, padded_out + (n - whole), dst + whole);
+    }
+  }
+  const f32x4 s4 = sum_lanes4(s0, s1, s2, s3);
+  const f32x4 t = __builtin_shufflevector(s4, s4, 0, 1, 0, 1) + __builtin_shufflevector(s4, s4, 2, 3, 2, 3);
+  const float sum = t[0] + t[1];  // >= 1 (the max's own term) unless every logit is -inf
+  if constexpr (kLog) {  // (x - max) - log(sum), -inf where x is
+    const f32x8 log_sum = splat(std::log(sum));
+    for (int64_t v = 0; v < vectors; ++v) {
+      const f32x8 xv = in(v);
+      f32x8 d = xv - mv;
+      hold(d);
+      const f32x8 y = is_minus_inf(xv) ? minus_inf : d - log_sum;
+      if (8 * v < whole) store8(out + 8 * v, y);
+      else store8(padded_out, y), std::copy(padded_out, padded_out + (n - whole), out + whole);
+    }
+  } else if (sum > 0.f) {
+    const float inv = 1.f / sum;
+    for (int64_t j = 0; j < n; ++j) out[j] *= inv;  // element by element: the same in any build
+  }
+}
+
+// logits (N, V) float32 -> softmax or log_softmax of each row, each row on one thread.
+at::Tensor softmax_rows(const at::Tensor& logits, bool log) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat, "softmax_rows: logits (N, V) float32");
+  auto in = logits.contiguous();
+  auto out = at::empty_like(in);
+  const int64_t n = in.size(1);
+  const float* xp = in.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, in.size(0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      if (log) softmax_row<true>(xp + r * n, op + r * n, n);
+      else softmax_row<false>(xp + r * n, op + r * n, n);
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
+  m.def("softmax_rows(Tensor logits, bool log) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
 }
@@ -94,4 +232,5 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("softmax_rows", &softmax_rows);
 }

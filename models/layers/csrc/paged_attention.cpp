@@ -38,15 +38,11 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__F16C__) || defined(__FMA__)
-#include <immintrin.h>
-#endif
+#include "vec8.h"
 
 namespace {
 
-using f32x8 = float __attribute__((vector_size(32)));
-using f32x4 = float __attribute__((vector_size(16)));
-using i32x8 = int32_t __attribute__((vector_size(32)));
+using namespace pagedserve_vec;
 
 constexpr int64_t kKeys = 128;  // keys per softmax block: a constant, never the tile's or cache's
 constexpr int64_t kMaxVecs = 32;  // query vectors per task
@@ -61,84 +57,6 @@ constexpr int kShareRows = 3;
 constexpr int kShareRows = 2;
 #endif
 
-inline f32x8 splat(float x) { return f32x8{x, x, x, x, x, x, x, x}; }
-inline f32x8 load8(const float* p) {
-  f32x8 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline void store8(float* p, const f32x8& v) { std::memcpy(p, &v, sizeof(v)); }
-
-inline float widen(float x) { return x; }
-inline float widen(c10::Half x) { return static_cast<float>(x); }
-inline float widen(c10::BFloat16 x) {
-  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-// 8 numbers of a 16-bit cache row as floats (exact: every 16-bit value is a float).
-inline f32x8 load8(const c10::Half* p) {
-#if defined(__F16C__)
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-#else
-  return f32x8{widen(p[0]), widen(p[1]), widen(p[2]), widen(p[3]), widen(p[4]), widen(p[5]), widen(p[6]), widen(p[7])};
-#endif
-}
-inline f32x8 load8(const c10::BFloat16* p) {
-#if defined(__AVX2__)
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-#else
-  return f32x8{widen(p[0]), widen(p[1]), widen(p[2]), widen(p[3]), widen(p[4]), widen(p[5]), widen(p[6]), widen(p[7])};
-#endif
-}
-
-// a * b + c as one instruction where the build has FMA: -ffast-math may reassociate a chain of
-// `acc += a * b`, but not an FMA, so every chain below runs in the order it is written. (Without
-// FMA, the generic build, the order is the compiler's: the same for every row in practice, but
-// not by construction.)
-inline f32x8 fma8(f32x8 a, f32x8 b, f32x8 c) {
-#if defined(__FMA__)
-  return _mm256_fmadd_ps(a, b, c);
-#else
-  return a * b + c;
-#endif
-}
-
-// The lane sums of 4 vectors, each by the same tree ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7)):
-// every add takes shuffles, so there is no chain for -ffast-math to reorder.
-inline f32x4 sum_lanes4(f32x8 a0, f32x8 a1, f32x8 a2, f32x8 a3) {
-  const f32x4 b0 = __builtin_shufflevector(a0, a0, 0, 1, 2, 3) + __builtin_shufflevector(a0, a0, 4, 5, 6, 7);
-  const f32x4 b1 = __builtin_shufflevector(a1, a1, 0, 1, 2, 3) + __builtin_shufflevector(a1, a1, 4, 5, 6, 7);
-  const f32x4 b2 = __builtin_shufflevector(a2, a2, 0, 1, 2, 3) + __builtin_shufflevector(a2, a2, 4, 5, 6, 7);
-  const f32x4 b3 = __builtin_shufflevector(a3, a3, 0, 1, 2, 3) + __builtin_shufflevector(a3, a3, 4, 5, 6, 7);
-  const f32x4 c01 = __builtin_shufflevector(b0, b1, 0, 4, 2, 6) + __builtin_shufflevector(b0, b1, 1, 5, 3, 7);
-  const f32x4 c23 = __builtin_shufflevector(b2, b3, 0, 4, 2, 6) + __builtin_shufflevector(b2, b3, 1, 5, 3, 7);
-  return __builtin_shufflevector(c01, c23, 0, 1, 4, 5) + __builtin_shufflevector(c01, c23, 2, 3, 6, 7);
-}
-
-// e^x lane by lane (Cephes' expf: 2^n e^r, |r| <= ln2 / 2, ~1e-7 relative), the same code for every
-// lane: no libm call whose vector and scalar versions round differently. x is clamped to [-87, 88].
-inline f32x8 exp8(f32x8 x) {
-  x = x < splat(-87.f) ? splat(-87.f) : x;
-  x = x > splat(88.f) ? splat(88.f) : x;
-  const f32x8 z = x * splat(1.44269504088896341f);
-  const i32x8 n = __builtin_convertvector(z + (z < splat(0.f) ? splat(-0.5f) : splat(0.5f)), i32x8);
-  const f32x8 nf = __builtin_convertvector(n, f32x8);
-  const f32x8 r = fma8(nf, splat(2.12194440e-4f), fma8(nf, splat(-0.693359375f), x));  // x - n ln2, in two parts
-  f32x8 p = splat(1.9875691500e-4f);
-  p = fma8(p, r, splat(1.3981999507e-3f));
-  p = fma8(p, r, splat(8.3334519073e-3f));
-  p = fma8(p, r, splat(4.1665795894e-2f));
-  p = fma8(p, r, splat(1.6666665459e-1f));
-  p = fma8(p, r, splat(5.0000001201e-1f));
-  p = fma8(p, r * r, r) + splat(1.f);
-  const i32x8 bits = (n + 127) << 23;
-  f32x8 two_n;
-  std::memcpy(&two_n, &bits, sizeof(two_n));
-  return p * two_n;
-}
 
 // Dot products of kRows (1 or 2) query rows with 4 key rows, D numbers each: s[x][i] = q[x] . k[i].
 // Each is the same computation whatever kRows and order: one 8-lane FMA chain along D, the lanes

@@ -55,6 +55,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "vec8.h"
+
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -908,13 +910,17 @@ constexpr int kDecodePanels = Isa::kRegisters >= 32 ? 6 : 3;
 // block kept small enough to stay in L2, a panel block's weights in L2), claimed in order, so
 // the threads walk the row blocks under one panel block together and its weights come from
 // memory once.
-// silu(gate) * up over a row's n columns, in float32: elementwise.cpp's silu_and_mul, expression for
-// expression (the exp clamped: the kernels are built with -ffast-math, which assumes no infinities).
+// silu(gate) * up over a row's n columns, in float32: elementwise.cpp's silu_and_mul, the same
+// silu8 (vec8.h), then the product.
 inline void silu_mul_row(const float* gate, const float* up, float* out, int64_t n) {
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) {
-    const float x = gate[j];
-    out[j] = x / (1.f + std::exp(std::fmin(-x, 88.f))) * up[j];
+  using namespace pagedserve_vec;
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) store8(out + j, silu8(load8(gate + j)) * load8(up + j));
+  if (j < n) {
+    alignas(32) float act[8] = {};
+    std::copy(gate + j, gate + n, act);
+    store8(act, silu8(load8(act)));
+    for (int64_t i = 0; j + i < n; ++i) out[j + i] = act[i] * up[j + i];
   }
 }
 
