@@ -282,3 +282,21 @@ def test_a_rows_norm_activation_and_rotation_do_not_depend_on_its_batch_address_
                     assert torch.equal(op(slice(r, r + 1))[0], batch[r]), (name, r, threads)  # a view: any address
     finally:
         torch.set_num_threads(before)
+
+
+def test_every_kernel_source_and_header_ships_and_counts_for_staleness():
+    # The image builds the kernels from the installed package: a header left out of package-data
+    # fails that build; a header left out of _HEADERS leaves a stale prebuilt library "current".
+    import re
+    import tomllib
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    patterns = tomllib.loads((repo / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["models"]
+    shipped = {path for pattern in patterns for path in (repo / "models").glob(pattern)}
+    csrc = repo / "models" / "layers" / "csrc"
+    assert set(csrc.iterdir()) <= shipped
+    included = {csrc / name for source in cpu_kernels._SOURCES
+                for name in re.findall(r'#include "([^"]+)"', source.read_text())}
+    assert included and included == set(cpu_kernels._HEADERS)
+    assert set(cpu_kernels._SOURCES) | set(cpu_kernels._HEADERS) == set(csrc.iterdir())
