@@ -281,7 +281,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     if batch.all_greedy:
         token_ids = greedy_argmax(logits)
     else:
-        token_ids = _draw(sampling_probs(logits, batch), batch)
+        token_ids = _draw_tokens(logits, batch)
         if batch.greedy is not None:
             token_ids = torch.where(batch.greedy, greedy_argmax(logits), token_ids)
     return SamplerOutput(token_ids.tolist(), _token_logprobs(logprobs, token_ids, batch))
@@ -344,16 +344,21 @@ def _finite(values: torch.Tensor) -> torch.Tensor:
 def sampling_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """The distribution random rows draw from: temperature, top-k, top-p, min-p on
     processed logits (N, V) -> probs (N, V). Greedy rows get a plain softmax."""
+    return softmax(_sampling_logits(logits, batch))
+
+
+def _sampling_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Processed logits / temperature, with -inf wherever top-k, top-p or min-p cut."""
     if batch.temperature is not None:
         logits = logits / batch.temperature
     if batch.top_k_top_p is not None:
         logits = _top_k_top_p(logits, batch.top_k_top_p)
-    probs = softmax(logits)
     if batch.min_p is not None:
         # Relative to the most likely token, which renormalising by top-k/top-p does not change.
+        probs = softmax(logits)
         too_unlikely = probs < probs.amax(dim=-1, keepdim=True) * batch.min_p
-        probs = softmax(logits.masked_fill(too_unlikely, float("-inf")))
-    return probs
+        logits = logits.masked_fill(too_unlikely, float("-inf"))
+    return logits
 
 
 def softmax(logits: torch.Tensor, log: bool = False) -> torch.Tensor:
@@ -426,16 +431,41 @@ def _top_p_threshold(values, sorted_probs, top_k, top_p, kept_mass, exhaustive):
     return (done | exhaustive).squeeze(1), values.gather(1, num_kept - 1)
 
 
-def _draw(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """One uniform u per row and the first token whose cumulative probability exceeds
-    u * total (what torch.multinomial does for one sample). A seeded row takes its u
-    from its own generator, one number per step."""
-    u = torch.zeros((probs.shape[0], 1), device=probs.device)  # (N, 1); greedy rows' draws are discarded
+def _uniforms(batch: SamplingBatch, device: torch.device) -> torch.Tensor:
+    """One uniform u per row, (N, 1): a seeded row's from its own generator, one number per step;
+    greedy rows' are 0 (discarded)."""
+    u = torch.zeros((batch.num_rows, 1), device=device)
     if batch.unseeded_rows is not None:
-        u[batch.unseeded_rows] = torch.rand((batch.unseeded_rows.numel(), 1), device=probs.device,
+        u[batch.unseeded_rows] = torch.rand((batch.unseeded_rows.numel(), 1), device=device,
                                             generator=batch.default_generator)
     for row, generator in batch.seeded_rows:
-        u[row] = torch.rand((1,), device=probs.device, generator=generator)
+        u[row] = torch.rand((1,), device=device, generator=generator)
+    return u
+
+
+def _draw_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Each row's token drawn from its sampling distribution with its uniform. On CPU with our
+    kernels, one op (cpu_kernels.draw_rows: 2 passes over the row, the same token on every CPU)
+    where torch's ops took 5 (divide, softmax, cumsum, two searchsorteds: ~136 us a 49152-wide row
+    at t=0.8, paid by every sampled row of every step, and by each of a verification's k + 1)."""
+    if not (logits.dtype == torch.float32 and cpu_kernels.usable(logits)):
+        return _draw(sampling_probs(logits, batch), batch)
+    u = _uniforms(batch, logits.device).squeeze(1)
+    if batch.top_k_top_p is None and batch.min_p is None:  # the temperature goes into the draw
+        temperature = (batch.temperature.squeeze(1) if batch.temperature is not None
+                       else torch.ones(batch.num_rows, device=logits.device))
+    else:
+        logits, temperature = _sampling_logits(logits, batch), torch.ones(batch.num_rows, device=logits.device)
+    token_ids = cpu_kernels.draw_rows(logits, temperature, u)
+    if bool((token_ids < 0).any()):  # no token left to draw (every logit -inf): the most probable, as _draw
+        token_ids = torch.where(token_ids < 0, logits.argmax(dim=-1), token_ids)
+    return token_ids
+
+
+def _draw(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The first token whose cumulative probability exceeds u * total (what torch.multinomial
+    does for one sample), for each row's uniform u."""
+    u = _uniforms(batch, probs.device)  # (N, 1)
     cdf = probs.cumsum(dim=-1)  # (N, V), non-decreasing
     total = cdf[:, -1:].contiguous()  # (N, 1)
     token_ids = torch.searchsorted(cdf, u * total, right=True)

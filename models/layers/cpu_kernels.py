@@ -44,7 +44,7 @@ _SOURCES = [
     for name in ("paged_attention.cpp", "elementwise.cpp", "quant_linear.cpp", "decode_ops.cpp", "decoder_layer.cpp")
 ]
 _HEADERS = [Path(__file__).parent / "csrc" / "vec8.h"]  # not compiled alone; a build is stale when one is newer
-_OPS = ("paged_attention", "rms_norm", "silu_and_mul", "softmax_rows", "quant_linear", "quant_linear_silu_mul", "rope_neox",
+_OPS = ("paged_attention", "rms_norm", "silu_and_mul", "softmax_rows", "draw_rows", "quant_linear", "quant_linear_silu_mul", "rope_neox",
         "write_kv_planes", "llama_decoder_layer")
 
 _lock = threading.Lock()
@@ -229,6 +229,13 @@ def softmax_rows(logits: torch.Tensor, log: bool = False) -> torch.Tensor:
     """logits (N, V) float32 -> softmax (or log_softmax) of each row: exactly 0 (-inf) where a logit
     is -inf, summed in one order whatever the ISA build, the row's neighbours or the thread count."""
     return torch.ops.pagedserve.softmax_rows(logits, log)
+
+
+def draw_rows(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """logits (N, V) float32, temperature and u (N,) float32 -> (N,) int64: each row's inverse-CDF
+    draw of u from softmax(logits / temperature), never a token whose logit is -inf; -1 for a row
+    with no token left (csrc/elementwise.cpp's draw_row: the same token on every ISA build)."""
+    return torch.ops.pagedserve.draw_rows(logits, temperature, u)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

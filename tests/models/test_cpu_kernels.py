@@ -154,6 +154,27 @@ def test_softmax_rows_equal_torchs_and_give_a_forbidden_token_nothing(width):
         cpu_kernels.softmax_rows(logits.double())
 
 
+def test_draw_rows_is_the_inverse_cdf_draw_and_never_takes_a_forbidden_token():
+    needs_kernel()
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(64, 49152 + 3, generator=gen) * 4
+    logits[::3, ::2] = float("-inf")
+    u, temperature = torch.rand(64, generator=gen), torch.rand(64, generator=gen) + 0.3
+    got = cpu_kernels.draw_rows(logits, temperature, u)
+    cdf = (logits / temperature[:, None]).softmax(-1).double().cumsum(-1)  # the reference, in float64
+    want = torch.searchsorted(cdf, (u.double() * cdf[:, -1])[:, None], right=True).squeeze(1)
+    assert (got == want).sum() >= 62  # float32 sums in blocks: a draw within rounding of a boundary may move
+    assert not torch.isinf(logits.gather(1, got[:, None])).any()
+    x = torch.full((4, 10), float("-inf"))
+    x[1, 7] = 0.0
+    x[2:, 3] = x[2:, 5] = 1.0
+    # nothing left: -1; one token: it, whatever u; u = 0: the first with weight; u * total on a
+    # boundary: past it (the first cumulative sum above u * total, as searchsorted(right=True)).
+    assert cpu_kernels.draw_rows(x, torch.ones(4), torch.tensor([0.5, 0.999, 0.0, 0.5])).tolist() == [-1, 7, 3, 5]
+    with pytest.raises(RuntimeError, match="temperature and u"):
+        cpu_kernels.draw_rows(x, torch.ones(3), torch.zeros(4))
+
+
 def test_the_kernels_can_be_switched_off():
     code = "from models.layers import cpu_kernels; print(cpu_kernels.available())"
     env = {**os.environ, "PAGEDSERVE_CPU_KERNELS": "0"}
@@ -269,6 +290,8 @@ def test_a_rows_norm_activation_and_rotation_do_not_depend_on_its_batch_address_
         "rope_neox": lambda rows: cpu_kernels.rope_neox(qk[rows], cos[rows], sin[rows]),
         "softmax_rows": lambda rows: cpu_kernels.softmax_rows(logits[rows]),
         "softmax_rows log": lambda rows: cpu_kernels.softmax_rows(logits[rows], log=True),
+        "draw_rows": lambda rows: cpu_kernels.draw_rows(logits[rows], (logits[rows, 0].abs() + 0.5),
+                                                        logits[rows, 1].sigmoid()),
     }
     before = torch.get_num_threads()
     try:

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <limits>
 #include <type_traits>
+#include <vector>
 
 #include "vec8.h"
 
@@ -221,9 +222,102 @@ at::Tensor softmax_rows(const at::Tensor& logits, bool log) {
   return out;
 }
 
+// One row's inverse-CDF draw from softmax(x / t): the first token whose running sum of weights
+// e^(x/t - max) passes u times their total, -1 where no token has weight (every logit -inf). What
+// the sampler did in 5 passes of torch ops (divide, softmax, cumsum, two searchsorteds), in 2
+// passes: the weights summed in blocks of kDrawBlock (each block on one 8-lane chain, its lanes by
+// one tree), the blocks' sums added in order to find the block, then that block's weights one by
+// one. A token of weight 0 (a -inf logit: grammar, top-k, top-p, min-p, min_tokens) is never drawn:
+// the running sum cannot pass u * total on it unless it had before.
+constexpr int64_t kDrawBlock = 256;
+
+int64_t draw_row(const float* x, int64_t n, float t, float u, float* weights, float* block_sums) {
+  const f32x8 minus_inf = splat(-std::numeric_limits<float>::infinity()), zero = splat(0.f), tv = splat(t);
+  const int64_t whole = n / 8 * 8;
+  alignas(32) float padded[8];
+  store8(padded, minus_inf);
+  std::copy(x + whole, x + n, padded);
+  const auto scaled = [&](int64_t j) {  // x / t of the 8 from j (a -inf logit stays -inf)
+    const f32x8 v = j < whole ? load8(x + j) : load8(padded);
+    f32x8 z = v / tv;
+    hold(z);
+    return is_minus_inf(v) ? minus_inf : z;
+  };
+  f32x8 m8 = minus_inf;
+  for (int64_t j = 0; j < n; j += 8) {
+    const f32x8 z = scaled(j);
+    m8 = z > m8 ? z : m8;
+  }
+  float m = m8[0];
+  for (int i = 1; i < 8; ++i) m = std::max(m, m8[i]);
+  const f32x8 mv = splat(m);
+  const int64_t blocks = (n + kDrawBlock - 1) / kDrawBlock;
+  float total = 0.f;
+  for (int64_t b = 0; b < blocks; ++b) {
+    f32x8 sum = zero;
+    for (int64_t j = b * kDrawBlock; j < std::min(n, (b + 1) * kDrawBlock); j += 8) {
+      const f32x8 z = scaled(j);
+      const f32x8 e = is_minus_inf(z) ? zero : exp8(z - mv);
+      store8(weights + j, e);  // weights holds whole vectors: n rounded up to 8
+      sum = sum + e;
+      hold(sum);
+    }
+    const f32x4 s4 = sum_lanes4(sum, zero, zero, zero);
+    block_sums[b] = s4[0];
+    total += s4[0];
+    hold(total);
+  }
+  if (!(total > 0.f) || !std::isfinite(total)) return -1;
+  float target = u * total;
+  hold(target);
+  float before = 0.f;
+  int64_t b = 0;
+  for (; b + 1 < blocks; ++b) {  // the block where the running sum passes the target (else the last)
+    float after = before + block_sums[b];
+    hold(after);
+    if (after > target) break;
+    before = after;
+  }
+  int64_t last = -1;  // the block's last token with weight: where rounding leaves the target unreached
+  for (int64_t j = b * kDrawBlock; j < std::min(n, (b + 1) * kDrawBlock); ++j) {
+    if (weights[j] > 0.f) last = j;
+    float after = before + weights[j];
+    hold(after);
+    if (after > target && weights[j] > 0.f) return j;
+    before = after;
+  }
+  if (last >= 0) return last;
+  for (int64_t j = b * kDrawBlock - 1; j >= 0; --j)  // the target passed with no weight left in its block
+    if (weights[j] > 0.f) return j;
+  return -1;
+}
+
+// logits (N, V) float32, temperature (N,) float32 > 0, u (N,) float32 in [0, 1) -> (N,) int64: each
+// row's draw (draw_row), -1 where it has no token of positive weight. Rows on their own threads.
+at::Tensor draw_rows(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& u) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat, "draw_rows: logits (N, V) float32");
+  const int64_t rows = logits.size(0), n = logits.size(1);
+  TORCH_CHECK(temperature.dim() == 1 && temperature.size(0) == rows && temperature.scalar_type() == at::kFloat &&
+              u.dim() == 1 && u.size(0) == rows && u.scalar_type() == at::kFloat,
+              "draw_rows: temperature and u (N,) float32");
+  auto in = logits.contiguous();
+  auto tc = temperature.contiguous(), uc = u.contiguous();
+  auto out = at::empty({rows}, logits.options().dtype(at::kLong));
+  const float* xp = in.data_ptr<float>();
+  const float* tp = tc.data_ptr<float>();
+  const float* up = uc.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> weights((n + 7) / 8 * 8), block_sums((n + kDrawBlock - 1) / kDrawBlock);
+    for (int64_t r = begin; r < end; ++r) op[r] = draw_row(xp + r * n, n, tp[r], up[r], weights.data(), block_sums.data());
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
+  m.def("draw_rows(Tensor logits, Tensor temperature, Tensor u) -> Tensor");
   m.def("softmax_rows(Tensor logits, bool log) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
@@ -233,4 +327,5 @@ TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("softmax_rows", &softmax_rows);
+  m.impl("draw_rows", &draw_rows);
 }
