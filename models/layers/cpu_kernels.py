@@ -231,11 +231,14 @@ def softmax_rows(logits: torch.Tensor, log: bool = False) -> torch.Tensor:
     return torch.ops.pagedserve.softmax_rows(logits, log)
 
 
-def draw_rows(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """logits (N, V) float32, temperature and u (N,) float32 -> (N,) int64: each row's inverse-CDF
-    draw of u from softmax(logits / temperature), never a token whose logit is -inf; -1 for a row
-    with no token left (csrc/elementwise.cpp's draw_row: the same token on every ISA build)."""
-    return torch.ops.pagedserve.draw_rows(logits, temperature, u)
+def draw_rows(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor, top_k: torch.Tensor | None = None,
+              top_p: torch.Tensor | None = None) -> torch.Tensor:
+    """logits (N, V) float32, temperature and u (N,) float32, top_k (N,) int64 (V: none) and top_p
+    (N,) float32 (1: none) -> (N,) int64: each row's inverse-CDF draw of u from softmax(logits /
+    temperature) cut by top-k then top-p as engine/sampler.py's _top_k_top_p defines them, never a
+    token whose logit is -inf; -1 for a row with no token left (csrc/elementwise.cpp's draw_row:
+    the same token on every ISA build)."""
+    return torch.ops.pagedserve.draw_rows(logits, temperature, u, top_k, top_p)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -351,3 +351,42 @@ def test_a_long_rows_nucleus_is_the_same_alone_in_a_batch_and_on_either_thread_c
                 assert torch.equal(seen[0], seen[1]) and torch.equal(seen[0], seen[2]), (rank, step)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=0.8), dict(temperature=0.7, top_p=0.9), dict(temperature=1.0, top_k=50),
+                                dict(temperature=0.8, top_k=40, top_p=0.95), dict(temperature=1.3, top_p=0.5),
+                                dict(temperature=0.8, top_k=1), dict(temperature=0.8, top_k=49152)])
+def test_the_cpu_kernels_draw_is_the_torch_draw(kw):
+    # On CPU with our kernels a row's draw is one op (cpu_kernels.draw_rows: temperature, top-k and
+    # top-p inside, the vocabulary never sorted); the torch ops (_draw on sampling_probs) are the
+    # reference. For the same uniforms they take the same token, but where one falls within
+    # rounding of a boundary between two tokens (float32 sums in another order).
+    from engine import sampler
+    from models.layers import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("no CPU kernels")
+    gen = torch.Generator().manual_seed(5)
+    vocab = 49152
+    rows = [torch.randn(vocab, generator=gen) * scale for scale in (1.0, 3.0, 8.0)]  # flat to peaked
+    rows[1][::7] = float("-inf")  # forbidden tokens
+    logits = torch.stack(rows * 4)  # (12, V)
+    batch = batch_of([SamplingParams(seed=0, **kw)] * 12, generators=[torch.Generator().manual_seed(i) for i in range(12)],
+                     vocab_size=vocab)
+    forbidden = torch.isinf(sampler._sampling_logits(logits, batch))  # what temperature, top-k and top-p cut
+    agree = total = 0
+    for u in torch.linspace(0, 0.999, 150):
+        uniforms = torch.full((12,), float(u))
+        f, top_k, top_p = batch.top_k_top_p, None, None
+        if f is not None:
+            top_k = torch.full((12,), vocab).index_copy_(0, f.rows, f.top_k[:, 0])
+            if f.top_p is not None:
+                top_p = torch.ones(12).index_copy_(0, f.rows, f.top_p[:, 0])
+        temperature = batch.temperature[:, 0] if batch.temperature is not None else torch.ones(12)
+        ours = cpu_kernels.draw_rows(logits, temperature, uniforms, top_k, top_p)
+        cdf = sampler.sampling_probs(logits, batch).double().cumsum(-1)
+        theirs = torch.searchsorted(cdf, (uniforms.double() * cdf[:, -1])[:, None], right=True).squeeze(1)
+        assert not forbidden.gather(1, ours[:, None]).any()  # never a token the cut removed
+        agree += int((ours == theirs).sum())
+        total += 12
+    assert agree >= 0.995 * total, (agree, total)

@@ -199,7 +199,9 @@ print("BUILD", cpu_kernels.loaded_target(), "torch", torch.backends.cpu.get_cpu_
 x = ((torch.arange(7 * 1003) * 7919 % 1000 - 500) / 97.0).view(7, 1003)
 ops = [cpu_kernels.rms_norm(x, x[0], 1e-6), cpu_kernels.silu_and_mul(x[:, :1000]), cpu_kernels.softmax_rows(x),
        cpu_kernels.softmax_rows(x, log=True),
-       cpu_kernels.draw_rows(x * 8, torch.full((7,), 0.7), torch.arange(7) / 7.0).float()]
+       cpu_kernels.draw_rows(x * 8, torch.full((7,), 0.7), torch.arange(7) / 7.0).float(),
+       cpu_kernels.draw_rows(x, torch.full((7,), 0.7), torch.arange(7) / 7.0, torch.full((7,), 40),
+                             torch.full((7,), 0.9)).float()]
 print("OPS", json.dumps([[v.hex() for v in op.flatten().tolist()] for op in ops]))
 llm = LLM(str(default_model_path()))
 params = [SamplingParams(temperature=1.0, seed=123, max_tokens=16, logprobs=3),

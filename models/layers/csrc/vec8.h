@@ -118,6 +118,7 @@ inline void hold(f32x8& v) {
 #endif
 }
 inline void hold(float& v) { __asm__("" : "+x"(v)); }
+inline void hold(double& v) { __asm__("" : "+x"(v)); }
 
 // x * sigmoid(x) = x / (1 + e^-x), lane by lane (exp8 clamps -x to [-87, 88]: the kernels are built
 // with -ffast-math, which assumes no infinities).
