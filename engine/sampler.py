@@ -448,21 +448,19 @@ def _draw_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     kernels, one op (cpu_kernels.draw_rows: 2-3 passes over the row, the same token on every CPU)
     where torch's ops took 5 (divide, softmax, cumsum, two searchsorteds: ~136 us a 49152-wide row
     at t=0.8, paid by every sampled row of every step, and by each of a verification's k + 1) and
-    top-k / top-p ~10 more (topk, softmax, gathers, cumsums, masks: ~360 us a row)."""
+    top-k / top-p / min-p ~10 more (topk, softmax, gathers, cumsums, masks: ~360 us a row)."""
     if not (logits.dtype == torch.float32 and cpu_kernels.usable(logits)):
         return _draw(sampling_probs(logits, batch), batch)
     u = _uniforms(batch, logits.device).squeeze(1)
     top_k = top_p = None
-    if batch.min_p is None:  # the temperature, top-k and top-p go into the draw
-        temperature = (batch.temperature.squeeze(1) if batch.temperature is not None
-                       else torch.ones(batch.num_rows, device=logits.device))
-        if (f := batch.top_k_top_p) is not None:
-            top_k = torch.full((batch.num_rows,), batch.vocab_size, dtype=torch.int64).index_copy_(0, f.rows, f.top_k[:, 0])
-            if f.top_p is not None:
-                top_p = torch.ones(batch.num_rows).index_copy_(0, f.rows, f.top_p[:, 0])
-    else:  # min-p's cut needs the probabilities after the others' (_sampling_logits)
-        logits, temperature = _sampling_logits(logits, batch), torch.ones(batch.num_rows, device=logits.device)
-    token_ids = cpu_kernels.draw_rows(logits, temperature, u, top_k, top_p)
+    temperature = (batch.temperature.squeeze(1) if batch.temperature is not None
+                   else torch.ones(batch.num_rows, device=logits.device))
+    if (f := batch.top_k_top_p) is not None:
+        top_k = torch.full((batch.num_rows,), batch.vocab_size, dtype=torch.int64).index_copy_(0, f.rows, f.top_k[:, 0])
+        if f.top_p is not None:
+            top_p = torch.ones(batch.num_rows).index_copy_(0, f.rows, f.top_p[:, 0])
+    min_p = batch.min_p.squeeze(1) if batch.min_p is not None else None
+    token_ids = cpu_kernels.draw_rows(logits, temperature, u, top_k, top_p, min_p)
     if bool((token_ids < 0).any()):  # no token left to draw (every logit -inf): the most probable, as _draw
         token_ids = torch.where(token_ids < 0, logits.argmax(dim=-1), token_ids)
     return token_ids

@@ -232,13 +232,13 @@ def softmax_rows(logits: torch.Tensor, log: bool = False) -> torch.Tensor:
 
 
 def draw_rows(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor, top_k: torch.Tensor | None = None,
-              top_p: torch.Tensor | None = None) -> torch.Tensor:
-    """logits (N, V) float32, temperature and u (N,) float32, top_k (N,) int64 (V: none) and top_p
-    (N,) float32 (1: none) -> (N,) int64: each row's inverse-CDF draw of u from softmax(logits /
-    temperature) cut by top-k then top-p as engine/sampler.py's _top_k_top_p defines them, never a
-    token whose logit is -inf; -1 for a row with no token left (csrc/elementwise.cpp's draw_row:
-    the same token on every ISA build)."""
-    return torch.ops.pagedserve.draw_rows(logits, temperature, u, top_k, top_p)
+              top_p: torch.Tensor | None = None, min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """logits (N, V) float32, temperature and u (N,) float32, top_k (N,) int64 (V: none), top_p
+    (N,) float32 (1: none), min_p (N,) float32 (0: none) -> (N,) int64: each row's inverse-CDF draw
+    of u from softmax(logits / temperature) cut by top-k, top-p, then min-p as engine/sampler.py
+    defines them, never a token whose logit is -inf; -1 for a row with no token left
+    (csrc/elementwise.cpp's draw_row: the same token on every ISA build)."""
+    return torch.ops.pagedserve.draw_rows(logits, temperature, u, top_k, top_p, min_p)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -355,10 +355,11 @@ def test_a_long_rows_nucleus_is_the_same_alone_in_a_batch_and_on_either_thread_c
 
 @pytest.mark.parametrize("kw", [dict(temperature=0.8), dict(temperature=0.7, top_p=0.9), dict(temperature=1.0, top_k=50),
                                 dict(temperature=0.8, top_k=40, top_p=0.95), dict(temperature=1.3, top_p=0.5),
-                                dict(temperature=0.8, top_k=1), dict(temperature=0.8, top_k=49152)])
+                                dict(temperature=0.8, top_k=1), dict(temperature=0.8, top_k=49152),
+                                dict(temperature=0.8, min_p=0.05), dict(temperature=0.9, top_k=100, top_p=0.9, min_p=0.1)])
 def test_the_cpu_kernels_draw_is_the_torch_draw(kw):
-    # On CPU with our kernels a row's draw is one op (cpu_kernels.draw_rows: temperature, top-k and
-    # top-p inside, the vocabulary never sorted); the torch ops (_draw on sampling_probs) are the
+    # On CPU with our kernels a row's draw is one op (cpu_kernels.draw_rows: temperature, top-k,
+    # top-p and min-p inside, the vocabulary never sorted); the torch ops (_draw on sampling_probs) are the
     # reference. For the same uniforms they take the same token, but where one falls within
     # rounding of a boundary between two tokens (float32 sums in another order).
     from engine import sampler
@@ -383,7 +384,8 @@ def test_the_cpu_kernels_draw_is_the_torch_draw(kw):
             if f.top_p is not None:
                 top_p = torch.ones(12).index_copy_(0, f.rows, f.top_p[:, 0])
         temperature = batch.temperature[:, 0] if batch.temperature is not None else torch.ones(12)
-        ours = cpu_kernels.draw_rows(logits, temperature, uniforms, top_k, top_p)
+        min_p = batch.min_p[:, 0] if batch.min_p is not None else None
+        ours = cpu_kernels.draw_rows(logits, temperature, uniforms, top_k, top_p, min_p)
         cdf = sampler.sampling_probs(logits, batch).double().cumsum(-1)
         theirs = torch.searchsorted(cdf, (uniforms.double() * cdf[:, -1])[:, None], right=True).squeeze(1)
         assert not forbidden.gather(1, ours[:, None]).any()  # never a token the cut removed

@@ -224,7 +224,7 @@ at::Tensor softmax_rows(const at::Tensor& logits, bool log) {
   return out;
 }
 
-// One row's inverse-CDF draw from softmax(x / t) cut by top-k and top-p: the first token whose
+// One row's inverse-CDF draw from softmax(x / t) cut by top-k, top-p and min-p: the first token whose
 // running sum of weights e^(x/t - max) passes u times their total; -1 where no token has weight
 // (every logit -inf). What the sampler did in torch ops (divide, topk, softmax, cumsums, masks,
 // two searchsorteds: ~136 us a 49152-wide row at t=0.8, ~360 us more with top-p), in 2-3 passes:
@@ -310,8 +310,8 @@ float cut_threshold(const float* z, const float* w, int64_t n, float m, int64_t 
 
 // z: scratch of n rounded up to 8 floats (x / t), weights: the same, block_sums: n / kDrawBlock rounded
 // up, ids: n (cut_threshold's buckets).
-int64_t draw_row(const float* x, int64_t n, float t, float u, int64_t k, float p, float* z, float* weights,
-                 float* block_sums, int16_t* ids) {
+int64_t draw_row(const float* x, int64_t n, float t, float u, int64_t k, float p, float min_p, float* z,
+                 float* weights, float* block_sums, int16_t* ids) {
   const f32x8 minus_inf = splat(-std::numeric_limits<float>::infinity()), zero = splat(0.f), tv = splat(t);
   const int64_t whole = n / 8 * 8, padded_n = (n + 7) / 8 * 8;
   alignas(32) float padded[8];
@@ -338,14 +338,17 @@ int64_t draw_row(const float* x, int64_t n, float t, float u, int64_t k, float p
     }
     cut = cut_threshold(z, weights, n, m, k, p, ids);
   }
-  const f32x8 cutv = splat(cut);
+  // min-p after top-k and top-p: a token less likely than min_p times the best, whose weight is 1
+  // (exp8(0) exactly), has a weight below min_p.
+  const f32x8 cutv = splat(cut), min_pv = splat(min_p);
   const int64_t blocks = (n + kDrawBlock - 1) / kDrawBlock;
   double sum_all = 0.0;  // float64 from here: a 49152-token row's running sum in float32 moved draws
   for (int64_t b = 0; b < blocks; ++b) {
     f32x8 sum = zero;
     for (int64_t j = b * kDrawBlock; j < std::min(padded_n, (b + 1) * kDrawBlock); j += 8) {
       const f32x8 q = load8(z + j);
-      const f32x8 e = (is_minus_inf(q) | (q < cutv)) ? zero : exp8(q - mv);
+      f32x8 e = (is_minus_inf(q) | (q < cutv)) ? zero : exp8(q - mv);
+      e = e < min_pv ? zero : e;
       store8(weights + j, e);
       sum = sum + e;
       hold(sum);
@@ -380,33 +383,36 @@ int64_t draw_row(const float* x, int64_t n, float t, float u, int64_t k, float p
 }
 
 // logits (N, V) float32; temperature (N,) float32 > 0; u (N,) float32 in [0, 1); top_k (N,) int64
-// (V: none) and top_p (N,) float32 (1: none) -> (N,) int64: each row's draw (draw_row), -1 where it
-// has no token of positive weight. Rows on their own threads.
+// (V: none), top_p (N,) float32 (1: none), min_p (N,) float32 (0: none) -> (N,) int64: each row's
+// draw (draw_row), -1 where it has no token of positive weight. Rows on their own threads.
 at::Tensor draw_rows(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& u,
-                     const std::optional<at::Tensor>& top_k, const std::optional<at::Tensor>& top_p) {
+                     const std::optional<at::Tensor>& top_k, const std::optional<at::Tensor>& top_p,
+                     const std::optional<at::Tensor>& min_p) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat, "draw_rows: logits (N, V) float32");
   const int64_t rows = logits.size(0), n = logits.size(1);
   const auto vector_of = [&](const at::Tensor& t, at::ScalarType type) {
     return t.dim() == 1 && t.size(0) == rows && t.scalar_type() == type;
   };
   TORCH_CHECK(vector_of(temperature, at::kFloat) && vector_of(u, at::kFloat), "draw_rows: temperature and u (N,) float32");
-  TORCH_CHECK((!top_k || vector_of(*top_k, at::kLong)) && (!top_p || vector_of(*top_p, at::kFloat)),
-              "draw_rows: top_k (N,) int64, top_p (N,) float32");
+  TORCH_CHECK((!top_k || vector_of(*top_k, at::kLong)) && (!top_p || vector_of(*top_p, at::kFloat)) &&
+                  (!min_p || vector_of(*min_p, at::kFloat)),
+              "draw_rows: top_k (N,) int64, top_p and min_p (N,) float32");
   auto in = logits.contiguous();
   auto tc = temperature.contiguous(), uc = u.contiguous();
   auto kc = top_k ? top_k->contiguous() : at::full({rows}, n, logits.options().dtype(at::kLong));
   auto pc = top_p ? top_p->contiguous() : at::ones({rows}, logits.options());
+  auto mc = min_p ? min_p->contiguous() : at::zeros({rows}, logits.options());
   auto out = at::empty({rows}, logits.options().dtype(at::kLong));
   const float* xp = in.data_ptr<float>();
-  const float *tp = tc.data_ptr<float>(), *up = uc.data_ptr<float>(), *pp = pc.data_ptr<float>();
+  const float *tp = tc.data_ptr<float>(), *up = uc.data_ptr<float>(), *pp = pc.data_ptr<float>(), *mp = mc.data_ptr<float>();
   const int64_t* kp = kc.data_ptr<int64_t>();
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> z((n + 7) / 8 * 8), weights((n + 7) / 8 * 8), block_sums((n + kDrawBlock - 1) / kDrawBlock);
     std::vector<int16_t> ids(n);
     for (int64_t r = begin; r < end; ++r)
-      op[r] = draw_row(xp + r * n, n, tp[r], up[r], std::clamp<int64_t>(kp[r], 1, n), pp[r], z.data(), weights.data(),
-                       block_sums.data(), ids.data());
+      op[r] = draw_row(xp + r * n, n, tp[r], up[r], std::clamp<int64_t>(kp[r], 1, n), pp[r], mp[r], z.data(),
+                       weights.data(), block_sums.data(), ids.data());
   });
   return out;
 }
@@ -414,7 +420,8 @@ at::Tensor draw_rows(const at::Tensor& logits, const at::Tensor& temperature, co
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
-  m.def("draw_rows(Tensor logits, Tensor temperature, Tensor u, Tensor? top_k=None, Tensor? top_p=None) -> Tensor");
+  m.def("draw_rows(Tensor logits, Tensor temperature, Tensor u, Tensor? top_k=None, Tensor? top_p=None, "
+        "Tensor? min_p=None) -> Tensor");
   m.def("softmax_rows(Tensor logits, bool log) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
