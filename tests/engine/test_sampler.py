@@ -102,7 +102,18 @@ def test_temperature_then_top_k_then_top_p():
     assert torch.allclose(probs_for(params), expected({3: .16, 1: .09}), atol=1e-6)
 
 
-def test_draws_follow_the_processed_distribution():
+@pytest.fixture(params=["kernel draw", "torch draw"])
+def draw_path(request, monkeypatch):
+    """Both ways a row is drawn: one op of ours on CPU (cpu_kernels.draw_rows), or torch's ops (_draw
+    on sampling_probs: other devices, no compiler)."""
+    if request.param == "torch draw":
+        from engine import sampler
+
+        monkeypatch.setattr(sampler.cpu_kernels, "usable", lambda x: False)
+    return request.param
+
+
+def test_draws_follow_the_processed_distribution(draw_path):
     rows = 20000
     params = [SamplingParams(temperature=0.5, top_k=3)] * rows
     gen = torch.Generator().manual_seed(1234)
@@ -282,7 +293,7 @@ def test_bad_inputs_raise_value_errors():
     SamplingParams(logit_bias={t: float("-inf") for t in range(5)}),  # nothing left to sample
     SamplingParams(temperature=1e-4, repetition_penalty=1e-30),
 ])
-def test_hostile_params_never_give_a_token_outside_the_vocabulary(params):
+def test_hostile_params_never_give_a_token_outside_the_vocabulary(params, draw_path):
     torch.manual_seed(0)
     logits = LOGITS.repeat(3, 1)
     logits[1, 4] = float("-inf")
@@ -291,7 +302,7 @@ def test_hostile_params_never_give_a_token_outside_the_vocabulary(params):
         assert all(0 <= t < 5 for t in sample(logits, batch).token_ids)
 
 
-def test_tiny_top_p_keeps_the_best_token():
+def test_tiny_top_p_keeps_the_best_token(draw_path):
     out = sample(LOGITS.repeat(4, 1), batch_of([SamplingParams(top_p=1e-300)] * 4))
     assert out.token_ids == [3] * 4
 
