@@ -451,19 +451,23 @@ def _draw_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     top-k / top-p / min-p ~10 more (topk, softmax, gathers, cumsums, masks: ~360 us a row)."""
     if not (logits.dtype == torch.float32 and cpu_kernels.usable(logits)):
         return _draw(sampling_probs(logits, batch), batch)
-    u = _uniforms(batch, logits.device).squeeze(1)
-    top_k = top_p = None
-    temperature = (batch.temperature.squeeze(1) if batch.temperature is not None
-                   else torch.ones(batch.num_rows, device=logits.device))
-    if (f := batch.top_k_top_p) is not None:
-        top_k = torch.full((batch.num_rows,), batch.vocab_size, dtype=torch.int64).index_copy_(0, f.rows, f.top_k[:, 0])
-        if f.top_p is not None:
-            top_p = torch.ones(batch.num_rows).index_copy_(0, f.rows, f.top_p[:, 0])
-    min_p = batch.min_p.squeeze(1) if batch.min_p is not None else None
-    token_ids = cpu_kernels.draw_rows(logits, temperature, u, top_k, top_p, min_p)
+    token_ids = cpu_kernels.draw_rows(logits, *draw_knobs(batch, _uniforms(batch, logits.device).squeeze(1)))
     if bool((token_ids < 0).any()):  # no token left to draw (every logit -inf): the most probable, as _draw
         token_ids = torch.where(token_ids < 0, logits.argmax(dim=-1), token_ids)
     return token_ids
+
+
+def draw_knobs(batch: SamplingBatch, u: torch.Tensor) -> tuple:
+    """cpu_kernels.draw_rows's arguments after the logits, one number a row: temperature, u,
+    top_k (vocab_size: none), top_p (1: none), min_p (None where no row has them)."""
+    n, device = batch.num_rows, u.device
+    temperature = batch.temperature[:, 0] if batch.temperature is not None else torch.ones(n, device=device)
+    top_k = top_p = None
+    if (f := batch.top_k_top_p) is not None:
+        top_k = torch.full((n,), batch.vocab_size, dtype=torch.int64, device=device).index_copy_(0, f.rows, f.top_k[:, 0])
+        if f.top_p is not None:
+            top_p = torch.ones(n, device=device).index_copy_(0, f.rows, f.top_p[:, 0])
+    return temperature, u, top_k, top_p, batch.min_p[:, 0] if batch.min_p is not None else None
 
 
 def _draw(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -389,14 +389,7 @@ def test_the_cpu_kernels_draw_is_the_torch_draw(kw):
     agree = total = 0
     for u in torch.linspace(0, 0.999, 150):
         uniforms = torch.full((12,), float(u))
-        f, top_k, top_p = batch.top_k_top_p, None, None
-        if f is not None:
-            top_k = torch.full((12,), vocab).index_copy_(0, f.rows, f.top_k[:, 0])
-            if f.top_p is not None:
-                top_p = torch.ones(12).index_copy_(0, f.rows, f.top_p[:, 0])
-        temperature = batch.temperature[:, 0] if batch.temperature is not None else torch.ones(12)
-        min_p = batch.min_p[:, 0] if batch.min_p is not None else None
-        ours = cpu_kernels.draw_rows(logits, temperature, uniforms, top_k, top_p, min_p)
+        ours = cpu_kernels.draw_rows(logits, *sampler.draw_knobs(batch, uniforms))
         cdf = sampler.sampling_probs(logits, batch).double().cumsum(-1)
         theirs = torch.searchsorted(cdf, (uniforms.double() * cdf[:, -1])[:, None], right=True).squeeze(1)
         assert not forbidden.gather(1, ours[:, None]).any()  # never a token the cut removed
