@@ -422,14 +422,19 @@ struct Attention {
   }
 };
 
-// Tasks in sequence, KV head, query order; split into `parts` contiguous runs of about equal cost.
+// Tasks in KV head, sequence, query order; split into `parts` contiguous runs of about equal cost.
+// Head-major: a KV head's keys (and values) for every sequence lie in one plane of the cache, so
+// consecutive tasks read one region of memory, not the Hk planes in turn (a task's order changes
+// none of its sums). 16 decodes of 128-256 tokens, 16-bit cache, scattered blocks, every layer's
+// cache cold, 2 threads, Zen 5, the two builds alternated 4 times: 1.7B's 32 heads x 24 layers
+// 28.4-32.9 -> 22.3-26.1 ms, 360M's 5 KV heads x 32 layers 6.4-7.5 -> 6.1-6.6 ms.
 template <typename Kernel>
 void run_tasks(const Kernel& kernel, int64_t n, int64_t Hk) {
   std::vector<Task> tasks;
   int64_t total = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t q_len = kernel.query_start[i + 1] - kernel.query_start[i], vecs = q_len * kernel.G;
-    for (int64_t h = 0; h < Hk; ++h) {
+  for (int64_t h = 0; h < Hk; ++h) {
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t q_len = kernel.query_start[i + 1] - kernel.query_start[i], vecs = q_len * kernel.G;
       for (int64_t first = 0; first < vecs; first += kMaxVecs) {
         const int64_t count = std::min(kMaxVecs, vecs - first);
         Task task{i, h, first, count, 0};
