@@ -176,13 +176,17 @@ inline void accumulate(float* const* acc, const float* const* p, const kv_t* con
   }
 }
 
-// A cache row's lines, asked for now, read later: into L2 (a block's rows asked for into L1 held
-// the fill buffers the reads need: 1.7B's 32 heads, 200 keys, 16-bit cache, cold, 205 -> 140 us
-// a layer on a Zen 4; 360M 44 -> 38). How far ahead: see Attention::run.
-template <typename cache_t>
+// A cache row's lines, asked for now, read later. A decode's rows stream (keys kAhead ahead of their
+// scores, values as their keys' scores are computed) into L1: 1.7B's 32 heads, one decode of 128-256
+// keys, 16-bit cache, cold (another 128 MB read between layers), 2 threads, Zen 5, alternated: 24
+// layers 2.8-3.2 -> 2.2-2.4 ms; 360M one decode 1.8-2.1 -> 1.5-1.7 ms, 16 decodes 7.9-10.1 -> 6.9-7.2
+// (into L2 was level on 1.7B's 16 and 64 decodes). The many rows of a prompt ask for a whole block of
+// keys at once, into L2 (into L1 those held the fill buffers the reads need: 1.7B's 32 heads, 200
+// keys, cold, 205 -> 140 us a layer on a Zen 4; 360M 44 -> 38).
+template <int kLocality = 3, typename cache_t>
 inline void prefetch_row(const cache_t* row, int64_t n) {
   const char* bytes = reinterpret_cast<const char*>(row);
-  for (int64_t at = 0; at < n * static_cast<int64_t>(sizeof(cache_t)); at += 64) __builtin_prefetch(bytes + at, 0, 2);
+  for (int64_t at = 0; at < n * static_cast<int64_t>(sizeof(cache_t)); at += 64) __builtin_prefetch(bytes + at, 0, kLocality);
 }
 
 // One cache row as floats: the row itself for a float cache, else widened into `buf`.
@@ -279,7 +283,7 @@ struct Attention {
       // 16-bit cache, 2 threads, Zen 5: 1.39 -> 1.01 ms a layer; 360M's 5 heads 300 -> 177 us.)
       // Keys widened into a buffer are all read now: those are asked for here.
       if (widen) {
-        for (int64_t t = 0; t < nk; ++t) prefetch_row(kbase + slots[t] * lay.slot_stride, Dk);
+        for (int64_t t = 0; t < nk; ++t) prefetch_row<2>(kbase + slots[t] * lay.slot_stride, Dk);
       } else if (b0 == 0 && !asked) {
         for (int64_t t = 0; t < std::min(nk, kAhead); ++t) prefetch_row(kbase + slots[t] * lay.slot_stride, Dk);
       }
