@@ -44,7 +44,7 @@ _SOURCES = [
     for name in ("paged_attention.cpp", "elementwise.cpp", "quant_linear.cpp", "decode_ops.cpp", "decoder_layer.cpp")
 ]
 _HEADERS = [Path(__file__).parent / "csrc" / "vec8.h"]  # not compiled alone; a build is stale when one is newer
-_OPS = ("paged_attention", "rms_norm", "silu_and_mul", "softmax_rows", "draw_rows", "quant_linear", "quant_linear_silu_mul", "rope_neox",
+_OPS = ("paged_attention", "rms_norm", "silu_and_mul", "softmax_rows", "argmax_rows", "draw_rows", "quant_linear", "quant_linear_silu_mul", "rope_neox",
         "write_kv_planes", "llama_decoder_layer")
 
 _lock = threading.Lock()
@@ -229,6 +229,12 @@ def softmax_rows(logits: torch.Tensor, log: bool = False) -> torch.Tensor:
     """logits (N, V) float32 -> softmax (or log_softmax) of each row: exactly 0 (-inf) where a logit
     is -inf, summed in one order whatever the ISA build, the row's neighbours or the thread count."""
     return torch.ops.pagedserve.softmax_rows(logits, log)
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits (N, V) float32 -> (N,) int64: each row's first maximum, as torch.argmax(dim=-1) (a NaN
+    counts as the largest)."""
+    return torch.ops.pagedserve.argmax_rows(logits)
 
 
 def draw_rows(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor, top_k: torch.Tensor | None = None,

@@ -154,6 +154,24 @@ def test_softmax_rows_equal_torchs_and_give_a_forbidden_token_nothing(width):
         cpu_kernels.softmax_rows(logits.double())
 
 
+@pytest.mark.parametrize("width", [1, 7, 31, 255, 257, 1000, 49152 + 3])
+def test_argmax_rows_is_torchs_argmax_first_index_and_nan_included(width):
+    needs_kernel()
+    gen = torch.Generator().manual_seed(width)
+    logits = (torch.randn(8, width, generator=gen) * 4).round()  # rounded: ties everywhere
+    logits[1] = float("-inf")  # nothing allowed: index 0, as torch
+    logits[2, width // 2 :] = logits[2].max() + 1  # the first of a run of equal maxima, mid-row
+    logits[3, -1] = float("inf")
+    logits[4, width // 3] = float("nan")  # a NaN counts as the largest, as in torch
+    logits[5, width // 4 :: 5] = float("nan")
+    logits[6, -1] = float("nan")
+    logits[7, :-1] = float("-inf")
+    assert torch.equal(cpu_kernels.argmax_rows(logits), logits.argmax(dim=-1))
+    assert torch.equal(cpu_kernels.argmax_rows(logits[:, : max(1, width - 1)]), logits[:, : max(1, width - 1)].argmax(-1))
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_kernels.argmax_rows(logits.double())
+
+
 def test_draw_rows_is_the_inverse_cdf_draw_and_never_takes_a_forbidden_token():
     needs_kernel()
     gen = torch.Generator().manual_seed(3)
@@ -290,6 +308,7 @@ def test_a_rows_norm_activation_and_rotation_do_not_depend_on_its_batch_address_
         "rope_neox": lambda rows: cpu_kernels.rope_neox(qk[rows], cos[rows], sin[rows]),
         "softmax_rows": lambda rows: cpu_kernels.softmax_rows(logits[rows]),
         "softmax_rows log": lambda rows: cpu_kernels.softmax_rows(logits[rows], log=True),
+        "argmax_rows": lambda rows: cpu_kernels.argmax_rows(logits[rows]),
         "draw_rows": lambda rows: cpu_kernels.draw_rows(logits[rows], (logits[rows, 0].abs() + 0.5),
                                                         logits[rows, 1].sigmoid()),
     }
