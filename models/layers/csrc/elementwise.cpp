@@ -226,67 +226,63 @@ at::Tensor softmax_rows(const at::Tensor& logits, bool log) {
 }
 
 // logits (N, V) float32 -> (N,) int64: each row's first maximum, as torch.argmax (a NaN counts as
-// the largest: the first NaN), each row on one thread. One vectorised pass finds the row's max (a
-// max is exact in any order), a second the first index holding it. Greedy sampling's three torch ops
-// (block amax, argmax, the block's argmax) took ~110 us a 49152-wide row in a serving step, where
-// the forward pass before has left every cache cold; NaN is found from its bits (-ffast-math
-// assumes there is none).
+// the largest: the first NaN), each row on one thread. Blocks of 256, each block's max on four 8-lane
+// chains (a max is exact in any order) and whether it holds a NaN; the row's first block holding its
+// max (or a NaN) is then searched for the first index. Greedy sampling's three torch ops (block amax,
+// argmax, the block's argmax) took ~110 us a 49152-wide row in a serving step, where the forward pass
+// before has left every cache cold. NaN is found from its bits (-ffast-math assumes there is none).
+constexpr int64_t kArgmaxBlock = 256;
+
 inline bool is_nan_bits(float v) {
   uint32_t bits;
   std::memcpy(&bits, &v, sizeof bits);
   return (bits & 0x7fffffffu) > 0x7f800000u;
 }
 
-// Blocks of 256: each block's max on four 8-lane chains (and whether it holds a NaN), then the first
-// block holding the row's max (or a NaN), then the first index inside that block.
-constexpr int64_t kArgmaxBlock = 256;
-
-int64_t argmax_row(const float* x, int64_t n) {
+// Block [b0, b1)'s max; `nan` set where it holds a NaN.
+float block_max(const float* x, int64_t b0, int64_t b1, bool& nan) {
   const f32x8 minus_inf = splat(-std::numeric_limits<float>::infinity());
   const i32x8 magnitude = {0x7fffffff, 0x7fffffff, 0x7fffffff, 0x7fffffff, 0x7fffffff, 0x7fffffff, 0x7fffffff, 0x7fffffff};
   const i32x8 inf_bits = {0x7f800000, 0x7f800000, 0x7f800000, 0x7f800000, 0x7f800000, 0x7f800000, 0x7f800000, 0x7f800000};
-  const auto block_max = [&](int64_t b0, bool& nan) {
-    const int64_t b1 = std::min(n, b0 + kArgmaxBlock), whole = b0 + (b1 - b0) / 32 * 32;
-    f32x8 m0 = minus_inf, m1 = minus_inf, m2 = minus_inf, m3 = minus_inf;
-    i32x8 nans = {};
-    for (int64_t j = b0; j < whole; j += 32) {
-      __builtin_prefetch(x + j + 1024), __builtin_prefetch(x + j + 1040);  // 4 KB ahead: a row from memory
-      const f32x8 v0 = load8(x + j), v1 = load8(x + j + 8), v2 = load8(x + j + 16), v3 = load8(x + j + 24);
-      m0 = v0 > m0 ? v0 : m0, m1 = v1 > m1 ? v1 : m1, m2 = v2 > m2 ? v2 : m2, m3 = v3 > m3 ? v3 : m3;
-      i32x8 b[4];
-      std::memcpy(b, x + j, sizeof b);
-      nans |= ((b[0] & magnitude) > inf_bits) | ((b[1] & magnitude) > inf_bits) | ((b[2] & magnitude) > inf_bits) |
-              ((b[3] & magnitude) > inf_bits);
-    }
-    m0 = m1 > m0 ? m1 : m0, m2 = m3 > m2 ? m3 : m2, m0 = m2 > m0 ? m2 : m0;
-    float m = m0[0];
-    for (int i = 1; i < 8; ++i) m = std::max(m, m0[i]);
-    for (int i = 0; i < 8; ++i) nan = nan || nans[i] != 0;
-    for (int64_t j = whole; j < b1; ++j) {
-      nan = nan || is_nan_bits(x[j]);
-      m = std::max(m, x[j]);
-    }
-    return m;
-  };
-  const int64_t blocks = (n + kArgmaxBlock - 1) / kArgmaxBlock;
-  std::vector<float> maxes(blocks);
-  std::vector<char> nans(blocks);
+  const int64_t whole = b0 + (b1 - b0) / 32 * 32;
+  f32x8 m0 = minus_inf, m1 = minus_inf, m2 = minus_inf, m3 = minus_inf;
+  i32x8 nans = {};
+  for (int64_t j = b0; j < whole; j += 32) {
+    __builtin_prefetch(x + j + 1024), __builtin_prefetch(x + j + 1040);  // 4 KB ahead: a row from memory
+    const f32x8 v0 = load8(x + j), v1 = load8(x + j + 8), v2 = load8(x + j + 16), v3 = load8(x + j + 24);
+    m0 = v0 > m0 ? v0 : m0, m1 = v1 > m1 ? v1 : m1, m2 = v2 > m2 ? v2 : m2, m3 = v3 > m3 ? v3 : m3;
+    i32x8 b[4];
+    std::memcpy(b, x + j, sizeof b);
+    nans |= ((b[0] & magnitude) > inf_bits) | ((b[1] & magnitude) > inf_bits) | ((b[2] & magnitude) > inf_bits) |
+            ((b[3] & magnitude) > inf_bits);
+  }
+  m0 = m1 > m0 ? m1 : m0, m2 = m3 > m2 ? m3 : m2, m0 = m2 > m0 ? m2 : m0;
+  float m = m0[0];
+  for (int i = 1; i < 8; ++i) m = std::max(m, m0[i]);
+  for (int i = 0; i < 8; ++i) nan = nan || nans[i] != 0;
+  for (int64_t j = whole; j < b1; ++j) {
+    nan = nan || is_nan_bits(x[j]);
+    m = std::max(m, x[j]);
+  }
+  return m;
+}
+
+int64_t argmax_row(const float* x, int64_t n) {
   float m = -std::numeric_limits<float>::infinity();
-  bool any_nan = false;
-  for (int64_t b = 0; b < blocks; ++b) {
+  int64_t best = 0;  // the first block holding m (every logit -inf: block 0, index 0, as torch)
+  for (int64_t b0 = 0; b0 < n; b0 += kArgmaxBlock) {
+    const int64_t b1 = std::min(n, b0 + kArgmaxBlock);
     bool nan = false;
-    maxes[b] = block_max(b * kArgmaxBlock, nan);
-    nans[b] = nan;
-    any_nan = any_nan || nan;
-    m = std::max(m, maxes[b]);
-  }
-  for (int64_t b = 0; b < blocks; ++b) {
-    if (any_nan ? !nans[b] : maxes[b] != m) continue;
-    for (int64_t j = b * kArgmaxBlock; j < std::min(n, (b + 1) * kArgmaxBlock); ++j) {
-      if (any_nan ? is_nan_bits(x[j]) : x[j] == m) return j;
+    const float bm = block_max(x, b0, b1, nan);
+    if (nan) {  // the row's first NaN is in its first block with one
+      for (int64_t j = b0; j < b1; ++j)
+        if (is_nan_bits(x[j])) return j;
     }
+    if (bm > m) m = bm, best = b0;  // strictly: a later block's equal max is not the first
   }
-  return 0;  // every logit -inf: torch.argmax's answer too
+  for (int64_t j = best; j < std::min(n, best + kArgmaxBlock); ++j)
+    if (x[j] == m) return j;
+  return best;
 }
 
 at::Tensor argmax_rows(const at::Tensor& logits) {
