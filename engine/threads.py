@@ -39,6 +39,13 @@ The tuner:
                     less often the worse it did (its time ratio, at most 4, x recheck_every),
                     and again at once while its last run beats the best's median by the
                     margin, so that 2 good runs move its median
+    costly steps    a step that would take more than `explore_seconds` (0.2 s) with the
+                    bucket's best tries another setting (first steps, re-checks) only where
+                    a smaller bucket runs best with it (the cores are contended). Timing a
+                    costly size on fewer threads was a bet of seconds: a 1540-token prompt
+                    step of the 1.7B shape (2 cores, Zen 5) ran 7.8 s on 2 threads the first
+                    time and 14.9 s on 1 the second, and a 512-token one 2.3 then 4.4 s, in
+                    one run of 16 streams: 47-49 output tok/s against 62 with --num-threads 2
 """
 from __future__ import annotations
 
@@ -96,6 +103,7 @@ class StepTuner:
         recheck_every: int = 50,
         window: int = 3,
         margin: float = 0.1,
+        explore_seconds: float = 0.2,
     ):
         if recheck_every < 1 or window < 1:
             raise ValueError(f"recheck_every and window must be at least 1, got {recheck_every}, {window}")
@@ -105,6 +113,7 @@ class StepTuner:
         self.recheck_every = recheck_every
         self.window = window
         self.margin = margin
+        self.explore_seconds = explore_seconds
         self._seconds_per_token: dict[tuple[int, StepSetting], deque[float]] = {}
         self._num_steps: dict[int, int] = {}  # bucket -> steps chosen for it
         self._next_check: dict[int, int] = {}  # bucket -> step count at which to re-check
@@ -121,19 +130,33 @@ class StepTuner:
         candidates = self._bucket_candidates(num_tokens)
         bucket = num_tokens.bit_length()
         step = self._num_steps[bucket] = self._num_steps.get(bucket, 0) + 1
-        untimed = [s for s in candidates if (bucket, s) not in self._seconds_per_token]
-        if untimed:
-            return untimed[0]
         best = self._best.get(bucket, candidates[0])
+        untimed = [s for s in candidates if (bucket, s) not in self._seconds_per_token]
+        if untimed and (untimed[0] == best or self._may_try(bucket, num_tokens, untimed[0])):
+            return untimed[0]
         if (len(candidates) == 1 or not self._full(bucket, best)
                 or step < self._next_check.setdefault(bucket, step + self.recheck_every)):
             return best
         others = [s for s in candidates if s != best]
         other = others[step % len(others)]
+        if (bucket, other) not in self._seconds_per_token:  # never timed here: costly, not tried (above)
+            self._next_check[bucket] = step + self.recheck_every
+            return best
         ratio = self._median(bucket, other) / self._median(bucket, best)
         # Capped: a setting that did badly while neighbours were busy must get another chance.
         self._next_check[bucket] = step + int(self.recheck_every * min(max(1.0, ratio), 4.0))
-        return other
+        return other if self._may_try(bucket, num_tokens, other) else best
+
+    def _may_try(self, bucket: int, num_tokens: int, setting: StepSetting) -> bool:
+        """Whether a step of `num_tokens` may run with `setting` to time it (module docstring,
+        costly steps): the bucket's best would take at most explore_seconds, or a smaller
+        bucket's steps run best with `setting`."""
+        best = self._best.get(bucket)
+        if best is None or (bucket, best) not in self._seconds_per_token:
+            return True
+        if self._median(bucket, best) * num_tokens <= self.explore_seconds:
+            return True
+        return any(b < bucket and s == setting for b, s in self._best.items())
 
     def record(self, num_tokens: int, setting: StepSetting, seconds: float) -> StepSetting | None:
         """How long a step chosen by `choose(num_tokens)` took with `setting`; returns the

@@ -14,12 +14,12 @@ from models.layers.step_kernels import StepKernels
 TWO, ONE = StepSetting(2), StepSetting(1)
 
 
-def run(tuner, seconds_per_token, num_steps, num_tokens=64):
-    """Step the tuner against a machine where a step with setting s takes seconds_per_token[s] per token."""
+def run(tuner, ms_per_token, num_steps, num_tokens=64):
+    """Step the tuner against a machine where a step with setting s takes ms_per_token[s] per token."""
     chosen = []
     for _ in range(num_steps):
         s = tuner.choose(num_tokens)
-        tuner.record(num_tokens, s, seconds_per_token[s] * num_tokens)
+        tuner.record(num_tokens, s, ms_per_token[s] * num_tokens / 1e3)
         chosen.append(s)
     return chosen
 
@@ -40,7 +40,22 @@ def test_tuner_moves_when_the_machine_changes_and_steps_of_other_sizes_are_apart
     assert busy.count(TWO) <= 3 + 50 // 40 and busy[-10:].count(ONE) >= 9
     quiet = run(tuner, {TWO: 1.0, ONE: 1.5}, 100)  # they leave: found at the next re-check, within 10 / 1.5 x 10 steps
     assert quiet[-30:].count(ONE) <= 2  # back on 2, with a re-check of 1 every 1.5 x 10 steps
-    assert run(tuner, {TWO: 1.0, ONE: 9.0}, 3, num_tokens=2048)[:2] == [TWO, ONE]  # a new step size is timed anew
+    assert run(tuner, {TWO: 1.0, ONE: 9.0}, 3, num_tokens=128)[:2] == [TWO, ONE]  # a new step size is timed anew
+
+
+def test_a_costly_step_size_tries_fewer_threads_only_where_smaller_steps_run_best_on_them():
+    # 2048-token steps of 2 s: never a second one on 1 thread to time it (it would take ~4 s)
+    tuner = StepTuner(lambda n: (TWO, ONE), recheck_every=10)
+    assert run(tuner, {TWO: 1.0, ONE: 1.9}, 60, num_tokens=2048) == [TWO] * 60
+    assert run(tuner, {TWO: 1.0, ONE: 1.9}, 3, num_tokens=16)[:2] == [TWO, ONE]  # 16 ms steps: timed
+    # the cores get busy: the small steps move to 1 thread, and then the costly size tries it too
+    busy = {TWO: 5.0, ONE: 1.0}
+    assert run(tuner, busy, 20, num_tokens=16)[-5:] == [ONE] * 5
+    assert ONE in run(tuner, busy, 3, num_tokens=2048)
+    assert run(tuner, busy, 20, num_tokens=2048)[-5:] == [ONE] * 5
+    # a step size whose best takes at most explore_seconds is timed as before
+    tuner = StepTuner(lambda n: (TWO, ONE), recheck_every=10, explore_seconds=5.0)
+    assert run(tuner, {TWO: 1.0, ONE: 1.9}, 3, num_tokens=2048)[:2] == [TWO, ONE]
 
 
 def test_a_slow_first_step_or_a_few_percent_do_not_move_steps_off_every_core():
@@ -48,13 +63,14 @@ def test_a_slow_first_step_or_a_few_percent_do_not_move_steps_off_every_core():
     chosen = []
     for i in range(200):  # the first 2-thread step pays first-use costs (10x); then 2 threads are 5% faster,
         s = tuner.choose(1)  # with +-3% noise
-        seconds = {TWO: 1.0, ONE: 1.05}[s] * (1 + 0.03 * ((i * 7) % 3 - 1)) * (10.0 if i == 0 else 1.0)
+        seconds = {TWO: 1.0, ONE: 1.05}[s] * (1 + 0.03 * ((i * 7) % 3 - 1)) * (10.0 if i == 0 else 1.0) / 1e3
         tuner.record(1, s, seconds)
         chosen.append(s)
     assert chosen.count(ONE) <= 3 + 200 // 10 and chosen[-20:].count(TWO) >= 18
     # a busy machine from the first step (2 threads 5x slower): on 1 thread within a few steps
+    # (steps of 80 ms: a costlier size waits for a cheaper one's verdict, see the next test)
     tuner = StepTuner(lambda n: (TWO, ONE), recheck_every=10)
-    busy = run(tuner, {TWO: 5.0, ONE: 1.0}, 30)
+    busy = run(tuner, {TWO: 5.0, ONE: 1.0}, 30, num_tokens=16)
     assert busy[:6] == [TWO, ONE, TWO, TWO, ONE, ONE] and busy[6:].count(TWO) <= 1
     # within the margin either way: the first candidate (most threads) stays
     tuner = StepTuner(lambda n: (TWO, ONE), recheck_every=10)
