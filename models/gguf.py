@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import transformers
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import Q4_K, dequantize
@@ -80,7 +81,7 @@ def load_gguf(
         raise GGUFError(f"{path}: not a readable GGUF file: {exc}") from exc
     config = read_config(reader, path)
     weights = GGUFWeights(reader, config, path, keep_quantized)
-    tokenizer = load_tokenizer(path, cache)
+    tokenizer = load_tokenizer(path, cache, reader)
     chat_template = _field(reader, "tokenizer.chat_template", None)
     if chat_template is not None and not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = chat_template
@@ -310,15 +311,17 @@ def _check_dequantizable(qtype: GGMLQuantizationType, name: str, path: Path) -> 
                         "gguf package cannot dequantize") from None
 
 
-def load_tokenizer(path: Path, cache: Path | None = None) -> PreTrainedTokenizerBase:
-    """transformers' tokenizer for a GGUF file, converted once and then read from the cache."""
+def load_tokenizer(path: Path, cache: Path | None = None, reader: GGUFReader | None = None) -> PreTrainedTokenizerBase:
+    """transformers' tokenizer for a GGUF file, converted once and then read from the cache, where
+    it is kept under a hash of the file's metadata (all that the conversion reads) and
+    transformers' version: files with the same metadata share one conversion wherever they lie (it
+    was keyed by path and mtime, and every GGUF a test wrote added ~0.5 MB to the cache for good).
+    `reader`: the file's, where the caller has one (else one is made: ~1-2 s for a 49k-token vocabulary)."""
     if cache is None:
         from models.fetch import cache_dir
         cache = cache_dir()
-    path = path.resolve()
-    stat = path.stat()
-    key = hashlib.sha256(f"{path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    saved = Path(cache) / "tokenizers" / f"{path.stem}-{key}"
+    path = Path(path).resolve()
+    saved = Path(cache) / "tokenizers" / f"gguf-{_metadata_key(reader if reader is not None else GGUFReader(path))}"
     if (saved / "tokenizer_config.json").is_file():
         return AutoTokenizer.from_pretrained(saved)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
@@ -334,6 +337,16 @@ def load_tokenizer(path: Path, cache: Path | None = None) -> PreTrainedTokenizer
         if tmp is not None and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return tokenizer
+
+
+def _metadata_key(reader: GGUFReader) -> str:
+    """A hash of every metadata field's bytes as the file holds them (not the tensors), and of
+    transformers' version."""
+    digest = hashlib.sha256(transformers.__version__.encode())
+    for field in reader.fields.values():
+        nbytes = sum(int(part.nbytes) for part in field.parts)
+        digest.update(reader.data[field.offset : field.offset + nbytes])
+    return digest.hexdigest()[:16]
 
 
 def _field(reader: GGUFReader, key: str, default=_REQUIRED, path: Path | None = None):

@@ -12,7 +12,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize, quantize
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from models.gguf import GGUFError, hf_tensor_name, load_gguf, unpermute_qk
@@ -200,12 +200,26 @@ def test_tokenizer_eos_and_chat_template_come_from_metadata(tmp_path):
     assert text == "<s>user\nhi</s>\n"
 
 
-def test_tokenizer_is_cached_and_the_cached_copy_behaves_the_same(tmp_path):
+def test_tokenizer_is_cached_by_the_files_metadata_and_the_cached_copy_behaves_the_same(tmp_path, monkeypatch):
     write_gguf(tmp_path / "m.gguf", tiny_llama())
     _, _, first, _ = load_gguf(tmp_path / "m.gguf", cache=tmp_path / "cache")
     saved = list((tmp_path / "cache" / "tokenizers").iterdir())
-    assert len(saved) == 1 and saved[0].name.startswith("m-")
-    _, _, second, _ = load_gguf(tmp_path / "m.gguf", cache=tmp_path / "cache")
+    assert len(saved) == 1 and saved[0].name.startswith("gguf-")
+    # the same metadata elsewhere, in a file written later: the same entry, no conversion
+    (tmp_path / "elsewhere").mkdir()
+    write_gguf(tmp_path / "elsewhere" / "other.gguf", tiny_llama())
+    converted = []
+    real = AutoTokenizer.from_pretrained
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda *a, **k: converted.append(k) or real(*a, **k))
+    _, _, second, _ = load_gguf(tmp_path / "elsewhere" / "other.gguf", cache=tmp_path / "cache")
+    assert [k for k in converted if "gguf_file" in k] == []
+    assert list((tmp_path / "cache" / "tokenizers").iterdir()) == saved
+    # other metadata (a longer context): its own entry
+    model = tiny_llama()
+    model.config.max_position_embeddings *= 2
+    write_gguf(tmp_path / "longer.gguf", model)
+    load_gguf(tmp_path / "longer.gguf", cache=tmp_path / "cache")
+    assert len(list((tmp_path / "cache" / "tokenizers").iterdir())) == 2
     text = "hello world <s> wo</s>\n"
     assert second(text).input_ids == first(text).input_ids
     assert second.chat_template == first.chat_template == CHAT_TEMPLATE
