@@ -91,8 +91,8 @@ COPY --from=build --chown=pagedserve:pagedserve /opt/pagedserve /opt/pagedserve
 
 USER pagedserve
 WORKDIR /home/pagedserve
-# Convert the GGUF's tokenizer once, here: its cache key includes the file's path and
-# mtime, so it is made against the file exactly as this stage holds it.
+# Convert the GGUF's tokenizer once, here, into the cache that user owns ($PAGEDSERVE_CACHE):
+# keyed by the file's metadata and transformers' version, it is found again at every start.
 RUN python -c "from models.fetch import default_model_path; from models.gguf import load_tokenizer; load_tokenizer(default_model_path())"
 EXPOSE 8000
 
