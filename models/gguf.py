@@ -321,7 +321,9 @@ def load_tokenizer(path: Path, cache: Path | None = None, reader: GGUFReader | N
         from models.fetch import cache_dir
         cache = cache_dir()
     path = Path(path).resolve()
-    saved = Path(cache) / "tokenizers" / f"gguf-{_metadata_key(reader if reader is not None else GGUFReader(path))}"
+    if reader is None:
+        reader = GGUFReader(path)
+    saved = Path(cache) / "tokenizers" / f"gguf-{_metadata_key(reader)}"
     if (saved / "tokenizer_config.json").is_file():
         return AutoTokenizer.from_pretrained(saved)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
