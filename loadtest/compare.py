@@ -56,6 +56,20 @@ def cpu_description() -> str:
     return f"{model}, {os.cpu_count()} cores; {' '.join(f for f in ISA_FLAGS if f in flags) or 'no AVX2'}"
 
 
+def kernel_target() -> str:
+    """The CPU kernels' target our server picks here (models/layers/cpu_kernels.py): the CPU's best,
+    or PAGEDSERVE_CPU_ISA's where the CPU runs it. The server inherits this process's environment."""
+    from models.layers import cpu_isa
+
+    if os.environ.get("PAGEDSERVE_CPU_KERNELS", "1") == "0":
+        return "off (PAGEDSERVE_CPU_KERNELS=0: the PyTorch paths)"
+    requested = os.environ.get("PAGEDSERVE_CPU_ISA") or None
+    choice = cpu_isa.choose(cpu_isa.read_cpu_flags(), requested)
+    if not requested:
+        return f"{choice.target.name} (the CPU's best)"
+    return f"{choice.target.name} (PAGEDSERVE_CPU_ISA={requested}{' refused: the CPU lacks it' if choice.refused else ''})"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -202,7 +216,8 @@ def measure(commands: dict[str, list[str]], args, tokenizer_dir: str, threads: i
 def report(results: list[dict], args) -> str:
     """One table per thread count (each server's figures side by side, ours / theirs), and with
     several counts and two servers, how each figure scales with the threads."""
-    lines = [f"CPU: {cpu_description()}",
+    lines = [f"CPU: {cpu_description()}"
+             + (f"; pagedserve kernels: {kernel_target()}" if args.device == "cpu" else ""),
              f"model: {Path(args.model).name}; prompts {args.input_len} tokens, {args.output_len} generated, "
              f"streaming /v1/completions, ignore_eos; KV capacity {args.ctx} tokens, {args.slots} slots"]
     counts = list(dict.fromkeys(r["threads"] for r in results))
@@ -329,7 +344,7 @@ def main(argv: list[str] | None = None) -> None:
     text = report(results, args)
     print("\n" + text)
     if args.out:
-        args.out.write_text(json.dumps({"cpu": cpu_description(), "results": results, "table": text}, indent=2))
+        args.out.write_text(json.dumps({"cpu": cpu_description(), "kernels": kernel_target(), "results": results, "table": text}, indent=2))
 
 
 if __name__ == "__main__":

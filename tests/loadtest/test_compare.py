@@ -126,6 +126,23 @@ def test_several_thread_counts_get_a_table_each_and_a_scaling_table():
     assert "scaling" not in one and "| c=16: output tok/s | 32.0 | 16.0 | 2.00 (higher is better) |" in one
 
 
+def test_the_report_names_the_kernel_target_ours_runs(monkeypatch):
+    """A figure of ours is the figure of one kernel build: the report says which (PAGEDSERVE_CPU_ISA
+    steps below the CPU's best, e.g. to compare AVX2 builds of both servers on an AVX-512 CPU)."""
+    from models.layers import cpu_isa
+
+    monkeypatch.setattr(cpu_isa, "read_cpu_flags", lambda: frozenset({"avx2", "fma", "f16c", "avx_vnni"}))
+    args = build_parser().parse_args(["--model", "m.gguf", "--concurrency", "1"])
+    results = [{"server": "pagedserve", "threads": 2, "runs": {1: {"output_tok_s": 1.0, "itl_p50_ms": 1.0, "ttft_p50_ms": 1.0}},
+                "idle_rss_mb": 1, "busy_rss_mb": 1}]
+    monkeypatch.delenv("PAGEDSERVE_CPU_ISA", raising=False)
+    assert "; pagedserve kernels: avx2vnni (the CPU's best)" in report(results, args).splitlines()[0]
+    monkeypatch.setenv("PAGEDSERVE_CPU_ISA", "avx2")
+    assert "; pagedserve kernels: avx2 (PAGEDSERVE_CPU_ISA=avx2)" in report(results, args).splitlines()[0]
+    monkeypatch.setenv("PAGEDSERVE_CPU_ISA", "avx512vnni")  # refused where the CPU lacks it: the best serves
+    assert "kernels: avx2vnni (PAGEDSERVE_CPU_ISA=avx512vnni refused: the CPU lacks it)" in report(results, args).splitlines()[0]
+
+
 @pytest.mark.slow
 def test_ours_alone_on_a_tiny_gguf_reports_every_concurrency(tmp_path, capsys):
     from loadtest.make_gguf import tokenizer_fields, write_gguf
