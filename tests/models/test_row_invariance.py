@@ -28,6 +28,16 @@ def kernels_and_threads():
     torch.set_num_threads(before)
 
 
+def _runs(start: int, n: int) -> list[int]:
+    """Where each step of 2, 3, .., 9, 2, .. rows from `start` begins, up to n."""
+    starts, step = [], 0
+    while start < n:
+        starts.append(start)
+        start += 2 + step % 8
+        step += 1
+    return starts
+
+
 def schedules(n: int) -> dict[str, list[list[tuple[int, int, int]]]]:
     """Ways sequence 0 (n tokens) goes through the engine: steps of (sequence, start, count);
     sequences 1.. are neighbours, their contexts filled by earlier steps."""
@@ -36,6 +46,10 @@ def schedules(n: int) -> dict[str, list[list[tuple[int, int, int]]]]:
         "prompt": [[(0, 0, n)]],
         "cached prefix, then the rest as a chunk": [[(0, 0, 6 * BLOCK_SIZE)], [(0, 6 * BLOCK_SIZE, n - 6 * BLOCK_SIZE)]],
         "decodes": [[(0, t, 1)] for t in range(n)],
+        # speculative verification: a token and its drafts, 2-9 rows a step (paged_attention cuts a step
+        # of few sequences into pieces of a head's query vectors, to keep both threads busy)
+        "a prompt, then steps of 2-9 rows": [[(0, 0, 40)]] + [
+            [(0, start, min(2 + step % 8, n - start))] for step, start in enumerate(_runs(40, n))],
         "prompt among a decode, a prompt and a chunk": [
             [(1, 0, 30), (3, 0, 50)], [(1, 30, 1), (0, 0, n), (2, 0, 20), (3, 50, 7)]],
         "last token among 255 other rows": [

@@ -468,26 +468,59 @@ struct Attention {
 // none of its sums). 16 decodes of 128-256 tokens, 16-bit cache, scattered blocks, every layer's
 // cache cold, 2 threads, Zen 5, the two builds alternated 4 times: 1.7B's 32 heads x 24 layers
 // 28.4-32.9 -> 22.3-26.1 ms, 360M's 5 KV heads x 32 layers 6.4-7.5 -> 6.1-6.6 ms.
+//
+// Few tasks of many vectors each (one request's verification step: SmolLM2-135M's 3 KV heads x 6 rows
+// x 3 query heads = 3 tasks of 18 vectors) would leave a thread idle for a third of the call, and
+// tasks of more than kFewRows vectors widen their keys into a buffer first. Where there are fewer
+// than 4 tasks a thread, each (sequence, head)'s vectors are cut into the fewest pieces of at most
+// kFewRows vectors (a multiple of kShareRows) that make the task count a multiple of the threads or
+// at least 4 a thread. A piece reads its keys again (from L2 or L3: a step's few sequences' keys are
+// a few hundred KB); these steps are bound by arithmetic, not reads. A decode of G <= kShareRows
+// vectors is never cut.
+inline int64_t piece_of(int64_t vecs, int64_t pieces) {  // `vecs` in `pieces`: each a multiple of kShareRows
+  return ((vecs + pieces - 1) / pieces + kShareRows - 1) / kShareRows * kShareRows;
+}
+
 template <typename Kernel>
 void run_tasks(const Kernel& kernel, int64_t n, int64_t Hk) {
+  const int64_t threads = at::get_num_threads();
+  int64_t units = 0, min_vecs = kMaxVecs;  // (sequence, head, kMaxVecs run) units, and the fewest vectors of any
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t vecs = (kernel.query_start[i + 1] - kernel.query_start[i]) * kernel.G;
+    units += Hk * ((vecs + kMaxVecs - 1) / kMaxVecs);
+    if (vecs > 0) min_vecs = std::min(min_vecs, std::min(vecs, kMaxVecs));
+  }
+  int64_t pieces = 1;
+  if (threads > 1 && units < 4 * threads) {
+    for (int64_t p = 1; p == 1 || piece_of(min_vecs, p) >= 2 * kShareRows; ++p) {
+      if (piece_of(min_vecs, p) <= kFewRows && (units * p % threads == 0 || units * p >= 4 * threads)) {
+        pieces = p;
+        break;
+      }
+    }
+  }
   std::vector<Task> tasks;
   int64_t total = 0;
   for (int64_t h = 0; h < Hk; ++h) {
     for (int64_t i = 0; i < n; ++i) {
       const int64_t q_len = kernel.query_start[i + 1] - kernel.query_start[i], vecs = q_len * kernel.G;
       for (int64_t first = 0; first < vecs; first += kMaxVecs) {
-        const int64_t count = std::min(kMaxVecs, vecs - first);
-        Task task{i, h, first, count, 0};
-        task.cost = count * kernel.keys_of(task);
-        tasks.push_back(task);
-        total += task.cost;
+        const int64_t run = std::min(kMaxVecs, vecs - first);
+        // `pieces` of about equal size, each a multiple of kShareRows where it can be
+        const int64_t step = piece_of(run, pieces);
+        for (int64_t at = 0; at < run; at += step) {
+          Task task{i, h, first + at, std::min(step, run - at), 0};
+          task.cost = task.count * kernel.keys_of(task);
+          tasks.push_back(task);
+          total += task.cost;
+        }
       }
     }
   }
   // A few hundred (vector, key) pairs take microseconds: waking the thread team would cost more.
   // One decode's keys come from memory, not cache, so from a thousand on two threads are faster
   // (SmolLM2-360M's 5 KV heads x 3 queries x 192 keys, 16-bit cache: 87 -> 60 us a layer).
-  const int64_t parts = total < 1024 ? 1 : std::min<int64_t>(at::get_num_threads(), tasks.size());
+  const int64_t parts = total < 1024 ? 1 : std::min<int64_t>(threads, tasks.size());
   std::vector<size_t> bounds(parts + 1, tasks.size());
   bounds[0] = 0;
   int64_t done = 0, part = 1;
