@@ -8,7 +8,9 @@ variable and give the whole function back"), `quote` (repeat a paragraph of
 loadtest/data/perplexity.txt), `summary` (summarise one, quoting it), `chat` (open questions)
 and `json` (a JSON schema to fill). Each runs at temperature 0 and at 0.8 with a seed per request, so
 both configurations of a server produce the same tokens (ours: exactly; llama.cpp: its own
-answer). Servers run in pairs on the same cores: pagedserve without drafts and with
+answer). Every run's prompts are new to its server (a label before the user's text, per row and
+round: the same prompts again came from the prefix cache, prefill gone); the report counts the
+prompt tokens a server still served from its cache. Servers run in pairs on the same cores: pagedserve without drafts and with
 `--speculative ngram` side by side, then where given llama-server without and with `--spec-type
 ngram-simple`; each row runs on one server of the pair and at once on the other (alternating
 which goes first), so drift of the machine's speed falls on both alike, `--rounds` times (default
@@ -104,35 +106,55 @@ def spec_counters(url: str) -> tuple[float, float]:
     return drafts, accepted
 
 
-async def one(client: httpx.AsyncClient, url: str, body: dict) -> int:
+def labelled(bodies: list[dict], run: str) -> list[dict]:
+    """The bodies with "(<run>-<i>) " before the user's text: a server meets every prompt of a run
+    for the first time. The same prompts in every round and at both temperatures came from the
+    prefix cache after their first run (ours, and llama-server's slot cache), so prefill vanished
+    from most figures and tok/s read decode alone. Only the chat template's own system prompt is
+    common to all (one 16-token block of it, as any deployment's system prompt would be)."""
+    out = []
+    for i, body in enumerate(bodies):
+        messages = [dict(m) for m in body["messages"]]
+        messages[-1]["content"] = f"({run}-{i}) {messages[-1]['content']}"
+        out.append({**body, "messages": messages})
+    return out
+
+
+async def one(client: httpx.AsyncClient, url: str, body: dict) -> tuple[int, int]:
+    """(completion tokens, prompt tokens the server says came from its cache)."""
     response = await client.post(f"{url}/v1/chat/completions", json={"model": "model", **body})
     response.raise_for_status()
-    return response.json()["usage"]["completion_tokens"]
+    usage = response.json()["usage"]
+    return usage["completion_tokens"], int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
 
 
-async def run_serial(url: str, bodies: list[dict]) -> tuple[int, float]:
+async def run_serial(url: str, bodies: list[dict]) -> tuple[int, float, int]:
+    """(completion tokens, seconds, cached prompt tokens) of `bodies` one after the other."""
     async with httpx.AsyncClient(timeout=600) as client:
-        await one(client, url, {**bodies[0], "max_tokens": 8})  # warm the path, not measured
-        start, tokens = time.perf_counter(), 0
+        warm = labelled([{**bodies[0], "max_tokens": 8}], "warm-up")[0]
+        await one(client, url, warm)  # warm the path, not measured (a prompt of its own)
+        start, tokens, cached = time.perf_counter(), 0, 0
         for body in bodies:
-            tokens += await one(client, url, body)
-        return tokens, time.perf_counter() - start
+            done, hit = await one(client, url, body)
+            tokens, cached = tokens + done, cached + hit
+        return tokens, time.perf_counter() - start, cached
 
 
-async def run_concurrent(url: str, bodies: list[dict], concurrency: int) -> tuple[int, float]:
+async def run_concurrent(url: str, bodies: list[dict], concurrency: int) -> tuple[int, float, int]:
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=concurrency)) as client:
         queue = list(bodies)
-        tokens = 0
+        tokens = cached = 0
 
         async def worker():
-            nonlocal tokens
+            nonlocal tokens, cached
             while queue:
-                done = await one(client, url, queue.pop())
+                done, hit = await one(client, url, queue.pop())
                 tokens += done  # (not `tokens += await ...`: that reads tokens before the await)
+                cached += hit
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return tokens, time.perf_counter() - start
+        return tokens, time.perf_counter() - start, cached
 
 
 def commands(args) -> dict[str, list[str]]:
@@ -167,34 +189,42 @@ def measure(servers: dict[str, list[str]], args, loads: dict[str, list[dict]]) -
             sized = [{**b, "max_tokens": args.max_tokens, "temperature": temperature,
                       **({"seed": 1000 + j} if temperature > 0 else {})} for j, b in enumerate(loads[workload])]
             runs: dict[str, list[float]] = {name: [] for name in servers}
-            counted = {name: [0.0, 0.0] for name in servers}
+            counted = {name: [0.0, 0.0, 0] for name in servers}
             for r in range(args.rounds):
+                bodies = labelled(sized, f"{i}.{r}")  # the pair's both servers get the same, new to each
                 for name in order if (i + r) % 2 == 0 else order[::-1]:
                     before = spec_counters(urls[name])
-                    tokens, seconds = asyncio.run(run_serial(urls[name], sized))
+                    tokens, seconds, cached = asyncio.run(run_serial(urls[name], bodies))
                     after = spec_counters(urls[name])
                     drafted, accepted = after[0] - before[0], after[1] - before[1]
                     runs[name].append(tokens / seconds)
                     counted[name][0] += drafted
                     counted[name][1] += accepted
-                    print(f"  {name}: {workload} t={temperature} c=1: {tokens / seconds:.1f} tok/s ({tokens} tokens)"
+                    counted[name][2] += cached
+                    print(f"  {name}: {workload} t={temperature} c=1: {tokens / seconds:.1f} tok/s ({tokens} tokens"
+                          f", {cached} prompt tokens cached)"
                           + (f", {accepted / drafted:.0%} of {drafted:.0f} drafts accepted" if drafted else ""), flush=True)
             for name in servers:
-                drafted, accepted = counted[name]
+                drafted, accepted, cached = counted[name]
                 results[name][f"{workload} t={temperature} c=1"] = {
                     "tok_s": statistics.median(runs[name]), "tok_s_runs": runs[name], "tokens": tokens,
-                    "acceptance": accepted / drafted if drafted else None}
+                    "cached_prompt_tokens": cached, "acceptance": accepted / drafted if drafted else None}
         mixed = [{**b, "max_tokens": args.max_tokens, "temperature": 0.8, "seed": i}
                  for i, b in enumerate(sum((loads[w] for w in loads), []) * 2)]
         runs = {name: [] for name in servers}
+        cached_mixed = {name: 0 for name in servers}
         for r in range(args.rounds):
+            bodies = labelled(mixed, f"mixed.{r}")
             for name in order if (len(rows) + r) % 2 == 0 else order[::-1]:
-                tokens, seconds = asyncio.run(run_concurrent(urls[name], mixed, args.concurrency))
+                tokens, seconds, cached = asyncio.run(run_concurrent(urls[name], bodies, args.concurrency))
                 runs[name].append(tokens / seconds)
-                print(f"  {name}: mixed c={args.concurrency}: {tokens / seconds:.1f} tok/s", flush=True)
+                cached_mixed[name] += cached
+                print(f"  {name}: mixed c={args.concurrency}: {tokens / seconds:.1f} tok/s ({cached} prompt tokens cached)",
+                      flush=True)
         for name in servers:
             results[name][f"mixed t=0.8 c={args.concurrency}"] = {
-                "tok_s": statistics.median(runs[name]), "tok_s_runs": runs[name], "tokens": tokens, "acceptance": None}
+                "tok_s": statistics.median(runs[name]), "tok_s_runs": runs[name], "tokens": tokens,
+                "cached_prompt_tokens": cached_mixed[name], "acceptance": None}
     return results
 
 
@@ -214,6 +244,9 @@ def report(results: dict[str, dict], args) -> str:
         theirs = results.get("llama-server --spec-type ngram-simple")
         versus = f"{results['pagedserve --speculative ngram'][row]['tok_s'] / theirs[row]['tok_s']:.2f}x" if theirs else "-"
         lines.append(f"| {row} | " + " | ".join(cells) + f" | **{ours:.2f}x** | {versus} |")
+    cached = [f"{name} {sum(r.get('cached_prompt_tokens', 0) for r in results[name].values())}" for name in names]
+    lines.append(f"Prompt tokens served from a prefix cache, all rows: {', '.join(cached)} (each run's prompts are new "
+                 "to its server but for the chat template's system prompt)")
     return "\n".join(lines)
 
 

@@ -44,6 +44,12 @@ def test_a_pair_runs_side_by_side_and_reports_every_row(tmp_path, capsys):
         for name in ("pagedserve", "pagedserve --speculative ngram"):  # twice on each, the figure their median
             runs = result[name][row]["tok_s_runs"]
             assert len(runs) == 2 and result[name][row]["tok_s"] == pytest.approx(sum(runs) / 2)
+    # Every run's prompts are new to its server: of each request's prompt only the chat template's
+    # system prompt (one 16-token block) may come from the prefix cache, not a whole earlier round's.
+    for name in ("pagedserve", "pagedserve --speculative ngram"):
+        for row in rows[:-1]:
+            assert result[name][row]["cached_prompt_tokens"] <= 16 * 1 * 2, (name, row, result[name][row])
+    assert "Prompt tokens served from a prefix cache, all rows: pagedserve " in printed
     # The rounds of a row, and the rows, alternate which server goes first.
     runs = [line for line in printed.splitlines() if line.startswith("  pagedserve") and " c=1:" in line]
     firsts = [runs[i].split(":")[0].strip() for i in range(0, len(runs), 2)]
