@@ -15,6 +15,9 @@ before it, so equal hashes mean equal prefixes:
     tokens:  [t0 .. t15] [t16 .. t31] [t32 .. t40]
     hashes:   h0 = H(root, t0..15)   h1 = H(h0, t16..31)   (partial block: no hash)
 
+A request's `cache_salt` (vLLM's) goes into its root, h0 = H(root, salt, t0..15): requests with
+different salts (or one salted, one not) share no block.
+
 A block's hash is registered only once its KV has been computed (`cache_blocks`,
 called after the forward pass), so a failed step never leaves garbage in the cache.
 """
@@ -30,10 +33,17 @@ from engine.request import Request
 _ROOT = b"pagedserve-prefix-root"
 
 
-def hash_block(parent: int | None, token_ids: Iterable[int]) -> int:
-    """128-bit blake2b of the parent block's hash and this block's token ids."""
+def hash_block(parent: int | None, token_ids: Iterable[int], salt: str | None = None) -> int:
+    """128-bit blake2b of the parent block's hash (or the root, salted for a first block) and this
+    block's token ids."""
     h = hashlib.blake2b(digest_size=16)
-    h.update(_ROOT if parent is None else parent.to_bytes(16, "little"))
+    if parent is not None:
+        h.update(parent.to_bytes(16, "little"))
+    else:
+        h.update(_ROOT)
+        if salt is not None:  # its length first: salt and tokens cannot run into each other
+            data = salt.encode()
+            h.update(len(data).to_bytes(8, "little") + data)
     h.update(array("q", token_ids).tobytes())
     return int.from_bytes(h.digest(), "little")
 
@@ -84,7 +94,8 @@ class BlockManager:
         tokens = request.all_token_ids
         bs = self.block_size
         for i in range(len(hashes), len(tokens) // bs):
-            hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs : (i + 1) * bs]))
+            hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs : (i + 1) * bs],
+                                     request.params.cache_salt))
         return hashes
 
     def get_computed_blocks(self, request: Request) -> list[int]:

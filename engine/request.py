@@ -71,6 +71,9 @@ class SamplingParams:
     min_tokens: int = 0
     skip_special_tokens: bool = True
     structured: StructuredOutput | None = None  # the output must match this grammar
+    # vLLM's `cache_salt`: the prefix cache shares blocks only among requests with the same salt (None:
+    # among unsalted ones), so one tenant cannot learn from another's cache hits what it was sent.
+    cache_salt: str | None = None
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -95,6 +98,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.cache_salt is not None and not self.cache_salt:
+            raise ValueError("cache_salt must be non-empty")
 
     @property
     def greedy(self) -> bool:

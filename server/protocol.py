@@ -40,6 +40,7 @@ MAX_JSON_DEPTH = 32
 MAX_STOP_STRINGS, MAX_STOP_LENGTH = 4, 1024
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's bounds
 MAX_TEMPLATE_KWARGS = 16
+MAX_CACHE_SALT = 256  # characters of a cache_salt
 _TEMPLATE_VARIABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 # What the server itself gives apply_chat_template (or transformers reads from its kwargs).
 _TEMPLATE_RESERVED = frozenset({"messages", "conversation", "tools", "documents", "add_generation_prompt",
@@ -121,6 +122,9 @@ class _SamplingFields(_Strict):
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputsParams | None = None
     skip_special_tokens: bool | None = None  # vLLM/SGLang: False keeps special tokens in the text
+    # vLLM: prefix-cache hits only among requests with the same salt (a tenant's secret, e.g. 43
+    # characters of base64 for 256 bits; a bound well above that).
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT)
     # OpenAI's metadata: stored nowhere, accepted within OpenAI's bounds (checked in check_common).
     metadata: dict[str, str] | None = None
 

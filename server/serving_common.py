@@ -197,6 +197,7 @@ def sampling_params(body, *, max_tokens: int, logprobs: int | None, structured: 
         min_tokens=body.min_tokens or 0,
         structured=structured,
         skip_special_tokens=skip_special_tokens and body.skip_special_tokens is not False,
+        cache_salt=body.cache_salt,
     )
     seeds = [None] * body.num_choices
     if body.seed is not None:

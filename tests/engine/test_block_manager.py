@@ -53,6 +53,26 @@ def test_chained_hash_depends_on_everything_before():
     assert hash_block(None, [1, 2, 3, 5]) != h0
 
 
+def test_a_cache_salt_keeps_prefixes_apart():
+    """vLLM's cache_salt: the same tokens under different salts (or none) hash apart from the first
+    block on, so one salt's cached blocks never serve another's request; the same salt shares them."""
+    assert hash_block(None, [1, 2, 3, 4], "a") != hash_block(None, [1, 2, 3, 4])
+    assert hash_block(None, [1, 2, 3, 4], "a") != hash_block(None, [1, 2, 3, 4], "b")
+    assert hash_block(None, [1, 2, 3, 4], "a") == hash_block(None, [1, 2, 3, 4], "a")
+    assert hash_block(7, [1, 2, 3, 4], "a") == hash_block(7, [1, 2, 3, 4])  # the salt is in the root only
+    bm = BlockManager(num_blocks=16, block_size=BS)
+
+    def salted(rid, salt):
+        return Request(rid, list(range(9)), SamplingParams(max_tokens=4, cache_salt=salt))
+
+    compute_all(bm, salted("a", "tenant-a"))
+    assert bm.get_computed_blocks(salted("b", "tenant-b")) == []
+    assert bm.get_computed_blocks(make_request("c", range(9))) == []
+    assert bm.get_computed_blocks(salted("d", "tenant-a")) == bm.block_table("a")[:2]
+    with pytest.raises(ValueError, match="cache_salt"):
+        SamplingParams(cache_salt="")
+
+
 def test_prefix_hit_reuses_blocks_and_counts_tokens():
     bm = BlockManager(num_blocks=16, block_size=BS)
     a = make_request("a", range(14))  # 3 full blocks + 2 tokens

@@ -48,6 +48,29 @@ def test_repeated_prompt_reports_cached_tokens(live):
     assert again.usage.prompt_tokens_details.cached_tokens >= again.usage.prompt_tokens - 8 > 0
 
 
+def test_cache_salt_shares_the_prefix_cache_only_within_a_salt(live):
+    """vLLM's `cache_salt`: a salted request hits only blocks cached under the same salt, and an
+    unsalted one none of a salted one's; a salt outside its bounds is a 400."""
+    prompt = "Every tenant gets its own prefix cache when its requests carry a salt. " * 2
+    client = live.client()
+
+    def cached(**extra) -> int:
+        reply = client.completions.create(model=M, prompt=prompt, max_tokens=1, extra_body=extra or None)
+        return reply.usage.prompt_tokens_details.cached_tokens
+
+    assert cached(cache_salt="tenant-a") == 0  # first sight of this prompt
+    assert cached(cache_salt="tenant-b") == 0  # a's blocks are not b's
+    assert cached() == 0  # nor an unsalted request's
+    assert cached(cache_salt="tenant-a") > 0 and cached() > 0  # each finds its own
+    chat = client.chat.completions.create(model=M, messages=[{"role": "user", "content": prompt}], max_tokens=1,
+                                          extra_body={"cache_salt": "tenant-c"})
+    assert chat.usage.prompt_tokens_details.cached_tokens == 0
+    for salt in ("", "x" * 257):
+        response = live.http.post("/v1/completions", json={"model": M, "prompt": prompt, "max_tokens": 1,
+                                                           "cache_salt": salt})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "cache_salt", response.text
+
+
 @pytest.mark.parametrize("kind", ["completion", "chat"])
 def test_streamed_text_concatenates_to_the_non_streamed_text(live, kind):
     client = live.client()
