@@ -8,9 +8,9 @@ variable and give the whole function back"), `quote` (repeat a paragraph of
 loadtest/data/perplexity.txt), `summary` (summarise one, quoting it), `chat` (open questions)
 and `json` (a JSON schema to fill). Each runs at temperature 0 and at 0.8 with a seed per request, so
 both configurations of a server produce the same tokens (ours: exactly; llama.cpp: its own
-answer). Every run's prompts are new to its server (a label before the user's text, per row and
-round: the same prompts again came from the prefix cache, prefill gone); the report counts the
-prompt tokens a server still served from its cache. Servers run in pairs on the same cores: pagedserve without drafts and with
+answer). Every run computes its prompts afresh (ours: a `cache_salt` per row and round; llama-server:
+`cache_prompt: false`; the same prompts again had come from the prefix cache, prefill gone); the
+report counts the prompt tokens a server still served from its cache. Servers run in pairs on the same cores: pagedserve without drafts and with
 `--speculative ngram` side by side, then where given llama-server without and with `--spec-type
 ngram-simple`; each row runs on one server of the pair and at once on the other (alternating
 which goes first), so drift of the machine's speed falls on both alike, `--rounds` times (default
@@ -106,18 +106,15 @@ def spec_counters(url: str) -> tuple[float, float]:
     return drafts, accepted
 
 
-def labelled(bodies: list[dict], run: str) -> list[dict]:
-    """The bodies with "(<run>-<i>) " before the user's text: a server meets every prompt of a run
-    for the first time. The same prompts in every round and at both temperatures came from the
-    prefix cache after their first run (ours, and llama-server's slot cache), so prefill vanished
-    from most figures and tok/s read decode alone. Only the chat template's own system prompt is
-    common to all (one 16-token block of it, as any deployment's system prompt would be)."""
-    out = []
-    for i, body in enumerate(bodies):
-        messages = [dict(m) for m in body["messages"]]
-        messages[-1]["content"] = f"({run}-{i}) {messages[-1]['content']}"
-        out.append({**body, "messages": messages})
-    return out
+def uncached(bodies: list[dict], run: str, server: str) -> list[dict]:
+    """The bodies as `server` computes them afresh: ours each with a `cache_salt` of its own (vLLM's
+    field: no prefix-cache hit across salts), llama-server with `cache_prompt: false` (its own). The
+    same prompts in every round and at both temperatures came from the prefix cache after their first
+    run (ours, and llama-server's slot cache), so prefill vanished from most figures and tok/s read
+    decode alone. The prompts themselves stay as the workload wrote them."""
+    if server.startswith("llama-server"):
+        return [{**body, "cache_prompt": False} for body in bodies]
+    return [{**body, "cache_salt": f"loadtest-{run}-{i}"} for i, body in enumerate(bodies)]
 
 
 async def one(client: httpx.AsyncClient, url: str, body: dict) -> tuple[int, int]:
@@ -131,8 +128,10 @@ async def one(client: httpx.AsyncClient, url: str, body: dict) -> tuple[int, int
 async def run_serial(url: str, bodies: list[dict]) -> tuple[int, float, int]:
     """(completion tokens, seconds, cached prompt tokens) of `bodies` one after the other."""
     async with httpx.AsyncClient(timeout=600) as client:
-        warm = labelled([{**bodies[0], "max_tokens": 8}], "warm-up")[0]
-        await one(client, url, warm)  # warm the path, not measured (a prompt of its own)
+        warm = {**bodies[0], "max_tokens": 8}
+        if "cache_salt" in warm:
+            warm["cache_salt"] += "-warm-up"
+        await one(client, url, warm)  # warm the path, not measured (its prompt cached apart)
         start, tokens, cached = time.perf_counter(), 0, 0
         for body in bodies:
             done, hit = await one(client, url, body)
@@ -191,10 +190,9 @@ def measure(servers: dict[str, list[str]], args, loads: dict[str, list[dict]]) -
             runs: dict[str, list[float]] = {name: [] for name in servers}
             counted = {name: [0.0, 0.0, 0] for name in servers}
             for r in range(args.rounds):
-                bodies = labelled(sized, f"{i}.{r}")  # the pair's both servers get the same, new to each
                 for name in order if (i + r) % 2 == 0 else order[::-1]:
                     before = spec_counters(urls[name])
-                    tokens, seconds, cached = asyncio.run(run_serial(urls[name], bodies))
+                    tokens, seconds, cached = asyncio.run(run_serial(urls[name], uncached(sized, f"{i}.{r}", name)))
                     after = spec_counters(urls[name])
                     drafted, accepted = after[0] - before[0], after[1] - before[1]
                     runs[name].append(tokens / seconds)
@@ -214,8 +212,8 @@ def measure(servers: dict[str, list[str]], args, loads: dict[str, list[dict]]) -
         runs = {name: [] for name in servers}
         cached_mixed = {name: 0 for name in servers}
         for r in range(args.rounds):
-            bodies = labelled(mixed, f"mixed.{r}")
             for name in order if (len(rows) + r) % 2 == 0 else order[::-1]:
+                bodies = uncached(mixed, f"mixed.{r}", name)
                 tokens, seconds, cached = asyncio.run(run_concurrent(urls[name], bodies, args.concurrency))
                 runs[name].append(tokens / seconds)
                 cached_mixed[name] += cached
@@ -245,8 +243,8 @@ def report(results: dict[str, dict], args) -> str:
         versus = f"{results['pagedserve --speculative ngram'][row]['tok_s'] / theirs[row]['tok_s']:.2f}x" if theirs else "-"
         lines.append(f"| {row} | " + " | ".join(cells) + f" | **{ours:.2f}x** | {versus} |")
     cached = [f"{name} {sum(r.get('cached_prompt_tokens', 0) for r in results[name].values())}" for name in names]
-    lines.append(f"Prompt tokens served from a prefix cache, all rows: {', '.join(cached)} (each run's prompts are new "
-                 "to its server but for the chat template's system prompt)")
+    lines.append(f"Prompt tokens served from a prefix cache, all rows: {', '.join(cached)} (every run computes its "
+                 "prompts afresh: `cache_salt` per run, llama-server `cache_prompt: false`)")
     return "\n".join(lines)
 
 
