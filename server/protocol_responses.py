@@ -24,8 +24,8 @@ from typing import Any, Literal
 from pydantic import Field
 
 from server.errors import invalid, not_supported
-from server.protocol import (MAX_TOOLS, ChatCompletionRequest, _from_validation_error, _load_json, _check_values,
-                             _Strict)
+from server.protocol import (MAX_CACHE_SALT, MAX_TOOLS, ChatCompletionRequest, _from_validation_error, _load_json,
+                             _check_values, _Strict)
 from pydantic import ValidationError
 
 MAX_INPUT_ITEMS = 1024
@@ -76,6 +76,7 @@ class ResponsesRequest(_Strict):
     service_tier: Literal["auto", "default"] | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT)  # vLLM's, as on chat
 
     def to_chat(self, history: list[dict[str, Any]], new: list[dict[str, Any]]) -> ChatCompletionRequest:
         """The chat request that computes this response: `history` (a stored conversation), then
@@ -87,7 +88,7 @@ class ResponsesRequest(_Strict):
         body: dict[str, Any] = {"model": self.model, "messages": messages, "stream": bool(self.stream)}
         for key, value in (("max_completion_tokens", self.max_output_tokens), ("temperature", self.temperature),
                            ("top_p", self.top_p), ("parallel_tool_calls", self.parallel_tool_calls),
-                           ("user", self.user), ("metadata", self.metadata)):
+                           ("user", self.user), ("metadata", self.metadata), ("cache_salt", self.cache_salt)):
             if value is not None:
                 body[key] = value
         if self.text is not None and self.text.format is not None and self.text.format.type != "text":

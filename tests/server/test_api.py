@@ -65,6 +65,9 @@ def test_cache_salt_shares_the_prefix_cache_only_within_a_salt(live):
     chat = client.chat.completions.create(model=M, messages=[{"role": "user", "content": prompt}], max_tokens=1,
                                           extra_body={"cache_salt": "tenant-c"})
     assert chat.usage.prompt_tokens_details.cached_tokens == 0
+    for hits in (False, True):  # the Responses API takes it too
+        response = client.responses.create(model=M, input=prompt, max_output_tokens=1, extra_body={"cache_salt": "tenant-d"})
+        assert (response.usage.input_tokens_details.cached_tokens > 0) == hits
     for salt in ("", "x" * 257):
         response = live.http.post("/v1/completions", json={"model": M, "prompt": prompt, "max_tokens": 1,
                                                            "cache_salt": salt})
