@@ -78,6 +78,10 @@ def ttft_ms(url: str, schema: dict | None) -> float:
 
 
 def throughput(url: str, args, tokenizer_dir: str, extra_body: dict | None) -> dict:
+    """One run of the load (the same prompts every run, so both arms do the same work), its prompts
+    computed afresh: a `cache_salt` of the run's own keeps the previous runs' prefix-cache blocks
+    from serving them (without it every run after the first skipped prefill)."""
+    extra_body = {**(extra_body or {}), "cache_salt": uuid.uuid4().hex}
     config = BenchmarkConfig(url=url, model="model", concurrency=args.concurrency, num_requests=args.num_requests,
                              warmup=4, input_len=args.input_len, output_len=args.output_len, ignore_eos=True,
                              tokenizer=tokenizer_dir, server_metrics=False, seed=1, extra_body=extra_body)
