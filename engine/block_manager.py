@@ -42,7 +42,7 @@ def hash_block(parent: int | None, token_ids: Iterable[int], salt: str | None = 
     else:
         h.update(_ROOT)
         if salt is not None:  # its length first: salt and tokens cannot run into each other
-            data = salt.encode()
+            data = salt.encode("utf-8", "surrogatepass")  # any str (the server refuses lone surrogates)
             h.update(len(data).to_bytes(8, "little") + data)
     h.update(array("q", token_ids).tobytes())
     return int.from_bytes(h.digest(), "little")

@@ -60,6 +60,7 @@ def test_a_cache_salt_keeps_prefixes_apart():
     assert hash_block(None, [1, 2, 3, 4], "a") != hash_block(None, [1, 2, 3, 4], "b")
     assert hash_block(None, [1, 2, 3, 4], "a") == hash_block(None, [1, 2, 3, 4], "a")
     assert hash_block(7, [1, 2, 3, 4], "a") == hash_block(7, [1, 2, 3, 4])  # the salt is in the root only
+    assert hash_block(None, [1], "\ud800") != hash_block(None, [1], "\ud801")  # any str, lone surrogates too
     bm = BlockManager(num_blocks=16, block_size=BS)
 
     def salted(rid, salt):
