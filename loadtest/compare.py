@@ -59,11 +59,11 @@ def cpu_description() -> str:
 def kernel_target() -> str:
     """The CPU kernels' target our server picks here (models/layers/cpu_kernels.py): the CPU's best,
     or PAGEDSERVE_CPU_ISA's where the CPU runs it. The server inherits this process's environment."""
-    from models.layers import cpu_isa
+    from models.layers import cpu_isa, cpu_kernels
 
-    if os.environ.get("PAGEDSERVE_CPU_KERNELS", "1") == "0":
+    if not cpu_kernels.enabled():
         return "off (PAGEDSERVE_CPU_KERNELS=0: the PyTorch paths)"
-    requested = os.environ.get("PAGEDSERVE_CPU_ISA") or None
+    requested = cpu_kernels.requested_target()
     choice = cpu_isa.choose(cpu_isa.read_cpu_flags(), requested)
     if not requested:
         return f"{choice.target.name} (the CPU's best)"
@@ -344,7 +344,8 @@ def main(argv: list[str] | None = None) -> None:
     text = report(results, args)
     print("\n" + text)
     if args.out:
-        args.out.write_text(json.dumps({"cpu": cpu_description(), "kernels": kernel_target(), "results": results, "table": text}, indent=2))
+        args.out.write_text(json.dumps({"cpu": cpu_description(), "kernels": kernel_target(), "results": results,
+                                        "table": text}, indent=2))
 
 
 if __name__ == "__main__":

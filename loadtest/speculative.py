@@ -8,9 +8,10 @@ variable and give the whole function back"), `quote` (repeat a paragraph of
 loadtest/data/perplexity.txt), `summary` (summarise one, quoting it), `chat` (open questions)
 and `json` (a JSON schema to fill). Each runs at temperature 0 and at 0.8 with a seed per request, so
 both configurations of a server produce the same tokens (ours: exactly; llama.cpp: its own
-answer). Every run computes its prompts afresh (ours: a `cache_salt` per row and round; llama-server:
-`cache_prompt: false`; the same prompts again had come from the prefix cache, prefill gone); the
-report counts the prompt tokens a server still served from its cache. Servers run in pairs on the same cores: pagedserve without drafts and with
+answer). Every run computes its prompts afresh (ours: a `cache_salt` per request, row and round;
+llama-server: `cache_prompt: false`; the same prompts again had come from the prefix cache, prefill
+gone); the report counts the prompt tokens a server still served from its cache. Servers run in
+pairs on the same cores: pagedserve without drafts and with
 `--speculative ngram` side by side, then where given llama-server without and with `--spec-type
 ngram-simple`; each row runs on one server of the pair and at once on the other (alternating
 which goes first), so drift of the machine's speed falls on both alike, `--rounds` times (default
@@ -244,7 +245,7 @@ def report(results: dict[str, dict], args) -> str:
         lines.append(f"| {row} | " + " | ".join(cells) + f" | **{ours:.2f}x** | {versus} |")
     cached = [f"{name} {sum(r.get('cached_prompt_tokens', 0) for r in results[name].values())}" for name in names]
     lines.append(f"Prompt tokens served from a prefix cache, all rows: {', '.join(cached)} (every run computes its "
-                 "prompts afresh: `cache_salt` per run, llama-server `cache_prompt: false`)")
+                 "prompts afresh: a `cache_salt` per request, llama-server `cache_prompt: false`)")
     return "\n".join(lines)
 
 

@@ -473,8 +473,8 @@ struct Attention {
 // x 3 query heads = 3 tasks of 18 vectors) would leave a thread idle for a third of the call, and
 // tasks of more than kFewRows vectors widen their keys into a buffer first. Where there are fewer
 // than 4 tasks a thread, each (sequence, head)'s vectors are cut into the fewest pieces of at most
-// kFewRows vectors (a multiple of kShareRows) that make the task count a multiple of the threads or
-// at least 4 a thread. A piece reads its keys again (from L2 or L3: a step's few sequences' keys are
+// kFewRows vectors and at least 2 x kShareRows (a multiple of kShareRows) that make the task count a
+// multiple of the threads or at least 4 a thread (2-row steps cut into 3 + 3 vectors were slower). A piece reads its keys again (from L2 or L3: a step's few sequences' keys are
 // a few hundred KB); these steps are bound by arithmetic, not reads. A decode of G <= kShareRows
 // vectors is never cut.
 inline int64_t piece_of(int64_t vecs, int64_t pieces) {  // `vecs` in `pieces`: each a multiple of kShareRows
