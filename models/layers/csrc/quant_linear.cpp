@@ -580,6 +580,7 @@ void tile_upto(const Operands<S>& op, int64_t m0, int64_t p0, int rm, int rp) {
 // tiles wait in `acc` between slices; each output still takes its groups in order, so the bits are
 // `tile`'s.
 constexpr int64_t kSliceGroups = 8;
+constexpr int64_t kSlicedMinRows = 8;  // fewer rows take 4 x 2 tiles (int_qlinear)
 constexpr int64_t kSlicePairs = kSliceGroups * kBlock / 2;
 constexpr int kSlicedTileFloats = 4 * 3 * kLanes;
 template <typename S>
@@ -938,6 +939,7 @@ void int_qlinear(const Operands<S>& op, float* silu_out = nullptr) {
   const int64_t tile_rows = !wide ? kTileRows : few_wide ? kFewWideRows : kWideRows;
   int64_t block_rows = std::clamp<int64_t>((256 << 10) / (op.K * 2) / tile_rows * tile_rows, tile_rows, 64);
   int64_t block_panels = std::clamp<int64_t>((256 << 10) / op.panel_bytes / 12 * 12, 12, 48);
+  bool each_use = false;  // pairs broadcast at each use, not once a task (AVX2's few rows of 4 bits, below)
 #if defined(PAGEDSERVE_GROUP_ASM)
   // AVX2's sliced 4-bit tiles (sliced_tiles_4x3; 4 bits with mins stored, folded or none: a min made
   // from the scales that is not an integer takes `tile`) keep a K slice of the task's rows, pairs and
@@ -945,7 +947,17 @@ void int_qlinear(const Operands<S>& op, float* silu_out = nullptr) {
   // broadcast once a task (K = 8192 had tasks of 12 panels, the broadcast ~10% of the product) and
   // the weights read from memory once a row block (K = 8192 had blocks of 16 rows). 128 x 8192 ->
   // 2048, 1 thread, Zen 3: 51.5-57.4 -> 44.4-46.9 ms (tasks of 48 panels alone).
-  const bool sliced = Bits == 4 && op.M > 2 && (op.mins != nullptr || op.xmin != nullptr || op.min_per_scale == 0.f);
+  //
+  // Below kSlicedMinRows rows (a speculative verification's 1 + k rows, a few decodes) the 4 x 2
+  // tiles that broadcast the pairs at each use, panels outer, are the faster, with the same bits:
+  // every linear layer's product, 2 threads, Zen 3, calls alternated, time against the sliced tiles
+  // at 4 / 5 / 6 / 7 rows: 135M 0.79 / 0.82 / 0.85 / 0.85 (8 rows 0.99), 360M 0.81 / 0.91 / 0.88 /
+  // 0.91, 1.7B 0.90 / 0.94 / - / 1.00; at 8 rows the sliced ones won at 360M and 1.7B (0.97, 0.93),
+  // and the pre-broadcast tiles were slower than either below 8. At 3 rows the sliced path had no
+  // whole 4-row tile and took these already.
+  const bool group_asm = Bits == 4 && (op.mins != nullptr || op.xmin != nullptr || op.min_per_scale == 0.f);
+  const bool sliced = group_asm && op.M >= kSlicedMinRows;
+  each_use = group_asm && op.M > 2 && !sliced;
   if (sliced) {
     block_rows = 64;
     block_panels = 48;
@@ -964,9 +976,9 @@ void int_qlinear(const Operands<S>& op, float* silu_out = nullptr) {
     block_panels /= 2;
   // The panels of the path's whole tiles (below): a task's panels start at a multiple of it, so
   // that only the last task of a row block ends in a narrower tile (which broadcasts at each use).
-  // (AVX2's 4 bits: group_4x3 or the pre-broadcast tiles, 3 panels either way.)
+  // (AVX2's 4 bits: group_4x3 or the pre-broadcast tiles, 3 panels either way; below kSlicedMinRows, 2.)
   int64_t tile_panels = op.M <= 2 ? kDecodePanels : !wide ? kTilePanels : 2 * (few_wide ? kFewWideVectors : kWideVectors);
-  if (op.M > 2 && Isa::kPrebroadcast && Bits == 4) tile_panels = kPrebroadcastPanels4;
+  if (op.M > 2 && Isa::kPrebroadcast && Bits == 4 && !each_use) tile_panels = kPrebroadcastPanels4;
   int64_t panel_blocks = (panels + block_panels - 1) / block_panels;
   if (row_blocks == 1) {  // one row block (decodes): as many blocks for each thread, of about equal size
     // Tiles of more than 2 rows broadcast each K slice's pairs once a task (sliced_tiles_4x3,
@@ -1058,7 +1070,7 @@ void int_qlinear(const Operands<S>& op, float* silu_out = nullptr) {
     // task's weights (up to 256 KB); K = 8192 (1.7B's down projection, 512 KB of pairs) keeps the
     // 4 x 2 tiles that broadcast at each use. The bound is reasoned from the cache sizes: runs
     // with and without it on that shape (Zen 3) were within this VM's noise (30-46 ms either way).
-    if (Isa::kPrebroadcast && op.K * 64 <= (192 << 10)) {
+    if (Isa::kPrebroadcast && op.K * 64 <= (192 << 10) && !each_use) {
       // 64-byte aligned: a madd operand that crosses a cache line costs (a chunk 6.8 -> 8.5 ns, Zen 3).
       thread_local std::vector<int32_t> broadcast_storage;
       const int64_t pairs = op.K / 2;
