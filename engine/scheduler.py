@@ -169,8 +169,11 @@ class Scheduler:
         )
 
     def _speculating(self, decodes: list[Request]) -> set[Request]:
-        """The decodes that may carry drafts this step: none above the batch size where
-        speculation stops paying, and none while a request waits to be admitted."""
+        """The decodes that may carry drafts this step: none while more requests run than the batch
+        size where speculation stops paying. Requests waiting to be admitted do not stop it (they
+        wait for a free sequence or KV blocks, and drafts shorten the runs that hold those; a draft
+        that finds no block is dropped before anyone is preempted, and prefills take the token
+        budget after the decodes and their drafts, at most k a decode)."""
         if self.speculator is None or len(self.running) > self.speculator.config.max_batch_size:
             return set()
         return set(decodes)
