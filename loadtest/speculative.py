@@ -175,6 +175,31 @@ def commands(args) -> dict[str, list[str]]:
     return {name: [str(free_port()) if part == "{port}" else part for part in command] for name, command in out.items()}
 
 
+def counted_run(url: str, run, label: str, figures: list[float], counts: list[float]) -> int:
+    """Await `run` (a run_serial or run_concurrent against `url`): its output tok/s appended to
+    `figures`, its draft tokens, accepted tokens and cached prompt tokens added to `counts`, a line
+    printed; returns its completion tokens."""
+    before = spec_counters(url)
+    tokens, seconds, cached = asyncio.run(run)
+    after = spec_counters(url)
+    drafted, accepted = after[0] - before[0], after[1] - before[1]
+    figures.append(tokens / seconds)
+    counts[0] += drafted
+    counts[1] += accepted
+    counts[2] += cached
+    print(f"  {label}: {tokens / seconds:.1f} tok/s ({tokens} tokens, {cached} prompt tokens cached)"
+          + (f", {accepted / drafted:.0%} of {drafted:.0f} drafts accepted" if drafted else ""), flush=True)
+    return tokens
+
+
+def row_result(figures: list[float], counts: list[float], tokens: int) -> dict:
+    """A row's figure on one server: the median of its rounds, with what counted_run summed."""
+    drafted, accepted, cached = counts
+    return {"tok_s": statistics.median(figures), "tok_s_runs": figures, "tokens": tokens,
+            "cached_prompt_tokens": cached, "acceptance": accepted / drafted if drafted else None,
+            "draft_tokens": drafted}
+
+
 def measure(servers: dict[str, list[str]], args, loads: dict[str, list[dict]]) -> dict[str, dict]:
     """Run each row on one server of a pair (with and without speculation, side by side) and at once
     on the other, alternating which goes first, so that the two figures of a row are minutes closer
@@ -193,22 +218,10 @@ def measure(servers: dict[str, list[str]], args, loads: dict[str, list[dict]]) -
             counted = {name: [0.0, 0.0, 0] for name in servers}
             for r in range(args.rounds):
                 for name in order if (i + r) % 2 == 0 else order[::-1]:
-                    before = spec_counters(urls[name])
-                    tokens, seconds, cached = asyncio.run(run_serial(urls[name], uncached(sized, f"{i}.{r}", name)))
-                    after = spec_counters(urls[name])
-                    drafted, accepted = after[0] - before[0], after[1] - before[1]
-                    runs[name].append(tokens / seconds)
-                    counted[name][0] += drafted
-                    counted[name][1] += accepted
-                    counted[name][2] += cached
-                    print(f"  {name}: {workload} t={temperature} c=1: {tokens / seconds:.1f} tok/s ({tokens} tokens"
-                          f", {cached} prompt tokens cached)"
-                          + (f", {accepted / drafted:.0%} of {drafted:.0f} drafts accepted" if drafted else ""), flush=True)
+                    tokens = counted_run(urls[name], run_serial(urls[name], uncached(sized, f"{i}.{r}", name)),
+                                         f"{name}: {workload} t={temperature} c=1", runs[name], counted[name])
             for name in servers:
-                drafted, accepted, cached = counted[name]
-                results[name][f"{workload} t={temperature} c=1"] = {
-                    "tok_s": statistics.median(runs[name]), "tok_s_runs": runs[name], "tokens": tokens,
-                    "cached_prompt_tokens": cached, "acceptance": accepted / drafted if drafted else None}
+                results[name][f"{workload} t={temperature} c=1"] = row_result(runs[name], counted[name], tokens)
     # The mixed run on a fresh pair each round: two servers of the same command differ by a few
     # percent for their whole life (both without drafts, 6 rounds alternated: the second 1.00-1.09x
     # the first, median 1.05x; Zen 3), which one pair for every round reads as a cost or a gain of
@@ -224,23 +237,10 @@ def measure(servers: dict[str, list[str]], args, loads: dict[str, list[dict]]) -
                 warm = {**mixed[0], "max_tokens": 8}
                 asyncio.run(run_concurrent(urls[name], uncached([warm], f"mixed.{r}.warm-up", name), 1))
                 bodies = uncached(mixed, f"mixed.{r}", name)
-                before = spec_counters(urls[name])
-                tokens, seconds, cached = asyncio.run(run_concurrent(urls[name], bodies, args.concurrency))
-                after = spec_counters(urls[name])
-                drafted, accepted = after[0] - before[0], after[1] - before[1]
-                runs[name].append(tokens / seconds)
-                counted[name][0] += drafted
-                counted[name][1] += accepted
-                counted[name][2] += cached
-                print(f"  {name}: mixed c={args.concurrency}: {tokens / seconds:.1f} tok/s ({tokens} tokens, {cached} prompt "
-                      "tokens cached)" + (f", {accepted / drafted:.0%} of {drafted:.0f} drafts accepted" if drafted else ""),
-                      flush=True)
+                tokens = counted_run(urls[name], run_concurrent(urls[name], bodies, args.concurrency),
+                                     f"{name}: mixed c={args.concurrency}", runs[name], counted[name])
     for name in servers:
-        drafted, accepted, cached = counted[name]
-        results[name][f"mixed t=0.8 c={args.concurrency}"] = {
-            "tok_s": statistics.median(runs[name]), "tok_s_runs": runs[name], "tokens": tokens,
-            "cached_prompt_tokens": cached, "acceptance": accepted / drafted if drafted else None,
-            "draft_tokens": drafted}
+        results[name][f"mixed t=0.8 c={args.concurrency}"] = row_result(runs[name], counted[name], tokens)
     return results
 
 
@@ -276,9 +276,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=3,
                    help="each row this many times on each server, alternating which goes first; the median counts")
     p.add_argument("--mixed-rounds", type=int, default=None,
-                   help="rounds of the mixed run (default: --rounds, at least 5). Above --speculative-max-batch-size "
-                        "running requests no draft is made, so its two figures differ by the machine's drift: one "
-                        "server's runs spread 132-187 tok/s in one sitting (Zen 3), more than any cost of drafts")
+                   help="rounds of the mixed run, each on a pair started afresh (default: --rounds, at least 5). Above "
+                        "--speculative-max-batch-size running requests no draft is made, so its two figures differ by "
+                        "the machine's drift and the pair's own difference: one server's runs spread 132-187 tok/s in "
+                        "one sitting (Zen 3), more than any cost of drafts")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.8])
     p.add_argument("--concurrency", type=int, default=16)
