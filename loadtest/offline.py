@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.request import SamplingParams
 from models.fetch import DEFAULT_MODEL
@@ -89,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per engine; the median is reported")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--block-size", type=int, default=EngineConfig.block_size, help="tokens per KV-cache block")
     parser.add_argument("--skip-hf", action="store_true", help="only measure our engine")
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
     args = parser.parse_args(argv)
@@ -98,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         dtype=args.dtype,
         max_num_seqs=max(args.num_prompts, 1),
         max_num_batched_tokens=max(2048, args.num_prompts),
+        block_size=args.block_size,
     )
     config = llm.engine.model_config
     # the warm-up's 2 prompts, then each timed run's num_prompts (the same for both engines)
@@ -111,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         "input_len": args.input_len,
         "output_len": args.output_len,
         "threads": torch.get_num_threads(),
+        "block_size": args.block_size,
     }
 
     run_ours(llm, warm_up, 4)  # warm-up: first-call allocations and kernel selection

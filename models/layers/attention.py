@@ -10,15 +10,17 @@ flattened, slot `s = block_id * block_size + offset` holds one token's entry.
     token 5 -> block 2, offset 1 -> slot 9
 
 `write_kv` / `gather_kv` store entries in that token-major order (MLA's latent cache).
-`paged_attention` (GQA) keeps the allocation shape but lays the memory out plane-major,
-one plane per (k or v, kv head):
+`paged_attention` (GQA) keeps the allocation shape but lays the memory out block-major:
+a block holds its tokens' keys, then their values, a KV head at a time:
 
-    kv_cache.view(2, num_kv_heads, num_blocks, block_size, head_dim)   see `kv_planes`
+    kv_cache.view(num_blocks, 2, num_kv_heads, block_size, head_dim)   see `kv_blocks`
 
-so that gathering a sequence's blocks (2 KiB runs) directly yields the
-(kv head, sequence, position, head_dim) operands of a batched matmul; token-major
-entries would need a second, transposing copy of every gathered key and value.
-Block ids mean the same in both layouts, which is all the block manager sees.
+so that one block is one run of memory (20 KiB for SmolLM2-360M's 5 KV heads x 16 tokens in
+16 bits), read front to back as the kernel attends a sequence head by head: a decode reads a
+sequence's cache as a few long runs instead of 2 KiB pieces scattered over the pool (a KV head's
+plane, the layout before this one). Gathering blocks for the eager paths is one `index_select`
+over a permuted view, straight into (k or v, kv head, sequence, position, head_dim). Block ids
+mean the same in every layout, which is all the block manager sees.
 
 On CPU with our kernels built (cpu_kernels.py), every query row of the step goes through one
 C++ kernel (csrc/paged_attention.cpp): a query at position p attends keys 0..p read from the
@@ -97,8 +99,6 @@ class AttentionGroup:
     # Every sequence starts at position 0 this step: its keys are exactly this step's k/v.
     is_fresh: bool
     seq_lens: torch.Tensor  # (num_seqs,) int64 tokens of each sequence, this step's included
-    # Rows of the gathered blocks in a cache of N blocks (see _gather_planes), keyed by N.
-    plane_rows: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -245,10 +245,19 @@ def unpad_into(out: torch.Tensor, padded: torch.Tensor, group: AttentionGroup) -
         out[group.token_index] = flat[group.padded_index]
 
 
-def kv_planes(kv_cache: torch.Tensor) -> torch.Tensor:
-    """The plane-major view of a GQA cache (num_blocks, block_size, 2, Hk, D): (2, Hk, num_blocks, block_size, D)."""
+def kv_blocks(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The block-major view of a GQA cache (num_blocks, block_size, 2, Hk, D): (num_blocks, 2, Hk, block_size, D)."""
     num_blocks, block_size, _, num_kv_heads, head_dim = kv_cache.shape
-    return kv_cache.view(2, num_kv_heads, num_blocks, block_size, head_dim)
+    return kv_cache.view(num_blocks, 2, num_kv_heads, block_size, head_dim)
+
+
+def store_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """k, v (num_tokens, Hk, D) into a GQA cache at their slots (block slot // block_size, offset
+    slot % block_size), in PyTorch: what cpu_kernels.write_kv_blocks does in one pass."""
+    block_size = kv_cache.shape[1]
+    tokens = kv_blocks(kv_cache).permute(0, 3, 1, 2, 4)  # (num_blocks, block_size, 2, Hk, D), strided
+    new = torch.stack((k, v), dim=1)  # (num_tokens, 2, Hk, D)
+    tokens.index_put_((slot_mapping // block_size, slot_mapping % block_size), new.to(kv_cache.dtype))
 
 
 def paged_attention(
@@ -262,15 +271,13 @@ def paged_attention(
     """Causal attention of the step's queries over each sequence's cached context.
 
     q: (num_tokens, num_heads, head_dim); k, v: (num_tokens, num_kv_heads, head_dim).
-    kv_cache: (num_blocks, block_size, 2, num_kv_heads, head_dim), used plane-major (see
-    `kv_planes`). Returns (num_tokens, num_heads, head_dim).
+    kv_cache: (num_blocks, block_size, 2, num_kv_heads, head_dim), used block-major (see
+    `kv_blocks`). Returns (num_tokens, num_heads, head_dim).
     """
     if kernel_serves(q, kv_cache) and k.stride(-1) == 1 and v.stride(-1) == 1:
-        cpu_kernels.write_kv_planes(kv_cache, k, v, meta.slot_mapping)  # one pass, not four ops
+        cpu_kernels.write_kv_blocks(kv_cache, k, v, meta.slot_mapping)  # one pass, not four ops
         return cpu_kernels.paged_attention(q, kv_cache, meta.block_table, meta.seq_lens, meta.query_start, scale)
-    planes = kv_planes(kv_cache).flatten(2, 3)  # (2, Hk, num_slots, D)
-    new = torch.stack((k, v)).transpose(1, 2)  # (2, Hk, num_tokens, D)
-    planes.index_copy_(2, meta.slot_mapping, new.to(kv_cache.dtype))
+    store_kv(kv_cache, k, v, meta.slot_mapping)
     if len(meta.groups) == 1 and meta.groups[0].token_range == (0, meta.num_tokens):
         return _attend(q, k, v, kv_cache, meta.groups[0], scale).reshape(q.shape)
     out = q.new_empty(q.shape)
@@ -287,19 +294,12 @@ def kernel_serves(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
             and q.stride(-1) == 1 and cpu_kernels.available())
 
 
-def _gather_planes(kv_cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
-    """(2, Hk, n, max_kv, D): the group's keys and values, one copy straight out of the planes.
-
-        flat rows   [ plane 0: blocks 0..N-1 | plane 1: blocks 0..N-1 | ... | plane 2*Hk-1 ]
-        plane p     = (0 for k, 1 for v) * Hk + kv head;   block b of plane p is row p * N + b
-    """
-    _, num_kv_heads, num_blocks, block_size, head_dim = kv_planes(kv_cache).shape
-    rows = group.plane_rows.get(num_blocks)
-    if rows is None:  # the same for every layer of the step: computed once
-        planes = torch.arange(2 * num_kv_heads, device=kv_cache.device)[:, None] * num_blocks
-        rows = group.plane_rows[num_blocks] = (planes + group.block_table.view(1, -1)).view(-1)
-    flat = kv_cache.view(2 * num_kv_heads * num_blocks, block_size * head_dim)  # one row per (plane, block)
-    kv = flat.index_select(0, rows)  # (2 * Hk * n * blocks per seq, block_size * D)
+def _gather_blocks(kv_cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+    """(2, Hk, n, max_kv, D): the group's keys and values, one copy out of the blocks (an
+    `index_select` of whole blocks along the block dim of a view that puts it third)."""
+    num_blocks, _, num_kv_heads, block_size, head_dim = kv_blocks(kv_cache).shape
+    runs = kv_cache.view(num_blocks, 2, num_kv_heads, block_size * head_dim).permute(1, 2, 0, 3)
+    kv = runs.index_select(2, group.block_table.view(-1))  # (2, Hk, n * blocks per seq, block_size * D)
     return kv.view(2, num_kv_heads, group.num_seqs, -1, head_dim)
 
 
@@ -314,7 +314,7 @@ def _attend(q, k, v, kv_cache, group: AttentionGroup, scale: float) -> torch.Ten
         # Padding keys sit after every real query of their sequence: causal hides them.
         out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale, enable_gqa=True)
     else:
-        kv = _gather_planes(kv_cache, group).to(q.dtype).transpose(1, 2)  # (2, n, Hk, max_kv, D)
+        kv = _gather_blocks(kv_cache, group).to(q.dtype).transpose(1, 2)  # (2, n, Hk, max_kv, D)
         out = F.scaled_dot_product_attention(
             queries, kv[0], kv[1], attn_mask=group.mask, scale=scale, enable_gqa=True
         )  # (n, num_heads, max_q, head_dim)
@@ -329,7 +329,7 @@ def _decode(queries: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup
     step's kernels (meta.kernels): for many tiny batched products it stays the faster.
     """
     n, _, num_heads, head_dim = queries.shape
-    kv = _gather_planes(kv_cache, group).to(queries.dtype)  # (2, Hk, n, max_kv, D)
+    kv = _gather_blocks(kv_cache, group).to(queries.dtype)  # (2, Hk, n, max_kv, D)
     num_kv_heads = kv.shape[1]
     rows = queries.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)  # (Hk, n, G, D)
     # matmul over (Hk, n) batch dims that cannot be merged is ~1.5x slower than copying the rows.

@@ -45,7 +45,7 @@ _SOURCES = [
 ]
 _HEADERS = [Path(__file__).parent / "csrc" / "vec8.h"]  # not compiled alone; a build is stale when one is newer
 _OPS = ("paged_attention", "rms_norm", "silu_and_mul", "softmax_rows", "argmax_rows", "draw_rows", "quant_linear", "quant_linear_silu_mul", "rope_neox",
-        "write_kv_planes", "llama_decoder_layer")
+        "write_kv_blocks", "llama_decoder_layer")
 
 _lock = threading.Lock()
 # "loaded": whether torch.ops.pagedserve is usable; "target": the target whose build is loaded.
@@ -278,9 +278,9 @@ def rope_neox(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> t
     return torch.ops.pagedserve.rope_neox(x, cos, signed_sin)
 
 
-def write_kv_planes(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv_blocks(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store k, v (T, Hk, D) at their slots of a plane-major GQA cache (see attention.py), cast to its dtype."""
-    torch.ops.pagedserve.write_kv_planes(kv_cache, k, v, slot_mapping)
+    torch.ops.pagedserve.write_kv_blocks(kv_cache, k, v, slot_mapping)
 
 
 def llama_decoder_layer(

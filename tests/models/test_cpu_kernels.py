@@ -220,21 +220,28 @@ def test_rope_kernel_equals_the_pytorch_rotation_in_float32():
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_write_kv_kernel_equals_index_copy(cache_dtype):
-    from models.layers.attention import kv_planes
+def test_write_kv_kernel_and_eager_store_the_block_major_layout(cache_dtype):
+    """Both writers put token t's key of KV head h at block s // 4, k, h, offset s % 4 (its value
+    under v): a cache one of them wrote reads the same through the other path."""
+    from models.layers.attention import store_kv
 
     needs_kernel()
     gen = torch.Generator().manual_seed(1)
-    cache = torch.zeros(6, 4, 2, 3, 8, dtype=cache_dtype)
-    expected = cache.clone()
+    cache = torch.zeros(6, 4, 2, 3, 8, dtype=cache_dtype)  # (num_blocks, block_size, 2, Hk, D)
+    expected, eager = cache.clone(), cache.clone()
     kv = torch.randn(5, 2, 3, 8, generator=gen)
     k, v = kv[:, 0], kv[:, 1]  # strided views
     slots = torch.tensor([3, 0, 22, 9, 17])
-    kv_planes(expected).flatten(2, 3).index_copy_(2, slots, torch.stack((k, v)).transpose(1, 2).to(cache_dtype))
-    cpu_kernels.write_kv_planes(cache, k, v, slots)
+    blocks = expected.view(6, 2, 3, 4, 8)  # (num_blocks, k or v, Hk, block_size, D)
+    for t, slot in enumerate(slots.tolist()):
+        blocks[slot // 4, 0, :, slot % 4] = k[t].to(cache_dtype)
+        blocks[slot // 4, 1, :, slot % 4] = v[t].to(cache_dtype)
+    cpu_kernels.write_kv_blocks(cache, k, v, slots)
+    store_kv(eager, k, v, slots)
     assert torch.equal(cache, expected)
+    assert torch.equal(eager, expected)
     with pytest.raises(RuntimeError, match="slot out of range"):
-        cpu_kernels.write_kv_planes(cache, k, v, torch.tensor([0, 1, 2, 3, 24]))
+        cpu_kernels.write_kv_blocks(cache, k, v, torch.tensor([0, 1, 2, 3, 24]))
 
 
 def _load_in_subprocess(extensions_dir, env_overrides, prelude=""):

@@ -44,31 +44,33 @@ at::Tensor rope_neox(const at::Tensor& x, const at::Tensor& cos, const at::Tenso
   return out;
 }
 
-// kv_cache (num_blocks, block_size, 2, Hk, D) used plane-major as (2, Hk, slots, D) (see
-// attention.py); k, v (T, Hk, D), any strides with unit stride along D; slot_mapping (T,)
-// int64. Writes token t's keys and values at slot slot_mapping[t], cast to the cache's dtype.
-void write_kv_planes(at::Tensor& kv_cache, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_mapping) {
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(2) == 2 && kv_cache.is_contiguous(), "write_kv_planes: bad cache");
+// kv_cache (num_blocks, block_size, 2, Hk, D) used block-major as (num_blocks, 2, Hk, block_size, D)
+// (see attention.py); k, v (T, Hk, D), any strides with unit stride along D; slot_mapping (T,)
+// int64. Writes token t's keys and values at slot slot_mapping[t] (block slot / block_size, offset
+// slot % block_size), cast to the cache's dtype.
+void write_kv_blocks(at::Tensor& kv_cache, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_mapping) {
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(2) == 2 && kv_cache.is_contiguous(), "write_kv_blocks: bad cache");
   const int64_t T = k.size(0), Hk = kv_cache.size(3), D = kv_cache.size(4);
-  const int64_t slots = kv_cache.size(0) * kv_cache.size(1);
+  const int64_t block_size = kv_cache.size(1), slots = kv_cache.size(0) * block_size, run = block_size * D;
   TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == Hk && k.size(2) == D && k.stride(2) == 1 &&
-              v.stride(2) == 1 && k.scalar_type() == v.scalar_type(), "write_kv_planes: k, v (T, Hk, D)");
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == T, "write_kv_planes: slots");
+              v.stride(2) == 1 && k.scalar_type() == v.scalar_type(), "write_kv_blocks: k, v (T, Hk, D)");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == T, "write_kv_blocks: slots");
   const at::Tensor slot = slot_mapping.contiguous();
   const int64_t* sp = slot.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < slots, "write_kv_planes: slot out of range");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kv_cache.scalar_type(), "write_kv_planes", [&] {
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < slots, "write_kv_blocks: slot out of range");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kv_cache.scalar_type(), "write_kv_blocks", [&] {
     using cache_t = scalar_t;
     cache_t* cache = kv_cache.data_ptr<cache_t>();
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv_planes_src", [&] {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv_blocks_src", [&] {
       const scalar_t* src[2] = {k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>()};
       const int64_t st[2] = {k.stride(0), v.stride(0)}, sh[2] = {k.stride(1), v.stride(1)};
       at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
         for (int64_t t = begin; t < end; ++t) {
+          cache_t* block = cache + sp[t] / block_size * 2 * Hk * run + sp[t] % block_size * D;
           for (int64_t p = 0; p < 2; ++p) {
             for (int64_t h = 0; h < Hk; ++h) {
               const scalar_t* from = src[p] + t * st[p] + h * sh[p];
-              cache_t* to = cache + ((p * Hk + h) * slots + sp[t]) * D;
+              cache_t* to = block + (p * Hk + h) * run;
               int64_t d = 0;
 #if defined(__F16C__)
               // float32 -> float16 eight at a time, rounded to nearest even as c10::Half's is
@@ -93,10 +95,10 @@ void write_kv_planes(at::Tensor& kv_cache, const at::Tensor& k, const at::Tensor
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("rope_neox(Tensor x, Tensor cos, Tensor signed_sin) -> Tensor");
-  m.def("write_kv_planes(Tensor(a!) kv_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
+  m.def("write_kv_blocks(Tensor(a!) kv_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("rope_neox", &rope_neox);
-  m.impl("write_kv_planes", &write_kv_planes);
+  m.impl("write_kv_blocks", &write_kv_blocks);
 }

@@ -46,7 +46,7 @@ at::Tensor llama_decoder_layer(
                              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
   static auto rope = c10::Dispatcher::singleton().findSchemaOrThrow("pagedserve::rope_neox", "")
                          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
-  static auto write_kv = c10::Dispatcher::singleton().findSchemaOrThrow("pagedserve::write_kv_planes", "")
+  static auto write_kv = c10::Dispatcher::singleton().findSchemaOrThrow("pagedserve::write_kv_blocks", "")
                              .typed<void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
   static auto attention =
       c10::Dispatcher::singleton().findSchemaOrThrow("pagedserve::paged_attention", "")

@@ -21,9 +21,10 @@
 // intrinsics (no loop for the compiler to vectorize and peel by address, no chain for -ffast-math
 // to reassociate), so each is the same sequence of roundings whichever vectors share its task.
 //
-// Two cache layouts (models/layers/attention.py, mla.py); token t of sequence i lives at slot
-// block_table[i][t / block_size] * block_size + t % block_size:
-//   GQA  (num_blocks, block_size, 2, Hk, D), laid out plane-major (2, Hk, num_blocks, block_size, D)
+// Two cache layouts (models/layers/attention.py, mla.py); token t of sequence i lives in block
+// block_table[i][t / block_size] at offset t % block_size:
+//   GQA  (num_blocks, block_size, 2, Hk, D), laid out block-major (num_blocks, 2, Hk, block_size, D):
+//        a block's keys and values for every KV head are one run of memory
 //   MLA  (num_blocks, block_size, E): one latent per token for all heads (Hk = 1); keys are the
 //        whole entry, values its first `value_dim` numbers (the absorbed form)
 //
@@ -202,9 +203,12 @@ inline const float* row_as_float(const cache_t* row, int64_t n, float* buf) {
   }
 }
 
-struct Layout {  // where key / value rows lie: row of (kv head h, slot s) = base + h * head_stride + s * slot_stride
-  int64_t head_stride, slot_stride, v_offset, block_size, Dk, Dv;
+// Where key / value rows lie: the key row of KV head h, token o of block b is
+// base + h * head_stride + b * block_stride + o * slot_stride; its value row v_offset further on.
+struct Layout {
+  int64_t head_stride, block_stride, slot_stride, v_offset, block_size, Dk, Dv;
   bool values_in_keys;  // MLA: a value row is the first Dv numbers of its key row
+  int64_t offset(int64_t block, int64_t o) const { return block * block_stride + o * slot_stride; }
 };
 
 struct Task {
@@ -241,7 +245,7 @@ struct Attention {
         if (next_left == 0) return nullptr;
         base = next_base, table = next_table, b = 0, o = 0, left = next_left, next_left = 0;
       }
-      const cache_t* row = base + (table[b] * lay.block_size + o) * lay.slot_stride;
+      const cache_t* row = base + lay.offset(table[b], o);
       if (++o == lay.block_size) o = 0, ++b;
       --left;
       return row;
@@ -304,9 +308,9 @@ struct Attention {
     for (int64_t b0 = 0; b0 < len[R - 1]; b0 += kKeys) {
       const int64_t nk = std::min(kKeys, len[R - 1] - b0);
       // Walk the block table from key b0: one division per block of keys, not per key.
-      int64_t slots[kKeys];
+      int64_t slots[kKeys];  // where key t's rows lie, from the head's base
       for (int64_t t = 0, b = b0 / lay.block_size, o = b0 % lay.block_size; t < nk; ++t) {
-        slots[t] = table[b] * lay.block_size + o;
+        slots[t] = lay.offset(table[b], o);
         if (++o == lay.block_size) o = 0, ++b;
       }
       while (len[r0] <= b0) ++r0;
@@ -323,16 +327,16 @@ struct Attention {
       // 16-bit cache, 2 threads, Zen 5: 1.39 -> 1.01 ms a layer; 360M's 5 heads 300 -> 177 us.)
       // Keys widened into a buffer are all read now: those are asked for here.
       if (widen) {
-        for (int64_t t = 0; t < nk; ++t) prefetch_row<2>(kbase + slots[t] * lay.slot_stride, Dk);
+        for (int64_t t = 0; t < nk; ++t) prefetch_row<2>(kbase + slots[t], Dk);
       } else if (b0 == 0 && !asked) {
-        for (int64_t t = 0; t < std::min(nk, kAhead); ++t) prefetch_row(kbase + slots[t] * lay.slot_stride, Dk);
+        for (int64_t t = 0; t < std::min(nk, kAhead); ++t) prefetch_row(kbase + slots[t], Dk);
       }
       // Scores, 4 keys at a time for every row that needs them (the keys stay in L1), two rows at
       // a time sharing the loads of the keys; a row left over goes alone.
       auto scores = [&](const auto* const* rows) {
         for (int64_t t = 0; t < nk; t += 4) {
           for (int64_t u = t; u < std::min(t + 4, nk) && !lay.values_in_keys; ++u) {
-            prefetch_row(vbase + slots[u] * lay.slot_stride, Dv);
+            prefetch_row(vbase + slots[u], Dv);
           }
           for (int64_t u = b0 + t + kAhead; u < b0 + t + kAhead + 4; ++u) {
             const cache_t* row = ahead.step(lay);  // key u of this task, or of the next past its end
@@ -400,19 +404,19 @@ struct Attention {
         if (few) {
           const cache_t* krow16[kKeys + 3];
           const cache_t* vrow16[kKeys];
-          for (int64_t t = 0; t < nk; ++t) krow16[t] = kbase + slots[t] * lay.slot_stride;
+          for (int64_t t = 0; t < nk; ++t) krow16[t] = kbase + slots[t];
           for (int64_t t = nk; t < nk + 3; ++t) krow16[t] = zero16;
           scores(krow16);
-          for (int64_t t = 0; t < nk; ++t) vrow16[t] = lay.values_in_keys ? krow16[t] : vbase + slots[t] * lay.slot_stride;
+          for (int64_t t = 0; t < nk; ++t) vrow16[t] = lay.values_in_keys ? krow16[t] : vbase + slots[t];
           values(vrow16);
           continue;
         }
       }
-      for (int64_t t = 0; t < nk; ++t) krow[t] = row_as_float(kbase + slots[t] * lay.slot_stride, Dk, kbuf + t * Dk);
+      for (int64_t t = 0; t < nk; ++t) krow[t] = row_as_float(kbase + slots[t], Dk, kbuf + t * Dk);
       for (int64_t t = nk; t < nk + 3; ++t) krow[t] = zero;  // the columns past the block's end
       scores(krow);
       for (int64_t t = 0; t < nk; ++t) {
-        vrow[t] = lay.values_in_keys ? krow[t] : row_as_float(vbase + slots[t] * lay.slot_stride, Dv, vbuf + t * Dv);
+        vrow[t] = lay.values_in_keys ? krow[t] : row_as_float(vbase + slots[t], Dv, vbuf + t * Dv);
       }
       values(vrow);
     }
@@ -462,12 +466,15 @@ struct Attention {
   }
 };
 
-// Tasks in KV head, sequence, query order; split into `parts` contiguous runs of about equal cost.
-// Head-major: a KV head's keys (and values) for every sequence lie in one plane of the cache, so
-// consecutive tasks read one region of memory, not the Hk planes in turn (a task's order changes
-// none of its sums). 16 decodes of 128-256 tokens, 16-bit cache, scattered blocks, every layer's
-// cache cold, 2 threads, Zen 5, the two builds alternated 4 times: 1.7B's 32 heads x 24 layers
-// 28.4-32.9 -> 22.3-26.1 ms, 360M's 5 KV heads x 32 layers 6.4-7.5 -> 6.1-6.6 ms.
+// Tasks in sequence, KV head, query order; split into `parts` contiguous runs of about equal cost
+// (a task's order changes none of its sums). Sequence-major over the block-major cache: a thread
+// reads a block's 2 x Hk runs (a head's keys, a head's values) one task after the other, so the
+// hardware prefetcher, running on past the end of one head's run, fetches the next head's, not a
+// stranger's block. (Head-major served the earlier plane-major layout, where a KV head's rows for
+// every sequence were one plane; its blocks were 2 KB runs scattered over the plane.) 16 decodes of
+// 128-256 tokens, 16-bit cache, scattered blocks of 16 tokens, every layer's cache cold, 2 threads,
+// Zen 3, plane-major head-major against block-major sequence-major switched per call: 360M's 5 KV
+// heads x 32 layers 0.78-0.82x the time, 1.7B's 32 x 24 0.70-0.74x.
 //
 // Few tasks of many vectors each (one request's verification step: SmolLM2-135M's 3 KV heads x 6 rows
 // x 3 query heads = 3 tasks of 18 vectors) would leave a thread idle for a third of the call, and
@@ -501,8 +508,8 @@ void run_tasks(const Kernel& kernel, int64_t n, int64_t Hk) {
   }
   std::vector<Task> tasks;
   int64_t total = 0;
-  for (int64_t h = 0; h < Hk; ++h) {
-    for (int64_t i = 0; i < n; ++i) {
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t h = 0; h < Hk; ++h) {
       const int64_t q_len = kernel.query_start[i + 1] - kernel.query_start[i], vecs = q_len * kernel.G;
       for (int64_t first = 0; first < vecs; first += kMaxVecs) {
         const int64_t run = std::min(kMaxVecs, vecs - first);
@@ -588,16 +595,16 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
   Layout lay{};
   int64_t Hk = 1;
   lay.block_size = block_size;
-  if (kv_cache.dim() == 5) {  // GQA, plane-major
+  if (kv_cache.dim() == 5) {  // GQA, block-major (num_blocks, 2, Hk, block_size, D)
     TORCH_CHECK(kv_cache.size(2) == 2, "GQA kv_cache must be (num_blocks, block_size, 2, Hk, D)");
     Hk = kv_cache.size(3);
-    const int64_t D = kv_cache.size(4), plane = num_blocks * block_size * D;
+    const int64_t D = kv_cache.size(4), run = block_size * D;
     TORCH_CHECK(value_dim == D || value_dim == 0, "value_dim of a GQA cache is its head dim");
-    lay = Layout{plane, D, Hk * plane, block_size, D, D, false};
-  } else {  // MLA latents
+    lay = Layout{run, 2 * Hk * run, D, Hk * run, block_size, D, D, false};
+  } else {  // MLA latents, token-major
     const int64_t E = kv_cache.size(2);
     TORCH_CHECK(value_dim >= 1 && value_dim <= E, "value_dim must be in [1, entry size]");
-    lay = Layout{0, E, 0, block_size, E, value_dim, true};
+    lay = Layout{0, block_size * E, E, 0, block_size, E, value_dim, true};
   }
   TORCH_CHECK(q.size(2) == lay.Dk && H % Hk == 0, "q's head dim / head count do not match the cache");
   auto tables = block_table.contiguous(), lens = seq_lens.contiguous(), starts = query_start.contiguous();
