@@ -142,7 +142,7 @@ class MLAttention(nn.Module):
         else:
             out_latent = query.new_empty(num_tokens, H, L)
             for group in meta.groups:
-                entries = gather_kv(kv_cache, group).to(query.dtype)
+                entries = gather_kv(kv_cache, group, query.dtype)
                 out = self._attend(pad_queries(query, group), entries, group.mask, kernels)
                 unpad_into(out_latent, out, group)
         out = kernels.matmul(torch.einsum, "thl,hvl->thv", out_latent, self.w_uv)  # (T, H, v)

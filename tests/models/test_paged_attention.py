@@ -105,3 +105,33 @@ def test_tokens_go_to_their_block_table_slots():
     meta = AttentionMetadata.build([3, 1], [5, 4], [[7, 2, 9], [4, 0]], block_size=2)
     # seq 0: positions 2, 3, 4 -> blocks 2, 2, 9; seq 1: position 3 -> block 0, offset 1
     assert meta.slot_mapping.tolist() == [4, 5, 18, 1]
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_the_layers_of_a_step_share_its_metadata(cache_dtype):
+    """Every layer of a step attends with the same AttentionMetadata (the eager paths gather into
+    buffers kept on it): each of three layers' outputs, over caches of their own, equals dense
+    attention on that layer's keys, in whatever order the layers run, again and again."""
+    block_size, num_kv_heads, scale = 4, 2, HEAD_DIM**-0.5
+    plan = [(9, 1), (0, 6), (13, 1), (5, 3), (21, 1)]  # (cached context, new tokens): decodes, a prompt, a chunk
+    lengths = [c + n for c, n in plan]
+    tables, num_blocks = shuffled_block_tables(lengths, block_size, seed=3)
+    layers = []
+    for seed in range(3):
+        seqs = make_seqs(lengths, 4, num_kv_heads, seed=10 + seed)
+        for s in seqs:  # what a 16-bit cache holds, so that the dense reference reads the same keys
+            s["k"], s["v"] = s["k"].to(cache_dtype).float(), s["v"].to(cache_dtype).float()
+        cache = KVCacheSpec(1, (2, num_kv_heads, HEAD_DIM), cache_dtype).allocate(num_blocks, block_size, "cpu")[0]
+        run_step(cache, seqs, [(i, 0, c) for i, (c, _) in enumerate(plan) if c > 0], tables, block_size, scale)
+        layers.append((seqs, cache))
+    chunks = [(i, c, n) for i, (c, n) in enumerate(plan)]
+    meta = AttentionMetadata.build([n for _, _, n in chunks], [c + n for _, c, n in chunks], tables, block_size)
+    for seqs, cache in layers + layers[::-1]:
+        q = torch.cat([seqs[i]["q"][c : c + n] for i, c, n in chunks])
+        k = torch.cat([seqs[i]["k"][c : c + n] for i, c, n in chunks])
+        v = torch.cat([seqs[i]["v"][c : c + n] for i, c, n in chunks])
+        out = paged_attention(q, k, v, cache, meta, scale)
+        for (i, c, n), got in zip(chunks, out.split([n for _, _, n in chunks])):
+            s = seqs[i]
+            ref = dense_reference(s["q"][c : c + n], s["k"][: c + n], s["v"][: c + n], scale)
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
