@@ -209,7 +209,7 @@ def paged_attention(
     query_start: torch.Tensor, scale: float, value_dim: int = 0,
 ) -> torch.Tensor:
     """q (T, H, Dk): the step's queries, sequence i's at rows query_start[i]..query_start[i+1]-1,
-    the last of its seq_lens[i] tokens; kv_cache GQA (num_blocks, block_size, 2, Hk, D) plane-major
+    the last of its seq_lens[i] tokens; kv_cache GQA (num_blocks, block_size, 2, Hk, D) block-major
     or MLA (num_blocks, block_size, E) with values the first `value_dim` of E (csrc/paged_attention.cpp)
     -> (T, H, Dv)."""
     return torch.ops.pagedserve.paged_attention(q, kv_cache, block_table, seq_lens, query_start, scale, value_dim)
@@ -279,7 +279,7 @@ def rope_neox(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> t
 
 
 def write_kv_blocks(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store k, v (T, Hk, D) at their slots of a plane-major GQA cache (see attention.py), cast to its dtype."""
+    """Store k, v (T, Hk, D) at their slots of a block-major GQA cache (see attention.py), cast to its dtype."""
     torch.ops.pagedserve.write_kv_blocks(kv_cache, k, v, slot_mapping)
 
 
