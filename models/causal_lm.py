@@ -153,8 +153,9 @@ class CausalLM(nn.Module):
         over output rows and columns, never over a sum; dense ones run torch's GEMMs (MKL, oneDNN),
         whose rounding of a row changes with the step's number of rows, and for some with the
         thread count. (A method may say which it is with a `row_invariant` attribute.) Modules
-        that multiply by dense weights outside a Linear say so with `dense_products = True`
-        (DeepSeek's absorbed attention, the MoE router)."""
+        that multiply by dense weights outside a Linear on torch's GEMMs say so with
+        `dense_products = True` (none does now: DeepSeek's absorbed attention and its router run
+        csrc/rows_matmul.cpp on CPU, each output summed in an order of its row alone)."""
         products = [m for m in self.modules() if isinstance(m, Linear) and not isinstance(m, Embedding)]
         if self.lm_head is None:  # tied: the embedding multiplies too
             products.append(self.model.embed_tokens)

@@ -3,7 +3,8 @@
 Only where PyTorch has nothing that fits (csrc/): `paged_attention` reads every
 query row's keys and values straight out of the paged cache, in an order fixed by the row alone; `rms_norm` and `silu_and_mul` do in one pass what eager PyTorch does in
 ~8 and 2; `quant_linear` multiplies by 4- and 8-bit weights with integer dot products, one tiled
-kernel for every step size (models/layers/quantization.py). They need a C++ compiler (g++ / clang)
+kernel for every step size (models/layers/quantization.py); `rows_matmul` and `sigmoid` give
+DeepSeek's dense products (absorbed attention, router) a row's bits whatever its step. They need a C++ compiler (g++ / clang)
 and ninja; a build takes ~20-60 s once per machine and target and is cached in torch's extensions
 directory ($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions). Without a compiler, or with
 PAGEDSERVE_CPU_KERNELS=0, the callers keep their pure-PyTorch path, which is also the reference
@@ -41,11 +42,12 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("paged_attention.cpp", "elementwise.cpp", "quant_linear.cpp", "decode_ops.cpp", "decoder_layer.cpp")
+    for name in ("paged_attention.cpp", "elementwise.cpp", "quant_linear.cpp", "decode_ops.cpp", "decoder_layer.cpp",
+                 "rows_matmul.cpp")
 ]
 _HEADERS = [Path(__file__).parent / "csrc" / "vec8.h"]  # not compiled alone; a build is stale when one is newer
-_OPS = ("paged_attention", "rms_norm", "silu_and_mul", "softmax_rows", "argmax_rows", "draw_rows", "quant_linear", "quant_linear_silu_mul", "rope_neox",
-        "write_kv_blocks", "llama_decoder_layer")
+_OPS = ("paged_attention", "rms_norm", "silu_and_mul", "sigmoid", "softmax_rows", "argmax_rows", "draw_rows", "quant_linear",
+        "quant_linear_silu_mul", "rope_neox", "write_kv_blocks", "llama_decoder_layer", "rows_matmul")
 
 _lock = threading.Lock()
 # "loaded": whether torch.ops.pagedserve is usable; "target": the target whose build is loaded.
@@ -223,6 +225,19 @@ def usable(x: torch.Tensor) -> bool:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x (T, N), weight (N,) of x's dtype -> weight * round(x * rsqrt(mean(x^2) + eps))."""
     return torch.ops.pagedserve.rms_norm(x, weight, eps)
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """1 / (1 + e^-x) element by element, each element's bits whatever its place in x (a router's scores)."""
+    return torch.ops.pagedserve.sigmoid(x)
+
+
+def rows_matmul(x: torch.Tensor, w: torch.Tensor, kn: bool) -> torch.Tensor:
+    """x (T, K) or (T, B, K) (last dimension contiguous) times w (K, N) / (B, K, N) where `kn`, else
+    (N, K) / (B, N, K) transposed -> (T, N) or (T, B, N) float32, every output summed in an order
+    of its row alone, whatever the step's other rows or the thread count (csrc/rows_matmul.cpp):
+    DeepSeek's W_UK / W_UV products and the MoE router's logits."""
+    return torch.ops.pagedserve.rows_matmul(x, w, kn)
 
 
 def softmax_rows(logits: torch.Tensor, log: bool = False) -> torch.Tensor:

@@ -57,11 +57,18 @@ def mla_softmax_scale(hf_config) -> float:
     return scale
 
 
-class MLAttention(nn.Module):
-    # W_UK and W_UV multiply in torch's batched matmuls: a row's rounding depends on its step
-    # (CausalLM.row_invariant).
-    dense_products = True
+def head_products(x: torch.Tensor, w: torch.Tensor, kn: bool, kernels: StepKernels) -> torch.Tensor:
+    """x (T, H, K) by each head's weights, w (H, K, N) where `kn` (W_UK) else (H, N, K) (W_UV)
+    -> (T, H, N) in x's dtype. On CPU our kernel, which sums each row in an order of its own
+    (CausalLM.row_invariant; torch's batched matmuls round a row by the step's row count);
+    elsewhere torch's."""
+    if x.device.type == "cpu" and cpu_kernels.available():
+        out = cpu_kernels.rows_matmul(x, w, kn)
+        return out if out.dtype == x.dtype else out.to(x.dtype)
+    return kernels.matmul(torch.einsum, "thk,hkn->thn" if kn else "thk,hnk->thn", x, w)
 
+
+class MLAttention(nn.Module):
     def __init__(self, hf_config, rotary_emb: RotaryEmbedding):
         """Tensor parallel (models/layers/parallel.py): the latent projections (q_a, kv_a) and the
         cache entry are replicated; a rank holds num_heads / N heads of q, W_UK, W_UV and o_proj."""
@@ -133,7 +140,7 @@ class MLAttention(nn.Module):
         k_pe = self.rotary_emb.rotate(k_pe.unsqueeze(1), *rope)  # (T, 1, R)
         write_kv(kv_cache, torch.cat([latent, k_pe.squeeze(1)], dim=-1), meta.slot_mapping)  # entries (T, L + R)
 
-        q_latent = kernels.matmul(torch.einsum, "thd,hdl->thl", q_nope, self.w_uk)  # (T, H, L)
+        q_latent = head_products(q_nope, self.w_uk, True, kernels)  # (T, H, L)
         query = torch.cat([q_latent, q_pe], dim=-1)  # (T, H, L + R), laid out like a cache entry
         if kernel_serves(query, kv_cache):  # CPU: each row alone, the same in any step (attention.py)
             out_latent = cpu_kernels.paged_attention(
@@ -145,7 +152,7 @@ class MLAttention(nn.Module):
                 entries = gather_kv(kv_cache, group, query.dtype)
                 out = self._attend(pad_queries(query, group), entries, group.mask, kernels)
                 unpad_into(out_latent, out, group)
-        out = kernels.matmul(torch.einsum, "thl,hvl->thv", out_latent, self.w_uv)  # (T, H, v)
+        out = head_products(out_latent, self.w_uv, False, kernels)  # (T, H, v)
         return self.o_proj(out.reshape(num_tokens, H * self.v_head_dim), kernels)  # (T, H * v) -> (T, hidden)
 
     def _attend(

@@ -30,12 +30,17 @@ class GatedMLP(nn.Module):
         self.is_silu = hidden_act == "silu"
 
     def forward(self, x: torch.Tensor, kernels: StepKernels) -> torch.Tensor:
-        if self.is_silu and cpu_kernels.usable(x):
-            layer = self.gate_up_proj  # column-parallel: this rank's [gate | up], no gather
-            act = layer.quant_method.apply_silu_mul(layer, x, layer.bias, kernels)
-            if act is None:
-                act = cpu_kernels.silu_and_mul(self.gate_up_proj(x, kernels))
-            return self.down_proj(act, kernels)
-        gate_up = self.gate_up_proj(x, kernels)  # (num_tokens, 2 * intermediate_size)
-        gate, up = self.gate_up_proj.split(gate_up)  # each (num_tokens, intermediate_size)
-        return self.down_proj(self.act_fn(gate) * up, kernels)
+        return gated(self.gate_up_proj, self.down_proj, self.act_fn, self.is_silu, x, kernels)
+
+
+def gated(gate_up_proj: MergedLinear, down_proj: Linear, act_fn, is_silu: bool, x: torch.Tensor,
+          kernels: StepKernels) -> torch.Tensor:
+    """down(act(gate(x)) * up(x)): GatedMLP's forward, and each routed expert's (models/layers/moe.py).
+    On CPU, silu's on our kernels (each element the same bits wherever it falls in the step)."""
+    if is_silu and cpu_kernels.usable(x):
+        act = gate_up_proj.quant_method.apply_silu_mul(gate_up_proj, x, gate_up_proj.bias, kernels)
+        if act is None:
+            act = cpu_kernels.silu_and_mul(gate_up_proj(x, kernels))  # column-parallel: this rank's [gate | up]
+        return down_proj(act, kernels)
+    gate, up = gate_up_proj.split(gate_up_proj(x, kernels))  # each (num_tokens, intermediate_size)
+    return down_proj(act_fn(gate) * up, kernels)

@@ -24,8 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
+from models.layers import cpu_kernels
 from models.layers.linear import Linear, MergedLinear
-from models.layers.mlp import GatedMLP
+from models.layers.mlp import GatedMLP, gated
 from models.layers.step_kernels import StepKernels
 
 _TOPK_METHODS = {"softmax": ("greedy", "group_limited_greedy"), "sigmoid": ("noaux_tc",)}
@@ -76,10 +77,6 @@ class RouterConfig:
 
 
 class Router(nn.Module):
-    # Its float32 logits come from torch's GEMM: a row's rounding depends on its step, and so may
-    # the experts chosen (CausalLM.row_invariant).
-    dense_products = True
-
     def __init__(self, config: RouterConfig, hidden_size: int):
         super().__init__()
         self.config = config
@@ -111,13 +108,16 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (T, hidden) -> (weights (T, top_k) float32, expert ids (T, top_k) int64)."""
         cfg = self.config
-        logits = F.linear(x.float(), self.weight.float())  # (T, num_experts)
-        if cfg.scoring == "softmax":
-            scores = logits.softmax(dim=-1)
-            choice = scores
+        if x.device.type == "cpu" and cpu_kernels.available():
+            # float32 logits and scores with each row's bits its own, whatever the step (torch's GEMM
+            # rounds a row by the step's row count, and its sigmoid by where an element falls):
+            # the experts chosen, and their weights, follow the token alone (CausalLM.row_invariant).
+            logits = cpu_kernels.rows_matmul(x.float(), self.weight, kn=False)  # (T, num_experts)
+            scores = cpu_kernels.softmax_rows(logits) if cfg.scoring == "softmax" else cpu_kernels.sigmoid(logits)
         else:
-            scores = logits.sigmoid()
-            choice = scores + self.e_score_correction_bias
+            logits = F.linear(x.float(), self.weight.float())
+            scores = logits.softmax(dim=-1) if cfg.scoring == "softmax" else logits.sigmoid()
+        choice = scores if cfg.scoring == "softmax" else scores + self.e_score_correction_bias
         if cfg.group_limited:
             choice = self._mask_groups(choice)
         expert_ids = torch.topk(choice, k=cfg.top_k, dim=-1, sorted=False)[1]  # (T, top_k)
@@ -164,6 +164,7 @@ class Experts(nn.Module):
             Linear(intermediate_size, hidden_size, parallel="row", reduce=False) for _ in range(num_experts)
         )
         self.act_fn = ACT2FN[hidden_act]
+        self.is_silu = hidden_act == "silu"
         self._pieces: dict[int, set[str]] = {}  # expert -> gate/up pieces loaded so far
 
     def load_expert(self, expert: int, proj: str, weight: torch.Tensor, name: str) -> list[str]:
@@ -220,8 +221,8 @@ class Experts(nn.Module):
             if count == 0:
                 continue
             rows = slice(start, start + count)
-            gate, up = self.gate_up[expert](pairs_in[rows], kernels).chunk(2, dim=-1)  # (count, inter) each
-            pairs_out[rows] = self.down[expert](self.act_fn(gate) * up, kernels)
+            pairs_out[rows] = gated(self.gate_up[expert], self.down[expert], self.act_fn, self.is_silu, pairs_in[rows],
+                                    kernels)
             start += count
         pairs_out *= weights.flatten()[order, None].to(pairs_out.dtype)
         return torch.zeros_like(x).index_add_(0, token_of_pair, pairs_out)

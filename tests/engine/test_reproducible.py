@@ -48,6 +48,18 @@ def test_a_seeded_request_to_a_quantized_model_repeats_exactly(tiny_llama, quant
     assert_reproducible(llm)
 
 
+@pytest.mark.parametrize("case", ["v2-group-limited-q-lora-yarn", "v3-q-lora"])
+def test_a_seeded_request_to_a_quantized_deepseek_repeats_exactly(tmp_path, case):
+    """MLA's absorbed products and the MoE router on csrc/rows_matmul.cpp: with torch's batched
+    matmuls a row's rounding, and so the experts chosen, followed its step."""
+    from tests.models.test_deepseek import save_quantizable_deepseek
+
+    path = save_quantizable_deepseek(case, tmp_path / case)
+    llm = LLM(str(path), dtype="float32", quantization="int8", block_size=8, num_kv_blocks=64)
+    assert llm.engine.runner.model.row_invariant()
+    assert_reproducible(llm)
+
+
 def test_the_real_smollm2_gguf_as_stored_repeats_a_seeded_request_exactly():
     """The issue's conformance check on the default model (Q4_1 blocks, Q8_0 embedding, float16
     cache): used to differ on the second of six runs with 2 threads."""

@@ -3,8 +3,9 @@
 On models whose products are row-invariant (quantized weights on our kernels; a dense model
 put on the row-by-row method) greedy and seeded requests must be bit-identical with
 speculation on and off: alone, among prefills and other decodes, through preemptions with a
-tiny KV pool, with stop strings and under a grammar. DeepSeek's MLA multiplies by dense
-weights outside Linear layers (not row-invariant): there its tokens must match.
+tiny KV pool, with stop strings and under a grammar: on Llama, Qwen3 and DeepSeek (MLA + MoE,
+whose absorbed products and router run csrc/rows_matmul.cpp). On a dense DeepSeek (torch's GEMMs
+round a row by its step) greedy tokens must match.
 """
 from __future__ import annotations
 
@@ -123,7 +124,17 @@ def test_tiny_qwen3_int8_is_identical_with_and_without_drafts(tmp_path):
     check_model(loaded, block_size=8, num_kv_blocks=64)
 
 
-def test_tiny_deepseek_v3_gives_the_same_greedy_tokens(tmp_path_factory):
+@pytest.mark.parametrize("case", ["v2-group-limited-q-lora-yarn", "v3-q-lora"])
+def test_tiny_deepseek_int8_is_identical_with_and_without_drafts(tmp_path, case):
+    from models.loader import load_model
+    from tests.models.test_deepseek import save_quantizable_deepseek
+
+    loaded = load_model(str(save_quantizable_deepseek(case, tmp_path / case)), dtype="float32", quantization="int8")
+    assert loaded.model.row_invariant()
+    check_model(loaded, block_size=8, num_kv_blocks=64)
+
+
+def test_tiny_dense_deepseek_v3_gives_the_same_greedy_tokens(tmp_path_factory):
     from models.loader import load_model
     from tests.models.test_deepseek import _make_checkpoint
 

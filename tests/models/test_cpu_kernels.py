@@ -196,6 +196,39 @@ def test_draw_rows_is_the_inverse_cdf_draw_and_never_takes_a_forbidden_token():
         cpu_kernels.draw_rows(x, torch.ones(3), torch.zeros(4))
 
 
+@pytest.mark.parametrize("kn", [True, False], ids=["kn", "nk"])
+@pytest.mark.parametrize("x_dtype,w_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                             (torch.float32, torch.bfloat16), (torch.float16, torch.float32)])
+@pytest.mark.parametrize("shape", [(1, 16, 128, 512), (7, 3, 37, 21), (13, 1, 8, 5), (2, 4, 3, 1)],
+                         ids=["mla-decode", "tails", "whole-k", "tiny"])
+def test_rows_matmul_is_the_product_in_float32(kn, x_dtype, w_dtype, shape):
+    # DeepSeek's W_UK (kn: w (B, K, N)) and W_UV / the router (nk: w (B, N, K)); edges of rows,
+    # outputs and K past whole vectors. Float32 sums: within a few float32 eps of the exact product
+    # of the operands as given, whatever their dtypes.
+    needs_kernel()
+    T, B, K, N = shape
+    gen = torch.Generator().manual_seed(T * 100 + K)
+    x = torch.randn(T, B, K + 3, generator=gen).to(x_dtype)[..., 1 : K + 1]  # strided rows, contiguous k
+    w = torch.randn(B, K, N, generator=gen).to(w_dtype)
+    got = cpu_kernels.rows_matmul(x, w if kn else w.transpose(1, 2).contiguous(), kn)
+    want = torch.einsum("tbk,bkn->tbn", x.double(), w.double())
+    assert got.dtype == torch.float32 and got.shape == (T, B, N)
+    bound = (x.double().abs().unsqueeze(-1) * w.double().abs().unsqueeze(0)).sum(-2)  # sum |x w|
+    assert ((got.double() - want).abs() <= 4 * K * torch.finfo(torch.float32).eps * bound + 1e-30).all()
+    if B == 1:  # 2-D: x (T, K) by w (K, N) / (N, K)
+        flat = cpu_kernels.rows_matmul(x[:, 0], w[0] if kn else w[0].T.contiguous(), kn)
+        assert torch.equal(flat, got[:, 0])
+
+
+def test_sigmoid_is_torchs_to_float32_rounding():
+    needs_kernel()
+    x = torch.cat([torch.linspace(-100, 100, 20001), torch.tensor([0.0, -0.0, 1e-30, -88.0, 88.0, 104.0])])
+    got, want = cpu_kernels.sigmoid(x), torch.sigmoid(x.double())
+    assert ((got.double() - want).abs() <= 4 * torch.finfo(torch.float32).eps * want + 1e-37).all()
+    strided = x[:20000].view(8, -1)[:, 3:11]
+    assert torch.equal(cpu_kernels.sigmoid(strided), cpu_kernels.sigmoid(strided.contiguous()))
+
+
 def test_the_kernels_can_be_switched_off():
     code = "from models.layers import cpu_kernels; print(cpu_kernels.available())"
     env = {**os.environ, "PAGEDSERVE_CPU_KERNELS": "0"}
@@ -312,6 +345,9 @@ def test_a_rows_norm_activation_and_rotation_do_not_depend_on_its_batch_address_
     qk, cos, sin = (torch.randn(300, 5, 20, generator=gen), torch.randn(300, 1, 20, generator=gen),
                     torch.randn(300, 1, 20, generator=gen))
     logits = torch.randn(300, 1003, generator=gen) * 5
+    heads, w_kn, w_nk = (torch.randn(300, 5, 20, generator=gen), torch.randn(5, 20, 37, generator=gen),
+                         torch.randn(5, 37, 20, generator=gen))
+    router = torch.randn(13, width, generator=gen).bfloat16()
     ops = {
         "rms_norm": lambda rows: cpu_kernels.rms_norm(x[rows], weight, 1e-6),
         "silu_and_mul": lambda rows: cpu_kernels.silu_and_mul(gate_up[rows]),
@@ -319,6 +355,10 @@ def test_a_rows_norm_activation_and_rotation_do_not_depend_on_its_batch_address_
         "softmax_rows": lambda rows: cpu_kernels.softmax_rows(logits[rows]),
         "softmax_rows log": lambda rows: cpu_kernels.softmax_rows(logits[rows], log=True),
         "argmax_rows": lambda rows: cpu_kernels.argmax_rows(logits[rows]),
+        "sigmoid": lambda rows: cpu_kernels.sigmoid(logits[rows]),
+        "rows_matmul kn": lambda rows: cpu_kernels.rows_matmul(heads[rows], w_kn, True),
+        "rows_matmul nk": lambda rows: cpu_kernels.rows_matmul(heads[rows], w_nk, False),
+        "rows_matmul 2-D, bf16 weights": lambda rows: cpu_kernels.rows_matmul(x[rows], router, False),
         "draw_rows": lambda rows: cpu_kernels.draw_rows(logits[rows], (logits[rows, 0].abs() + 0.5),
                                                         logits[rows, 1].sigmoid()),
     }

@@ -50,13 +50,28 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
 
 
-def _make_checkpoint(case: str, tmp_path_factory):
-    """(checkpoint dir, our model loaded from it, HF reference logits per prompt, prompts) for one tiny config."""
+def make_hf_deepseek(case: str, **overrides):
+    """The tiny HF model of one case, its weights spread (_randomize)."""
     config_cls, model_cls, extra = CASES[case]
-    config = config_cls(**_COMMON, **extra)
+    config = config_cls(**{**_COMMON, **extra, **overrides})
     torch.manual_seed(0)
     hf = model_cls(config).eval()
     _randomize(hf, seed=1)
+    return hf
+
+
+def save_quantizable_deepseek(case: str, path, **overrides):
+    """A case's checkpoint with every linear layer's inputs a multiple of 32, so that `--quantization
+    int8/int4` takes them all (the row-invariance and reproducibility tests); returns its directory."""
+    dims = dict(q_lora_rank=32 if CASES[case][2].get("q_lora_rank") else None, kv_lora_rank=32, v_head_dim=8,
+                moe_intermediate_size=32, intermediate_size=96)
+    return save_checkpoint(make_hf_deepseek(case, **{**dims, **overrides}), path)
+
+
+def _make_checkpoint(case: str, tmp_path_factory):
+    """(checkpoint dir, our model loaded from it, HF reference logits per prompt, prompts) for one tiny config."""
+    hf = make_hf_deepseek(case)
+    config = hf.config
     path = save_checkpoint(hf, tmp_path_factory.mktemp(case))
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, config.vocab_size, (n,), generator=gen) for n in PROMPT_LENS]

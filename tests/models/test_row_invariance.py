@@ -216,3 +216,18 @@ def test_logits_of_a_quantized_model_are_the_same_however_a_token_is_scheduled(m
     loaded = load_model(path, dtype="float32", quantization=quantization)
     assert loaded.model.row_invariant()
     assert_all_equal(logits_per_schedule(loaded.model, torch.float16))
+
+
+@pytest.mark.parametrize("case", ["v2-group-limited-q-lora-yarn", "v3-q-lora"])
+def test_logits_of_a_quantized_deepseek_are_the_same_however_a_token_is_scheduled(tmp_path, case):
+    # MLA's absorbed products (W_UK, W_UV) and the router (its logits, softmax or sigmoid scores, so
+    # the experts chosen and their weights) on csrc/rows_matmul.cpp and our sigmoid; torch's batched
+    # matmuls and sigmoid rounded a row by the step's row count. V2: softmax routing over limited
+    # groups; V3: sigmoid with a correction bias; both with shared experts and a dense first layer.
+    from models.loader import load_model
+    from tests.models.test_deepseek import save_quantizable_deepseek
+
+    path = save_quantizable_deepseek(case, tmp_path / case, max_position_embeddings=512)
+    loaded = load_model(str(path), dtype="float32", quantization="int8")
+    assert loaded.model.row_invariant()
+    assert_all_equal(logits_per_schedule(loaded.model, torch.float16))

@@ -29,26 +29,6 @@ inline scalar_t round_to(float x) {
   return static_cast<scalar_t>(x);
 }
 
-// The `count` (1..8) numbers at p as floats, 0 past them.
-template <typename T>
-inline f32x8 load_part(const T* p, int64_t count) {
-  if (count == 8) return load8(p);
-  alignas(32) float v[8] = {};
-  for (int64_t i = 0; i < count; ++i) v[i] = widen(p[i]);
-  return load8(v);
-}
-
-// v's first `count` lanes stored at p, each rounded to T.
-template <typename T>
-inline void store_part(T* p, f32x8 v, int64_t count) {
-  if constexpr (std::is_same_v<T, float>) {
-    if (count == 8) return store8(p, v);
-  }
-  alignas(32) float lanes[8];
-  store8(lanes, v);
-  for (int64_t i = 0; i < count; ++i) p[i] = round_to<T>(lanes[i]);
-}
-
 // Each lane rounded to T and back (as the PyTorch layers round between their ops).
 template <typename T>
 inline f32x8 rounded(f32x8 v) {
@@ -134,6 +114,27 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   auto out = at::empty({rows, inter}, in.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, in.scalar_type(), "silu_and_mul", [&] {
     silu_and_mul_rows<scalar_t>(in.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, inter);
+  });
+  return out;
+}
+
+// x (any shape) -> 1 / (1 + e^-x) element by element, 8 at a time on exp8 (vec8.h), a last partial 8
+// on the same lanes: an element's bits do not depend on where it falls. (torch's sigmoid runs
+// whole vectors with Sleef's exp and a range's last few elements with libm's, and where a range
+// ends moves with the tensor's size: a router's scores changed with the step's row count.)
+at::Tensor sigmoid(const at::Tensor& x) {
+  auto in = x.contiguous();
+  auto out = at::empty_like(in);
+  const int64_t n = in.numel();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, in.scalar_type(), "sigmoid", [&] {
+    const scalar_t* ip = in.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, (n + 7) / 8, 2048, [&](int64_t begin, int64_t end) {
+      for (int64_t v = begin; v < end; ++v) {
+        const int64_t part = std::min<int64_t>(8, n - 8 * v);
+        store_part(op + 8 * v, splat(1.f) / (splat(1.f) + exp8(-load_part(ip + 8 * v, part))), part);
+      }
+    });
   });
   return out;
 }
@@ -502,11 +503,13 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+  m.def("sigmoid(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("sigmoid", &sigmoid);
   m.impl("softmax_rows", &softmax_rows);
   m.impl("argmax_rows", &argmax_rows);
   m.impl("draw_rows", &draw_rows);

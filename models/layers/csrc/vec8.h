@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__F16C__) || defined(__FMA__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -61,6 +62,26 @@ inline f32x8 load8(const c10::BFloat16* p) {
 #else
   return f32x8{widen(p[0]), widen(p[1]), widen(p[2]), widen(p[3]), widen(p[4]), widen(p[5]), widen(p[6]), widen(p[7])};
 #endif
+}
+
+// The `count` (1..8) numbers at p as floats, 0 past them.
+template <typename T>
+inline f32x8 load_part(const T* p, int64_t count) {
+  if (count == 8) return load8(p);
+  alignas(32) float v[8] = {};
+  for (int64_t i = 0; i < count; ++i) v[i] = widen(p[i]);
+  return load8(v);
+}
+
+// v's first `count` lanes stored at p, each rounded to T.
+template <typename T>
+inline void store_part(T* p, f32x8 v, int64_t count) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (count == 8) return store8(p, v);
+  }
+  alignas(32) float lanes[8];
+  store8(lanes, v);
+  for (int64_t i = 0; i < count; ++i) p[i] = static_cast<T>(lanes[i]);
 }
 
 // a * b + c as one instruction where the build has FMA: -ffast-math may reassociate a chain of

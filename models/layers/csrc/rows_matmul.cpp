@@ -1,0 +1,168 @@
+// Float products of a few rows by dense weights, each output summed in one order that nothing but
+// its own row decides: DeepSeek's absorbed attention (q_nope W_UK, out_latent W_UV^T, per head) and
+// the MoE router's logits. torch's batched matmuls (MKL, oneDNN) pick their kernels and blocking
+// by the step's row count, so a row's rounding followed its neighbours, and the same seeded
+// request to a DeepSeek model sampled differently alone and among others, or with drafts.
+//
+//   kn:  out[t, b, n] = sum over k of x[t, b, k] * w[b, k, n]    w (B, K, N): 8 outputs a vector,
+//        one FMA chain over k from 0 (no lane sum)
+//   nk:  out[t, b, n] = sum over k of x[t, b, k] * w[b, n, k]    w (B, N, K): lane j's FMA chain over
+//        k = j, j + 8, ... of whole vectors, the lanes by sum_lanes4's tree, then the k past the last
+//        whole vector in order
+//
+// Work is split over (b, blocks of rows, blocks of outputs), never over a sum; a block at an edge
+// runs the same chains on fewer lanes or rows (vec8.h: FMA intrinsics, so -ffast-math reorders
+// nothing). The result is float32, whatever the operands' dtypes (float32, bfloat16, float16).
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "vec8.h"
+
+namespace {
+
+using namespace pagedserve_vec;
+
+constexpr int kRows = 4;      // rows a kn block
+constexpr int kVectors = 2;   // 8-output vectors a kn block
+constexpr int kDotRows = 2;   // rows an nk block
+constexpr int kDotCols = 4;   // outputs an nk block (one sum_lanes4)
+
+struct Shape {
+  int64_t T, B, K, N;
+  int64_t xs_t, xs_b;  // x's strides (k is contiguous); out is (T, B, N) contiguous
+};
+
+// kn: rows t0 .. t0 + RT of head b, outputs n0 .. n0 + 16 (fewer at the edge).
+template <int RT, typename X, typename W>
+void kn_block(const Shape& s, const X* x, const W* w, float* out, int64_t b, int64_t t0, int64_t n0) {
+  const int64_t c0 = std::min<int64_t>(8, s.N - n0), c1 = std::clamp<int64_t>(s.N - n0 - 8, 0, 8);
+  const W* wb = w + b * s.K * s.N + n0;
+  const X* xr[RT];
+  for (int r = 0; r < RT; ++r) xr[r] = x + (t0 + r) * s.xs_t + b * s.xs_b;
+  f32x8 acc[RT][kVectors];
+  for (int r = 0; r < RT; ++r) acc[r][0] = acc[r][1] = splat(0.f);
+  if (c0 == 8 && c1 == 8) {
+    for (int64_t k = 0; k < s.K; ++k) {
+      const f32x8 w0 = load8(wb + k * s.N), w1 = load8(wb + k * s.N + 8);
+      for (int r = 0; r < RT; ++r) {
+        const f32x8 xv = splat(widen(xr[r][k]));
+        acc[r][0] = fma8(xv, w0, acc[r][0]);
+        acc[r][1] = fma8(xv, w1, acc[r][1]);
+      }
+    }
+  } else {  // the last outputs: the same chains, the lanes past N on zeros
+    for (int64_t k = 0; k < s.K; ++k) {
+      const f32x8 w0 = load_part(wb + k * s.N, c0), w1 = c1 > 0 ? load_part(wb + k * s.N + 8, c1) : splat(0.f);
+      for (int r = 0; r < RT; ++r) {
+        const f32x8 xv = splat(widen(xr[r][k]));
+        acc[r][0] = fma8(xv, w0, acc[r][0]);
+        acc[r][1] = fma8(xv, w1, acc[r][1]);
+      }
+    }
+  }
+  for (int r = 0; r < RT; ++r) {
+    float* o = out + ((t0 + r) * s.B + b) * s.N + n0;
+    store_part(o, acc[r][0], c0);
+    if (c1 > 0) store_part(o + 8, acc[r][1], c1);
+  }
+}
+
+// nk: rows t0 .. t0 + RT of head b, outputs n0 .. n0 + 4 (fewer at the edge).
+template <int RT, typename X, typename W>
+void nk_block(const Shape& s, const X* x, const W* w, float* out, int64_t b, int64_t t0, int64_t n0) {
+  const int cols = static_cast<int>(std::min<int64_t>(kDotCols, s.N - n0));
+  const W* wc[kDotCols];
+  for (int c = 0; c < kDotCols; ++c) wc[c] = w + (b * s.N + n0 + std::min(c, cols - 1)) * s.K;  // an edge repeats its last
+  const X* xr[RT];
+  for (int r = 0; r < RT; ++r) xr[r] = x + (t0 + r) * s.xs_t + b * s.xs_b;
+  f32x8 acc[RT][kDotCols];
+  for (int r = 0; r < RT; ++r)
+    for (int c = 0; c < kDotCols; ++c) acc[r][c] = splat(0.f);
+  const int64_t whole = s.K / 8 * 8;
+  for (int64_t k = 0; k < whole; k += 8) {
+    f32x8 wv[kDotCols];
+    for (int c = 0; c < kDotCols; ++c) wv[c] = load8(wc[c] + k);
+    for (int r = 0; r < RT; ++r) {
+      const f32x8 xv = load8(xr[r] + k);
+      for (int c = 0; c < kDotCols; ++c) acc[r][c] = fma8(xv, wv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < RT; ++r) {
+    const f32x4 sums = sum_lanes4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+    float* o = out + ((t0 + r) * s.B + b) * s.N + n0;
+    for (int c = 0; c < cols; ++c) {
+      float sum = sums[c];
+      for (int64_t k = whole; k < s.K; ++k) sum = std::fma(widen(xr[r][k]), widen(wc[c][k]), sum);
+      o[c] = sum;
+    }
+  }
+}
+
+template <bool kKn, typename X, typename W>
+void rows_matmul_impl(const Shape& s, const X* x, const W* w, float* out) {
+  constexpr int64_t block_rows = kKn ? kRows : kDotRows;
+  constexpr int64_t block_cols = kKn ? kVectors * 8 : kDotCols;
+  const int64_t row_blocks = (s.T + block_rows - 1) / block_rows, col_blocks = (s.N + block_cols - 1) / block_cols;
+  // A task: one block; ~16 KFLOP of work or more, so a grain of a few tasks.
+  at::parallel_for(0, s.B * row_blocks * col_blocks, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / (row_blocks * col_blocks), rb = task / col_blocks % row_blocks, cb = task % col_blocks;
+      const int64_t t0 = rb * block_rows, n0 = cb * block_cols;
+      const int64_t rows = std::min(block_rows, s.T - t0);
+      if constexpr (kKn) {
+        switch (rows) {
+          case 4: kn_block<4>(s, x, w, out, b, t0, n0); break;
+          case 3: kn_block<3>(s, x, w, out, b, t0, n0); break;
+          case 2: kn_block<2>(s, x, w, out, b, t0, n0); break;
+          default: kn_block<1>(s, x, w, out, b, t0, n0); break;
+        }
+      } else {
+        if (rows == 2) nk_block<2>(s, x, w, out, b, t0, n0);
+        else nk_block<1>(s, x, w, out, b, t0, n0);
+      }
+    }
+  });
+}
+
+// x (T, K) or (T, B, K), its last dimension contiguous; w (K, N) / (N, K), or (B, K, N) / (B, N, K)
+// with `kn` saying which -> (T, N) or (T, B, N) float32.
+at::Tensor rows_matmul(const at::Tensor& x, const at::Tensor& w, bool kn) {
+  TORCH_CHECK((x.dim() == 2 && w.dim() == 2) || (x.dim() == 3 && w.dim() == 3),
+              "rows_matmul: x (T, K) with w 2-D, or x (T, B, K) with w 3-D");
+  const bool batched = x.dim() == 3;
+  Shape s{};
+  s.T = x.size(0);
+  s.B = batched ? x.size(1) : 1;
+  s.K = x.size(-1);
+  s.N = kn ? w.size(-1) : w.size(-2);
+  TORCH_CHECK((kn ? w.size(-2) : w.size(-1)) == s.K, "rows_matmul: x's K ", s.K, " against w ", w.sizes());
+  TORCH_CHECK(!batched || w.size(0) == s.B, "rows_matmul: x's B ", s.B, " against w ", w.sizes());
+  auto xc = x.stride(-1) == 1 ? x : x.contiguous();
+  auto wc = w.contiguous();
+  s.xs_t = xc.stride(0);
+  s.xs_b = batched ? xc.stride(1) : 0;
+  auto out = at::empty(batched ? std::vector<int64_t>{s.T, s.B, s.N} : std::vector<int64_t>{s.T, s.N},
+                       x.options().dtype(at::kFloat));
+  if (out.numel() == 0) return out;
+  if (s.K == 0) return out.zero_();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xc.scalar_type(), "rows_matmul_x", [&] {
+    using X = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, wc.scalar_type(), "rows_matmul_w", [&] {
+      using W = scalar_t;
+      if (kn) rows_matmul_impl<true>(s, xc.data_ptr<X>(), wc.data_ptr<W>(), out.data_ptr<float>());
+      else rows_matmul_impl<false>(s, xc.data_ptr<X>(), wc.data_ptr<W>(), out.data_ptr<float>());
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedserve, m) { m.def("rows_matmul(Tensor x, Tensor w, bool kn) -> Tensor"); }
+
+TORCH_LIBRARY_IMPL(pagedserve, CPU, m) { m.impl("rows_matmul", &rows_matmul); }
