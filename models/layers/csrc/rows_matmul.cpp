@@ -27,106 +27,120 @@ namespace {
 
 using namespace pagedserve_vec;
 
-constexpr int kRows = 4;      // rows a kn block
-constexpr int kVectors = 2;   // 8-output vectors a kn block
-constexpr int kDotRows = 2;   // rows an nk block
-constexpr int kDotCols = 4;   // outputs an nk block (one sum_lanes4)
-
 struct Shape {
   int64_t T, B, K, N;
   int64_t xs_t, xs_b;  // x's strides (k is contiguous); out is (T, B, N) contiguous
 };
 
-// kn: rows t0 .. t0 + RT of head b, outputs n0 .. n0 + 16 (fewer at the edge).
-template <int RT, typename X, typename W>
+// kn: rows t0 .. t0 + RT of head b, outputs n0 .. n0 + 8 CV (fewer at the edge).
+template <int RT, int CV, typename X, typename W>
 void kn_block(const Shape& s, const X* x, const W* w, float* out, int64_t b, int64_t t0, int64_t n0) {
-  const int64_t c0 = std::min<int64_t>(8, s.N - n0), c1 = std::clamp<int64_t>(s.N - n0 - 8, 0, 8);
+  int64_t lanes[CV];
+  for (int v = 0; v < CV; ++v) lanes[v] = std::clamp<int64_t>(s.N - n0 - 8 * v, 0, 8);
+  const bool whole = lanes[CV - 1] == 8;
   const W* wb = w + b * s.K * s.N + n0;
   const X* xr[RT];
   for (int r = 0; r < RT; ++r) xr[r] = x + (t0 + r) * s.xs_t + b * s.xs_b;
-  f32x8 acc[RT][kVectors];
-  for (int r = 0; r < RT; ++r) acc[r][0] = acc[r][1] = splat(0.f);
-  if (c0 == 8 && c1 == 8) {
+  f32x8 acc[RT][CV];
+  for (int r = 0; r < RT; ++r)
+    for (int v = 0; v < CV; ++v) acc[r][v] = splat(0.f);
+  const auto chains = [&](auto load_w) {
     for (int64_t k = 0; k < s.K; ++k) {
-      const f32x8 w0 = load8(wb + k * s.N), w1 = load8(wb + k * s.N + 8);
+      f32x8 wv[CV];
+      for (int v = 0; v < CV; ++v) wv[v] = load_w(wb + k * s.N + 8 * v, v);
       for (int r = 0; r < RT; ++r) {
         const f32x8 xv = splat(widen(xr[r][k]));
-        acc[r][0] = fma8(xv, w0, acc[r][0]);
-        acc[r][1] = fma8(xv, w1, acc[r][1]);
+        for (int v = 0; v < CV; ++v) acc[r][v] = fma8(xv, wv[v], acc[r][v]);
       }
     }
-  } else {  // the last outputs: the same chains, the lanes past N on zeros
-    for (int64_t k = 0; k < s.K; ++k) {
-      const f32x8 w0 = load_part(wb + k * s.N, c0), w1 = c1 > 0 ? load_part(wb + k * s.N + 8, c1) : splat(0.f);
-      for (int r = 0; r < RT; ++r) {
-        const f32x8 xv = splat(widen(xr[r][k]));
-        acc[r][0] = fma8(xv, w0, acc[r][0]);
-        acc[r][1] = fma8(xv, w1, acc[r][1]);
-      }
-    }
-  }
+  };
+  if (whole) chains([](const W* p, int) { return load8(p); });
+  else chains([&](const W* p, int v) { return lanes[v] > 0 ? load_part(p, lanes[v]) : splat(0.f); });  // the last outputs: the lanes past N on zeros
   for (int r = 0; r < RT; ++r) {
     float* o = out + ((t0 + r) * s.B + b) * s.N + n0;
-    store_part(o, acc[r][0], c0);
-    if (c1 > 0) store_part(o + 8, acc[r][1], c1);
+    for (int v = 0; v < CV; ++v)
+      if (lanes[v] > 0) store_part(o + 8 * v, acc[r][v], lanes[v]);
   }
 }
 
-// nk: rows t0 .. t0 + RT of head b, outputs n0 .. n0 + 4 (fewer at the edge).
-template <int RT, typename X, typename W>
+// nk: rows t0 .. t0 + RT of head b, outputs n0 .. n0 + 4 G (fewer at the edge).
+template <int RT, int G, typename X, typename W>
 void nk_block(const Shape& s, const X* x, const W* w, float* out, int64_t b, int64_t t0, int64_t n0) {
-  const int cols = static_cast<int>(std::min<int64_t>(kDotCols, s.N - n0));
-  const W* wc[kDotCols];
-  for (int c = 0; c < kDotCols; ++c) wc[c] = w + (b * s.N + n0 + std::min(c, cols - 1)) * s.K;  // an edge repeats its last
+  constexpr int CC = 4 * G;
+  const int cols = static_cast<int>(std::min<int64_t>(CC, s.N - n0));
+  const W* wc[CC];
+  for (int c = 0; c < CC; ++c) wc[c] = w + (b * s.N + n0 + std::min(c, cols - 1)) * s.K;  // an edge repeats its last
   const X* xr[RT];
   for (int r = 0; r < RT; ++r) xr[r] = x + (t0 + r) * s.xs_t + b * s.xs_b;
-  f32x8 acc[RT][kDotCols];
+  f32x8 acc[RT][CC];
   for (int r = 0; r < RT; ++r)
-    for (int c = 0; c < kDotCols; ++c) acc[r][c] = splat(0.f);
+    for (int c = 0; c < CC; ++c) acc[r][c] = splat(0.f);
   const int64_t whole = s.K / 8 * 8;
   for (int64_t k = 0; k < whole; k += 8) {
-    f32x8 wv[kDotCols];
-    for (int c = 0; c < kDotCols; ++c) wv[c] = load8(wc[c] + k);
+    f32x8 wv[CC];
+    for (int c = 0; c < CC; ++c) wv[c] = load8(wc[c] + k);
     for (int r = 0; r < RT; ++r) {
       const f32x8 xv = load8(xr[r] + k);
-      for (int c = 0; c < kDotCols; ++c) acc[r][c] = fma8(xv, wv[c], acc[r][c]);
+      for (int c = 0; c < CC; ++c) acc[r][c] = fma8(xv, wv[c], acc[r][c]);
     }
   }
   for (int r = 0; r < RT; ++r) {
-    const f32x4 sums = sum_lanes4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
     float* o = out + ((t0 + r) * s.B + b) * s.N + n0;
-    for (int c = 0; c < cols; ++c) {
-      float sum = sums[c];
-      for (int64_t k = whole; k < s.K; ++k) sum = std::fma(widen(xr[r][k]), widen(wc[c][k]), sum);
-      o[c] = sum;
+    for (int g = 0; g < G; ++g) {
+      const f32x4 sums = sum_lanes4(acc[r][4 * g], acc[r][4 * g + 1], acc[r][4 * g + 2], acc[r][4 * g + 3]);
+      for (int c = 4 * g; c < std::min(cols, 4 * g + 4); ++c) {
+        float sum = sums[c - 4 * g];
+        for (int64_t k = whole; k < s.K; ++k) sum = std::fma(widen(xr[r][k]), widen(wc[c][k]), sum);
+        o[c] = sum;
+      }
     }
   }
+}
+
+// Rows of kn blocks: RT = BR for all but the last, which takes its own count.
+template <int BR, int CV, typename X, typename W>
+void kn_rows(const Shape& s, const X* x, const W* w, float* out, int64_t b, int64_t t0, int64_t n0, int64_t rows) {
+  if constexpr (BR > 1) {
+    if (rows < BR) return kn_rows<BR - 1, CV>(s, x, w, out, b, t0, n0, rows);
+  }
+  kn_block<BR, CV>(s, x, w, out, b, t0, n0);
+}
+
+template <int BR, int G, typename X, typename W>
+void nk_rows(const Shape& s, const X* x, const W* w, float* out, int64_t b, int64_t t0, int64_t n0, int64_t rows) {
+  if constexpr (BR > 1) {
+    if (rows < BR) return nk_rows<BR - 1, G>(s, x, w, out, b, t0, n0, rows);
+  }
+  nk_block<BR, G>(s, x, w, out, b, t0, n0);
+}
+
+// Blocks of BR rows x BC outputs, each a task. The blocks' shape never changes a bit (each output's
+// chain is its own), only how many independent chains hide the FMA latency: a step of one or two
+// rows takes wider blocks.
+template <bool kKn, int BR, int BC, typename X, typename W>
+void blocks(const Shape& s, const X* x, const W* w, float* out) {
+  const int64_t row_blocks = (s.T + BR - 1) / BR, col_blocks = (s.N + BC - 1) / BC;
+  at::parallel_for(0, s.B * row_blocks * col_blocks, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      // rows fastest: a block's weights (BC outputs x K) stay in L1 for the next rows
+      const int64_t b = task / (row_blocks * col_blocks), cb = task / row_blocks % col_blocks, rb = task % row_blocks;
+      const int64_t t0 = rb * BR, n0 = cb * BC, rows = std::min<int64_t>(BR, s.T - t0);
+      if constexpr (kKn) kn_rows<BR, BC / 8>(s, x, w, out, b, t0, n0, rows);
+      else nk_rows<BR, BC / 4>(s, x, w, out, b, t0, n0, rows);
+    }
+  });
 }
 
 template <bool kKn, typename X, typename W>
 void rows_matmul_impl(const Shape& s, const X* x, const W* w, float* out) {
-  constexpr int64_t block_rows = kKn ? kRows : kDotRows;
-  constexpr int64_t block_cols = kKn ? kVectors * 8 : kDotCols;
-  const int64_t row_blocks = (s.T + block_rows - 1) / block_rows, col_blocks = (s.N + block_cols - 1) / block_cols;
-  // A task: one block; ~16 KFLOP of work or more, so a grain of a few tasks.
-  at::parallel_for(0, s.B * row_blocks * col_blocks, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / (row_blocks * col_blocks), rb = task / col_blocks % row_blocks, cb = task % col_blocks;
-      const int64_t t0 = rb * block_rows, n0 = cb * block_cols;
-      const int64_t rows = std::min(block_rows, s.T - t0);
-      if constexpr (kKn) {
-        switch (rows) {
-          case 4: kn_block<4>(s, x, w, out, b, t0, n0); break;
-          case 3: kn_block<3>(s, x, w, out, b, t0, n0); break;
-          case 2: kn_block<2>(s, x, w, out, b, t0, n0); break;
-          default: kn_block<1>(s, x, w, out, b, t0, n0); break;
-        }
-      } else {
-        if (rows == 2) nk_block<2>(s, x, w, out, b, t0, n0);
-        else nk_block<1>(s, x, w, out, b, t0, n0);
-      }
-    }
-  });
+  if constexpr (kKn) {  // 8-12 accumulators
+    if (s.T == 1) blocks<true, 1, 64>(s, x, w, out);
+    else if (s.T == 2) blocks<true, 2, 32>(s, x, w, out);
+    else blocks<true, 6, 16>(s, x, w, out);
+  } else {
+    if (s.T == 1) blocks<false, 1, 8>(s, x, w, out);
+    else blocks<false, 3, 4>(s, x, w, out);
+  }
 }
 
 // x (T, K) or (T, B, K), its last dimension contiguous; w (K, N) / (N, K), or (B, K, N) / (B, N, K)
