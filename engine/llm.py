@@ -47,13 +47,13 @@ class CompletionResult:
 class LLM:
     def __init__(
         self, model: str, dtype: str = "auto", device: str = "cpu", quantization: str = "auto",
-        tensor_parallel_size: int = 1, **engine_kwargs
+        tensor_parallel_size: int = 1, batch_invariant: bool = False, **engine_kwargs
     ):
         from models.loader import load_model  # lazy: the engine package does not need the loader
 
         config = EngineConfig(**engine_kwargs)
         load_kwargs = dict(model=model, dtype=dtype, device=device, max_model_len=config.max_model_len,
-                           quantization=quantization)
+                           quantization=quantization, batch_invariant=batch_invariant)
         ranks = None
         if tensor_parallel_size > 1:
             from engine.parallel import ParallelConfig, load_parallel

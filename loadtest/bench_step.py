@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     # used to be the default, which timed a path the server does not take for them.
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--quantization", default="auto", choices=QUANTIZATIONS)
+    parser.add_argument("--batch-invariant", action="store_true", help="dense layers on RowsDenseMethod (the server's flag)")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (0 = leave as is)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="cpu: process CPU time")
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     clock = time.perf_counter if args.clock == "wall" else time.process_time
     from models.loader import load_model  # after set_num_threads: loading spins up the thread pool
 
-    loaded = load_model(args.model, dtype=args.dtype, quantization=args.quantization)
+    loaded = load_model(args.model, dtype=args.dtype, quantization=args.quantization, batch_invariant=args.batch_invariant)
     model, device = loaded.model, next(loaded.model.parameters()).device
     phases = set(args.phases.split(",")) if args.phases != "all" else {"build", "decode", "verify", "prefill", "mixed",
                                                                         "logits"}

@@ -27,9 +27,9 @@ from models.fetch import hub_snapshot, is_hub_id
 from models.layers.linear import (
     Linear, MergedLinear, can_pack_weights, linear_weight_bytes, pack_linear_weights, process_weights_after_loading,
 )
-from models.layers import hugepages
+from models.layers import cpu_kernels, hugepages
 from models.layers import parallel as tp_state
-from models.layers.quantization import DENSE, QUANTIZATIONS, LinearMethod, method_for
+from models.layers.quantization import DENSE, QUANTIZATIONS, ROWS_DENSE, DenseMethod, LinearMethod, method_for
 from models.registry import MODEL_REGISTRY, get_model_class
 
 logger = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ class LoadedModel:
 
     @property
     def is_quantized(self) -> bool:
-        return any(isinstance(m, Linear) and m.quant_method is not DENSE for m in self.model.modules())
+        return any(isinstance(m, Linear) and not isinstance(m.quant_method, DenseMethod) for m in self.model.modules())
 
     @property
     def quantization(self) -> str:
@@ -97,6 +97,15 @@ def choose_methods(
     return choose
 
 
+def _rows_dense(choose: MethodChoice) -> MethodChoice:
+    """`choose`, with RowsDenseMethod wherever it picks dense."""
+    def rows(names: list[str], in_features: int) -> LinearMethod:
+        method = choose(names, in_features)
+        return ROWS_DENSE if method is DENSE else method
+
+    return rows
+
+
 def set_quant_methods(model: nn.Module, choose: MethodChoice) -> None:
     """Give every Linear (embedding and lm_head included) its method, on the meta device."""
     for path, module in model.named_modules():
@@ -117,17 +126,22 @@ def load_model(
     max_model_len: int | None = None,
     quantization: str = "auto",
     tensor_parallel: tp_state.TensorParallel | None = None,
+    batch_invariant: bool = False,
 ) -> LoadedModel:
     """`model`: a checkpoint directory, a .gguf file, a Hugging Face hub id (safetensors, through its
     cache; models.fetch.hub_snapshot), or the default alias ("SmolLM2-135M-Instruct"/"smollm2").
     `quantization`: see `choose_methods`. `tensor_parallel`: build this rank's part of every
-    layer (models/layers/parallel.py); every rank reads the whole checkpoint, one tensor at a time."""
-    choose_methods(quantization)  # validates the name before any file is read
+    layer (models/layers/parallel.py); every rank reads the whole checkpoint, one tensor at a time.
+    `batch_invariant`: the layers left dense run on RowsDenseMethod (`--batch-invariant`), so that
+    every product's row is its own bits whatever its step (needs the CPU kernels)."""
+    choose = choose_methods(quantization)  # validates the name before any file is read
+    if batch_invariant and not (torch.device(device).type == "cpu" and cpu_kernels.available()):
+        raise ValueError("--batch-invariant needs --device cpu and the CPU kernels (models/layers/cpu_kernels.py)")
     with tp_state.building(tensor_parallel):
-        return _load_model(model, dtype, device, max_model_len, quantization)
+        return _load_model(model, dtype, device, max_model_len, quantization, batch_invariant)
 
 
-def _load_model(model, dtype, device, max_model_len, quantization) -> LoadedModel:
+def _load_model(model, dtype, device, max_model_len, quantization, batch_invariant=False) -> LoadedModel:
     if str(model).strip().lower() in _DEFAULT_ALIASES:
         from models.fetch import default_model_path  # lazy: downloads only when asked for
 
@@ -138,9 +152,9 @@ def _load_model(model, dtype, device, max_model_len, quantization) -> LoadedMode
     if path.suffix == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"no GGUF file at {path}")
-        return _load_gguf(path, dtype, device, max_model_len, quantization)
+        return _load_gguf(path, dtype, device, max_model_len, quantization, batch_invariant)
     if path.is_dir():
-        return _load_checkpoint_dir(path, dtype, device, max_model_len, quantization)
+        return _load_checkpoint_dir(path, dtype, device, max_model_len, quantization, batch_invariant)
     if path.suffix in _PICKLE_SUFFIXES:
         _refuse_pickle(path)
     if not path.exists():
@@ -202,15 +216,20 @@ def build_model(
     device: str | torch.device,
     source: Callable[[], Path | str],
     choose: MethodChoice | None = None,
+    batch_invariant: bool = False,
 ) -> nn.Module:
     """Instantiate the registered class and fill it from `weights`; `source()` names the file for errors.
-    `choose` picks each linear layer's method (default: dense)."""
+    `choose` picks each linear layer's method (default: dense); `batch_invariant`: the dense ones on
+    RowsDenseMethod."""
     cls = get_model_class(config.architecture)
     with torch.device("meta"):
         model = cls(config.hf_config, config.max_model_len)
     model = model.to(dtype=config.dtype)
     # Methods are set on the meta model, so a quantized layer never allocates a dense weight.
-    set_quant_methods(model, choose or choose_methods("none"))
+    choose = choose or choose_methods("none")
+    if batch_invariant:
+        choose = _rows_dense(choose)
+    set_quant_methods(model, choose)
     model = model.to_empty(device=device)  # uninitialized memory
     try:
         loaded = model.load_weights(weights)
@@ -240,7 +259,8 @@ def _load_tokenizer(checkpoint_dir: Path) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def _load_checkpoint_dir(checkpoint_dir: Path, dtype, device, max_model_len, quantization) -> LoadedModel:
+def _load_checkpoint_dir(checkpoint_dir: Path, dtype, device, max_model_len, quantization,
+                         batch_invariant=False) -> LoadedModel:
     hf_config, architecture = load_hf_config(checkpoint_dir)
     files = _safetensors_files(checkpoint_dir)
     tokenizer = _load_tokenizer(checkpoint_dir)
@@ -250,7 +270,8 @@ def _load_checkpoint_dir(checkpoint_dir: Path, dtype, device, max_model_len, qua
     dtype = _activation_dtype(dtype, device, quantized=quantization in ("int8", "int4"))
     config = build_model_config(hf_config, architecture, checkpoint_dir, dtype, device, max_model_len, eos)
     stream = _SafetensorsStream(files)
-    model = build_model(config, stream, device, lambda: stream.current_file, choose_methods(quantization))
+    model = build_model(config, stream, device, lambda: stream.current_file, choose_methods(quantization),
+                        batch_invariant)
     return _loaded(model, config, tokenizer)
 
 
@@ -271,7 +292,7 @@ def _loaded(model: nn.Module, config: ModelConfig, tokenizer) -> LoadedModel:
     return loaded
 
 
-def _load_gguf(path: Path, dtype, device, max_model_len, quantization) -> LoadedModel:
+def _load_gguf(path: Path, dtype, device, max_model_len, quantization, batch_invariant=False) -> LoadedModel:
     from models.gguf import EXACT_FORMATS, load_gguf, serving_format  # lazy: only GGUF users pay for the reader
 
     hf_config, weights, tokenizer, eos = load_gguf(path, keep_quantized=quantization != "none")
@@ -292,5 +313,5 @@ def _load_gguf(path: Path, dtype, device, max_model_len, quantization) -> Loaded
         logger.info("%s: GGUF types with no exact int4/int8 form, requantized at load (round to nearest): %s",
                     path.name, dict(requantized))
     choose = choose_methods(quantization, lambda name: serving_format(types[name]) if name in types else None)
-    model = build_model(config, weights, device, lambda: path, choose)
+    model = build_model(config, weights, device, lambda: path, choose, batch_invariant)
     return _loaded(model, config, tokenizer)

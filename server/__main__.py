@@ -49,6 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weights: auto = as the checkpoint stores them (GGUF Q4/Q8 stay 4/8-bit, safetensors "
                         "dense); none = dequantize to --dtype; int8 (per channel) / int4 (groups of 32) = "
                         "quantize a dense checkpoint at load")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="dense weights on our row-by-row kernel: a token's logits the same bits whatever else is "
+                        "in its step, so seeded requests repeat exactly and drafts change no token (quantized "
+                        "weights always are; CPU only; slower prefill). vLLM's VLLM_BATCH_INVARIANT, SGLang's "
+                        "--enable-deterministic-inference")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send in 'model' and see in /v1/models (default: the base name of --model, without .gguf)")
     p.add_argument("--max-model-len", type=int, default=None,
@@ -162,7 +167,7 @@ def load_kwargs(args: argparse.Namespace, device: str | None = None) -> dict:
     if device is None:
         device = resolve_device(args.device)
     return dict(model=args.model, dtype=args.dtype, device=device, max_model_len=args.max_model_len,
-                quantization=args.quantization)
+                quantization=args.quantization, batch_invariant=args.batch_invariant)
 
 
 def engine_config(args: argparse.Namespace):

@@ -269,6 +269,29 @@ class DenseMethod(LinearMethod):
         return ("weight",)
 
 
+class RowsDenseMethod(DenseMethod):
+    """Dense weights on csrc/rows_matmul.cpp (`--batch-invariant`): each output one FMA chain over
+    the row's inputs, in an order of its row alone, so a token's logits are the same bits whatever
+    its step (neighbours, row count, prefix-cache hits, thread count), as quantized layers are
+    (CausalLM.row_invariant). torch's GEMMs (MKL, oneDNN) round a row by the step's row count. It
+    costs prefill speed (float32 FMA chains, not MKL's blocked GEMM); weights stay plain (never
+    oneDNN-packed). Off the CPU kernels (other devices, no compiler) it is DenseMethod."""
+
+    name = "dense-batch-invariant"
+    row_invariant = True
+
+    def apply(self, layer, x, bias, kernels):
+        if not (x.device.type == "cpu" and cpu_kernels.available()):
+            return super().apply(layer, x, bias, kernels)
+        out = cpu_kernels.rows_matmul(x, layer.weight, False)  # (T, N) float32
+        if bias is not None:
+            out += bias
+        return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+ROWS_DENSE = RowsDenseMethod()
+
+
 class QuantMethod(LinearMethod):
     """Int8 (`bits=8`, symmetric) or int4 (`bits=4`, scale + min) weights in groups along K."""
 

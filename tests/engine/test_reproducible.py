@@ -42,6 +42,13 @@ def test_a_seeded_request_repeats_exactly_where_every_linear_layer_is_row_invari
     assert_reproducible(LLM.from_loaded(loaded, block_size=8, num_kv_blocks=64, kv_cache_dtype="float16"))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_seeded_request_to_a_dense_model_repeats_exactly_with_batch_invariant(tiny_llama, dtype):
+    llm = LLM(str(tiny_llama[0]), dtype=dtype, batch_invariant=True, block_size=8, num_kv_blocks=64)
+    assert llm.engine.runner.model.row_invariant()
+    assert_reproducible(llm)
+
+
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_a_seeded_request_to_a_quantized_model_repeats_exactly(tiny_llama, quantization):
     llm = LLM(str(tiny_llama[0]), dtype="float32", quantization=quantization, block_size=8, num_kv_blocks=64)

@@ -114,6 +114,14 @@ def test_tiny_llama_dense_on_the_row_by_row_method_is_identical(tiny_llama):
     check_model(row_by_row(load_model(tiny_llama[0], dtype="float32")), block_size=8, num_kv_blocks=64)
 
 
+def test_tiny_llama_dense_with_batch_invariant_is_identical(tiny_llama):
+    from models.loader import load_model
+
+    loaded = load_model(tiny_llama[0], dtype="bfloat16", batch_invariant=True)
+    assert loaded.model.row_invariant()
+    check_model(loaded, block_size=8, num_kv_blocks=64)
+
+
 def test_tiny_qwen3_int8_is_identical_with_and_without_drafts(tmp_path):
     from models.loader import load_model
     from tests.models.conftest import make_hf_model, save_checkpoint

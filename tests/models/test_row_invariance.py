@@ -197,6 +197,38 @@ def test_logits_of_a_token_are_the_same_however_it_is_scheduled_when_every_linea
     assert_all_equal(logits_per_schedule(model, cache_dtype))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_batch_invariant_dense_logits_are_the_same_however_a_token_is_scheduled_and_match_transformers(
+        make_checkpoint, dtype):
+    # `--batch-invariant`: the dense layers on RowsDenseMethod (csrc/rows_matmul.cpp), a dense model's
+    # logits as row-invariant as a quantized one's; and the same model as transformers' within
+    # float32's rounding (bf16: its own).
+    from models.loader import load_model
+    from tests.models.conftest import assert_logits_close
+
+    path, hf = make_checkpoint("llama", max_position_embeddings=512)
+    loaded = load_model(path, dtype=dtype, batch_invariant=True)
+    assert loaded.model.row_invariant() and not loaded.is_quantized
+    assert loaded.quantization.startswith("dense-batch-invariant")
+    results = logits_per_schedule(loaded.model, torch.float32 if dtype == "float32" else torch.bfloat16)
+    assert_all_equal(results)
+    if dtype == "float32":
+        gen = torch.Generator().manual_seed(1)  # logits_per_schedule's sequence 0
+        ids = torch.randint(3, loaded.model.hf_config.vocab_size, (512,), generator=gen)[:SEQ_LEN]
+        with torch.no_grad():
+            reference = hf.float()(input_ids=ids[None]).logits[0]
+        assert_logits_close(next(iter(results.values())), reference)
+
+
+def test_batch_invariant_needs_the_cpu_kernels(make_checkpoint, monkeypatch):
+    from models.loader import load_model
+
+    path, _ = make_checkpoint("llama")
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    with pytest.raises(ValueError, match="--batch-invariant needs"):
+        load_model(path, dtype="float32", batch_invariant=True)
+
+
 def row_by_row(loaded):
     """`loaded` with every linear layer (embedding included) on RowByRow; returned."""
     assert not loaded.model.row_invariant()  # dense: torch's GEMMs
