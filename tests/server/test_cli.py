@@ -94,6 +94,34 @@ def served_process(tiny_model_dir):
         proc.wait(30)
 
 
+def test_batch_invariant_server_repeats_a_seeded_request_alone_and_among_others(tiny_model_dir):
+    # `--batch-invariant` on a dense float32 model (MKL rounds a row by its step's size without it,
+    # and this test failed so): the same seeded completion, text and logprobs, alone and beside
+    # three other requests.
+    from concurrent.futures import ThreadPoolExecutor
+
+    proc, url = start_tiny(tiny_model_dir, "--batch-invariant", "--served-model-name", "tiny")
+    try:
+        wait_healthy(proc, url, timeout=180)
+        seeded = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 12, "temperature": 1.0, "seed": 123,
+                  "logprobs": 2, "ignore_eos": True}
+        others = [{**seeded, "prompt": f"Other request {i} " * (i + 1), "seed": i} for i in range(3)]
+
+        def complete(body):
+            response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+            assert response.status_code == 200, response.text
+            choice = response.json()["choices"][0]
+            return choice["text"], choice["logprobs"]
+
+        alone = complete(seeded)
+        with ThreadPoolExecutor(4) as pool:
+            among = list(pool.map(complete, [others[0], seeded, others[1], others[2]]))[1]
+        assert complete(seeded) == alone and among == alone
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
 def test_sigterm_lets_in_flight_requests_finish_then_exits_0(served_process):
     proc, url = served_process
     headers = {"Authorization": "Bearer env-key"}
