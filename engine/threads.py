@@ -18,8 +18,9 @@
                     at a quieter moment faster. So the count is chosen by timing, where
                     results do not depend on it: when the model is row-invariant
                     (CausalLM.row_invariant: quantized linear layers, whose kernel splits
-                    work across output rows and columns, never across a sum) and our CPU
-                    kernels serve attention and the rest. A model with dense linear layers
+                    work across output rows and columns, never across a sum, or dense ones
+                    under --batch-invariant, on rows_matmul) and our CPU kernels serve
+                    attention and the rest. A model with dense linear layers otherwise
                     runs them on torch's GEMMs, where for some row counts the thread count
                     changes a row's rounding (MKL float32, measured: README "Determinism"):
                     its steps keep one count, all the cores (or --num-threads).
