@@ -1,6 +1,7 @@
-// Float products of a few rows by dense weights, each output summed in one order that nothing but
-// its own row decides: DeepSeek's absorbed attention (q_nope W_UK, out_latent W_UV^T, per head) and
-// the MoE router's logits. torch's batched matmuls (MKL, oneDNN) pick their kernels and blocking
+// Float products of rows by dense weights, each output summed in one order that nothing but its own
+// row decides: DeepSeek's absorbed attention (q_nope W_UK, out_latent W_UV^T, per head), the MoE
+// router's logits, and every dense linear layer under --batch-invariant (RowsDenseMethod). torch's
+// batched matmuls (MKL, oneDNN) pick their kernels and blocking
 // by the step's row count, so a row's rounding followed its neighbours, and the same seeded
 // request to a DeepSeek model sampled differently alone and among others, or with drafts.
 //
