@@ -78,11 +78,20 @@ void nk_block(const Shape& s, const X* x, const W* w, float* out, int64_t b, int
     for (int c = 0; c < CC; ++c) acc[r][c] = splat(0.f);
   const int64_t whole = s.K / 8 * 8;
   for (int64_t k = 0; k < whole; k += 8) {
-    f32x8 wv[CC];
-    for (int c = 0; c < CC; ++c) wv[c] = load8(wc[c] + k);
-    for (int r = 0; r < RT; ++r) {
-      const f32x8 xv = load8(xr[r] + k);
-      for (int c = 0; c < CC; ++c) acc[r][c] = fma8(xv, wv[c], acc[r][c]);
+    if constexpr (RT == 1) {  // each weight vector used once: loaded (and widened) at its FMA, so the
+      // 8 sums, x and a temporary fit AVX2's 16 registers (all 8 loaded first spilled a sum: its chain
+      // went through the stack, and a bf16 row ran at half the speed)
+      const f32x8 xv = load8(xr[0] + k);
+      if ((k * sizeof(W)) % 64 == 0)
+        for (int c = 0; c < CC; ++c) __builtin_prefetch(wc[c] + CC * s.K + k);  // the next block's rows
+      for (int c = 0; c < CC; ++c) acc[0][c] = fma8(xv, load8(wc[c] + k), acc[0][c]);
+    } else {
+      f32x8 wv[CC];
+      for (int c = 0; c < CC; ++c) wv[c] = load8(wc[c] + k);
+      for (int r = 0; r < RT; ++r) {
+        const f32x8 xv = load8(xr[r] + k);
+        for (int c = 0; c < CC; ++c) acc[r][c] = fma8(xv, wv[c], acc[r][c]);
+      }
     }
   }
   for (int r = 0; r < RT; ++r) {
