@@ -134,7 +134,7 @@ def load_model(
     layer (models/layers/parallel.py); every rank reads the whole checkpoint, one tensor at a time.
     `batch_invariant`: the layers left dense run on RowsDenseMethod (`--batch-invariant`), so that
     every product's row is its own bits whatever its step (needs the CPU kernels)."""
-    choose = choose_methods(quantization)  # validates the name before any file is read
+    choose_methods(quantization)  # validates the name before any file is read
     if batch_invariant and not (torch.device(device).type == "cpu" and cpu_kernels.available()):
         raise ValueError("--batch-invariant needs --device cpu and the CPU kernels (models/layers/cpu_kernels.py)")
     with tp_state.building(tensor_parallel):

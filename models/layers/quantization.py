@@ -273,9 +273,11 @@ class RowsDenseMethod(DenseMethod):
     """Dense weights on csrc/rows_matmul.cpp (`--batch-invariant`): each output one FMA chain over
     the row's inputs, in an order of its row alone, so a token's logits are the same bits whatever
     its step (neighbours, row count, prefix-cache hits, thread count), as quantized layers are
-    (CausalLM.row_invariant). torch's GEMMs (MKL, oneDNN) round a row by the step's row count. It
-    costs prefill speed (float32 FMA chains, not MKL's blocked GEMM); weights stay plain (never
-    oneDNN-packed). Off the CPU kernels (other devices, no compiler) it is DenseMethod."""
+    (CausalLM.row_invariant). torch's GEMMs (MKL, oneDNN) round a row by the step's row count.
+    Weights stay plain (never oneDNN-packed). Its speed against torch's depends on the CPU: on an
+    AVX2 Zen 3 it was faster but for bf16's one-row decode (README "Determinism"); where oneDNN
+    takes bf16 its GEMMs should win. Off the CPU kernels (other devices, no compiler) it is
+    DenseMethod."""
 
     name = "dense-batch-invariant"
     row_invariant = True
