@@ -236,7 +236,7 @@ def rows_matmul(x: torch.Tensor, w: torch.Tensor, kn: bool) -> torch.Tensor:
     """x (T, K) or (T, B, K) (last dimension contiguous) times w (K, N) / (B, K, N) where `kn`, else
     (N, K) / (B, N, K) transposed -> (T, N) or (T, B, N) float32, every output summed in an order
     of its row alone, whatever the step's other rows or the thread count (csrc/rows_matmul.cpp):
-    DeepSeek's W_UK / W_UV products and the MoE router's logits."""
+    DeepSeek's W_UK / W_UV products, the MoE router's logits, dense layers under --batch-invariant."""
     return torch.ops.pagedserve.rows_matmul(x, w, kn)
 
 

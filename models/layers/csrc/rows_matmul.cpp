@@ -1,9 +1,9 @@
 // Float products of rows by dense weights, each output summed in one order that nothing but its own
 // row decides: DeepSeek's absorbed attention (q_nope W_UK, out_latent W_UV^T, per head), the MoE
 // router's logits, and every dense linear layer under --batch-invariant (RowsDenseMethod). torch's
-// batched matmuls (MKL, oneDNN) pick their kernels and blocking
-// by the step's row count, so a row's rounding followed its neighbours, and the same seeded
-// request to a DeepSeek model sampled differently alone and among others, or with drafts.
+// batched matmuls (MKL, oneDNN) pick their kernels and blocking by the step's row count, so a row's
+// rounding followed its neighbours, and the same seeded request to a DeepSeek model sampled
+// differently alone and among others, or with drafts.
 //
 //   kn:  out[t, b, n] = sum over k of x[t, b, k] * w[b, k, n]    w (B, K, N): 8 outputs a vector,
 //        one FMA chain over k from 0 (no lane sum)
@@ -47,11 +47,16 @@ void kn_block(const Shape& s, const X* x, const W* w, float* out, int64_t b, int
     for (int v = 0; v < CV; ++v) acc[r][v] = splat(0.f);
   const auto chains = [&](auto load_w) {
     for (int64_t k = 0; k < s.K; ++k) {
-      f32x8 wv[CV];
-      for (int v = 0; v < CV; ++v) wv[v] = load_w(wb + k * s.N + 8 * v, v);
-      for (int r = 0; r < RT; ++r) {
-        const f32x8 xv = splat(widen(xr[r][k]));
-        for (int v = 0; v < CV; ++v) acc[r][v] = fma8(xv, wv[v], acc[r][v]);
+      if constexpr (RT == 1) {  // as nk_block's one row: each weight vector loaded at its FMA
+        const f32x8 xv = splat(widen(xr[0][k]));
+        for (int v = 0; v < CV; ++v) acc[0][v] = fma8(xv, load_w(wb + k * s.N + 8 * v, v), acc[0][v]);
+      } else {
+        f32x8 wv[CV];
+        for (int v = 0; v < CV; ++v) wv[v] = load_w(wb + k * s.N + 8 * v, v);
+        for (int r = 0; r < RT; ++r) {
+          const f32x8 xv = splat(widen(xr[r][k]));
+          for (int v = 0; v < CV; ++v) acc[r][v] = fma8(xv, wv[v], acc[r][v]);
+        }
       }
     }
   };
