@@ -252,4 +252,5 @@ class EngineCore:
             num_structured_requests=self.num_structured_requests,
             weight_bytes=self.runner.weight_bytes,
             kv_cache_bytes=self.runner.kv_cache_bytes,
+            step_totals=self.runner.step_totals(),
         )

@@ -69,6 +69,11 @@ class ModelRunner:
             self.num_tokens_capacity * bytes_per_token / 2**30, self.kv_cache_spec.dtype, self.device,
         )
 
+    def step_totals(self) -> dict:
+        """Steps, tokens and seconds by intra-op thread count since start (engine/threads.py); empty
+        where no tuner runs (not CPU)."""
+        return self.step_tuner.totals() if self.step_tuner is not None else {}
+
     @property
     def num_tokens_capacity(self) -> int:
         return self.num_blocks * self.block_size

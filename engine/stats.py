@@ -34,6 +34,8 @@ class EngineStats:
     speculative: object | None = None  # a SpecStats snapshot
     weight_bytes: int = 0  # model parameters resident, quantized weights as stored
     kv_cache_bytes: int = 0  # the KV pool, allocated at start
+    # CPU: thread count -> (steps, tokens, seconds) run with it, since start (engine/threads.py)
+    step_totals: dict[int, tuple[int, int, float]] = field(default_factory=dict)
 
     @property
     def kv_cache_usage(self) -> float:

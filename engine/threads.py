@@ -97,6 +97,12 @@ def applied(setting: StepSetting) -> Iterator[None]:
             torch.set_num_threads(threads)
 
 
+class StepTotals(NamedTuple):
+    steps: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+
+
 class StepTuner:
     def __init__(
         self,
@@ -119,6 +125,12 @@ class StepTuner:
         self._num_steps: dict[int, int] = {}  # bucket -> steps chosen for it
         self._next_check: dict[int, int] = {}  # bucket -> step count at which to re-check
         self._best: dict[int, StepSetting] = {}  # bucket -> the setting its steps run with (see above)
+        self._totals: dict[int, StepTotals] = {}  # thread count -> what ran with it, since start
+
+    def totals(self) -> dict[int, StepTotals]:
+        """Steps, tokens and seconds run with each thread count since start (what the tuner chose,
+        and what it cost: /metrics shows it, so an operator sees where a step's time went)."""
+        return dict(self._totals)
 
     def _bucket_candidates(self, num_tokens: int) -> tuple[StepSetting, ...]:
         candidates = self.candidates(num_tokens)
@@ -163,6 +175,8 @@ class StepTuner:
         """How long a step chosen by `choose(num_tokens)` took with `setting`; returns the
         new best setting for steps of that size when this changed it."""
         bucket = num_tokens.bit_length()
+        steps, tokens, total = self._totals.get(setting.num_threads, StepTotals())
+        self._totals[setting.num_threads] = StepTotals(steps + 1, tokens + num_tokens, total + seconds)
         times = self._seconds_per_token.setdefault((bucket, setting), deque(maxlen=self.window))
         times.append(seconds / max(num_tokens, 1))
         candidates = self.candidates(num_tokens)

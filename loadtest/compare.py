@@ -42,6 +42,7 @@ import httpx
 
 from loadtest.benchmark import run_benchmark
 from loadtest.config import BenchmarkConfig
+from loadtest.metrics import step_totals, step_totals_delta
 
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
 
@@ -81,6 +82,18 @@ def rss_mb(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def huge_pages_mb(pid: int) -> float | None:
+    """The process's memory on transparent huge pages (AnonHugePages), MB: our weights and KV cache
+    ask for them (models/layers/hugepages.py) and get them only where the kernel finds free 2 MB runs."""
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
 
 
 def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 600.0) -> None:
@@ -159,7 +172,8 @@ def merge_rounds(rounds: list[dict]) -> dict:
         merged[key] = sum(r[key] for r in rounds)
     merged["failures"] = dict(sum((collections.Counter(r["failures"]) for r in rounds), collections.Counter()))
     merged["first_error_by_kind"] = next((r["first_error_by_kind"] for r in rounds if r["first_error_by_kind"]), {})
-    merged["rounds"] = [{key: r[key] for key in FIGURES} for r in rounds]
+    merged["rounds"] = [{**{key: r[key] for key in FIGURES}, "steps_by_threads": r.get("steps_by_threads", {}),
+                         "huge_pages_mb": r.get("huge_pages_mb")} for r in rounds]
     return merged
 
 
@@ -190,6 +204,7 @@ def measure(commands: dict[str, list[str]], args, tokenizer_dir: str, threads: i
                         input_len=args.input_len, output_len=args.output_len, ignore_eos=True, tokenizer=tokenizer_dir,
                         server_metrics=False, seed=concurrency + 1009 * round_index,
                     )
+                    before = step_totals(urls[name])
                     summary = asyncio.run(run_benchmark(config))["summary"]
                     run = {
                         "output_tok_s": summary["output_token_throughput"],
@@ -200,6 +215,9 @@ def measure(commands: dict[str, list[str]], args, tokenizer_dir: str, threads: i
                         "failures": summary["failures"],
                         "stale_connection_retries": summary["stale_connection_retries"],
                         "first_error_by_kind": summary["first_error_by_kind"],
+                        # ours: the run's steps by thread count (the tuner's choice, engine/threads.py)
+                        "steps_by_threads": step_totals_delta(before, step_totals(urls[name])),
+                        "huge_pages_mb": huge_pages_mb(processes[name].pid),
                     }
                     rounds[name, concurrency].append(run)
                     shown = {k: v for k, v in run.items() if k != "first_error_by_kind"}

@@ -140,6 +140,37 @@ def parse_prometheus(text: str) -> dict[str, float]:
     return samples
 
 
+_STEP_TOTALS = {"pagedserve:engine_steps": "steps", "pagedserve:engine_step_tokens": "tokens",
+                "pagedserve:engine_step_seconds": "seconds"}
+
+
+def step_totals(base_url: str) -> dict[str, dict[str, float]]:
+    """pagedserve's steps, tokens and seconds by intra-op thread count since start ({} from a server
+    without them): where the thread tuner ran a run's steps (engine/threads.py)."""
+    try:
+        response = httpx.get(base_url + "/metrics", timeout=10.0)
+        families = list(text_string_to_metric_families(response.text)) if response.status_code == 200 else []
+    except (httpx.HTTPError, ValueError):
+        return {}
+    totals: dict[str, dict[str, float]] = {}
+    for family in families:
+        for sample in family.samples:
+            key = _STEP_TOTALS.get(sample.name.removesuffix("_total"))
+            if key is not None and "num_threads" in sample.labels:
+                totals.setdefault(sample.labels["num_threads"], {})[key] = float(sample.value)
+    return totals
+
+
+def step_totals_delta(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, dict]:
+    """What ran between two `step_totals` scrapes, by thread count (counts that ran nothing left out)."""
+    delta = {}
+    for threads, totals in after.items():
+        ran = {key: value - before.get(threads, {}).get(key, 0.0) for key, value in totals.items()}
+        if ran.get("steps", 0) > 0:
+            delta[threads] = ran
+    return delta
+
+
 def _first_present(samples: dict[str, float], names: tuple[str, ...], suffix: str = "") -> str | None:
     return next((n for n in names if n + suffix in samples), None)
 

@@ -135,6 +135,16 @@ class _EngineCollector:
                                 "Bytes of model weights resident (quantized weights as stored).",
                                 value=s.weight_bytes)
         yield GaugeMetricFamily("pagedserve:kv_cache_bytes", "Bytes of the KV-cache pool.", value=s.kv_cache_bytes)
+        # CPU: which intra-op thread count the tuner ran steps with, and what they cost (engine/threads.py)
+        families = [CounterMetricFamily(name, doc, labels=["num_threads"]) for name, doc in (
+            ("pagedserve:engine_steps", "Model steps run, by intra-op thread count (CPU)."),
+            ("pagedserve:engine_step_tokens", "Tokens run through the model in those steps, by thread count (CPU)."),
+            ("pagedserve:engine_step_seconds", "Seconds those steps took, by thread count (CPU)."),
+        )]
+        for threads, totals in sorted(s.step_totals.items()):
+            for family, value in zip(families, totals):
+                family.add_metric([str(threads)], value)
+        yield from families
 
     def _vllm_named(self, s):
         """vLLM's names for what the Gateway API Inference Extension / llm-d and KEDA scale and route

@@ -32,6 +32,17 @@ def test_tuner_tries_each_setting_then_keeps_the_faster_and_rechecks_rarely():
     assert chosen[-1] == TWO
 
 
+def test_tuner_totals_count_each_thread_counts_steps_tokens_and_seconds():
+    tuner = StepTuner(lambda n: (TWO, ONE), recheck_every=10)
+    chosen = run(tuner, {TWO: 1.0, ONE: 3.0}, 40, num_tokens=16)
+    totals = tuner.totals()
+    assert set(totals) == {1, 2}
+    for threads, setting, ms in ((2, TWO, 1.0), (1, ONE, 3.0)):
+        steps = chosen.count(setting)
+        assert totals[threads].steps == steps and totals[threads].tokens == 16 * steps
+        assert totals[threads].seconds == pytest.approx(steps * 16 * ms / 1e3)
+
+
 def test_tuner_moves_when_the_machine_changes_and_steps_of_other_sizes_are_apart():
     tuner = StepTuner(lambda n: (TWO, ONE), recheck_every=10)
     assert run(tuner, {TWO: 1.0, ONE: 1.5}, 50)[-1] == TWO  # quiet: every core helps

@@ -51,6 +51,15 @@ def test_both_servers_get_the_same_threads_and_ours_the_cpu_by_default():
 
 
 
+def test_huge_pages_are_read_for_a_live_process_and_none_for_a_gone_one():
+    import os
+
+    from loadtest.compare import huge_pages_mb
+
+    assert huge_pages_mb(os.getpid()) >= 0
+    assert huge_pages_mb(2**30) is None  # beyond pid_max: no such process
+
+
 def test_device_defaults_to_cpu():
     assert build_parser().parse_args([]).device == "cpu"
 
@@ -93,6 +102,7 @@ def test_rounds_alternate_the_servers_on_fresh_servers_and_prompts(monkeypatch):
     monkeypatch.setattr(compare, "run_benchmark", fake_run)
     monkeypatch.setattr(compare, "side_by_side", fake_side_by_side)
     monkeypatch.setattr(compare, "rss_mb", lambda pid: 1.0)
+    monkeypatch.setattr(compare, "step_totals", lambda url: {"2": {"steps": len(calls), "tokens": 1.0, "seconds": 1.0}})
     args = build_parser().parse_args(["--model", "m.gguf", "--concurrency", "1", "16", "--rounds", "3"])
     results = compare.measure({"ours": ["x"], "theirs": ["y"]}, args, "tok")
     first = [url for url, _, _ in calls[::2]]  # who goes first, concurrency after concurrency, round after round
@@ -103,6 +113,8 @@ def test_rounds_alternate_the_servers_on_fresh_servers_and_prompts(monkeypatch):
         assert seeds == [seed for url, conc, seed in calls if conc == c and url == "http://theirs"]  # both the same
     assert [len(r["runs"][1]["rounds"]) for r in results] == [3, 3]
     assert starts == [0, 4, 8]  # fresh servers each round
+    assert all(r["steps_by_threads"] == {"2": {"steps": 1, "tokens": 0.0, "seconds": 0.0}}
+               for result in results for r in result["runs"][16]["rounds"])  # each run's own steps
 
 
 def test_several_thread_counts_get_a_table_each_and_a_scaling_table():

@@ -219,6 +219,16 @@ def test_metrics_count_requests_tokens_and_latencies(live):
     assert live.metric("pagedserve:model_weight_bytes") > 0 and live.metric("pagedserve:kv_cache_bytes") > 0
     assert live.metric("pagedserve:time_to_first_token_seconds_count") > 0
     assert live.metric("pagedserve:inter_token_latency_seconds_count") > 0
+    # CPU: the steps by the thread count they ran with, counted as the engine ran them
+    steps = {int(m[1]): float(m[2]) for m in re.finditer(r'^pagedserve:engine_steps_total\{num_threads="(\d+)"\} (\S+)$',
+                                                       text, re.M)}
+    assert steps and all(threads >= 1 for threads in steps), text
+    live.wait_idle()
+    stats = live.engine.stats()
+    assert sum(steps.values()) == stats.num_steps
+    tokens = sum(live.metric("pagedserve:engine_step_tokens_total", f'num_threads="{t}"') for t in steps)
+    assert tokens == stats.num_computed_tokens
+    assert all(live.metric("pagedserve:engine_step_seconds_total", f'num_threads="{t}"') > 0 for t in steps)
 
 
 def test_openapi_documents_each_request_model_with_its_bounds(live):
