@@ -598,6 +598,14 @@ void sliced_tiles_4x3(const Operands<S>& op, int64_t m_begin, int64_t row_tiles,
   std::fill(acc, acc + row_tiles * tiles * kSlicedTileFloats, 0.f);
   const int64_t pb = op.panel_bytes, fs = op.scales_per_row * kLanes;
   const int64_t total_panels = (op.N + kLanes - 1) / kLanes;
+  // Group g of panel q (its chunks and factors) into L2; `factors_at` = g / groups_per_scale * kLanes.
+  const auto prefetch_group = [&](int64_t q, int64_t g, int64_t factors_at) {
+    for (int line = 0; line < kGroupBytes; line += 64) Isa::prefetch(op.w + q * pb + g * kGroupBytes + line);
+    Isa::prefetch(op.scales + q * fs + factors_at);
+    if (op.mins != nullptr) Isa::prefetch(op.mins + q * fs + factors_at);
+  };
+  int64_t factor_first[kSliceGroups];  // the first slice's factor offsets, for the next panels' prefetch
+  for (int64_t j = 0; j < std::min(op.nb, kSliceGroups); ++j) factor_first[j] = j / op.groups_per_scale * kLanes;
   for (int64_t g0 = 0; g0 < op.nb; g0 += kSliceGroups) {
     const int64_t g1 = std::min(op.nb, g0 + kSliceGroups);
     // The slice's groups' factor offsets (and those a slice ahead), divided out once a slice rather
@@ -645,23 +653,12 @@ void sliced_tiles_4x3(const Operands<S>& op, int64_t m_begin, int64_t row_tiles,
         for (int64_t g = g0; g < g1; ++g) {
           // this tile's next slice, into L2 (by the first rows: the others find this slice there)
           if (const int64_t ahead = g + kSliceGroups; rt == 0 && ahead < op.nb) {
-            const int64_t factors_at = factor_ahead[g - g0];
-            for (int p = 0; p < 3; ++p) {
-              for (int line = 0; line < kGroupBytes; line += 64) Isa::prefetch(w + p * pb + ahead * kGroupBytes + line);
-              Isa::prefetch(scales + p * fs + factors_at);
-              if (mins != nullptr) Isa::prefetch(mins + p * fs + factors_at);
-            }
+            for (int p = 0; p < 3; ++p) prefetch_group(p0 + p, ahead, factor_ahead[g - g0]);
           } else if (rt == 0 && g1 == op.nb) {  // the last slice: the next panels' first slice
             const int64_t q0 = next_p + 3 * t;
             const int64_t j_end = g + 1 < g1 ? g - g0 + 1 : std::min(op.nb, kSliceGroups);
-            for (int64_t j = g - g0; j < j_end; ++j) {
-              const int64_t factors_at = j / op.groups_per_scale * kLanes;
-              for (int64_t q = q0; q < std::min(q0 + 3, total_panels); ++q) {
-                for (int line = 0; line < kGroupBytes; line += 64) Isa::prefetch(op.w + q * pb + j * kGroupBytes + line);
-                Isa::prefetch(op.scales + q * fs + factors_at);
-                if (op.mins != nullptr) Isa::prefetch(op.mins + q * fs + factors_at);
-              }
-            }
+            for (int64_t j = g - g0; j < j_end; ++j)
+              for (int64_t q = q0; q < std::min(q0 + 3, total_panels); ++q) prefetch_group(q, j, factor_first[j]);
           }
           const int64_t at = factor_at[g - g0];
           group_4x3(row_acc + t * kSlicedTileFloats, w + g * kGroupBytes, pb, xb + (g - g0) * kBlock / 2 * kLanes,
