@@ -226,6 +226,8 @@ def measure(servers: dict[str, list[str]], args, loads: dict[str, list[dict]]) -
     # percent for their whole life (both without drafts, 6 rounds alternated: the second 1.00-1.09x
     # the first, median 1.05x; Zen 3), which one pair for every round reads as a cost or a gain of
     # speculation. Here no draft is made above 4 running requests, so that was most of the figure.
+    if args.mixed_rounds == 0:  # c=1 rows only
+        return results
     mixed = [{**b, "max_tokens": args.max_tokens, "temperature": 0.8, "seed": i}
              for i, b in enumerate(sum((loads[w] for w in loads), []) * 2)]
     runs = {name: [] for name in servers}
@@ -276,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=3,
                    help="each row this many times on each server, alternating which goes first; the median counts")
     p.add_argument("--mixed-rounds", type=int, default=None,
-                   help="rounds of the mixed run, each on a pair started afresh (default: --rounds, at least 5). Above "
+                   help="rounds of the mixed run, each on a pair started afresh (default: --rounds, at least 5; 0: none). Above "
                         "--speculative-max-batch-size running requests no draft is made, so its two figures differ by "
                         "the machine's drift and the pair's own difference: one server's runs spread 132-187 tok/s in "
                         "one sitting (Zen 3), more than any cost of drafts")
@@ -286,6 +288,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--workloads", nargs="+", default=None, help="a subset of code-edit quote summary chat json")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    if args.rounds < 1 or (args.mixed_rounds is not None and args.mixed_rounds < 0):
+        p.error("--rounds must be at least 1 and --mixed-rounds at least 0 (0: no mixed run)")
     args.model = resolve_model(args.model)
     if args.mixed_rounds is None:
         args.mixed_rounds = max(args.rounds, 5)

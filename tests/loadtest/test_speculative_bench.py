@@ -60,3 +60,18 @@ def test_a_pair_runs_side_by_side_and_reports_every_row(tmp_path, capsys):
     assert firsts == [off, on, on, off] * 2
     assert "| quote t=0.0 c=1 |" in printed
     assert printed.count("pagedserve --speculative ngram: /") == 1 + 2  # the pair's start, then one a mixed round
+
+
+@pytest.mark.slow
+def test_no_mixed_rounds_reports_the_c1_rows_alone(tmp_path, capsys):
+    model = write_gguf(tmp_path / "tiny-q4_0.gguf", "tiny", "q4_0", seed=1, tokenizer=tokenizer_fields(default_model_path()))
+    speculative.main(["--model", str(model), "--threads", "1", "--requests", "1", "--max-tokens", "4",
+                      "--temperatures", "0", "--workloads", "quote", "--rounds", "1", "--mixed-rounds", "0"])
+    printed = capsys.readouterr().out
+    assert "| quote t=0.0 c=1 |" in printed and "mixed" not in printed.split("| run |")[1]
+
+
+def test_rounds_are_bounded():
+    for bad in (["--rounds", "0"], ["--mixed-rounds", "-1"]):
+        with pytest.raises(SystemExit):
+            speculative.main(["--model", "smollm2-135m", *bad])
