@@ -290,6 +290,7 @@ def worker_main(rank: int, spec: WorkerSpec) -> None:
 
 def serve_steps(group: RankGroup, spec: WorkerSpec) -> None:
     """The worker loop (a spawned rank, or the process of a node other than rank 0's)."""
+    from engine.heap import freeze_heap
     from engine.model_runner import ModelRunner
     from models.loader import load_model
 
@@ -299,6 +300,7 @@ def serve_steps(group: RankGroup, spec: WorkerSpec) -> None:
         torch.cuda.set_device(load_kwargs["device"])
     loaded = load_model(**load_kwargs, tensor_parallel=group.tp)
     runner = ModelRunner(loaded, spec.engine_config)
+    freeze_heap()  # this process holds its model for its whole life (engine/heap.py)
     try:
         while (inputs := group.receive()) is not None:
             runner.forward_logits(inputs)

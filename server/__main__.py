@@ -237,6 +237,7 @@ def main(argv: list[str] | None = None) -> None:
         import torch
 
         from engine.async_engine import AsyncEngine
+        from engine.heap import freeze_heap
         from models.loader import load_model
 
         ranks = None
@@ -253,6 +254,7 @@ def main(argv: list[str] | None = None) -> None:
             if ranks is not None:
                 ranks.shutdown()
             raise
+        freeze_heap()  # a full collection while serving walks only what serving made (engine/heap.py)
         describe["model"] = (f"{loaded.config.dtype}".replace("torch.", "") + f", weights {loaded.quantization}, "
                              f"{engine_config_.num_threads or torch.get_num_threads()} threads"
                              + (f" x {parallel.tensor_parallel_size} tensor-parallel ranks" if ranks else ""))
