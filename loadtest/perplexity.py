@@ -22,17 +22,23 @@ DEFAULT_TEXT = Path(__file__).parent / "data" / "perplexity.txt"
 
 
 @torch.inference_mode()
-def perplexity(loaded, text: str, block_size: int = 16) -> tuple[float, int]:
-    """-> (perplexity, tokens scored) of `text` under `loaded` (a models.loader.LoadedModel)."""
-    ids = loaded.tokenizer(text).input_ids[: loaded.config.max_model_len]
+def next_token_logits(loaded, ids: list[int], block_size: int = 16) -> torch.Tensor:
+    """ids (n tokens, at most max_model_len) in one prefill through the paged model -> (n, vocab):
+    row i the logits of the token after ids[i]."""
     n = len(ids)
     num_blocks = -(-n // block_size)
     kv_caches = loaded.model.kv_cache_spec(loaded.config.dtype).allocate(num_blocks, block_size, "cpu")
     meta = AttentionMetadata.build([n], [n], [list(range(num_blocks))], block_size)
     hidden = loaded.model(torch.tensor(ids), torch.arange(n), kv_caches, meta)
-    logits = loaded.model.compute_logits(hidden[:-1])  # (n - 1, vocab): each position predicts the next
+    return loaded.model.compute_logits(hidden)
+
+
+def perplexity(loaded, text: str, block_size: int = 16) -> tuple[float, int]:
+    """-> (perplexity, tokens scored) of `text` under `loaded` (a models.loader.LoadedModel)."""
+    ids = loaded.tokenizer(text).input_ids[: loaded.config.max_model_len]
+    logits = next_token_logits(loaded, ids[:-1], block_size)  # (n - 1, vocab): each position predicts the next
     nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="mean")
-    return math.exp(nll.item()), n - 1
+    return math.exp(nll.item()), len(ids) - 1
 
 
 def main(argv: list[str] | None = None) -> None:
