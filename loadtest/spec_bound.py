@@ -21,7 +21,10 @@ temperature, in one process:
   3. one request's decode step of r = 1 .. k + 1 rows (forward and logits) timed, rounds
      alternating r, medians: what r rows add to a step;
   4. the oracle's steps for each k (drafting k argmax tokens a step), and the n-gram proposer
-     (engine/speculative.py's NgramIndex, fixed k) replayed over the same tokens.
+     (engine/speculative.py's NgramIndex, fixed k) replayed over the same tokens;
+  5. what the engine itself does: the same requests through it without drafts and with
+     `--speculative ngram` (its policy, up to --engine-k drafts), rounds alternating which goes
+     first, the median of the rounds' on / off, and whether every output was the same.
 The bound on output tok/s with drafts / without, per k:
 
     (prefill + decode without) / (prefill + sum over steps of (decode step + what its extra rows add))
@@ -113,11 +116,14 @@ def row_costs(loaded, max_rows: int, context: int, rounds: int) -> dict[int, flo
 def analyse(loaded, llm, bodies: list[dict], temperature: float, max_tokens: int, max_k: int) -> list[dict]:
     """Per request: its tokens, times, max p and hits (steps 1 and 2 of the docstring)."""
     from engine.request import SamplingParams
-    from server.serving_chat import encode_chat
 
+    tokenizer = llm.tokenizer
     requests = []
     for j, body in enumerate(bodies):
-        prompt_ids = encode_chat(llm.tokenizer, body["messages"])  # as the server renders a chat request
+        # As the server renders a chat request (server/serving_chat.py's encode_chat): the template
+        # writes any BOS it wants, so no special tokens are added again.
+        text = tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=False)
+        prompt_ids = tokenizer.encode(text, add_special_tokens=False)
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens,
                                 seed=1000 + j if temperature > 0 else None)
         result = llm.generate([prompt_ids], params)[0]
@@ -128,10 +134,29 @@ def analyse(loaded, llm, bodies: list[dict], temperature: float, max_tokens: int
         else:
             max_p = torch.ones(len(output))
         argmax = logits.argmax(dim=-1).tolist()
-        requests.append({"prompt": prompt_ids, "output": output, "prefill_s": result.prefill_time,
+        requests.append({"prompt": prompt_ids, "params": params, "output": output, "prefill_s": result.prefill_time,
                          "decode_s": result.decode_time, "max_p": max_p.tolist(),
                          "hits": [t == a for t, a in zip(output, argmax)]})
     return requests
+
+
+def measured(off, on, requests: list[dict], rounds: int) -> dict:
+    """The engine's own on / off: the requests one at a time (c=1) through an engine without drafts
+    and one with them (`--speculative ngram`'s policy), which goes first alternating by round;
+    output tok/s of each, the median of the rounds' ratios, and whether both gave every request the
+    tokens the first decode did (they must: verification is exact)."""
+    ratios, same = [], True
+    for i in range(rounds):
+        tok_s = {}
+        for name, llm in ((("off", off), ("on", on)) if i % 2 == 0 else (("on", on), ("off", off))):
+            start, tokens = time.perf_counter(), 0
+            for r in requests:
+                out = llm.generate([r["prompt"]], r["params"])[0].token_ids
+                same = same and out == r["output"]
+                tokens += len(out)
+            tok_s[name] = tokens / (time.perf_counter() - start)
+        ratios.append(tok_s["on"] / tok_s["off"])
+    return {"ratio": statistics.median(ratios), "rounds": ratios, "same_tokens": same}
 
 
 def bounds(requests: list[dict], costs: dict[int, float], max_k: int) -> dict:
@@ -164,6 +189,13 @@ def bounds(requests: list[dict], costs: dict[int, float], max_k: int) -> dict:
             "oracle": oracle, "ngram": ngram}
 
 
+def engine(m: dict | None) -> str:
+    if m is None:
+        return "-"
+    rounds = ", ".join(f"{r:.2f}" for r in m["rounds"])
+    return f"{m['ratio']:.2f}x ({rounds})" + ("" if m["same_tokens"] else " TOKENS DIFFER")
+
+
 def report(results: dict, costs: dict[int, float], args) -> str:
     best = lambda table: max(table.items(), key=lambda kv: kv[1]["ratio"])  # noqa: E731
     lines = [f"CPU: {cpu_description()}; threads {torch.get_num_threads()}; model {args.model.name}; "
@@ -171,15 +203,15 @@ def report(results: dict, costs: dict[int, float], args) -> str:
              "One request's step with r rows (forward + logits, medians) / 1 row: "
              + ", ".join(f"{r}: {costs[r] / costs[1]:.2f}" for r in sorted(costs)),
              "| workload | temp | prompt tok | prefill share | mean max p | argmax share | oracle: best k, tok/step, "
-             "bound on/off | n-gram replay: best k, tok/step, on/off | ceiling |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "bound on/off | n-gram replay: best k, tok/step, on/off | engine on/off (rounds) | ceiling |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for (workload, temperature), b in results.items():
         ok, o = best(b["oracle"])
         nk, n = best(b["ngram"])
         lines.append(f"| {workload} | {temperature:g} | {b['prompt_tokens']:.0f} | {b['prefill_share']:.0%} | "
                      f"{b['mean_max_p']:.2f} | {b['argmax_share']:.0%} | k={ok}: {o['tokens_per_step']:.2f}, "
                      f"**{o['ratio']:.2f}x** | k={nk}: {n['tokens_per_step']:.2f}, {n['ratio']:.2f}x | "
-                     f"{b['ceiling']:.2f}x |")
+                     f"{engine(b.get('measured'))} | {b['ceiling']:.2f}x |")
     return "\n".join(lines)
 
 
@@ -194,31 +226,42 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--workloads", nargs="+", default=["code-edit", "quote", "chat"],
                    help="a subset of code-edit quote summary chat (json's grammar is not replayed here)")
     p.add_argument("--rounds", type=int, default=15, help="rounds of the row-count timing")
+    p.add_argument("--engine-rounds", type=int, default=3,
+                   help="rounds of the engine's own on / off, alternating (0: none)")
+    p.add_argument("--engine-k", type=int, default=5, help="the engine's drafts a step at most (the server's default)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
-    if not 1 <= args.k <= 16 or args.requests < 1 or args.max_tokens < 2 or args.rounds < 1:
-        p.error("need 1 <= --k <= 16, --requests >= 1, --max-tokens >= 2, --rounds >= 1")
+    if (not 1 <= args.k <= 16 or not 1 <= args.engine_k <= 16 or args.requests < 1 or args.max_tokens < 2
+            or args.rounds < 1 or args.engine_rounds < 0):
+        p.error("need 1 <= --k, --engine-k <= 16, --requests >= 1, --max-tokens >= 2, --rounds >= 1, --engine-rounds >= 0")
     loads = workloads(args.requests)
     unknown = [w for w in args.workloads if w not in loads or w == "json"]
     if unknown:
         p.error(f"unknown or unsupported workloads: {', '.join(unknown)}")
     from engine.llm import LLM
+    from engine.speculative import SpeculativeConfig
     from models.loader import load_model
 
     args.model = resolve_model(args.model)
     torch.set_num_threads(args.threads or os.cpu_count())
     loaded = load_model(str(args.model), dtype="auto", max_model_len=2048)
     llm = LLM.from_loaded(loaded, enable_prefix_caching=False, max_model_len=2048)
-    llm.generate([[1, 2, 3]], None)  # warm the path
-    results = {}
+    spec = LLM.from_loaded(loaded, enable_prefix_caching=False, max_model_len=2048,
+                           speculative=SpeculativeConfig(num_speculative_tokens=args.engine_k))
+    for warm in (llm, spec):
+        warm.generate([[1, 2, 3]], None)  # warm the path
+    results, runs = {}, {}
     for workload in args.workloads:
         for temperature in args.temperatures:
             requests = analyse(loaded, llm, loads[workload], temperature, args.max_tokens, args.k)
             results[(workload, temperature)] = requests
-            print(f"  {workload} t={temperature:g}: {sum(len(r['output']) for r in requests)} tokens", flush=True)
+            if args.engine_rounds:
+                runs[(workload, temperature)] = measured(llm, spec, requests, args.engine_rounds)
+            print(f"  {workload} t={temperature:g}: {sum(len(r['output']) for r in requests)} tokens"
+                  + (f", engine on/off {engine(runs[(workload, temperature)])}" if args.engine_rounds else ""), flush=True)
     context = int(statistics.mean(len(r["prompt"]) + len(r["output"]) // 2 for rs in results.values() for r in rs))
     costs = row_costs(loaded, args.k + 1, context, args.rounds)
-    results = {key: bounds(requests, costs, args.k) for key, requests in results.items()}
+    results = {key: {**bounds(requests, costs, args.k), "measured": runs.get(key)} for key, requests in results.items()}
     table = report(results, costs, args)
     print(table)
     if args.out:

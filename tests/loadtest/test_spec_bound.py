@@ -1,5 +1,6 @@
 """loadtest.spec_bound: the oracle's steps, the n-gram replay and the bound they give, counted
-exactly; and the command end to end on a tiny GGUF, where greedy outputs are the argmax."""
+exactly; and the command end to end on a tiny GGUF, where greedy outputs are the argmax and the
+engine with drafts gives the same tokens as without."""
 from __future__ import annotations
 
 import json
@@ -64,13 +65,30 @@ def test_the_command_reports_each_workload_and_greedy_outputs_are_the_argmax(tmp
     model = write_gguf(tmp_path / "tiny-q4_0.gguf", "tiny", "q4_0", seed=1, tokenizer=tokenizer_fields(default_model_path()))
     out = tmp_path / "bound.json"
     spec_bound.main(["--model", str(model), "--threads", "1", "--requests", "2", "--max-tokens", "12", "--k", "3",
-                     "--workloads", "quote", "chat", "--rounds", "2", "--out", str(out)])
+                     "--workloads", "quote", "chat", "--rounds", "2", "--engine-rounds", "2", "--out", str(out)])
     assert "| quote | 0 |" in capsys.readouterr().out
     result = json.loads(out.read_text())
     assert sorted(result["results"]) == ["chat t=0", "chat t=0.8", "quote t=0", "quote t=0.8"]
     for name, b in result["results"].items():
         assert set(b["oracle"]) == {"0", "1", "2", "3"} and b["oracle"]["0"]["ratio"] == pytest.approx(1.0)
         assert 0 < b["prefill_share"] < 1 and b["ceiling"] > 1
+        # the engine with drafts gave every request the tokens it gave without, in both rounds
+        assert b["measured"]["same_tokens"] and len(b["measured"]["rounds"]) == 2 and b["measured"]["ratio"] > 0
         if name.endswith("t=0"):  # greedy: every token the argmax of the same logits, teacher-forced
             assert b["argmax_share"] == 1.0 and b["mean_max_p"] == 1.0
     assert sorted(map(int, result["row_costs"])) == [1, 2, 3, 4]
+
+
+def test_the_engine_run_flags_outputs_that_differ_with_drafts():
+    class Fake:
+        def __init__(self, shift):
+            self.shift = shift
+
+        def generate(self, prompts, params):
+            return [type("Result", (), {"token_ids": [t + self.shift for t in range(5)]})()]
+
+    requests = [{"prompt": [1, 2], "params": None, "output": list(range(5))}]
+    assert spec_bound.measured(Fake(0), Fake(0), requests, 2)["same_tokens"]
+    run = spec_bound.measured(Fake(0), Fake(1), requests, 2)
+    assert not run["same_tokens"] and len(run["rounds"]) == 2
+    assert "TOKENS DIFFER" in spec_bound.engine(run)
