@@ -22,9 +22,11 @@ temperature, in one process:
      alternating r, medians: what r rows add to a step;
   4. the oracle's steps for each k (drafting k argmax tokens a step), and the n-gram proposer
      (engine/speculative.py's NgramIndex, fixed k) replayed over the same tokens;
-  5. what the engine itself does: the same requests through it without drafts and with
-     `--speculative ngram` (its policy, up to --engine-k drafts), rounds alternating which goes
-     first, the median of the rounds' on / off, and whether every output was the same.
+  5. what the engine itself does: the same requests through it without drafts, with
+     `--speculative ngram` (its policy, up to --engine-k drafts) and through a second engine
+     without drafts (two engines of one setting differ by a few percent), the order rotating by
+     round; the median of the rounds' on / off, the second engine's / the first's, and whether
+     every output was the same.
 The bound on output tok/s with drafts / without, per k:
 
     (prefill + decode without) / (prefill + sum over steps of (decode step + what its extra rows add))
@@ -140,23 +142,32 @@ def analyse(loaded, llm, bodies: list[dict], temperature: float, max_tokens: int
     return requests
 
 
-def measured(off, on, requests: list[dict], rounds: int) -> dict:
+def measured(off, on, requests: list[dict], rounds: int, control=None) -> dict:
     """The engine's own on / off: the requests one at a time (c=1) through an engine without drafts
-    and one with them (`--speculative ngram`'s policy), which goes first alternating by round;
-    output tok/s of each, the median of the rounds' ratios, and whether both gave every request the
-    tokens the first decode did (they must: verification is exact)."""
-    ratios, same = [], True
+    and one with them (`--speculative ngram`'s policy), the order rotating by round; output tok/s of
+    each, the median of the rounds' ratios, and whether both gave every request the tokens the first
+    decode did (they must: verification is exact). `control`, a second engine without drafts, runs
+    in the rotation too: two engines of the same settings in one process differ by a few percent
+    (360M shape, chat at t=0.8, Zen 3, 4 rounds: a second one without drafts 0.958x the first, the one
+    with drafts, which made one draft, 0.986x), and its ratio shows how much."""
+    engines = [("off", off), ("on", on)] + ([("control", control)] if control is not None else [])
+    ratios: dict[str, list[float]] = {name: [] for name, _ in engines if name != "off"}
+    same = True
     for i in range(rounds):
         tok_s = {}
-        for name, llm in ((("off", off), ("on", on)) if i % 2 == 0 else (("on", on), ("off", off))):
+        for name, llm in engines[i % len(engines):] + engines[: i % len(engines)]:
             start, tokens = time.perf_counter(), 0
             for r in requests:
                 out = llm.generate([r["prompt"]], r["params"])[0].token_ids
                 same = same and out == r["output"]
                 tokens += len(out)
             tok_s[name] = tokens / (time.perf_counter() - start)
-        ratios.append(tok_s["on"] / tok_s["off"])
-    return {"ratio": statistics.median(ratios), "rounds": ratios, "same_tokens": same}
+        for name in ratios:
+            ratios[name].append(tok_s[name] / tok_s["off"])
+    result = {"ratio": statistics.median(ratios["on"]), "rounds": ratios["on"], "same_tokens": same}
+    if control is not None:
+        result["control"] = statistics.median(ratios["control"])
+    return result
 
 
 def bounds(requests: list[dict], costs: dict[int, float], max_k: int) -> dict:
@@ -193,7 +204,8 @@ def engine(m: dict | None) -> str:
     if m is None:
         return "-"
     rounds = ", ".join(f"{r:.2f}" for r in m["rounds"])
-    return f"{m['ratio']:.2f}x ({rounds})" + ("" if m["same_tokens"] else " TOKENS DIFFER")
+    control = f"; off again {m['control']:.2f}x" if "control" in m else ""
+    return f"{m['ratio']:.2f}x ({rounds}{control})" + ("" if m["same_tokens"] else " TOKENS DIFFER")
 
 
 def report(results: dict, costs: dict[int, float], args) -> str:
@@ -203,7 +215,8 @@ def report(results: dict, costs: dict[int, float], args) -> str:
              "One request's step with r rows (forward + logits, medians) / 1 row: "
              + ", ".join(f"{r}: {costs[r] / costs[1]:.2f}" for r in sorted(costs)),
              "| workload | temp | prompt tok | prefill share | mean max p | argmax share | oracle: best k, tok/step, "
-             "bound on/off | n-gram replay: best k, tok/step, on/off | engine on/off (rounds) | ceiling |",
+             "bound on/off | n-gram replay: best k, tok/step, on/off | engine on/off (rounds; a second engine without "
+             "drafts / the first) | ceiling |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for (workload, temperature), b in results.items():
         ok, o = best(b["oracle"])
@@ -227,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="a subset of code-edit quote summary chat (json's grammar is not replayed here)")
     p.add_argument("--rounds", type=int, default=15, help="rounds of the row-count timing")
     p.add_argument("--engine-rounds", type=int, default=3,
-                   help="rounds of the engine's own on / off, alternating (0: none)")
+                   help="rounds of the engine's own on / off, the order rotating (0: none)")
     p.add_argument("--engine-k", type=int, default=5, help="the engine's drafts a step at most (the server's default)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
@@ -248,7 +261,8 @@ def main(argv: list[str] | None = None) -> None:
     llm = LLM.from_loaded(loaded, enable_prefix_caching=False, max_model_len=2048)
     spec = LLM.from_loaded(loaded, enable_prefix_caching=False, max_model_len=2048,
                            speculative=SpeculativeConfig(num_speculative_tokens=args.engine_k))
-    for warm in (llm, spec):
+    control = LLM.from_loaded(loaded, enable_prefix_caching=False, max_model_len=2048)
+    for warm in (llm, spec, control):
         warm.generate([[1, 2, 3]], None)  # warm the path
     results, runs = {}, {}
     for workload in args.workloads:
@@ -256,7 +270,7 @@ def main(argv: list[str] | None = None) -> None:
             requests = analyse(loaded, llm, loads[workload], temperature, args.max_tokens, args.k)
             results[(workload, temperature)] = requests
             if args.engine_rounds:
-                runs[(workload, temperature)] = measured(llm, spec, requests, args.engine_rounds)
+                runs[(workload, temperature)] = measured(llm, spec, requests, args.engine_rounds, control)
             print(f"  {workload} t={temperature:g}: {sum(len(r['output']) for r in requests)} tokens"
                   + (f", engine on/off {engine(runs[(workload, temperature)])}" if args.engine_rounds else ""), flush=True)
     context = int(statistics.mean(len(r["prompt"]) + len(r["output"]) // 2 for rs in results.values() for r in rs))

@@ -74,6 +74,7 @@ def test_the_command_reports_each_workload_and_greedy_outputs_are_the_argmax(tmp
         assert 0 < b["prefill_share"] < 1 and b["ceiling"] > 1
         # the engine with drafts gave every request the tokens it gave without, in both rounds
         assert b["measured"]["same_tokens"] and len(b["measured"]["rounds"]) == 2 and b["measured"]["ratio"] > 0
+        assert b["measured"]["control"] > 0
         if name.endswith("t=0"):  # greedy: every token the argmax of the same logits, teacher-forced
             assert b["argmax_share"] == 1.0 and b["mean_max_p"] == 1.0
     assert sorted(map(int, result["row_costs"])) == [1, 2, 3, 4]
@@ -88,7 +89,9 @@ def test_the_engine_run_flags_outputs_that_differ_with_drafts():
             return [type("Result", (), {"token_ids": [t + self.shift for t in range(5)]})()]
 
     requests = [{"prompt": [1, 2], "params": None, "output": list(range(5))}]
-    assert spec_bound.measured(Fake(0), Fake(0), requests, 2)["same_tokens"]
+    run = spec_bound.measured(Fake(0), Fake(0), requests, 3, control=Fake(0))
+    assert run["same_tokens"] and len(run["rounds"]) == 3 and run["control"] > 0
+    assert "off again" in spec_bound.engine(run) and "DIFFER" not in spec_bound.engine(run)
     run = spec_bound.measured(Fake(0), Fake(1), requests, 2)
-    assert not run["same_tokens"] and len(run["rounds"]) == 2
+    assert not run["same_tokens"] and len(run["rounds"]) == 2 and "control" not in run
     assert "TOKENS DIFFER" in spec_bound.engine(run)
