@@ -115,7 +115,7 @@ def row_costs(loaded, max_rows: int, context: int, rounds: int) -> dict[int, flo
     return {r: statistics.median(t) for r, t in times.items()}
 
 
-def analyse(loaded, llm, bodies: list[dict], temperature: float, max_tokens: int, max_k: int) -> list[dict]:
+def analyse(loaded, llm, bodies: list[dict], temperature: float, max_tokens: int) -> list[dict]:
     """Per request: its tokens, times, max p and hits (steps 1 and 2 of the docstring)."""
     from engine.request import SamplingParams
 
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> None:
     results, runs = {}, {}
     for workload in args.workloads:
         for temperature in args.temperatures:
-            requests = analyse(loaded, llm, loads[workload], temperature, args.max_tokens, args.k)
+            requests = analyse(loaded, llm, loads[workload], temperature, args.max_tokens)
             results[(workload, temperature)] = requests
             if args.engine_rounds:
                 runs[(workload, temperature)] = measured(llm, spec, requests, args.engine_rounds, control)
