@@ -338,7 +338,8 @@ class AsyncEngine:
 def _merge(first: RequestOutput, then: RequestOutput) -> RequestOutput:
     """Two consecutive outputs of one request as one (text and tokens are increments)."""
     logprobs = None if first.logprobs is None and then.logprobs is None else (first.logprobs or []) + (then.logprobs or [])
-    return replace(then, text=first.text + then.text, token_ids=first.token_ids + then.token_ids, logprobs=logprobs)
+    return replace(then, text=first.text + then.text, token_ids=first.token_ids + then.token_ids, logprobs=logprobs,
+                   prompt_logprobs=first.prompt_logprobs or then.prompt_logprobs)
 
 
 def _error_output(request_id: str, error: str) -> RequestOutput:

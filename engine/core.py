@@ -48,6 +48,9 @@ class EngineCore:
         self.limits = self.config.limits(self.runner.max_model_len, self.runner.num_blocks, loaded.config.vocab_size)
         self.scheduler = Scheduler(self.config, self.runner.num_blocks, self.limits, clock)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        # request id -> its prompt logprobs so far, by prompt position (chunks fill them in; a
+        # recompute after preemption writes the same again); sent with its first token.
+        self._prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}
         # Compiled in the caller's thread (AsyncEngine compiles before it submits: a hit here).
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids)
         self.num_steps = 0
@@ -86,6 +89,8 @@ class EngineCore:
         )
         self.scheduler.add_request(request)
         self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
+        if params.prompt_logprobs is not None:
+            self._prompt_logprobs[request_id] = [None] * len(prompt_token_ids)
         self.num_prompt_tokens += len(prompt_token_ids)
         self.num_structured_requests += params.structured is not None
 
@@ -128,6 +133,10 @@ class EngineCore:
         speculator = self.scheduler.speculator
         if speculator is not None and all(len(s.token_ids) == 1 + len(s.draft_token_ids) for s in scheduler_output.scheduled):
             speculator.observe_step(len(scheduler_output.scheduled), scheduler_output.num_batched_tokens, seconds)
+        for request_id, (start, logprobs) in result.prompt_logprobs.items():
+            collected = self._prompt_logprobs.get(request_id)
+            if collected is not None:
+                collected[start : start + len(logprobs)] = logprobs
         outputs = []
         for request_id, message in result.errors.items():
             outputs += self._fail(request_id, message)
@@ -203,6 +212,11 @@ class EngineCore:
 
     def _output(self, request: Request, text, token_ids, logprobs, error=None) -> RequestOutput:
         first_scheduled, first_token = request.first_scheduled_time, request.first_token_time
+        prompt_logprobs = None
+        if request.num_output_tokens or request.status.is_finished:
+            prompt_logprobs = self._prompt_logprobs.pop(request.request_id, None)
+            if not request.num_output_tokens:  # ended before its prompt was computed
+                prompt_logprobs = None
         return RequestOutput(
             request_id=request.request_id,
             text=text,
@@ -218,6 +232,7 @@ class EngineCore:
             prefill_time=(first_token - first_scheduled) if first_token is not None else 0.0,
             decode_time=(request.last_token_time - first_token) if first_token is not None else 0.0,
             stop_reason=request.stop_reason,
+            prompt_logprobs=prompt_logprobs,
         )
 
     # --------------------------------------------------------- accounting

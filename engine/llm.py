@@ -24,6 +24,7 @@ class CompletionResult:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with SamplingParams.prompt_logprobs
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
@@ -37,6 +38,8 @@ class CompletionResult:
         self.token_ids.extend(output.token_ids)
         if output.logprobs is not None:
             self.logprobs = (self.logprobs or []) + output.logprobs
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = output.prompt_logprobs
         if output.finished:
             self.finish_reason, self.stop_reason, self.error = output.finish_reason, output.stop_reason, output.error
             self.num_cached_tokens = output.num_cached_tokens

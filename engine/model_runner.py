@@ -16,7 +16,7 @@ import time
 import torch
 
 from engine.config import EngineConfig
-from engine.sampler import SamplingBatch, TokenHistory, make_generator, sample
+from engine.sampler import SamplingBatch, TokenHistory, make_generator, prompt_logprobs, sample
 from engine.structured import allowed_tokens
 from engine.step import EngineDeadError, RunnerOutput, ScheduledRequest, SchedulerOutput, StepInputs
 from engine.threads import StepTuner, applied, candidate_settings
@@ -109,7 +109,11 @@ class ModelRunner:
 
     def _execute(self, scheduled: list[ScheduledRequest], kernels: StepKernels) -> RunnerOutput:
         rows, samplers, offset = [], [], 0
+        prompt_rows: list[tuple[ScheduledRequest, int]] = []  # (request, its first row in the logits)
         for s in scheduled:
+            if s.prompt_logprob_rows:
+                prompt_rows.append((s, len(rows)))
+                rows += (offset + j for j in s.prompt_logprob_rows)
             offset += len(s.token_ids)
             if s.samples:  # its last row, and a decode's draft rows: 1 + len(drafts) rows at the end
                 rows += range(offset - 1 - len(s.draft_token_ids), offset)
@@ -131,7 +135,32 @@ class ModelRunner:
                 raise EngineDeadError(f"tensor-parallel step failed: {type(e).__name__}: {e}") from e
         if logits is None:
             return RunnerOutput()
-        return self._sample(logits, samplers)
+        if not prompt_rows:
+            return self._sample(logits, samplers)
+        return self._with_prompt_logprobs(logits, samplers, prompt_rows)
+
+    def _with_prompt_logprobs(self, logits: torch.Tensor, samplers: list[ScheduledRequest],
+                              prompt_rows: list[tuple[ScheduledRequest, int]]) -> RunnerOutput:
+        """Prompt logprobs from their rows, then sampling on the rest. The logits hold each
+        request's prompt rows just before its sampling rows:
+
+            logits rows   [A p p p | A s | B s | C p p]      p: prompt logprobs, s: samples
+        """
+        is_prompt_row = torch.zeros(logits.shape[0], dtype=torch.bool)
+        found = {}
+        for s, first in prompt_rows:
+            num = len(s.prompt_logprob_rows)
+            is_prompt_row[first : first + num] = True
+            start = s.start_position + s.prompt_logprob_rows[0] + 1  # the first prompt token given
+            targets = s.prompt_token_ids[start : start + num]
+            found[s.request_id] = (start, prompt_logprobs(logits[first : first + num], targets,
+                                                          s.params.prompt_logprobs))
+        result = RunnerOutput()
+        if samplers:
+            keep = (~is_prompt_row).nonzero().squeeze(1).to(logits.device)
+            result = self._sample(logits[keep], samplers)
+        result.prompt_logprobs = found
+        return result
 
     def forward_logits(self, inputs: StepInputs, kernels: StepKernels | None = None) -> torch.Tensor | None:
         """The step's forward pass and the float32 logits of its `logit_rows` (None: no rows),

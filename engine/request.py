@@ -64,6 +64,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     seed: int | None = None
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob and the top-k alternatives
+    # None: none; k >= 0: each prompt token's logprob given the tokens before it, and the top-k there
+    # (raw logits: no temperature, penalty or bias applies to the prompt).
+    prompt_logprobs: int | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -94,6 +97,8 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         if any(not s for s in self.stop):
@@ -162,6 +167,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # the top-k alternatives, best first
+    rank: int | None = None  # 1 + how many tokens are likelier (prompt logprobs; None where not computed)
 
 
 @dataclass
@@ -187,3 +193,6 @@ class RequestOutput:
     prefill_time: float = 0.0  # first scheduled -> first token
     decode_time: float = 0.0  # first token -> last token
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # With SamplingParams.prompt_logprobs, on the output that brings the first token (or the final
+    # one): one entry per prompt token, None for the first (nothing precedes it).
+    prompt_logprobs: list[TokenLogprob | None] | None = None

@@ -507,6 +507,19 @@ def _token_logprobs(logprobs: torch.Tensor | None, token_ids: torch.Tensor,
     return out
 
 
+def prompt_logprobs(logits: torch.Tensor, target_ids: Sequence[int], num_top: int) -> list[TokenLogprob]:
+    """Each row's logprob of its target token (the prompt token that follows the row), its rank,
+    and the `num_top` best tokens: logits (N, V) as the model gave them, nothing applied."""
+    logprobs = softmax(logits, log=True)  # (N, V)
+    targets = torch.tensor(target_ids, dtype=torch.int64, device=logits.device).unsqueeze(1)  # (N, 1)
+    chosen = logprobs.gather(1, targets)  # (N, 1)
+    ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
+    top_values, top_ids = ([[]] * len(target_ids),) * 2 if num_top == 0 else (
+        t.tolist() for t in logprobs.topk(num_top, dim=-1))
+    return [TokenLogprob(token_id=t, logprob=lp, top=list(zip(ids, values)), rank=rank)
+            for t, lp, ids, values, rank in zip(target_ids, chosen.squeeze(1).tolist(), top_ids, top_values, ranks)]
+
+
 def _flat_index(rows: list[int], token_ids: Sequence[torch.Tensor], vocab_size: int,
                 device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's token ids (a tensor per row) as flat indices row * vocab_size + token, and their rows."""

@@ -142,9 +142,14 @@ class Scheduler:
         # tight: admitting more would only preempt again.
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            hits = bm.get_computed_blocks(request)
-            if bm.next_block_hash(request, len(hits)) in pending:
-                break
+            # Prompt logprobs need the logits of every prompt position, which a prefix hit would
+            # skip: until its first token is out, such a request computes its whole prompt (as vLLM).
+            if _wants_prompt_logprobs(request):
+                hits = []
+            else:
+                hits = bm.get_computed_blocks(request)
+                if bm.next_block_hash(request, len(hits)) in pending:
+                    break
             num_hit_tokens = len(hits) * bm.block_size
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             table = bm.allocate(request, hits, num_hit_tokens + num_new)
@@ -188,6 +193,12 @@ class Scheduler:
 
     def _scheduled(self, request: Request, num_new: int, table: list[int], drafts: list[int] = ()) -> ScheduledRequest:
         start = request.num_computed_tokens
+        prompt_logprob_rows = range(0)
+        if _wants_prompt_logprobs(request):
+            # Row j gives prompt token start + j + 1; the prompt's last row samples instead:
+            #   prompt   t0 t1 t2 t3 t4 t5      chunk start 2, 4 tokens: rows of t2 t3 t4 t5
+            #   rows           r0 r1 r2 (r3)    r0..r2 give t3..t5, r3 samples
+            prompt_logprob_rows = range(max(0, min(num_new, request.num_prompt_tokens - 1 - start)))
         return ScheduledRequest(
             request_id=request.request_id,
             token_ids=request.all_token_ids[start : start + num_new] + list(drafts),
@@ -201,6 +212,7 @@ class Scheduler:
             generator=request.generator,
             token_history=request.token_history,
             grammar=request.grammar,
+            prompt_logprob_rows=prompt_logprob_rows,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -289,3 +301,9 @@ class Scheduler:
     def audit(self) -> list[str]:
         """Reconcile the block pool; one line per discrepancy (empty when consistent)."""
         return self.block_manager.audit()
+
+
+def _wants_prompt_logprobs(request: Request) -> bool:
+    """Prompt logprobs are asked and not yet delivered (they go out with the first token: a
+    request preempted after it recomputes its prompt without them)."""
+    return request.params.prompt_logprobs is not None and not request.output_token_ids

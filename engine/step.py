@@ -30,6 +30,9 @@ class ScheduledRequest:
     # A decode's drafts (engine/speculative.py): the last len(draft_token_ids) of token_ids, not
     # tokens of the request until the runner accepts them; each adds a row that samples.
     draft_token_ids: list[int] = field(default_factory=list)
+    # Rows of this chunk (0-based within token_ids) whose logits give prompt logprobs: row j
+    # gives the logprob of the prompt token at start_position + j + 1. Empty unless asked.
+    prompt_logprob_rows: range = range(0)
 
 
 @dataclass
@@ -45,6 +48,8 @@ class RunnerOutput:
     sampled: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[TokenLogprob | None]] = field(default_factory=dict)  # one per token sampled
     errors: dict[str, str] = field(default_factory=dict)  # request id -> why its sampling failed
+    # request id -> (prompt position of the first, the prompt logprobs of its prompt_logprob_rows)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
 
 
 @dataclass
