@@ -5,10 +5,12 @@
     python -m loadtest.compare --llama-server PATH --model smollm2-1.7b:q4_0   # a random-weight 1.7B shape
     python -m loadtest.compare --llama-server PATH --model smollm2-360m:q4_0 --rounds 3   # medians of 3, alternating
     python -m loadtest.compare --llama-server PATH --model some/model.gguf
+    python -m loadtest.compare --llama-server PATH --model qwen2.5-coder-0.5b-instruct   # by name, fetched
     python -m loadtest.compare --llama-server PATH --model smollm2-1.7b:q4_0 --threads 1 4 8 16   # thread scaling
 
-`--model` is the GGUF both servers serve (default: SmolLM2-135M-Instruct Q4_1), or
-SHAPE:TYPE, a random-weight file of `loadtest.make_gguf`, written into the cache first if missing.
+`--model` is the GGUF both servers serve (default: SmolLM2-135M-Instruct Q4_1), a model's
+name (models/catalog.py, fetched into the cache on first use), or SHAPE:TYPE, a random-weight
+file of `loadtest.make_gguf`, written into the cache first if missing.
 
 Each server is started on a free 127.0.0.1 port with the same threads and the same KV
 capacity (llama-server `-c CTX -np SLOTS`, ours `--num-kv-blocks CTX/16 --max-num-seqs SLOTS`,
@@ -282,18 +284,21 @@ def report(results: list[dict], args) -> str:
 
 def resolve_model(text: str | None) -> Path:
     """--model: None -> the default model's GGUF; SHAPE:TYPE -> make_gguf's file (written if
-    missing); anything else must be an existing file."""
+    missing); else what models.fetch resolves it to (a model's name: fetched), which must be a file."""
     from loadtest.make_gguf import SHAPES, TYPES, ensure_gguf, parse_shortcut
-    from models.fetch import default_model_path
+    from models.fetch import default_model_path, resolve_model_path
 
     if text is None:
         return default_model_path()
     if shortcut := parse_shortcut(text):
         return ensure_gguf(*shortcut)
-    path = Path(text).expanduser()
+    try:
+        path = resolve_model_path(text)
+    except FileNotFoundError as exc:
+        raise ValueError(f"--model {text!r}: {exc}; nor SHAPE:TYPE with a shape of {', '.join(sorted(SHAPES))} "
+                         f"and a type of {', '.join(sorted(TYPES))}") from None
     if not path.is_file():
-        raise ValueError(f"--model {text!r}: no such file, nor SHAPE:TYPE with a shape of "
-                         f"{', '.join(sorted(SHAPES))} and a type of {', '.join(sorted(TYPES))}")
+        raise ValueError(f"--model {text!r}: {path} is not a .gguf file (llama-server serves GGUF files)")
     return path
 
 
@@ -311,8 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m loadtest.compare", description=__doc__.split("\n\n")[0])
     p.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary (else ours alone)")
     p.add_argument("--model", default=None,
-                   help="a .gguf file, or SHAPE:TYPE (e.g. smollm2-360m:q4_0) for loadtest.make_gguf's "
-                        "random-weight file (default: SmolLM2-135M-Instruct Q4_1)")
+                   help="a .gguf file, a model's name (python -m models.fetch --list), or SHAPE:TYPE (e.g. "
+                        "smollm2-360m:q4_0) for loadtest.make_gguf's random-weight file "
+                        "(default: SmolLM2-135M-Instruct Q4_1)")
     p.add_argument("--quantization", default="auto", help="ours: --quantization")
     p.add_argument("--threads", type=int, nargs="+", default=None,
                    help="both servers' threads (default: all cores); several counts run one after the other, "

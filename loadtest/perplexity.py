@@ -2,6 +2,7 @@
 
     python -m loadtest.perplexity --quantization none      # dense (a GGUF dequantized)
     python -m loadtest.perplexity --quantization int8      # then int4, auto: compare the lines
+    python -m loadtest.perplexity --model qwen2.5-coder-0.5b-instruct   # a model by name, fetched
 
 One prefill of the whole text (at most max-model-len tokens) through the paged model, as the
 server runs it; the default text (loadtest/data/perplexity.txt: two public-domain passages,
@@ -45,7 +46,8 @@ def main(argv: list[str] | None = None) -> None:
     from models.loader import DEFAULT_MODEL, load_model
 
     p = argparse.ArgumentParser(prog="python -m loadtest.perplexity", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="checkpoint dir, .gguf file, hub id, or a model's name (python -m models.fetch --list)")
     p.add_argument("--quantization", default="auto", choices=QUANTIZATIONS)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--text", type=Path, default=DEFAULT_TEXT)

@@ -19,7 +19,8 @@ import torch
 from models.layers.attention import AttentionMetadata
 from models.layers.parallel import TensorParallel
 from models.layers.quantization import QUANTIZATIONS
-from models.loader import DEFAULT_MODEL, LoadedModel, load_model
+from models.fetch import FetchError
+from models.loader import DEFAULT_MODEL, LoadedModel, check_model, load_model
 
 
 @torch.inference_mode()
@@ -154,7 +155,8 @@ def _generate_parallel(args: argparse.Namespace) -> tuple[list[str], list[list[i
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m models.generate", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="checkpoint dir, .gguf file, or the default alias")
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help="checkpoint dir, .gguf file, hub id, or a model's name (python -m models.fetch --list)")
     parser.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
@@ -170,10 +172,17 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--max-tokens must be >= 0")
     if args.tensor_parallel_size < 1:
         parser.error("--tensor-parallel-size must be >= 1")
-    if args.tensor_parallel_size > 1:
+    try:
+        if args.tensor_parallel_size > 1:
+            check_model(args.model)  # before any rank is spawned: one line, not a traceback per rank
+            loaded = None
+        else:
+            loaded = load_model(args.model, dtype=args.dtype, device=args.device, quantization=args.quantization)
+    except (ValueError, OSError, FetchError) as exc:
+        parser.exit(2, f"pagedserve: error: {exc}\n")
+    if loaded is None:
         texts, outputs = _generate_parallel(args)
     else:
-        loaded = load_model(args.model, dtype=args.dtype, device=args.device, quantization=args.quantization)
         outputs = generate_greedy(loaded, [_encode(loaded, p, args.chat) for p in args.prompt], args.max_tokens,
                                   args.ignore_eos)
         texts = [loaded.tokenizer.decode(ids, skip_special_tokens=True) for ids in outputs]

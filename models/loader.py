@@ -1,4 +1,4 @@
-"""Load a checkpoint (HF safetensors dir, .gguf file, or the default alias) for serving.
+"""Load a checkpoint (HF safetensors dir, .gguf file, hub id or a catalogue name) for serving.
 
 The model is built on the meta device (no memory), materialized uninitialized on
 the target device in the serving dtype, and then every checkpoint tensor is read
@@ -22,8 +22,9 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from models.config import ModelConfig, build_model_config, load_hf_config, read_eos_token_ids
-from models.fetch import hub_snapshot, is_hub_id
+from models.catalog import DEFAULT_MODEL
+from models.config import ModelConfig, build_model_config, load_hf_config, read_architecture, read_eos_token_ids
+from models.fetch import resolve_model_path
 from models.layers.linear import (
     Linear, MergedLinear, can_pack_weights, linear_weight_bytes, pack_linear_weights, process_weights_after_loading,
 )
@@ -34,8 +35,6 @@ from models.registry import MODEL_REGISTRY, get_model_class
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"
-_DEFAULT_ALIASES = {"smollm2-135m-instruct", "smollm2"}
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # bf16 on CPU, linear weights up to this size are kept twice (plain + oneDNN-packed): the
@@ -129,7 +128,7 @@ def load_model(
     batch_invariant: bool = False,
 ) -> LoadedModel:
     """`model`: a checkpoint directory, a .gguf file, a Hugging Face hub id (safetensors, through its
-    cache; models.fetch.hub_snapshot), or the default alias ("SmolLM2-135M-Instruct"/"smollm2").
+    cache; models.fetch.hub_snapshot), or a catalogue name (models/catalog.py; fetched on first use).
     `quantization`: see `choose_methods`. `tensor_parallel`: build this rank's part of every
     layer (models/layers/parallel.py); every rank reads the whole checkpoint, one tensor at a time.
     `batch_invariant`: the layers left dense run on RowsDenseMethod (`--batch-invariant`), so that
@@ -142,13 +141,7 @@ def load_model(
 
 
 def _load_model(model, dtype, device, max_model_len, quantization, batch_invariant=False) -> LoadedModel:
-    if str(model).strip().lower() in _DEFAULT_ALIASES:
-        from models.fetch import default_model_path  # lazy: downloads only when asked for
-
-        model = default_model_path()
-    elif isinstance(model, str) and is_hub_id(model):
-        model = hub_snapshot(model)
-    path = Path(model).expanduser()
+    path = resolve_model_path(model)
     if path.suffix == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"no GGUF file at {path}")
@@ -157,12 +150,46 @@ def _load_model(model, dtype, device, max_model_len, quantization, batch_invaria
         return _load_checkpoint_dir(path, dtype, device, max_model_len, quantization, batch_invariant)
     if path.suffix in _PICKLE_SUFFIXES:
         _refuse_pickle(path)
-    if not path.exists():
-        raise FileNotFoundError(
-            f"no model at {path}: expected a checkpoint directory (config.json + *.safetensors), "
-            f"a .gguf file, or {DEFAULT_MODEL!r}"
-        )
     raise ValueError(f"{path}: expected a checkpoint directory or a .gguf file")
+
+
+def check_model(model: str | Path) -> Path:
+    """The path `model` names (a catalogue model fetched, a hub id from its cache), checked without
+    reading any weight: a GGUF's header, architecture, metadata and tensor types, or a checkpoint
+    directory's config.json architecture, weight files and tokenizer. A one-line ValueError /
+    FileNotFoundError where it is not something load_model serves. The server and models.generate
+    call it first, so a refusal comes before a port is bound or a model half-built."""
+    path = resolve_model_path(model)
+    if path.suffix == ".gguf" and path.is_file():
+        _check_gguf(path)
+    elif path.is_dir():
+        read_architecture(path / "config.json")
+        _safetensors_files(path)
+        if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+            raise FileNotFoundError(f"no tokenizer in {path} (looked for {', '.join(_TOKENIZER_FILES)})")
+    elif path.suffix in _PICKLE_SUFFIXES:
+        _refuse_pickle(path)
+    else:
+        raise ValueError(f"{path}: expected a checkpoint directory or a .gguf file")
+    return path
+
+
+def _check_gguf(path: Path) -> None:
+    """What the GGUF reader would refuse, from the header and tensor table alone (memory-mapped:
+    no weight is read or dequantized, no tokenizer converted)."""
+    from gguf import GGUFReader
+
+    from models.gguf import GGUFError, GGUFWeights, read_config
+
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, OSError) as exc:  # the package's messages ("GGUF magic invalid") name no file
+        raise GGUFError(f"{path}: not a readable GGUF file: {exc}") from None
+    hf_config = read_config(reader, path)
+    GGUFWeights(reader, hf_config, path)  # every tensor's name and type
+    if not any(a in MODEL_REGISTRY for a in (hf_config.architectures or [])):
+        raise ValueError(f"{path}: unsupported architecture {hf_config.architectures}; "
+                         f"supported: {', '.join(sorted(MODEL_REGISTRY))}")
 
 
 def _refuse_pickle(path: Path):

