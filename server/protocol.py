@@ -41,6 +41,7 @@ MAX_STOP_STRINGS, MAX_STOP_LENGTH = 4, 1024
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's bounds
 MAX_TEMPLATE_KWARGS = 16
 MAX_CACHE_SALT = 256  # characters of a cache_salt
+MAX_TOP_LOGPROBS = 20  # chat's top_logprobs and prompt_logprobs (OpenAI's and vLLM's bound)
 _TEMPLATE_VARIABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 # What the server itself gives apply_chat_template (or transformers reads from its kwargs).
 _TEMPLATE_RESERVED = frozenset({"messages", "conversation", "tools", "documents", "add_generation_prompt",
@@ -127,6 +128,8 @@ class _SamplingFields(_Strict):
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT)
     # OpenAI's metadata: stored nowhere, accepted within OpenAI's bounds (checked in check_common).
     metadata: dict[str, str] | None = None
+    # vLLM: each prompt token's logprob and the top k there, on each choice (not streamed, as vLLM).
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     def stop_strings(self) -> tuple[str, ...]:
         stop = self.stop
@@ -155,6 +158,8 @@ class _SamplingFields(_Strict):
                 if len(key) > MAX_METADATA_KEY or len(value) > MAX_METADATA_VALUE:
                     raise invalid(f"'metadata' keys are at most {MAX_METADATA_KEY} characters and values at most "
                                   f"{MAX_METADATA_VALUE}", param=f"metadata.{key[:MAX_METADATA_KEY]}")
+        if self.prompt_logprobs is not None and self.stream:
+            raise invalid("'prompt_logprobs' is not available when 'stream' is true", param="prompt_logprobs")
         if self.stream_options is not None and not self.stream:
             raise invalid("'stream_options' is only allowed when 'stream' is true", param="stream_options")
         for key, value in (self.logit_bias or {}).items():
@@ -185,9 +190,15 @@ class CompletionRequest(_SamplingFields):
         {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
         {"type": "array", "items": _TOKEN_ID, "minItems": 1},
         {"type": "array", "items": {"type": "array", "items": _TOKEN_ID, "minItems": 1}, "minItems": 1}]})
-    max_tokens: int | None = Field(None, ge=1)  # OpenAI: null means the default, 16
+    # OpenAI: null means the default, 16. 0 only with echo: the prompt's logprobs, nothing generated.
+    max_tokens: int | None = Field(None, ge=0)
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool | None = None
+
+    def check_echo(self) -> None:
+        if self.max_tokens == 0 and not self.echo:
+            raise invalid("'max_tokens' must be at least 1 unless 'echo' is true", param="max_tokens",
+                          code="invalid_value")
 
     def prompts(self, vocab_size: int) -> list[str | list[int]]:
         """The prompts of the request, each a non-empty string or token-id list."""
@@ -292,7 +303,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI; max_completion_tokens wins
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -402,9 +413,6 @@ def parse_body(raw: bytes, model_cls: type[BaseModel]) -> BaseModel:
     if model_cls is CompletionRequest:
         data = _reject_unsupported(data, _UNSUPPORTED_COMPLETION)
         data = _completion_tokens_alias(data)
-        if data.get("echo") and data.get("logprobs") is not None:
-            raise not_supported("echo", "echo together with logprobs needs prompt logprobs, "
-                                        "which this server does not compute")
     if model_cls is ChatCompletionRequest:
         data = _reject_unsupported(data, _UNSUPPORTED_CHAT)
     if model_cls is TokenizeRequest:

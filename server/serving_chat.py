@@ -88,6 +88,7 @@ async def serve_chat(request: Request, state, engine, body: ChatCompletionReques
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     keep_special = tools is not None and tools.parser.needs_special_tokens  # the parser reads its markers
     params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, structured=structured,
+                             prompt_logprobs=body.prompt_logprobs,
                              skip_special_tokens=not keep_special)
     request_id = new_request_id(id_prefix)
     choices = make_choices(request_id, [prompt_ids], params)
@@ -131,8 +132,11 @@ class _ChatView:
                     finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
             if self.reasoning:
                 message["reasoning_content"] = thought or None
-            rendered.append({"index": c.index, "message": message, "logprobs": self._logprobs(c.logprobs),
-                             "finish_reason": finish_reason})
+            choice = {"index": c.index, "message": message, "logprobs": self._logprobs(c.logprobs),
+                      "finish_reason": finish_reason}
+            if self.body.prompt_logprobs is not None:  # vLLM's extension, in vLLM's shape
+                choice["prompt_logprobs"] = self.logprobs.prompt(c.prompt_logprobs or [])
+            rendered.append(choice)
         return self._envelope("chat.completion", rendered, usage=usage(choices, self.body.num_choices))
 
     def _chunk(self, index: int, delta: dict, finish_reason: str | None = None, logprobs=None) -> str:

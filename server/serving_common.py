@@ -140,6 +140,7 @@ class Choice:
     text_parts: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with SamplingParams.prompt_logprobs
     final: RequestOutput | None = None  # the last output, once finished
     num_outputs: int = 0
 
@@ -148,6 +149,8 @@ class Choice:
         self.text_parts.append(output.text)
         self.token_ids.extend(output.token_ids)
         self.logprobs.extend(output.logprobs or ())
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = output.prompt_logprobs
         if output.finished:
             self.final = output
 
@@ -174,7 +177,7 @@ def log_request(request_id: str, choices: list[Choice], user: str | None, stream
 
 
 def sampling_params(body, *, max_tokens: int, logprobs: int | None, structured: StructuredOutput | None = None,
-                    skip_special_tokens: bool = True) -> list[SamplingParams]:
+                    skip_special_tokens: bool = True, prompt_logprobs: int | None = None) -> list[SamplingParams]:
     """One SamplingParams per sample (n of them): a seeded request seeds sample i with seed + i,
     so the n samples differ and the whole response is still reproducible."""
     if body.min_tokens is not None and body.min_tokens > max_tokens:
@@ -190,6 +193,7 @@ def sampling_params(body, *, max_tokens: int, logprobs: int | None, structured: 
         frequency_penalty=body.frequency_penalty or 0.0,
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         logit_bias={int(k): float(v) for k, v in (body.logit_bias or {}).items()},
         stop=body.stop_strings(),
         stop_token_ids=tuple(body.stop_token_ids or ()),

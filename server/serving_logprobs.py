@@ -57,12 +57,24 @@ class LogprobFormatter:
                 return bytes(self._unicode_to_byte[ch] for ch in piece)
         return self.text(token_id).encode("utf-8")
 
-    def completion(self, logprobs: list[TokenLogprob], offset: int) -> dict[str, list]:
-        """Legacy completions format; top_logprobs holds the top k and the sampled token (up to k + 1)."""
+    def completion(self, logprobs: list[TokenLogprob], offset: int,
+                   prompt: tuple[list[int], list[TokenLogprob | None]] | None = None) -> dict[str, list]:
+        """Legacy completions format; top_logprobs holds the top k and the sampled token (up to k + 1).
+        With echo, `prompt` (its token ids and prompt logprobs) comes first: the first prompt token
+        has null for its logprob and its top_logprobs, as OpenAI gives it."""
         tokens, token_logprobs, top, offsets = [], [], [], []
-        for lp in logprobs:
-            token = self.text(lp.token_id)
+        entries: list[tuple[int, TokenLogprob | None]] = [(lp.token_id, lp) for lp in logprobs]
+        if prompt is not None:
+            entries = list(zip(*prompt)) + entries
+        for token_id, lp in entries:
+            token = self.text(token_id)
             tokens.append(token)
+            offsets.append(offset)
+            offset += len(token)
+            if lp is None:
+                token_logprobs.append(None)
+                top.append(None)
+                continue
             token_logprobs.append(lp.logprob)
             # Keyed by text, so distinct tokens can collide (two partial UTF-8 bytes both read
             # "\ufffd"): keep the likelier one, as the list is best first.
@@ -71,8 +83,6 @@ class LogprobFormatter:
                 alternatives.setdefault(self.text(top_id), top_logprob)
             alternatives.setdefault(token, lp.logprob)
             top.append(alternatives)
-            offsets.append(offset)
-            offset += len(token)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
     def chat(self, logprobs: list[TokenLogprob], num_top: int) -> dict[str, list]:
@@ -82,3 +92,20 @@ class LogprobFormatter:
 
         return {"content": [{**entry(lp.token_id, lp.logprob),
                              "top_logprobs": [entry(t, v) for t, v in lp.top[:num_top]]} for lp in logprobs]}
+
+    def prompt(self, logprobs: list[TokenLogprob | None]) -> list[dict[str, dict] | None]:
+        """vLLM's prompt_logprobs: null for the first token, then per position the prompt token and
+        the top k, token id -> {logprob, rank, decoded_token}."""
+        def entry(logprob: float, rank: int | None, token_id: int) -> dict[str, Any]:
+            return {"logprob": logprob, "rank": rank, "decoded_token": self.text(token_id)}
+
+        rendered: list[dict[str, dict] | None] = []
+        for lp in logprobs:
+            if lp is None:
+                rendered.append(None)
+                continue
+            position = {str(lp.token_id): entry(lp.logprob, lp.rank, lp.token_id)}  # the prompt's token first
+            for rank, (token_id, logprob) in enumerate(lp.top, start=1):
+                position.setdefault(str(token_id), entry(logprob, rank, token_id))
+            rendered.append(position)
+        return rendered

@@ -54,7 +54,14 @@ BAD_REQUESTS = [
     (CMPL, {"model": M, "prompt": "hi", "metadata": {"k": "v" * 513}}, 400, "metadata.k", "512"),
     (CMPL, {"model": M, "prompt": "hi", "metadata": {"k": 1}}, 400, "metadata.k", "string"),
     (CMPL, {"model": M, "prompt": "hi", "suffix": "x"}, 400, "suffix", "not supported"),
-    (CMPL, {"model": M, "prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo", "not supported"),
+    # prompt logprobs: vLLM's bound (20), not streamed
+    (CMPL, {"model": M, "prompt": "hi", "prompt_logprobs": 21}, 400, "prompt_logprobs", "less than or equal to 20"),
+    (CHAT, {"model": M, "messages": USER, "prompt_logprobs": -1}, 400, "prompt_logprobs",
+     "greater than or equal to 0"),
+    (CHAT, {"model": M, "messages": USER, "prompt_logprobs": "1"}, 400, "prompt_logprobs", "integer"),
+    (CMPL, {"model": M, "prompt": "hi", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs",
+     "not available when 'stream'"),
+    (CMPL, {"model": M, "prompt": "hi", "echo": True, "logprobs": 6}, 400, "logprobs", "less than or equal to 5"),
     (CHAT, {"model": M, "messages": [{"role": "function", "content": "x", "name": "f"}]}, 400,
      "messages[0].role", "not supported"),
     (CHAT, {"model": M, "messages": [{"role": "user", "content": [
@@ -74,8 +81,8 @@ BAD_REQUESTS = [
     (CHAT, {"model": M, "messages": "hi"}, 400, "messages", "expected an array, but got a string"),
     (CHAT, {"model": M, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role", "Input should be"),
     # values out of range
-    (CMPL, {"model": M, "prompt": "hi", "max_tokens": -1}, 400, "max_tokens", "greater than or equal to 1"),
-    (CMPL, {"model": M, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "greater than or equal to 1"),
+    (CMPL, {"model": M, "prompt": "hi", "max_tokens": -1}, 400, "max_tokens", "greater than or equal to 0"),
+    (CMPL, {"model": M, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "at least 1 unless 'echo'"),
     (CMPL, {"model": M, "prompt": "hi", "max_tokens": 10**9}, 400, "max_tokens", "too large"),
     (CHAT, {"model": M, "messages": USER, "max_completion_tokens": 10**9}, 400, "max_completion_tokens", "too large"),
     (CMPL, {"model": M, "prompt": "hi", "temperature": -0.5}, 400, "temperature", "greater than or equal to 0"),
