@@ -43,6 +43,12 @@ batched call; cached keys are gathered a block at a time (num_blocks * block_siz
     other prefills   gathered context + boolean mask (chunks after cached tokens)
 
 These are not row-invariant: which path a token takes, and its padded batch, change its rounding.
+
+A layer may attend within a sliding window (`window`: a query at position p sees keys at positions
+> p - window, transformers' `sliding_window` in masking_utils) and soft-cap its scores (`softcap`:
+softcap * tanh(score / softcap) before the softmax, Gemma 2). The kernel takes both; the eager
+paths mask the window (a mask per window, kept on the group) and, to soft-cap, attend with explicit
+matmuls instead of SDPA, which has no soft-capping.
 """
 from __future__ import annotations
 
@@ -100,9 +106,29 @@ class AttentionGroup:
     # Every sequence starts at position 0 this step: its keys are exactly this step's k/v.
     is_fresh: bool
     seq_lens: torch.Tensor  # (num_seqs,) int64 tokens of each sequence, this step's included
+    query_pos: torch.Tensor  # (num_seqs, max_query_len) int64 position of each padded query
+    # `mask` and `bias` narrowed to a sliding window, one pair a window size (see `windowed`).
+    window_masks: dict = field(default_factory=dict, repr=False)
     # The eager gathers' outputs, one buffer a (shape, dtype), reused by every layer of the step
     # (see `buffer`).
     workspace: dict = field(default_factory=dict, repr=False)
+
+    def windowed(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(mask, bias) of the group for a layer whose queries see only keys at positions > p - window."""
+        if window is None:
+            return self.mask, self.bias
+        if window not in self.window_masks:
+            keys = torch.arange(self.mask.shape[-1], device=self.mask.device)
+            inside = keys[None, None, :] > self.query_pos[:, :, None] - window  # (n, max_q, max_kv)
+            mask = self.mask & inside[:, None]
+            # A padding query row may be left with no key (softmax NaN); its output is dropped.
+            mask[..., 0] |= ~mask.any(dim=-1)
+            bias = None
+            if self.bias is not None:
+                bias = torch.zeros(mask[:, 0].shape, dtype=torch.float32, device=mask.device)
+                bias.masked_fill_(~mask[:, 0], float("-inf"))  # (n, 1, max_kv)
+            self.window_masks[window] = (mask, bias)
+        return self.window_masks[window]
 
     def buffer(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A tensor of this shape that the step's layers share: a layer's gathered keys are read
@@ -227,6 +253,7 @@ def _build_group(idx, token_in_group, seq, query_no, q_lens, s_lens, tables, blo
         token_range=token_range,
         is_fresh=bool((q_lens == s_lens).all()),
         seq_lens=s_lens.to(device),
+        query_pos=q_pos.to(device),
     )
 
 
@@ -292,22 +319,27 @@ def paged_attention(
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of the step's queries over each sequence's cached context.
 
     q: (num_tokens, num_heads, head_dim); k, v: (num_tokens, num_kv_heads, head_dim).
     kv_cache: (num_blocks, block_size, 2, num_kv_heads, head_dim), used block-major (see
-    `kv_blocks`). Returns (num_tokens, num_heads, head_dim).
+    `kv_blocks`). window: a query at position p attends keys at positions > p - window (None: all
+    up to p); softcap: scores become softcap * tanh(score / softcap) before the softmax.
+    Returns (num_tokens, num_heads, head_dim).
     """
     if kernel_serves(q, kv_cache) and k.stride(-1) == 1 and v.stride(-1) == 1:
         cpu_kernels.write_kv_blocks(kv_cache, k, v, meta.slot_mapping)  # one pass, not four ops
-        return cpu_kernels.paged_attention(q, kv_cache, meta.block_table, meta.seq_lens, meta.query_start, scale)
+        return cpu_kernels.paged_attention(q, kv_cache, meta.block_table, meta.seq_lens, meta.query_start, scale,
+                                           window=window, softcap=softcap)
     store_kv(kv_cache, k, v, meta.slot_mapping)
     if len(meta.groups) == 1 and meta.groups[0].token_range == (0, meta.num_tokens):
-        return _attend(q, k, v, kv_cache, meta.groups[0], scale).reshape(q.shape)
+        return _attend(q, k, v, kv_cache, meta.groups[0], scale, window, softcap).reshape(q.shape)
     out = q.new_empty(q.shape)
     for group in meta.groups:
-        unpad_into(out, _attend(q, k, v, kv_cache, group, scale), group)
+        unpad_into(out, _attend(q, k, v, kv_cache, group, scale, window, softcap), group)
     return out
 
 
@@ -331,12 +363,20 @@ def _gather_blocks(kv_cache: torch.Tensor, group: AttentionGroup, dtype: torch.d
     return _as_dtype(kv, group, dtype).view(2, num_kv_heads, group.num_seqs, -1, head_dim)
 
 
-def _attend(q, k, v, kv_cache, group: AttentionGroup, scale: float) -> torch.Tensor:
+def _attend(q, k, v, kv_cache, group: AttentionGroup, scale: float, window: int | None = None,
+            softcap: float | None = None) -> torch.Tensor:
     """-> (num_seqs, max_query_len, num_heads, head_dim) for the group's padded queries."""
     if group.max_query_len == 1:
-        return _decode(pad_queries(q, group), kv_cache, group, scale)
+        return _decode(pad_queries(q, group), kv_cache, group, scale, window, softcap)
     queries = pad_queries(q, group).transpose(1, 2)  # (n, num_heads, max_q, head_dim)
-    if group.is_fresh:
+    if window is not None or softcap is not None:
+        kv = _gather_blocks(kv_cache, group, q.dtype).transpose(1, 2)  # (2, n, Hk, max_kv, D)
+        mask = group.windowed(window)[0]
+        if softcap is None:
+            out = F.scaled_dot_product_attention(queries, kv[0], kv[1], attn_mask=mask, scale=scale, enable_gqa=True)
+        else:
+            out = _softcapped(queries, kv[0], kv[1], mask, scale, softcap)
+    elif group.is_fresh:
         keys = pad_queries(k, group).transpose(1, 2)  # (n, num_kv_heads, max_q, head_dim)
         values = pad_queries(v, group).transpose(1, 2)
         # Padding keys sit after every real query of their sequence: causal hides them.
@@ -349,7 +389,24 @@ def _attend(q, k, v, kv_cache, group: AttentionGroup, scale: float) -> torch.Ten
     return out.transpose(1, 2)
 
 
-def _decode(queries: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup, scale: float) -> torch.Tensor:
+def _softcapped(queries, keys, values, mask, scale: float, softcap: float) -> torch.Tensor:
+    """Masked attention with soft-capped scores, in transformers' order (scale, / cap, tanh, * cap,
+    softmax in float32): queries (n, H, max_q, D), keys and values (n, Hk, max_kv, D), mask
+    (n, 1, max_q, max_kv) -> (n, H, max_q, D)."""
+    n, num_heads, max_q, head_dim = queries.shape
+    num_kv_heads = keys.shape[1]
+    group = num_heads // num_kv_heads
+    rows = queries.reshape(n, num_kv_heads, group * max_q, head_dim)  # query heads of a KV head are rows
+    scores = torch.matmul(rows, keys.transpose(-1, -2)) * scale  # (n, Hk, G * max_q, max_kv)
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.view(n, num_kv_heads, group, max_q, -1).masked_fill(~mask[:, :, None], float("-inf"))
+    probs = scores.softmax(dim=-1, dtype=torch.float32).to(queries.dtype)
+    out = torch.matmul(probs.view(n, num_kv_heads, group * max_q, -1), values)  # (n, Hk, G * max_q, D)
+    return out.view(n, num_heads, max_q, head_dim)
+
+
+def _decode(queries: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup, scale: float,
+            window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """queries (n, 1, num_heads, head_dim) -> (n, 1, num_heads, head_dim).
 
     The query heads sharing a KV head become the rows of one small matmul per
@@ -362,8 +419,13 @@ def _decode(queries: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup
     rows = queries.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)  # (Hk, n, G, D)
     # matmul over (Hk, n) batch dims that cannot be merged is ~1.5x slower than copying the rows.
     scores = torch.matmul(rows.contiguous(), kv[0].transpose(-1, -2))  # (Hk, n, G, max_kv)
-    # bias + scale * scores in float32: masked keys get exactly zero weight.
-    probs = torch.add(group.bias, scores, alpha=scale).softmax(dim=-1).to(queries.dtype)
+    bias = group.windowed(window)[1]
+    if softcap is not None:  # transformers' order: scale, / cap, tanh, * cap, then the mask
+        scores = torch.tanh(scores * scale / softcap) * softcap
+        probs = torch.add(bias, scores).softmax(dim=-1).to(queries.dtype)
+    else:
+        # bias + scale * scores in float32: masked keys get exactly zero weight.
+        probs = torch.add(bias, scores, alpha=scale).softmax(dim=-1).to(queries.dtype)
     out = torch.matmul(probs, kv[1])  # (Hk, n, G, D)
     return out.transpose(0, 1).reshape(n, 1, num_heads, head_dim)
 

@@ -208,13 +208,16 @@ def _summary(passed_over: dict[str, list[str]]) -> str:
 
 def paged_attention(
     q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-    query_start: torch.Tensor, scale: float, value_dim: int = 0,
+    query_start: torch.Tensor, scale: float, value_dim: int = 0, window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q (T, H, Dk): the step's queries, sequence i's at rows query_start[i]..query_start[i+1]-1,
     the last of its seq_lens[i] tokens; kv_cache GQA (num_blocks, block_size, 2, Hk, D) block-major
     or MLA (num_blocks, block_size, E) with values the first `value_dim` of E (csrc/paged_attention.cpp)
-    -> (T, H, Dv)."""
-    return torch.ops.pagedserve.paged_attention(q, kv_cache, block_table, seq_lens, query_start, scale, value_dim)
+    -> (T, H, Dv). window: a query at position p attends keys p - window + 1..p (None: 0..p);
+    softcap: scores become softcap * tanh(score / softcap) before the softmax (None: as they are)."""
+    return torch.ops.pagedserve.paged_attention(q, kv_cache, block_table, seq_lens, query_start, scale, value_dim,
+                                                window or 0, softcap or 0.0)
 
 
 def usable(x: torch.Tensor) -> bool:
@@ -302,14 +305,14 @@ def llama_decoder_layer(
     x: torch.Tensor, input_norm: torch.Tensor, post_norm: torch.Tensor, eps: float, weights: list, info: list[int],
     heads: tuple[int, int, int], cos: torch.Tensor, signed_sin: torch.Tensor, kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, query_start: torch.Tensor,
-    scale: float,
+    scale: float, window: int | None = None,
 ) -> torch.Tensor:
     """A Llama decoder layer whose 4 projections run on quant_linear, as one op (csrc/decoder_layer.cpp):
     weights = [qweight, scales, mins, bias] x (qkv, o, gate_up, down), info = [bits, group_size, out_features,
     min_per_scale] x 4, heads = (H, Hk, head_dim) -> the layer's output (T, hidden)."""
     return torch.ops.pagedserve.llama_decoder_layer(x, input_norm, post_norm, eps, weights, info, heads, cos,
                                                     signed_sin, kv_cache, slot_mapping, block_table, seq_lens,
-                                                    query_start, scale)
+                                                    query_start, scale, window or 0)
 
 
 def _compiler_emits(target: cpu_isa.Target) -> bool:

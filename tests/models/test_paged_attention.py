@@ -135,3 +135,48 @@ def test_the_layers_of_a_step_share_its_metadata(cache_dtype):
             s = seqs[i]
             ref = dense_reference(s["q"][c : c + n], s["k"][: c + n], s["v"][: c + n], scale)
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def windowed_reference(q, k_all, v_all, scale, window, softcap):
+    """dense_reference with transformers' sliding window (key position > p - window) and soft-capping."""
+    num_q, length = q.shape[0], k_all.shape[0]
+    q_pos = torch.arange(length - num_q, length)[:, None]
+    keys = torch.arange(length)[None, :]
+    mask = (keys <= q_pos) & (keys > q_pos - window if window else True)  # (Q, L)
+    group = q.shape[1] // k_all.shape[1]
+    k = k_all.repeat_interleave(group, dim=1).transpose(0, 1)  # (H, L, D)
+    v = v_all.repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = q.transpose(0, 1) @ k.transpose(1, 2) * scale  # (H, Q, L)
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    return (probs @ v).transpose(0, 1)
+
+
+@pytest.mark.parametrize("window,softcap", [(8, None), (1, None), (5, 0.7), (None, 0.5), (200, None), (130, None)])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_sliding_window_and_softcap_match_dense(block_size, window, softcap):
+    """A query at p sees keys p - window + 1..p, scores soft-capped; mixed steps over shuffled blocks,
+    with contexts longer than the kernel's key blocks of 128 so that some are skipped whole."""
+    num_heads, num_kv_heads = 6, 2
+    plan = [(0, 21), (40, 1), (300, 1), (13, 9), (0, 1), (150, 40), (260, 3)]
+    lengths = [c + n for c, n in plan]
+    seqs = make_seqs(lengths, num_heads, num_kv_heads, seed=block_size)
+    tables, num_blocks = shuffled_block_tables(lengths, block_size, seed=7)
+    cache = KVCacheSpec(1, (2, num_kv_heads, HEAD_DIM), torch.float32).allocate(num_blocks, block_size, "cpu")[0]
+    scale = 1.3  # large scores, so that soft-capping changes them
+    first = [(i, 0, c) for i, (c, _) in enumerate(plan) if c > 0]
+    second = [(i, c, n) for i, (c, n) in enumerate(plan)]
+    random.Random(block_size).shuffle(second)
+    for chunks in (first, second):
+        meta = AttentionMetadata.build([n for _, _, n in chunks], [s + n for _, s, n in chunks],
+                                       [tables[i] for i, _, _ in chunks], block_size)
+        q = torch.cat([seqs[i]["q"][s : s + n] for i, s, n in chunks])
+        k = torch.cat([seqs[i]["k"][s : s + n] for i, s, n in chunks])
+        v = torch.cat([seqs[i]["v"][s : s + n] for i, s, n in chunks])
+        out = paged_attention(q, k, v, cache, meta, scale, window=window, softcap=softcap)
+        for (i, start, n), got in zip(chunks, out.split([n for _, _, n in chunks])):
+            s = seqs[i]
+            ref = windowed_reference(s["q"][start : start + n], s["k"][: start + n], s["v"][: start + n], scale,
+                                     window, softcap)
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)

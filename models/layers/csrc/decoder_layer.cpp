@@ -2,7 +2,7 @@
 // quant_linear (models/causal_lm.py's DecoderLayer decides):
 //
 //   h = rms_norm(x);  qkv = h W_qkv^T;  q, k = rope(q, k);  cache <- k, v
-//   x = x + attention(q, cache) W_o^T
+//   x = x + attention(q, cache) W_o^T                (within the layer's sliding window, if any)
 //   x = x + down(silu(gate) * up)(rms_norm(x))     (gate_up's product and silu * up one op)
 //
 // It calls the very kernels the module-by-module path calls, in the same order on the same
@@ -41,7 +41,8 @@ at::Tensor llama_decoder_layer(
     const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& post_norm, double eps,
     const c10::List<Opt>& weights, at::IntArrayRef info, at::IntArrayRef heads, const at::Tensor& cos,
     const at::Tensor& signed_sin, at::Tensor& kv_cache, const at::Tensor& slot_mapping,
-    const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& query_start, double scale) {
+    const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& query_start, double scale,
+    int64_t window) {
   static auto rms_norm = c10::Dispatcher::singleton().findSchemaOrThrow("pagedserve::rms_norm", "")
                              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
   static auto rope = c10::Dispatcher::singleton().findSchemaOrThrow("pagedserve::rope_neox", "")
@@ -51,7 +52,7 @@ at::Tensor llama_decoder_layer(
   static auto attention =
       c10::Dispatcher::singleton().findSchemaOrThrow("pagedserve::paged_attention", "")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                            const at::Tensor&, double, int64_t)>();
+                            const at::Tensor&, double, int64_t, int64_t, double)>();
   static auto silu_and_mul = c10::Dispatcher::singleton().findSchemaOrThrow("pagedserve::silu_and_mul", "")
                                  .typed<at::Tensor(const at::Tensor&)>();
   TORCH_CHECK(weights.size() == 16 && info.size() == 16 && heads.size() == 3, "decoder_layer: 4 projections");
@@ -60,7 +61,8 @@ at::Tensor llama_decoder_layer(
   const at::Tensor qkv = quant_linear(rms_norm.call(x, input_norm, eps), weights, info, 0).view({T, H + 2 * Hk, D});
   const at::Tensor qk = rope.call(qkv.slice(1, 0, H + Hk), cos, signed_sin);  // q and k heads are adjacent
   write_kv.call(kv_cache, qk.slice(1, H, H + Hk), qkv.slice(1, H + Hk, H + 2 * Hk), slot_mapping);
-  const at::Tensor out = attention.call(qk.slice(1, 0, H), kv_cache, block_table, seq_lens, query_start, scale, 0);
+  const at::Tensor out =
+      attention.call(qk.slice(1, 0, H), kv_cache, block_table, seq_lens, query_start, scale, 0, window, 0.);
   const at::Tensor h = x + quant_linear(out.reshape({T, H * D}), weights, info, 1);
   const at::Tensor post = rms_norm.call(h, post_norm, eps);
   // [gate | up] of whole panels: the product and silu * up in one op, as models/layers/mlp.py runs it
@@ -74,7 +76,7 @@ at::Tensor llama_decoder_layer(
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("llama_decoder_layer(Tensor x, Tensor input_norm, Tensor post_norm, float eps, Tensor?[] weights, "
         "int[] info, int[] heads, Tensor cos, Tensor signed_sin, Tensor(a!) kv_cache, Tensor slot_mapping, "
-        "Tensor block_table, Tensor seq_lens, Tensor query_start, float scale) -> Tensor");
+        "Tensor block_table, Tensor seq_lens, Tensor query_start, float scale, int window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {

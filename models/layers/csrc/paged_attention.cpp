@@ -9,10 +9,17 @@
 // an order fixed by p alone:
 //
 //   score    s_t = (scale q) . k_t        one 8-lane FMA chain along the head dim, the lanes summed
-//                                         by one tree (sum_lanes4), then the dim % 8 tail in order
+//                                         by one tree (sum_lanes4), then the dim % 8 tail in order;
+//                                         soft-capped (Gemma 2): cap * tanh(s_t / cap)
 //   softmax  online over key blocks [0, 128), [128, 256), ... of absolute positions: each block's
 //            max, exps (exp8) and sum (8 lanes, one tree); running max, sum and output rescaled
 //   output   acc = fma(p_t, v_t, acc) in key order, element by element; divided by the sum at the end
+//
+// A sliding window of W keys (Mistral, Gemma, as transformers' masking_utils defines it: key
+// position > p - W) narrows a row to keys p - W + 1..p: key blocks and cache blocks wholly before
+// every window of a task are never read, and within a key block the keys before a row's window
+// weigh exactly 0 (their exps are zeroed, so fma(0, v, acc) leaves acc as it was): a row's sums
+// still run in an order fixed by p and W alone.
 //
 // A task is (sequence, KV head, up to kMaxVecs query vectors: queries x the query heads of that KV
 // head); it reads each key block once for all its vectors, two vectors at a time, and one thread
@@ -34,6 +41,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -224,6 +232,8 @@ struct Attention {
   int64_t table_stride, H, G;
   Layout lay;
   float scale;
+  int64_t window;  // keys a row attends, itself included (0: all before it)
+  float softcap;   // scores become softcap * tanh(score / softcap) (0: as they are)
   scalar_t* out;
 
   // Rows of a task's keys from u on, then of the next task's from its key 0 (or none): what a decode
@@ -238,12 +248,13 @@ struct Attention {
     int64_t b = 0, o = 0, left = 0;
     const cache_t* next_base = nullptr;
     const int64_t* next_table = nullptr;
-    int64_t next_left = 0;
+    int64_t next_left = 0, next_lo = 0;  // the next task's keys: next_left from key next_lo
     // The row at the walk's position (null past the next task's keys); the walk moves one key on.
     const cache_t* step(const Layout& lay) {
       if (left == 0) {
         if (next_left == 0) return nullptr;
-        base = next_base, table = next_table, b = 0, o = 0, left = next_left, next_left = 0;
+        base = next_base, table = next_table, left = next_left, next_left = 0;
+        b = next_lo / lay.block_size, o = next_lo % lay.block_size;
       }
       const cache_t* row = base + lay.offset(table[b], o);
       if (++o == lay.block_size) o = 0, ++b;
@@ -253,18 +264,20 @@ struct Attention {
   };
   Walk walk_from(const Task& task, int64_t u, const Task* next) const {
     Walk w;
-    const int64_t keys = keys_of(task);
+    const int64_t lo = first_key(task), keys = keys_of(task) - lo;
     w.base = cache + task.head * lay.head_stride, w.table = tables + task.seq * table_stride;
     if (next != nullptr) {
       w.next_base = cache + next->head * lay.head_stride, w.next_table = tables + next->seq * table_stride;
-      w.next_left = keys_of(*next);
+      w.next_lo = first_key(*next), w.next_left = keys_of(*next) - w.next_lo;
     }
     if (u >= keys) {  // past this task's keys: from the next task's key u - keys
       u -= keys, w.left = 0;
       if (u >= w.next_left) return Walk{};
       w.base = w.next_base, w.table = w.next_table, w.left = w.next_left - u, w.next_left = 0;
+      u += w.next_lo;
     } else {
       w.left = keys - u;
+      u += lo;
     }
     w.b = u / lay.block_size, w.o = u % lay.block_size;
     return w;
@@ -274,6 +287,15 @@ struct Attention {
   int64_t keys_of(const Task& task) const {
     const int64_t q_len = query_start[task.seq + 1] - query_start[task.seq];
     return seq_lens[task.seq] - q_len + (task.first + task.count - 1) / G + 1;
+  }
+
+  // The first key a row of `len` keys attends: the start of its window (0 without one).
+  int64_t window_start(int64_t len) const { return window > 0 ? std::max<int64_t>(len - window, 0) : 0; }
+
+  // The first key a task reads: its first query's window start.
+  int64_t first_key(const Task& task) const {
+    const int64_t q_len = query_start[task.seq + 1] - query_start[task.seq];
+    return window_start(seq_lens[task.seq] - q_len + task.first / G + 1);
   }
 
   // `next`: the task this thread runs after this one (or null); `asked`: whether the previous
@@ -290,12 +312,13 @@ struct Attention {
     const cache_t* zero16 = reinterpret_cast<const cache_t*>(zero);  // zero bits: 0 in every format
     float* s = zero + Dk;                  // (R, kKeys) the rows' scores, then their exps
     float m[kMaxVecs], l[kMaxVecs];
-    int64_t len[kMaxVecs];
+    int64_t len[kMaxVecs], lo[kMaxVecs];
     for (int64_t r = 0; r < R; ++r) {
       const int64_t vec = task.first + r, j = vec / G, head = h * G + vec % G;
       const scalar_t* qr = q + (query_start[i] + j) * q_stride0 + head * q_stride1;
       for (int64_t d = 0; d < Dk; ++d) qf[r * Dk + d] = widen(qr[d]) * scale;
       len[r] = seq_lens[i] - q_len + j + 1;  // keys 0..position
+      lo[r] = window_start(len[r]);          // keys lo..position, lo growing with r as len does
     }
     std::fill(acc, acc + R * Dv, 0.f);
     const int64_t* table = tables + i * table_stride;
@@ -303,20 +326,27 @@ struct Attention {
     const cache_t* vbase = kbase + lay.v_offset;
     const float* krow[kKeys + 3];
     const float* vrow[kKeys];
-    int64_t r0 = 0;  // rows before r0 have seen all their keys: lengths grow with r
+    // Rows before r0 have seen all their keys, rows from r1 on none yet: both grow with r.
+    int64_t r0 = 0, r1 = 0;
     Walk ahead = walk_from(task, kAhead, next);
-    for (int64_t b0 = 0; b0 < len[R - 1]; b0 += kKeys) {
+    const int64_t b_first = lo[0] / kKeys * kKeys;
+    for (int64_t b0 = b_first; b0 < len[R - 1]; b0 += kKeys) {
+      while (len[r0] <= b0) ++r0;
+      if (lo[r0] >= b0 + kKeys) b0 = lo[r0] / kKeys * kKeys;  // no row's window reaches the blocks between
       const int64_t nk = std::min(kKeys, len[R - 1] - b0);
-      // Walk the block table from key b0: one division per block of keys, not per key.
+      while (r1 < R && lo[r1] < b0 + nk) ++r1;
+      // Keys before t0 lie outside every active row's window: never read. Scores go 4 keys at a
+      // time from ts, keys ts..t0-1 as zero rows.
+      const int64_t t0 = std::max<int64_t>(lo[r0] - b0, 0), ts = t0 / 4 * 4;
+      // Walk the block table from key b0 + t0: one division per block of keys, not per key.
       int64_t slots[kKeys];  // where key t's rows lie, from the head's base
-      for (int64_t t = 0, b = b0 / lay.block_size, o = b0 % lay.block_size; t < nk; ++t) {
+      for (int64_t t = t0, b = (b0 + t0) / lay.block_size, o = (b0 + t0) % lay.block_size; t < nk; ++t) {
         slots[t] = lay.offset(table[b], o);
         if (++o == lay.block_size) o = 0, ++b;
       }
-      while (len[r0] <= b0) ++r0;
-      int64_t n[kMaxVecs];  // each row's keys in this block
-      for (int64_t r = r0; r < R; ++r) n[r] = std::min(nk, len[r] - b0);
-      const bool few = R - r0 <= kFewRows;
+      int64_t n[kMaxVecs], first[kMaxVecs];  // each row's keys in this block: first..n-1
+      for (int64_t r = r0; r < r1; ++r) n[r] = std::min(nk, len[r] - b0), first[r] = std::max<int64_t>(lo[r] - b0, 0);
+      const bool few = r1 - r0 <= kFewRows;
       const bool widen = !few && !std::is_same_v<cache_t, float>;  // keys widened into kbuf first
       // A decode's rows come from memory (the layers' weights went through the cache since), and
       // read one by one their misses queue behind each other: rows are asked for ahead of use.
@@ -327,23 +357,23 @@ struct Attention {
       // 16-bit cache, 2 threads, Zen 5: 1.39 -> 1.01 ms a layer; 360M's 5 heads 300 -> 177 us.)
       // Keys widened into a buffer are all read now: those are asked for here.
       if (widen) {
-        for (int64_t t = 0; t < nk; ++t) prefetch_row<2>(kbase + slots[t], Dk);
-      } else if (b0 == 0 && !asked) {
-        for (int64_t t = 0; t < std::min(nk, kAhead); ++t) prefetch_row(kbase + slots[t], Dk);
+        for (int64_t t = t0; t < nk; ++t) prefetch_row<2>(kbase + slots[t], Dk);
+      } else if (b0 == b_first && !asked) {
+        for (int64_t t = t0; t < std::min(nk, t0 + kAhead); ++t) prefetch_row(kbase + slots[t], Dk);
       }
       // Scores, 4 keys at a time for every row that needs them (the keys stay in L1), two rows at
       // a time sharing the loads of the keys; a row left over goes alone.
       auto scores = [&](const auto* const* rows) {
-        for (int64_t t = 0; t < nk; t += 4) {
-          for (int64_t u = t; u < std::min(t + 4, nk) && !lay.values_in_keys; ++u) {
+        for (int64_t t = ts; t < nk; t += 4) {
+          for (int64_t u = std::max(t, t0); u < std::min(t + 4, nk) && !lay.values_in_keys; ++u) {
             prefetch_row(vbase + slots[u], Dv);
           }
           for (int64_t u = b0 + t + kAhead; u < b0 + t + kAhead + 4; ++u) {
             const cache_t* row = ahead.step(lay);  // key u of this task, or of the next past its end
             if (row != nullptr && !(widen && u < b0 + nk)) prefetch_row(row, Dk);  // a widened block's: above
           }
-          for (int64_t r = r0; r < R;) {
-            const int64_t together = std::min<int64_t>(kShareRows, R - r);
+          for (int64_t r = r0; r < r1;) {
+            const int64_t together = std::min<int64_t>(kShareRows, r1 - r);
             const int64_t last = r + together - 1;
             if (n[last] <= t) {
               r += together;
@@ -363,13 +393,15 @@ struct Attention {
             r += together;
           }
         }
-        for (int64_t r = r0; r < R; ++r) softmax_block(s + r * kKeys, n[r], b0, m[r], l[r], acc + r * Dv, Dv);
+        for (int64_t r = r0; r < r1; ++r) {
+          softmax_block(s + r * kKeys, ts, first[r], n[r], lo[r] >= b0, softcap, m[r], l[r], acc + r * Dv, Dv);
+        }
       };
       auto values = [&](const auto* const* rows) {
-        if (R - r0 == 1) {  // one row (a decode without GQA): its output in registers across the keys
+        if (r1 - r0 == 1) {  // one row (a decode without GQA): its output in registers across the keys
           float* acc_r = acc + r0 * Dv;
           const float* p = s + r0 * kKeys;
-          accumulate<1, kD>(&acc_r, &p, rows, 0, n[r0], Dv);
+          accumulate<1, kD>(&acc_r, &p, rows, ts, n[r0], Dv);
           return;
         }
         // Two rows at a time hold a part of their outputs in registers across the block's keys,
@@ -377,19 +409,20 @@ struct Attention {
         // each row through memory, so that a value row was read once: the stores and the loads
         // that waited on them took a third of a GQA decode's time, and the rows are in L1 or L2
         // by then, asked for above.)
-        for (int64_t r = r0; r < R;) {
-          const int64_t together = std::min<int64_t>(kShareRows, R - r);
-          float* accs[3] = {acc + r * Dv, acc + std::min(r + 1, R - 1) * Dv, acc + std::min(r + 2, R - 1) * Dv};
-          const float* ps[3] = {s + r * kKeys, s + std::min(r + 1, R - 1) * kKeys, s + std::min(r + 2, R - 1) * kKeys};
+        for (int64_t r = r0; r < r1;) {
+          const int64_t together = std::min<int64_t>(kShareRows, r1 - r);
+          float* accs[3] = {acc + r * Dv, acc + std::min(r + 1, r1 - 1) * Dv, acc + std::min(r + 2, r1 - 1) * Dv};
+          const float* ps[3] = {s + r * kKeys, s + std::min(r + 1, r1 - 1) * kKeys, s + std::min(r + 2, r1 - 1) * kKeys};
+          // Keys before a row's window weigh 0 in it: every row of a pair or triple runs from ts.
           if (together == 3) {  // n[r] <= n[r + 1] <= n[r + 2]: each row's keys in order, split at the others' ends
-            accumulate<3, kD>(accs, ps, rows, 0, n[r], Dv);
+            accumulate<3, kD>(accs, ps, rows, ts, n[r], Dv);
             accumulate<2, kD>(accs + 1, ps + 1, rows, n[r], n[r + 1], Dv);
             accumulate<1, kD>(accs + 2, ps + 2, rows, n[r + 1], n[r + 2], Dv);
           } else if (together == 2) {
-            accumulate<2, kD>(accs, ps, rows, 0, n[r], Dv);
+            accumulate<2, kD>(accs, ps, rows, ts, n[r], Dv);
             accumulate<1, kD>(accs + 1, ps + 1, rows, n[r], n[r + 1], Dv);  // n[r + 1] >= n[r]
           } else {
-            accumulate<1, kD>(accs, ps, rows, 0, n[r], Dv);
+            accumulate<1, kD>(accs, ps, rows, ts, n[r], Dv);
           }
           r += together;
         }
@@ -404,18 +437,20 @@ struct Attention {
         if (few) {
           const cache_t* krow16[kKeys + 3];
           const cache_t* vrow16[kKeys];
-          for (int64_t t = 0; t < nk; ++t) krow16[t] = kbase + slots[t];
+          for (int64_t t = ts; t < t0; ++t) krow16[t] = vrow16[t] = zero16;
+          for (int64_t t = t0; t < nk; ++t) krow16[t] = kbase + slots[t];
           for (int64_t t = nk; t < nk + 3; ++t) krow16[t] = zero16;
           scores(krow16);
-          for (int64_t t = 0; t < nk; ++t) vrow16[t] = lay.values_in_keys ? krow16[t] : vbase + slots[t];
+          for (int64_t t = t0; t < nk; ++t) vrow16[t] = lay.values_in_keys ? krow16[t] : vbase + slots[t];
           values(vrow16);
           continue;
         }
       }
-      for (int64_t t = 0; t < nk; ++t) krow[t] = row_as_float(kbase + slots[t], Dk, kbuf + t * Dk);
+      for (int64_t t = ts; t < t0; ++t) krow[t] = vrow[t] = zero;  // before every row's window: weight 0
+      for (int64_t t = t0; t < nk; ++t) krow[t] = row_as_float(kbase + slots[t], Dk, kbuf + t * Dk);
       for (int64_t t = nk; t < nk + 3; ++t) krow[t] = zero;  // the columns past the block's end
       scores(krow);
-      for (int64_t t = 0; t < nk; ++t) {
+      for (int64_t t = t0; t < nk; ++t) {
         vrow[t] = lay.values_in_keys ? krow[t] : row_as_float(vbase + slots[t], Dv, vbuf + t * Dv);
       }
       values(vrow);
@@ -428,11 +463,20 @@ struct Attention {
     }
   }
 
-  // One row's scores s[0..n) of the key block at b0 -> their exps relative to the row's new running
-  // max m, in place; the running sum l and the output acc so far rescaled to that max.
-  static void softmax_block(float* s, int64_t n, int64_t b0, float& m, float& l, float* acc, int64_t Dv) {
-    f32x8 most = splat(s[0]);  // a max is exact in any order
-    int64_t t8 = 0;
+  // One row's scores s[first..n) of a key block -> their exps relative to the row's new running max
+  // m, in place, and 0 from ts to first (keys before its window that its task reads); the running
+  // sum l and the output acc so far rescaled to that max. `fresh`: the row's first block.
+  static void softmax_block(float* s, int64_t ts, int64_t first, int64_t n, bool fresh, float softcap, float& m,
+                            float& l, float* acc, int64_t Dv) {
+    if (softcap > 0.f) {
+      for (int64_t t = first; t < n; ++t) s[t] = softcap * std::tanh(s[t] / softcap);
+    }
+    // The lanes of the sums start at a multiple of 8 from the block's start, so that where they
+    // fall depends on the row's window alone, not on the rows it shares a task with.
+    const int64_t from = first / 8 * 8;
+    std::fill(s + std::min(ts, from), s + from, 0.f);
+    f32x8 most = splat(s[first]);  // a max is exact in any order
+    int64_t t8 = first;
     for (; t8 + 8 <= n; t8 += 8) {
       const f32x8 x = load8(s + t8);
       most = x > most ? x : most;
@@ -440,17 +484,18 @@ struct Attention {
     float block_max = most[0];
     for (int i = 1; i < 8; ++i) block_max = std::max(block_max, most[i]);
     for (; t8 < n; ++t8) block_max = std::max(block_max, s[t8]);
-    const float m_new = b0 == 0 ? block_max : std::max(m, block_max);
+    const float m_new = fresh ? block_max : std::max(m, block_max);
     const f32x8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
     f32x8 sum{};
-    for (int64_t t = 0; t < n; t += 8) {
+    for (int64_t t = from; t < n; t += 8) {
       f32x8 e = exp8(load8(s + t) - splat(m_new));
-      e = lane + splat(static_cast<float>(t)) < splat(static_cast<float>(n)) ? e : splat(0.f);
+      const f32x8 at = lane + splat(static_cast<float>(t));
+      e = at < splat(static_cast<float>(n)) && at >= splat(static_cast<float>(first)) ? e : splat(0.f);
       store8(s + t, e);
       sum += e;
     }
     const float block_sum = sum_lanes4(sum, f32x8{}, f32x8{}, f32x8{})[0];
-    if (b0 == 0) {
+    if (fresh) {
       l = block_sum;
     } else {
       const float alpha = exp8(splat(m - m_new))[0];
@@ -517,7 +562,7 @@ void run_tasks(const Kernel& kernel, int64_t n, int64_t Hk) {
         const int64_t step = piece_of(run, pieces);
         for (int64_t at = 0; at < run; at += step) {
           Task task{i, h, first + at, std::min(step, run - at), 0};
-          task.cost = task.count * kernel.keys_of(task);
+          task.cost = task.count * (kernel.keys_of(task) - kernel.first_key(task));
           tasks.push_back(task);
           total += task.cost;
         }
@@ -550,7 +595,8 @@ void run_tasks(const Kernel& kernel, int64_t n, int64_t Hk) {
 
 template <typename scalar_t, typename cache_t>
 void dispatch(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& tables, const at::Tensor& seq_lens,
-              const at::Tensor& query_start, at::Tensor& out, const Layout& lay, int64_t Hk, double scale) {
+              const at::Tensor& query_start, at::Tensor& out, const Layout& lay, int64_t Hk, double scale,
+              int64_t window, double softcap) {
   auto run = [&](auto kernel) {
     kernel.q = q.data_ptr<scalar_t>();
     kernel.q_stride0 = q.stride(0), kernel.q_stride1 = q.stride(1);
@@ -559,6 +605,7 @@ void dispatch(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor&
     kernel.seq_lens = seq_lens.data_ptr<int64_t>(), kernel.query_start = query_start.data_ptr<int64_t>();
     kernel.H = q.size(1), kernel.G = q.size(1) / Hk;
     kernel.lay = lay, kernel.scale = static_cast<float>(scale);
+    kernel.window = window, kernel.softcap = static_cast<float>(softcap);
     kernel.out = out.data_ptr<scalar_t>();
     run_tasks(kernel, seq_lens.numel(), Hk);
   };
@@ -576,10 +623,12 @@ void dispatch(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor&
 // (num_blocks, block_size, E) with value_dim <= E, in q's dtype or 16-bit under float32 q;
 // block_table (n, >= blocks used) int64; seq_lens (n,) int64; query_start (n + 1,) int64: the
 // queries of sequence i are rows query_start[i]..query_start[i+1]-1 of q, the last of its tokens.
-// Returns (T, H, Dv) in q's dtype.
+// window > 0: a query at position p attends keys p - window + 1..p only; softcap > 0: scores
+// are soft-capped before the softmax. Returns (T, H, Dv) in q's dtype.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
                            const at::Tensor& seq_lens, const at::Tensor& query_start, double scale,
-                           int64_t value_dim) {
+                           int64_t value_dim, int64_t window, double softcap) {
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: none)");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be (T, H, D) with unit stride along D");
   TORCH_CHECK(kv_cache.is_contiguous() && (kv_cache.dim() == 5 || kv_cache.dim() == 3), "bad kv_cache");
   const bool mixed = q.scalar_type() == at::kFloat &&
@@ -623,15 +672,15 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
   auto out = at::empty({T, H, lay.Dv}, q.options());
   if (T == 0) return out;
   if (mixed && kv_cache.scalar_type() == at::kHalf) {
-    dispatch<float, c10::Half>(q, kv_cache, tables, lens, starts, out, lay, Hk, scale);
+    dispatch<float, c10::Half>(q, kv_cache, tables, lens, starts, out, lay, Hk, scale, window, softcap);
   } else if (mixed) {
-    dispatch<float, c10::BFloat16>(q, kv_cache, tables, lens, starts, out, lay, Hk, scale);
+    dispatch<float, c10::BFloat16>(q, kv_cache, tables, lens, starts, out, lay, Hk, scale, window, softcap);
   } else if (q.scalar_type() == at::kFloat) {
-    dispatch<float, float>(q, kv_cache, tables, lens, starts, out, lay, Hk, scale);
+    dispatch<float, float>(q, kv_cache, tables, lens, starts, out, lay, Hk, scale, window, softcap);
   } else if (q.scalar_type() == at::kBFloat16) {
-    dispatch<c10::BFloat16, c10::BFloat16>(q, kv_cache, tables, lens, starts, out, lay, Hk, scale);
+    dispatch<c10::BFloat16, c10::BFloat16>(q, kv_cache, tables, lens, starts, out, lay, Hk, scale, window, softcap);
   } else if (q.scalar_type() == at::kHalf) {
-    dispatch<c10::Half, c10::Half>(q, kv_cache, tables, lens, starts, out, lay, Hk, scale);
+    dispatch<c10::Half, c10::Half>(q, kv_cache, tables, lens, starts, out, lay, Hk, scale, window, softcap);
   } else {
     TORCH_CHECK(false, "paged_attention takes float32, bfloat16 or float16");
   }
@@ -642,7 +691,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
 
 TORCH_LIBRARY(pagedserve, m) {
   m.def("paged_attention(Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, Tensor query_start, "
-        "float scale, int value_dim) -> Tensor");
+        "float scale, int value_dim, int window=0, float softcap=0.) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) { m.impl("paged_attention", &paged_attention); }
