@@ -121,11 +121,15 @@ class DecoderModel(nn.Module):
 class CausalLM(nn.Module):
     model: DecoderModel
     lm_head: Linear | None
+    model_class: type[DecoderModel] = DecoderModel  # a family whose stack differs (Gemma) sets its own
+    # Whether every sliding-window layer attends within its window (models/config.py then serves
+    # past the window; otherwise max_model_len is capped to it).
+    serves_sliding_window: bool = False
 
     def __init__(self, hf_config, rotary_emb: RotaryEmbedding, make_layer: Callable[[int], DecoderLayer]):
         super().__init__()
         self.hf_config = hf_config
-        self.model = DecoderModel(hf_config, rotary_emb, make_layer)
+        self.model = self.model_class(hf_config, rotary_emb, make_layer)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         # Tied: logits reuse the embedding's storage; a second Parameter sharing it would
         # come apart when the loader moves the model off the meta device.

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from models.registry import MODEL_REGISTRY
+from models.registry import MODEL_REGISTRY, get_model_class
 
 logger = logging.getLogger(__name__)
 
@@ -135,12 +135,34 @@ def sliding_window(hf_config: PretrainedConfig) -> int | None:
     return int(window)
 
 
-def resolve_max_model_len(hf_config: PretrainedConfig, requested: int | None) -> int:
-    """Default: max_position_embeddings.  Longer only with RoPE scaling, and never past a sliding window.
+def layer_windows(hf_config: PretrainedConfig) -> list[int | None]:
+    """Each layer's attention window as transformers applies it (None: full causal attention):
+    Mistral's `sliding_window` on every layer; Qwen2/3's and Gemma's on the layers that
+    `layer_types` marks "sliding_attention" (Qwen2/3: only with use_sliding_window)."""
+    window = sliding_window(hf_config)
+    num_layers = hf_config.num_hidden_layers
+    layer_types = getattr(hf_config, "layer_types", None)
+    if window is None:
+        return [None] * num_layers
+    if layer_types is None or hf_config.model_type == "mistral":  # transformers' Mistral ignores layer_types
+        return [window] * num_layers
+    return [window if kind == "sliding_attention" else None for kind in layer_types]
 
-    Paged attention here is full causal attention.  Up to the window length that is
-    exactly what a sliding-window model computes, so instead of silently attending
-    too far we serve at most `sliding_window` tokens per sequence.
+
+def _rope_types(hf_config: PretrainedConfig) -> set[str]:
+    """The rope_type of every layer type (transformers 5 nests rope_parameters by layer type for Gemma 3)."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    nested = [p for p in params.values() if isinstance(p, dict)]
+    return {p.get("rope_type", "default") for p in nested or [params]}
+
+
+def resolve_max_model_len(hf_config: PretrainedConfig, requested: int | None, serves_windows: bool = False) -> int:
+    """Default: max_position_embeddings.  Longer only with RoPE scaling, and past a sliding window
+    only where the model class attends within it (`serves_windows`).
+
+    A class without windows in its attention computes full causal attention.  Up to the window
+    length that is exactly what a sliding-window model computes, so instead of silently attending
+    too far it serves at most `sliding_window` tokens per sequence.
     """
     trained = getattr(hf_config, "max_position_embeddings", None)
     if requested is not None and requested < 1:
@@ -149,14 +171,14 @@ def resolve_max_model_len(hf_config: PretrainedConfig, requested: int | None) ->
         raise ValueError("config has no max_position_embeddings; pass max_model_len")
     max_len = requested if requested is not None else trained
     if trained is not None and max_len > trained:
-        rope_type = (getattr(hf_config, "rope_parameters", None) or {}).get("rope_type", "default")
+        rope_type = ", ".join(sorted(_rope_types(hf_config) - {"default"})) or "default"
         if rope_type == "default":
             raise ValueError(
                 f"max_model_len {max_len} > max_position_embeddings {trained} and the config has no RoPE scaling"
             )
         logger.warning("max_model_len %d exceeds max_position_embeddings %d (rope_type %s)", max_len, trained, rope_type)
     window = sliding_window(hf_config)
-    if window is not None and window < max_len:
+    if window is not None and window < max_len and not serves_windows:
         logger.warning(
             "sliding_window %d < max_model_len %d: capping max_model_len to %d (attention here is full, "
             "which equals sliding-window attention only up to the window)", window, max_len, window
@@ -180,7 +202,9 @@ def build_model_config(
         hf_config=hf_config,
         architecture=architecture,
         dtype=resolve_dtype(dtype, device),
-        max_model_len=resolve_max_model_len(hf_config, max_model_len),
+        max_model_len=resolve_max_model_len(
+            hf_config, max_model_len, getattr(get_model_class(architecture), "serves_sliding_window", False)
+        ),
         vocab_size=int(hf_config.vocab_size),
         eos_token_ids=tuple(eos_token_ids),
         path=str(path),

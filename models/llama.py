@@ -5,7 +5,7 @@ One class serves all four; their differences are a few config switches:
     Qwen2   q/k/v projections carry a bias (o_proj does not)
     Qwen3   RMSNorm over each q and k head before RoPE; explicit head_dim
     Llama   `attention_bias` / `mlp_bias` flags; RoPE scaling via rope_parameters
-    Mistral sliding window: ModelConfig caps max_model_len to it (see models/config.py)
+    Mistral sliding window on every layer (Qwen2/3: on the layers `layer_types` marks), in paged attention
 
 Parameter names follow the HF checkpoints, except q/k/v -> `qkv_proj` and
 gate/up -> `gate_up_proj`, each one matmul (see models/layers/linear.py).
@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from models.causal_lm import CausalLM, DecoderLayer
+from models.config import layer_windows
 from models.layers import cpu_kernels
 from models.layers import parallel as tp_state
 from models.layers.attention import AttentionMetadata, kernel_serves, paged_attention
@@ -33,10 +34,12 @@ def _head_dim(config) -> int:
 class LlamaAttention(nn.Module):
     """Tensor parallel (models/layers/parallel.py): a rank holds num_heads / N query heads and
     their KV heads (replicated when N exceeds them), q/k/v column-parallel, o_proj row-parallel;
-    num_heads and num_kv_heads are then this rank's."""
+    num_heads and num_kv_heads are then this rank's. window: the layer's sliding window (None: full)."""
 
-    def __init__(self, config, rotary_emb: RotaryEmbedding):
+    def __init__(self, config, rotary_emb: RotaryEmbedding, window: int | None = None):
         super().__init__()
+        self.window = window
+        self.softcap: float | None = None  # scores soft-capped before the softmax (Gemma 2)
         num_heads = config.num_attention_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         if num_heads % num_kv_heads:
@@ -90,15 +93,16 @@ class LlamaAttention(nn.Module):
             qk = qkv[:, : H + Hk]
         # q and k heads are adjacent in the qkv output: rotate them in one pass.
         qk = self.rotary_emb.rotate(qk, *rope)  # (num_tokens, H + Hk, head_dim)
-        out = paged_attention(qk[:, :H], qk[:, H:], qkv[:, H + Hk :], kv_cache, attn_metadata, self.scale)
+        out = paged_attention(qk[:, :H], qk[:, H:], qkv[:, H + Hk :], kv_cache, attn_metadata, self.scale,
+                              window=self.window, softcap=self.softcap)
         return self.o_proj(out.reshape(num_tokens, H * self.head_dim), kernels)  # (num_tokens, H * head_dim)
 
 
 class LlamaDecoderLayer(DecoderLayer):
-    def __init__(self, config, rotary_emb: RotaryEmbedding):
+    def __init__(self, config, rotary_emb: RotaryEmbedding, window: int | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, rotary_emb)
+        self.self_attn = LlamaAttention(config, rotary_emb, window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         mlp_bias = bool(getattr(config, "mlp_bias", False))
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, bias=mlp_bias)
@@ -109,10 +113,10 @@ class LlamaDecoderLayer(DecoderLayer):
                     attn_metadata: AttentionMetadata) -> torch.Tensor:
         # The same kernels in the same order as the modules below, in one call: bit-identical
         # results without ~14 ops' worth of Python and dispatch (csrc/decoder_layer.cpp).
-        layer, scale = args
+        layer, scale, window = args
         meta = attn_metadata
         return cpu_kernels.llama_decoder_layer(x, *layer, *rope, kv_cache, meta.slot_mapping, meta.block_table,
-                                               meta.seq_lens, meta.query_start, scale)
+                                               meta.seq_lens, meta.query_start, scale, window)
 
     def one_op_args(self, x: torch.Tensor, kv_cache: torch.Tensor) -> tuple | None:
         """The arguments of csrc/decoder_layer.cpp that do not change from step to step (norm weights,
@@ -137,7 +141,7 @@ class LlamaDecoderLayer(DecoderLayer):
         norm = self.input_layernorm
         layer = (norm.weight, self.post_attention_layernorm.weight, norm.eps, weights, info,
                  (attn.num_heads, attn.num_kv_heads, attn.head_dim))
-        return layer, attn.scale
+        return layer, attn.scale, attn.window
 
     def _weights_for_one_op(self) -> tuple | None:
         attn, mlp = self.self_attn, self.mlp
@@ -159,6 +163,10 @@ class LlamaDecoderLayer(DecoderLayer):
 
 
 class LlamaForCausalLM(CausalLM):
+    serves_sliding_window = True  # every sliding layer attends within its window: no cap on max_model_len
+
     def __init__(self, hf_config, max_model_len: int):
         rotary_emb = RotaryEmbedding(hf_config, max_model_len)
-        super().__init__(hf_config, rotary_emb, lambda layer_idx: LlamaDecoderLayer(hf_config, rotary_emb))
+        windows = layer_windows(hf_config)
+        super().__init__(hf_config, rotary_emb, lambda layer_idx: LlamaDecoderLayer(hf_config, rotary_emb,
+                                                                                     windows[layer_idx]))

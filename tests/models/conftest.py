@@ -33,6 +33,8 @@ _ARCHS = {  # short name -> (config class, model class) in transformers
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
 }
 TINY = dict(
     hidden_size=64,

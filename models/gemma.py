@@ -1,0 +1,139 @@
+"""Gemma 2 and Gemma 3 (text) decoders over a paged KV cache.
+
+Built from Llama's attention (models/llama.py) and the shared layers; what differs, all read
+from the HF config:
+
+    embeddings   scaled by sqrt(hidden_size), the scale rounded to the activation dtype
+    norms        GemmaRMSNorm: x / rms(x) * (1 + w) in float32; four a layer (before and
+                 after attention, before and after the MLP)
+    MLP          gated, `hidden_activation` (gelu_pytorch_tanh)
+    attention    scale query_pre_attn_scalar ** -0.5; sliding-window layers interleaved with
+                 global ones (`layer_types`, `sliding_window`); Gemma 2 soft-caps the scores
+                 (`attn_logit_softcapping`); Gemma 3 RMS-norms each q and k head
+    RoPE         Gemma 3: `rope_parameters` per layer type (local layers their own base,
+                 scaling on global layers only), one cos/sin table per type
+    logits       soft-capped (`final_logit_softcapping`)
+
+Parameter names follow the HF checkpoints (norm weights as stored: zero-centred), except
+q/k/v -> `qkv_proj` and gate/up -> `gate_up_proj`, each one matmul (see models/layers/linear.py).
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from models.causal_lm import CausalLM, DecoderLayer, DecoderModel
+from models.config import layer_windows
+from models.layers.attention import AttentionMetadata
+from models.layers.mlp import GatedMLP
+from models.layers.norm import GemmaRMSNorm
+from models.layers.rope import RotaryEmbedding
+from models.layers.step_kernels import DEFAULT_KERNELS, StepKernels
+from models.llama import LlamaAttention
+
+
+class GemmaAttention(LlamaAttention):
+    """Llama's attention with Gemma's scale, score soft-capping and (Gemma 3) q/k norms."""
+
+    def __init__(self, config, rotary_emb: RotaryEmbedding, window: int | None, qk_norm: bool):
+        super().__init__(config, rotary_emb, window)
+        self.scale = config.query_pre_attn_scalar**-0.5
+        self.softcap = getattr(config, "attn_logit_softcapping", None) or None
+        self.qk_norm = qk_norm
+        if qk_norm:
+            self.q_norm = GemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = GemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+
+class GemmaDecoderLayer(DecoderLayer):
+    """x += post_norm(attn(norm(x))); x += post_ff_norm(mlp(pre_ff_norm(x)))."""
+
+    def __init__(self, config, layer_idx: int, rotary_embs: nn.ModuleDict, window: int | None, qk_norm: bool):
+        super().__init__()
+        self.layer_type = config.layer_types[layer_idx]  # which RoPE table this layer reads
+        size, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(size, eps)
+        self.self_attn = GemmaAttention(config, rotary_embs[self.layer_type], window, qk_norm)
+        self.post_attention_layernorm = GemmaRMSNorm(size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(size, eps)
+        act = getattr(config, "hidden_activation", None) or config.hidden_act
+        self.mlp = GatedMLP(size, config.intermediate_size, act)
+
+    def forward(
+        self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        h = self.self_attn(rope, self.input_layernorm(x), kv_cache, attn_metadata)
+        x = x + self.post_attention_layernorm(h)
+        h = self.mlp(self.pre_feedforward_layernorm(x), attn_metadata.kernels)
+        return x + self.post_feedforward_layernorm(h)
+
+
+class GemmaModel(DecoderModel):
+    """The stack with a scaled embedding, Gemma's final norm and a RoPE table per layer type
+    (`rotary_emb` is a ModuleDict layer type -> RotaryEmbedding)."""
+
+    def __init__(self, hf_config, rotary_emb: nn.ModuleDict, make_layer):
+        super().__init__(hf_config, rotary_emb, make_layer)
+        self.norm = GemmaRMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
+        self.normalizer = hf_config.hidden_size**0.5
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # (num_tokens, hidden_size)
+        # transformers keeps the scale as a float32 tensor and casts it to the weights' dtype.
+        x = x * torch.tensor(self.normalizer, dtype=torch.float32).to(x.dtype)
+        ropes = {kind: emb.cos_sin(positions, x.dtype) for kind, emb in self.rotary_emb.items()}
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(ropes[layer.layer_type], x, kv_cache, attn_metadata)
+        return self.norm(x)
+
+
+def _rope_config(hf_config, layer_type: str):
+    """hf_config as RotaryEmbedding reads it for one layer type: Gemma 3's rope_parameters are
+    nested by layer type in transformers 5; a shallow copy carries that type's entry alone."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    if not isinstance(params.get(layer_type), dict):
+        return hf_config  # one set for every layer (Gemma 2)
+    flat = copy.copy(hf_config)
+    flat.rope_parameters = dict(params[layer_type])
+    return flat
+
+
+class GemmaForCausalLM(CausalLM):
+    model_class = GemmaModel
+    serves_sliding_window = True
+    qk_norm = False  # Gemma 3 norms q and k per head
+
+    def __init__(self, hf_config, max_model_len: int):
+        if getattr(hf_config, "use_bidirectional_attention", False):
+            raise ValueError("use_bidirectional_attention (Gemma embedding models) is not supported")
+        layer_types = list(hf_config.layer_types)
+        rotary_embs = nn.ModuleDict(
+            {kind: RotaryEmbedding(_rope_config(hf_config, kind), max_model_len) for kind in sorted(set(layer_types))}
+        )
+        windows = layer_windows(hf_config)
+        super().__init__(hf_config, rotary_embs, lambda i: GemmaDecoderLayer(hf_config, i, rotary_embs, windows[i],
+                                                                              self.qk_norm))
+        self.final_softcap = getattr(hf_config, "final_logit_softcapping", None) or None
+
+    def compute_logits(self, hidden: torch.Tensor, kernels: StepKernels = DEFAULT_KERNELS) -> torch.Tensor:
+        logits = super().compute_logits(hidden, kernels)  # (num_rows, vocab_size) float32
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
+
+
+class Gemma2ForCausalLM(GemmaForCausalLM):
+    """HF model_type gemma2: score soft-capping, alternating local / global layers."""
+
+
+class Gemma3ForCausalLM(GemmaForCausalLM):
+    """HF model_type gemma3_text: q/k norms, local RoPE base, rope scaling on global layers."""
+
+    qk_norm = True
