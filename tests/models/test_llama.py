@@ -128,15 +128,21 @@ def test_old_rope_scaling_spelling_loads_the_same(cases, tmp_path):
         check(logits, ref)
 
 
-def test_sliding_window_caps_max_model_len_and_matches_within_window(make_checkpoint, caplog):
+def test_sliding_window_is_served_past_the_window_and_capped_where_not(make_checkpoint, caplog):
+    """LlamaForCausalLM attends within Mistral's window: max_model_len stays max_position_embeddings.
+    A class without windows in its attention is capped to the window (full attention equals it up to there)."""
+    from models.config import resolve_max_model_len
+
     path, hf_model = make_checkpoint("mistral", sliding_window=16)
     with caplog.at_level(logging.WARNING, logger="models.config"):
         loaded = load_model(str(path), dtype="float32")
-    assert loaded.config.max_model_len == 16
+    assert loaded.config.max_model_len == 128 and "sliding_window" not in caplog.text
+    with caplog.at_level(logging.WARNING, logger="models.config"):
+        assert resolve_max_model_len(hf_model.config, None, serves_windows=False) == 16
     assert "sliding_window 16" in caplog.text
-    prompts = [[5, 6, 7], list(range(10, 26))]  # the longest fills the window exactly
-    caches = loaded.model.kv_cache_spec(torch.float32).allocate(8, 4, "cpu")
-    tables = [[3, 0], [6, 1, 7, 2]]
+    prompts = [[5, 6, 7], list(range(10, 40))]  # the longest is past the window
+    caches = loaded.model.kv_cache_spec(torch.float32).allocate(12, 4, "cpu")
+    tables = [[3, 0], [6, 1, 7, 2, 11, 4, 9, 8]]
     out = paged_forward(loaded.model, caches, [(0, 0, prompts[0]), (1, 0, prompts[1])], tables, 4)
     with torch.no_grad():
         for logits, p in zip(out, prompts):
