@@ -57,10 +57,12 @@ def test_smollm2_layers_as_one_op_give_the_same_bits(monkeypatch, kv_dtype):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("arch,quantization", [("qwen2", "int4"), ("llama", "int8")])
-def test_tiny_layers_as_one_op_give_the_same_bits(monkeypatch, make_checkpoint, arch, quantization):
-    """Qwen2's q/k/v biases, GQA, int8 per-channel and int4 groups."""
-    path, hf_model = make_checkpoint(arch)
+@pytest.mark.parametrize("arch,quantization,overrides", [
+    ("qwen2", "int4", {}), ("llama", "int8", {}), ("mistral", "int8", {"sliding_window": 8}),
+])
+def test_tiny_layers_as_one_op_give_the_same_bits(monkeypatch, make_checkpoint, arch, quantization, overrides):
+    """Qwen2's q/k/v biases, GQA, int8 per-channel and int4 groups; Mistral's sliding window."""
+    path, hf_model = make_checkpoint(arch, **overrides)
     loaded = load_model(str(path), dtype="float32", quantization=quantization)
     calls = one_op_calls(monkeypatch)
     fused = three_steps(loaded.model, torch.float32, hf_model.config.vocab_size)

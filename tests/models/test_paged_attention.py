@@ -180,3 +180,30 @@ def test_sliding_window_and_softcap_match_dense(block_size, window, softcap):
             ref = windowed_reference(s["q"][start : start + n], s["k"][: start + n], s["v"][: start + n], scale,
                                      window, softcap)
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window,softcap", [(8, None), (130, 0.7)])
+def test_windowed_rows_do_not_depend_on_their_step(decode_path, window, softcap):
+    """On the kernel, a token's output within its window is the same bits whether its sequence is
+    prefilled at once, in chunks beside other sequences, or decoded token by token."""
+    if decode_path != "cpu-kernel":
+        pytest.skip("the eager paths are not row-invariant")
+    block_size, num_kv_heads, length = 16, 2, 300
+    seqs = make_seqs([length, 200], 6, num_kv_heads, seed=11)
+    tables, num_blocks = shuffled_block_tables([length, 200], block_size, seed=5)
+    outputs = []
+    for schedule in ([length], [37, 1, 1, 100, 161], [1] * 20 + [280]):
+        cache = KVCacheSpec(1, (2, num_kv_heads, HEAD_DIM), torch.float32).allocate(num_blocks, block_size, "cpu")[0]
+        done, parts = 0, []
+        for n in schedule:
+            other = min(done, 199)  # a neighbour sequence in the same step
+            chunks = [(1, other, 1), (0, done, n)]
+            meta = AttentionMetadata.build([1, n], [other + 1, done + n], [tables[1], tables[0]], block_size)
+            q = torch.cat([seqs[i]["q"][s : s + m] for i, s, m in chunks])
+            k = torch.cat([seqs[i]["k"][s : s + m] for i, s, m in chunks])
+            v = torch.cat([seqs[i]["v"][s : s + m] for i, s, m in chunks])
+            parts.append(paged_attention(q, k, v, cache, meta, 1.3, window=window, softcap=softcap)[1:])
+            done += n
+        outputs.append(torch.cat(parts))
+    for other in outputs[1:]:
+        assert torch.equal(other, outputs[0])
