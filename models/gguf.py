@@ -1,22 +1,28 @@
-"""Read a llama.cpp GGUF file as an HF Llama checkpoint: config, weights, tokenizer.
+"""Read a llama.cpp GGUF file as an HF checkpoint: config, weights, tokenizer.
 
-Parsing and dequantization are the `gguf` package's (GGUFReader, quants.dequantize);
-this module only translates: llama.cpp metadata keys -> a transformers LlamaConfig,
-llama.cpp tensor names -> HF names, and llama.cpp's Q/K row order -> HF's.
+Everything that names things comes from the two projects' own tables, not from ours:
 
-Weights are dequantized one tensor at a time as the loader iterates, so the float
-model is never held twice. The tokenizer comes from transformers' GGUF support;
-converting it takes seconds, so the result is saved under the cache directory,
-keyed by the file's path, size and mtime, and later loads read the saved copy.
+    metadata -> config     transformers' GGUF_CONFIG_MAPPING (`{arch}.*` keys -> config fields),
+                           then transformers' config class for the architecture
+    tensor names           gguf-py's TensorNameMap over the state-dict names of transformers'
+                           model for that config (transformers' `get_gguf_hf_weights_map`)
+    per-tensor fixes       transformers' TensorProcessor for the architecture (llama's Q/K row
+                           order, Gemma's norm offset), applied to the stored tensor
+    parsing, dequantizing  gguf-py (GGUFReader, quants.dequantize)
+
+An architecture is served when transformers reads its metadata and our registry has its
+model class. Weights are read one tensor at a time as the loader iterates, so the float
+model is never held twice. The tokenizer comes from transformers' GGUF support; converting
+it takes seconds, so the result is saved under the cache directory, keyed by the metadata.
 """
 from __future__ import annotations
 
 import hashlib
 import os
-import re
 import shutil
 import tempfile
 from collections.abc import Iterator
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -25,29 +31,21 @@ import transformers
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import Q4_K, dequantize
-from transformers import AutoTokenizer, LlamaConfig, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
+from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from models.layers.quantization import QuantizedWeight, pack_int4
+from models.registry import MODEL_REGISTRY
 
-# GGUF `general.architecture` -> HF architecture name of the model class that reads it.
-SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
+# GGUF `general.architecture` -> the key of transformers' GGUF_CONFIG_MAPPING, and -> the
+# transformers model_type, where they differ (transformers' load_gguf_checkpoint renames the same).
+_CONFIG_KEYS = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+_MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}
+# Tensors that carry metadata rather than weights; read into the config.
+_ROPE_FREQS = "rope_freqs.weight"
 
-_GLOBAL_TENSORS = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_TENSORS = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
 # GGUF types kept as stored (models/layers/quantization.py): -> (bits, group size, scale dtype).
 # Q4_0/Q4_1/Q8_0 keep their fp16 factors; Q4_K's d * sc products need float32 to stay exact.
 EXACT_FORMATS = {
@@ -57,28 +55,44 @@ EXACT_FORMATS = {
     GGMLQuantizationType.Q8_0: (8, 32, torch.float16),
 }
 _DENSE_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
-_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _REQUIRED = object()  # _field default: the key must be present
 
 
 class GGUFError(ValueError):
-    """A GGUF file this reader cannot turn into an HF Llama checkpoint."""
+    """A GGUF file this reader cannot turn into a checkpoint we serve."""
+
+
+@cache
+def supported_architectures() -> dict[str, str]:
+    """GGUF architecture -> HF architecture name, for every architecture whose metadata
+    transformers reads and whose model class our registry has."""
+    supported = {}
+    for config_key in GGUF_CONFIG_MAPPING:
+        arch = next((a for a, k in _CONFIG_KEYS.items() if k == config_key), config_key)
+        hf_architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(_MODEL_TYPES.get(arch, arch))
+        if hf_architecture in MODEL_REGISTRY:
+            supported[arch] = hf_architecture
+    return supported
+
+
+def check_architecture(path: str | os.PathLike) -> str:
+    """The file's GGUF architecture if we serve it; GGUFError (one line naming the file, the
+    architecture and what is supported) otherwise. Reads the header only: cheap."""
+    reader = _open(Path(path))
+    return _architecture(reader, Path(path))
 
 
 def load_gguf(
     path: str | os.PathLike, cache: Path | None = None, keep_quantized: bool = False
-) -> tuple[LlamaConfig, GGUFWeights, PreTrainedTokenizerBase, tuple[int, ...]]:
-    """-> (hf_config, weights, tokenizer, eos_token_ids) for a llama-architecture GGUF.
+) -> tuple[PretrainedConfig, GGUFWeights, PreTrainedTokenizerBase, tuple[int, ...]]:
+    """-> (hf_config, weights, tokenizer, eos_token_ids) for a GGUF file of an architecture we serve.
 
     `weights` is re-iterable and yields (HF name, float32 or float16 tensor) one tensor at
     a time; with `keep_quantized`, tensors of an EXACT_FORMATS type come as QuantizedWeight
     instead. `cache` is where the converted tokenizer is kept (default: models.fetch.cache_dir()).
     """
     path = Path(path)
-    try:
-        reader = GGUFReader(path)
-    except ValueError as exc:  # the package's messages ("GGUF magic invalid") name no file
-        raise GGUFError(f"{path}: not a readable GGUF file: {exc}") from exc
+    reader = _open(path)
     config = read_config(reader, path)
     weights = GGUFWeights(reader, config, path, keep_quantized)
     tokenizer = load_tokenizer(path, cache, reader)
@@ -88,67 +102,99 @@ def load_gguf(
     return config, weights, tokenizer, eos_token_ids(reader)
 
 
-def read_config(reader: GGUFReader, path: Path) -> LlamaConfig:
-    """Build the HF config from `{arch}.*` metadata, the token list and the tensor names."""
+def _open(path: Path) -> GGUFReader:
+    try:
+        return GGUFReader(path)
+    except (ValueError, OSError) as exc:  # the package's messages ("GGUF magic invalid") name no file
+        raise GGUFError(f"{path}: not a readable GGUF file: {exc}") from exc
+
+
+def _architecture(reader: GGUFReader, path: Path) -> str:
     arch = _field(reader, "general.architecture", None)
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch not in supported_architectures():
         raise GGUFError(f"{path}: GGUF architecture {arch!r} is not supported "
-                        f"(supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})")
+                        f"(supported: {', '.join(sorted(supported_architectures()))})")
+    return arch
+
+
+def read_config(reader: GGUFReader, path: Path) -> PretrainedConfig:
+    """The HF config: `{arch}.*` metadata through transformers' map into its config class, plus what
+    that map leaves out (head_dim, rotary dim, RoPE scaling, biases, tied embeddings, special ids)."""
+    arch = _architecture(reader, path)
+    model_type = _MODEL_TYPES.get(arch, arch)
+    config_key = _CONFIG_KEYS.get(arch, arch)
 
     def meta(key, default=_REQUIRED):
         return _field(reader, f"{arch}.{key}", default, path)
 
-    hidden_size = int(meta("embedding_length"))
-    num_heads = int(meta("attention.head_count"))
-    head_dim = int(meta("attention.key_length", hidden_size // num_heads))
-    rotary_dim = meta("rope.dimension_count", None)
-    if rotary_dim is not None and int(rotary_dim) != head_dim:
-        raise GGUFError(f"{path}: partial rotary embeddings (rope.dimension_count={rotary_dim}, "
-                        f"head_dim={head_dim}) are not supported for llama")
+    params = dict(GGUF_CONFIG_DEFAULTS_MAPPING.get(config_key, {}))
+    mapping = GGUF_CONFIG_MAPPING[config_key]
+    for key in reader.fields:
+        if key.startswith(f"{arch}.") and mapping.get(key[len(arch) + 1:]) not in (None, -1):
+            params[mapping[key[len(arch) + 1:]]] = _field(reader, key)
+    for key in ("embedding_length", "block_count", "attention.head_count"):
+        meta(key)  # required: a clear error rather than a config class default
 
-    tensor_names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in tensor_names:
-        # Llama 3.1-style scaling is stored as per-frequency factors, not as HF's rope parameters.
-        raise GGUFError(f"{path}: rope_freqs.weight (llama3 rope scaling factors) is not supported")
+    hidden_size, num_heads = int(meta("embedding_length")), int(meta("attention.head_count"))
+    head_dim = int(meta("attention.key_length", hidden_size // num_heads))
+    params["head_dim"] = head_dim
+    if isinstance(params.get("num_key_value_heads"), list):  # per-layer counts: one value or refuse
+        counts = set(params["num_key_value_heads"])
+        if len(counts) != 1:
+            raise GGUFError(f"{path}: per-layer KV head counts {sorted(counts)} are not supported")
+        params["num_key_value_heads"] = counts.pop()
+    rotary_dim = int(meta("rope.dimension_count", head_dim))
+
+    tensors = {t.name: t for t in reader.tensors}
     vocab_size = len(_field(reader, "tokenizer.ggml.tokens", _REQUIRED, path))
-    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    embed = tensors.get("token_embd.weight")
     if embed is None:
         raise GGUFError(f"{path}: no token_embd.weight tensor")
     if int(embed.shape[1]) != vocab_size:  # GGUF shapes are reversed: ne = (hidden, vocab)
         raise GGUFError(f"{path}: {vocab_size} tokens but token_embd.weight has {int(embed.shape[1])} rows")
+    params["vocab_size"] = vocab_size
+    params["tie_word_embeddings"] = "output.weight" not in tensors
+    if "blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors:
+        params["attention_bias"] = True
+    if "blk.0.ffn_up.bias" in tensors:
+        params["mlp_bias"] = True
+    for key in ("bos", "eos", "padding"):
+        if (token := _field(reader, f"tokenizer.ggml.{key}_token_id", None)) is not None:
+            params[f"{'pad' if key == 'padding' else key}_token_id"] = int(token)
 
-    return LlamaConfig(
-        architectures=[SUPPORTED_ARCHITECTURES[arch]],
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=int(meta("feed_forward_length")),
-        num_hidden_layers=int(meta("block_count")),
-        num_attention_heads=num_heads,
-        num_key_value_heads=int(meta("attention.head_count_kv", num_heads)),
-        head_dim=head_dim,
-        max_position_embeddings=int(meta("context_length")),
-        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon")),
-        rope_parameters=_rope_parameters(meta),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias="blk.0.attn_q.bias" in tensor_names,
-        hidden_act="silu",
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id", None),
-        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id", None),
-        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id", None),
-    )
+    try:
+        config = AutoConfig.for_model(model_type, **params)
+    except (TypeError, ValueError) as exc:
+        raise GGUFError(f"{path}: metadata does not make a {model_type} config: {exc}") from None
+    config.architectures = [supported_architectures()[arch]]
+    scaling = _rope_scaling(meta, path)
+    if rotary_dim != head_dim:
+        scaling["partial_rotary_factor"] = rotary_dim / head_dim
+    if _ROPE_FREQS in tensors:
+        # Llama 3.x stores its scaling as per-frequency divisors of the base frequencies
+        # (llama.cpp's converter computes them from HF's llama3 parameters, which it drops).
+        factors = np.asarray(dequantize(tensors[_ROPE_FREQS].data, tensors[_ROPE_FREQS].tensor_type), np.float32)
+        if factors.size != rotary_dim // 2:
+            raise GGUFError(f"{path}: {_ROPE_FREQS} has {factors.size} factors for a rotary dim of {rotary_dim}")
+        config.rope_freq_factors = factors.reshape(-1).tolist()
+    if scaling:
+        rope = config.rope_parameters
+        # Per-layer-kind RoPE (Gemma 3): the file's scaling is the global layers'.
+        target = rope["full_attention"] if "full_attention" in rope else rope
+        target.update(scaling)
+    return config
 
 
-def _rope_parameters(meta) -> dict:
-    params = {"rope_type": "default", "rope_theta": float(meta("rope.freq_base", 10000.0))}
+def _rope_scaling(meta, path: Path) -> dict:
     scaling = meta("rope.scaling.type", None)
     factor = meta("rope.scaling.factor", None)
     if scaling is None and meta("rope.scale_linear", None) is not None:  # older files
         scaling, factor = "linear", meta("rope.scale_linear")
     if scaling in (None, "none"):
-        return params
+        return {}
     if scaling not in ("linear", "yarn"):
-        raise GGUFError(f"unsupported rope scaling type {scaling!r}")
-    params.update(rope_type=scaling, factor=float(factor))
+        raise GGUFError(f"{path}: unsupported rope scaling type {scaling!r} (supported: linear, yarn)")
+    params = {"rope_type": scaling, "factor": float(factor)}
     original = meta("rope.scaling.original_context_length", None)
     if original is not None:
         params["original_max_position_embeddings"] = int(original)
@@ -166,48 +212,39 @@ def eos_token_ids(reader: GGUFReader) -> tuple[int, ...]:
     return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """llama.cpp tensor name -> HF name; None for a name this reader does not know."""
-    if gguf_name in _GLOBAL_TENSORS:
-        return _GLOBAL_TENSORS[gguf_name]
-    match = _LAYER_RE.fullmatch(gguf_name)
-    if match is None or match.group(2) not in _LAYER_TENSORS:
-        return None
-    layer, kind, suffix = match.groups()
-    return f"model.layers.{layer}.{_LAYER_TENSORS[kind]}.{suffix}"
+def tensor_name_map(config: PretrainedConfig, arch: str) -> dict[str, str]:
+    """GGUF tensor name -> HF name, from gguf-py's TensorNameMap over the parameter names of
+    transformers' model for `config` (built on the meta device: no memory)."""
+    with torch.device("meta"):
+        hf_model = AutoModelForCausalLM.from_config(config)
+    return get_gguf_hf_weights_map(hf_model, _processor(config, arch))
 
 
-def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
-    """Undo llama.cpp's row permutation of a Q or K projection (weight or bias).
-
-    llama.cpp rotates adjacent pairs within a head, HF rotates the two halves, so its
-    converter reorders each head's rows. Within one head of d rows, GGUF row i*2 + j
-    holds HF row j*(d/2) + i:
-
-        GGUF rows  0  1  2  3  4  5        HF rows  0  3  1  4  2  5   (d = 6)
-    """
-    head_half = w.shape[0] // num_heads // 2
-    # (num_heads, d/2, 2, ...) -> (num_heads, 2, d/2, ...) -> back to (rows, ...)
-    return w.reshape(num_heads, head_half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+def _processor(config: PretrainedConfig, arch: str) -> TensorProcessor:
+    return TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
 
 
 class GGUFWeights:
     """(HF name, tensor) pairs of a GGUF file, read lazily as they are iterated: dequantized,
     or (`keep_quantized`) as QuantizedWeight where the type maps exactly onto one."""
 
-    def __init__(self, reader: GGUFReader, config: LlamaConfig, path: Path, keep_quantized: bool = False):
+    def __init__(self, reader: GGUFReader, config: PretrainedConfig, path: Path, keep_quantized: bool = False):
         self._reader = reader
-        self._config = config
         self.keep_quantized = keep_quantized
+        arch = _field(reader, "general.architecture")
+        self._processor = _processor(config, arch)
+        names = tensor_name_map(config, arch)
         self._names: list[tuple[int, str]] = []
         checked: set[GGMLQuantizationType] = set()
         for index, tensor in enumerate(reader.tensors):
-            hf_name = hf_tensor_name(tensor.name)
-            if hf_name is None:
-                raise GGUFError(f"{path}: unexpected tensor {tensor.name!r} for a llama model")
+            if tensor.name == _ROPE_FREQS:
+                continue  # read into the config
             if tensor.tensor_type not in checked:
                 _check_dequantizable(tensor.tensor_type, tensor.name, path)
                 checked.add(tensor.tensor_type)
+            hf_name = names.get(tensor.name)
+            if hf_name is None:
+                raise GGUFError(f"{path}: unexpected tensor {tensor.name!r} for a {arch} model")
             self._names.append((index, hf_name))
 
     def __len__(self) -> int:
@@ -217,38 +254,32 @@ class GGUFWeights:
         """HF name -> the GGUF type the file stores it in."""
         return {hf_name: self._reader.tensors[index].tensor_type for index, hf_name in self._names}
 
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
         for index, hf_name in self._names:
             yield hf_name, self._tensor(self._reader.tensors[index])
+
+    def _process(self, array: np.ndarray, name: str) -> np.ndarray:
+        return self._processor.process(weights=array, name=name).weights
 
     def _tensor(self, tensor) -> torch.Tensor | QuantizedWeight:
         shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims fastest-first
         if self.keep_quantized and tensor.tensor_type in EXACT_FORMATS and len(shape) == 2:
-            weight = quantized_weight(np.asarray(tensor.data), tensor.tensor_type, *shape)
-            heads = self._qk_heads(tensor.name)
-            if heads:
-                weight = weight.rows(torch.from_numpy(unpermute_qk(np.arange(shape[0]), heads)))
-            return weight
+            # What the architecture's processor does to a column of row numbers: nothing, or a
+            # reordering of rows (llama's Q/K), which the stored blocks follow; else dequantize.
+            rows = self._process(np.arange(shape[0], dtype=np.float64).reshape(-1, 1), tensor.name).reshape(-1)
+            if rows.shape == (shape[0],) and np.array_equal(np.sort(rows), np.arange(shape[0])):
+                weight = quantized_weight(np.asarray(tensor.data), tensor.tensor_type, *shape)
+                if not np.array_equal(rows, np.arange(shape[0])):
+                    weight = weight.rows(torch.from_numpy(rows.astype(np.int64)))
+                return weight
         if tensor.tensor_type == GGMLQuantizationType.F16:
             array = np.asarray(tensor.data).reshape(shape)  # stays float16: half the memory
         else:
             array = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
-        if heads := self._qk_heads(tensor.name):
-            array = unpermute_qk(array, heads)
+        array = self._process(array, tensor.name)
         if not array.flags.writeable or not array.flags.c_contiguous:
             array = np.array(array)  # still a view of the read-only memmap: copy it out
         return torch.from_numpy(array)
-
-
-    def _qk_heads(self, name: str) -> int | None:
-        """Heads of a Q or K projection, whose rows llama.cpp permutes (None for others)."""
-        if ".attn_q." in name:
-            return self._config.num_attention_heads
-        if ".attn_k." in name:
-            return self._config.num_key_value_heads
-        return None
-
-
 def serving_format(qtype: GGMLQuantizationType) -> tuple[int, int, torch.dtype] | None:
     """(bits, group size, scale dtype) that a tensor of this type is served in by `--quantization auto`
     (None: dense). Types with no exact mapping are requantized from their dequantized values:

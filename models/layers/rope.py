@@ -28,7 +28,19 @@ def _default_inv_freq(config) -> tuple[torch.Tensor, float]:
 
 
 def rope_frequencies(config, max_positions: int) -> tuple[torch.Tensor, float]:
-    """(inv_freq (rotary_dim // 2,), attention_scaling) for an HF config."""
+    """(inv_freq (rotary_dim // 2,), attention_scaling) for an HF config. `rope_freq_factors`
+    (GGUF's rope_freqs, how Llama 3.x files store their scaling): divisors of each frequency."""
+    inv_freq, scaling = _rope_frequencies(config, max_positions)
+    factors = getattr(config, "rope_freq_factors", None)
+    if factors is not None:
+        factors = torch.tensor(factors, dtype=inv_freq.dtype)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"rope_freq_factors has {factors.numel()} values for {inv_freq.numel()} frequencies")
+        inv_freq = inv_freq / factors
+    return inv_freq, scaling
+
+
+def _rope_frequencies(config, max_positions: int) -> tuple[torch.Tensor, float]:
     config.standardize_rope_params()
     rope_type = config.rope_parameters.get("rope_type", "default")
     if rope_type == "default":

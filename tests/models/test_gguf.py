@@ -15,7 +15,7 @@ from gguf.quants import dequantize, quantize
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from models.gguf import GGUFError, hf_tensor_name, load_gguf, unpermute_qk
+from models.gguf import GGUFError, load_gguf, read_config, tensor_name_map
 
 Q = GGMLQuantizationType
 CHAT_TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
@@ -116,22 +116,20 @@ def read(path, tmp_path):
     return config, dict(weights), tokenizer, eos
 
 
-def test_unpermute_qk_inverts_llama_cpp_permute():
-    w = np.arange(2 * 8 * 3, dtype=np.float32).reshape(16, 3)  # 2 heads of head_dim 8
-    np.testing.assert_array_equal(unpermute_qk(llama_cpp_permute(w, 2), 2), w)
-    bias = np.arange(12, dtype=np.float32)
-    np.testing.assert_array_equal(unpermute_qk(llama_cpp_permute(bias, 3), 3), bias)
+def test_tensor_names_map_to_hf(tmp_path):
+    """gguf-py's name table over transformers' parameter names, for a llama file."""
+    from gguf import GGUFReader
 
-
-def test_tensor_names_map_to_hf():
-    assert hf_tensor_name("token_embd.weight") == "model.embed_tokens.weight"
-    assert hf_tensor_name("output.weight") == "lm_head.weight"
-    assert hf_tensor_name("output_norm.weight") == "model.norm.weight"
-    assert hf_tensor_name("blk.11.attn_output.weight") == "model.layers.11.self_attn.o_proj.weight"
-    assert hf_tensor_name("blk.0.ffn_norm.weight") == "model.layers.0.post_attention_layernorm.weight"
-    assert hf_tensor_name("blk.3.ffn_gate.weight") == "model.layers.3.mlp.gate_proj.weight"
-    assert hf_tensor_name("blk.0.attn_q.bias") == "model.layers.0.self_attn.q_proj.bias"
-    assert hf_tensor_name("blk.0.ffn_gate_exps.weight") is None
+    write_gguf(tmp_path / "m.gguf", tiny_llama())
+    config = read_config(GGUFReader(tmp_path / "m.gguf"), tmp_path / "m.gguf")
+    names = tensor_name_map(config, "llama")
+    assert names["token_embd.weight"] == "model.embed_tokens.weight"
+    assert names["output.weight"] == "lm_head.weight"
+    assert names["output_norm.weight"] == "model.norm.weight"
+    assert names["blk.1.attn_output.weight"] == "model.layers.1.self_attn.o_proj.weight"
+    assert names["blk.0.ffn_norm.weight"] == "model.layers.0.post_attention_layernorm.weight"
+    assert names["blk.1.ffn_gate.weight"] == "model.layers.1.mlp.gate_proj.weight"
+    assert "blk.0.ffn_gate_exps.weight" not in names
 
 
 def test_f32_file_gives_the_hf_checkpoint_exactly(tmp_path):
@@ -242,8 +240,8 @@ def test_linear_rope_scaling_reaches_the_config(tmp_path):
 
 def test_unsupported_architecture_names_file_and_architecture(tmp_path):
     path = tmp_path / "q.gguf"
-    write_gguf(path, tiny_llama(), arch="qwen2")
-    with pytest.raises(GGUFError, match=r"q\.gguf.*'qwen2'.*not supported"):
+    write_gguf(path, tiny_llama(), arch="mamba")
+    with pytest.raises(GGUFError, match=r"q\.gguf.*'mamba'.*not supported.*llama.*qwen2"):
         load_gguf(path, cache=tmp_path / "cache")
 
 
@@ -258,8 +256,8 @@ def test_tensor_type_the_gguf_package_cannot_dequantize_is_named(tmp_path):
 
 def test_unknown_tensor_is_an_error(tmp_path):
     path = tmp_path / "m.gguf"
-    write_gguf(path, tiny_llama(), extra_tensors=[("rope_freqs.weight", np.ones(8, np.float32), None)])
-    with pytest.raises(GGUFError, match="rope_freqs"):
+    write_gguf(path, tiny_llama(), extra_tensors=[("blk.0.ffn_gate_exps.weight", np.ones((2, 8), np.float32), None)])
+    with pytest.raises(GGUFError, match="ffn_gate_exps"):
         load_gguf(path, cache=tmp_path / "cache")
 
 

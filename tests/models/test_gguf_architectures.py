@@ -1,0 +1,175 @@
+"""GGUF files of every architecture we serve, written by llama.cpp's own converter from tiny random
+HF checkpoints, served by our loader and compared with transformers on the HF checkpoint.
+
+    HF checkpoint (transformers, float32) --convert_hf_to_gguf.py--> .gguf --models.loader--> our model
+
+F32 files must give transformers' logits within float32 tolerance through the paged cache
+(chunked prefill, decode, shuffled blocks); a Q8_0 file is served from its stored blocks (the
+quantized path, llama's Q/K row order applied to whole blocks) and compared with transformers
+on the same file's dequantized weights.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from models.gguf import GGUFError, load_gguf, supported_architectures
+from models.loader import load_model
+from tests.models.conftest import (
+    assert_logits_close, make_hf_model, paged_forward, save_checkpoint, shuffled_block_tables, tiny_tokenizer,
+)
+from tests.models.llama_cpp import convert
+
+CASES = {
+    "llama": ("llama", {}),
+    "llama_tied_mqa": ("llama", {"num_key_value_heads": 1, "tie_word_embeddings": True}),
+    "llama3_rope": ("llama", {"rope_parameters": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "rope_theta": 500000.0, "original_max_position_embeddings": 32}}),
+    "mistral": ("mistral", {"sliding_window": None}),
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {"head_dim": 32, "tie_word_embeddings": True}),
+}
+PROMPT_LENS = [1, 9, 23, 41]
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """name -> (HF model, GGUF path), converted once per module."""
+    built = {}
+
+    def get(name, outtype="f32"):
+        key = (name, outtype)
+        if key not in built:
+            arch, overrides = CASES[name]
+            hf_model = make_hf_model(arch, **overrides)
+            root = tmp_path_factory.mktemp(name)
+            checkpoint = save_checkpoint(hf_model, root / "hf")
+            built[key] = hf_model, convert(checkpoint, root / f"{name}-{outtype}.gguf", outtype)
+        return built[key]
+
+    return get
+
+
+def run_steps(model, prompts, block_size=5):
+    """Prefill a third of each prompt, then 1-3 tokens a step: every row's logits, per prompt."""
+    tables, num_blocks = shuffled_block_tables([len(p) for p in prompts], block_size)
+    caches = model.kv_cache_spec(torch.float32).allocate(num_blocks, block_size, "cpu")
+    done, out, step = [0] * len(prompts), [[] for _ in prompts], 0
+    while any(d < len(p) for d, p in zip(done, prompts)):
+        chunks = []
+        for i, p in enumerate(prompts):
+            if done[i] < len(p):
+                n = max(1, len(p) // 3) if done[i] == 0 else 1 + (step + i) % 3
+                chunks.append((i, done[i], p[done[i]: done[i] + n]))
+        for (i, _, ids), logits in zip(chunks, paged_forward(model, caches, chunks, tables, block_size)):
+            out[i].append(logits)
+            done[i] += len(ids)
+        step += 1
+    return [torch.cat(rows) for rows in out]
+
+
+def prompts_for(vocab_size, seed=0):
+    gen = random.Random(seed)
+    return [[gen.randrange(vocab_size) for _ in range(n)] for n in PROMPT_LENS]
+
+
+def greedy(logits_of, prompt, steps=8):
+    ids = list(prompt)
+    for _ in range(steps):
+        ids.append(int(logits_of(ids)[-1].argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_f32_file_serves_transformers_logits(converted, name):
+    hf_model, path = converted(name)
+    loaded = load_model(str(path), dtype="float32")
+    assert loaded.config.architecture == hf_model.config.architectures[0] or (
+        name == "mistral" and loaded.config.architecture == "LlamaForCausalLM")  # llama.cpp writes Mistral as llama
+    prompts = prompts_for(loaded.config.vocab_size)
+    with torch.no_grad():
+        refs = [hf_model(input_ids=torch.tensor([p])).logits[0] for p in prompts]
+    for ours, ref in zip(run_steps(loaded.model, prompts), refs):
+        assert_logits_close(ours, ref)
+
+    def ours_logits(ids):
+        return run_steps(loaded.model, [ids])[0]
+
+    def hf_logits(ids):
+        with torch.no_grad():
+            return hf_model(input_ids=torch.tensor([ids])).logits[0]
+
+    assert greedy(ours_logits, prompts[2]) == greedy(hf_logits, prompts[2])
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_config_from_metadata_equals_the_checkpoints(converted, name, tmp_path):
+    hf_model, path = converted(name)
+    config, weights, _, eos = load_gguf(path, cache=tmp_path)
+    ref = hf_model.config
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "max_position_embeddings", "tie_word_embeddings"):
+        expected = getattr(ref, key, None)
+        if key == "head_dim" and expected is None:  # Qwen2's config derives it
+            expected = ref.hidden_size // ref.num_attention_heads
+        assert getattr(config, key) == expected, key
+    assert config.rms_norm_eps == pytest.approx(ref.rms_norm_eps)
+    assert eos == (tiny_tokenizer().eos_token_id,)
+    expected = {n for n in hf_model.state_dict() if not (config.tie_word_embeddings and n == "lm_head.weight")}
+    assert {n for n, _ in weights} == expected
+
+
+def test_llama3_rope_factors_reproduce_hf_frequencies(converted, tmp_path):
+    """Llama 3.x files keep their scaling only as rope_freqs.weight: divisors that must give HF's llama3
+    frequencies (the context beyond the original length is where they differ from plain RoPE)."""
+    from models.layers.rope import rope_frequencies
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf_model, path = converted("llama3_rope")
+    config, *_ = load_gguf(path, cache=tmp_path)
+    assert config.rope_parameters["rope_type"] == "default" and len(config.rope_freq_factors) == 16 // 2
+    ours, _ = rope_frequencies(config, 128)
+    ref, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_model.config, None)
+    torch.testing.assert_close(ours, ref, rtol=2e-7, atol=0)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_q8_0_file_is_served_from_its_blocks(converted, name, tmp_path):
+    """Q8_0 weights stay 8-bit (llama's permuted Q/K rows reordered as whole blocks) and give what
+    transformers computes from the same file's dequantized weights, within the int8 kernel's error."""
+    from transformers import AutoModelForCausalLM
+
+    _, path = converted(name, "q8_0")
+    loaded = load_model(str(path), dtype="float32")
+    assert "int8" in loaded.quantization
+    ref_model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                     dtype=torch.float32).eval()
+    prompts = prompts_for(loaded.config.vocab_size, seed=1)
+    with torch.no_grad():
+        refs = [ref_model(input_ids=torch.tensor([p])).logits[0] for p in prompts]
+    for ours, ref in zip(run_steps(loaded.model, prompts), refs):
+        assert_logits_close(ours, ref, tol=2e-2)  # int16-rounded activations against float32 ones
+
+
+def test_every_registered_llama_family_is_supported():
+    assert {"llama", "qwen2", "qwen3"} <= set(supported_architectures())
+
+
+def test_unsupported_architecture_is_one_line_naming_it_and_the_supported(converted, tmp_path):
+    from gguf import GGUFReader, GGUFWriter
+
+    _, path = converted("llama")
+    writer = GGUFWriter(str(tmp_path / "m.gguf"), "mamba")
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(GGUFError) as info:
+        load_gguf(tmp_path / "m.gguf", cache=tmp_path)
+    message = str(info.value)
+    assert "\n" not in message and "'mamba'" in message and "qwen2" in message and "llama" in message
+    assert GGUFReader(path)  # the converted file itself is fine
