@@ -14,8 +14,12 @@ and fills it through load_weights. A model class says only how to build one deco
     lm_head, or the embedding when the checkpoint ties them
 
 Every decoder layer takes the same arguments: `rope` is the (cos, sin) of the step's
-positions, gathered once per step for all layers (RotaryEmbedding.cos_sin); each layer's
-attention (`self_attn`) declares what it stores per token (`kv_entry_shape`).
+positions, gathered once per step for all layers (RotaryEmbedding.cos_sin; one table per
+layer type where `rotary_emb` is a ModuleDict keyed by the layers' `layer_type`, Gemma 3);
+each layer's attention (`self_attn`) declares what it stores per token (`kv_entry_shape`).
+Gemma's differences live here as switches its classes set: sandwich norms in the layer
+(`sandwich_norms`), a scaled embedding (`embed_scale`), soft-capped logits
+(`final_logit_softcapping` in the config).
 The embedding and lm_head are Linear layers underneath, so a quantized checkpoint's
 embedding and logits run through the same per-layer method as every other projection
 (models/layers/quantization.py).
@@ -37,12 +41,18 @@ from models.layers.step_kernels import DEFAULT_KERNELS, StepKernels
 
 class DecoderLayer(nn.Module):
     """Pre-norm: x += self_attn(norm(x)); x += mlp(norm(x)). A model's layer class builds
-    these four modules; its attention and MLP read the step's kernels from attn_metadata."""
+    these four modules; its attention and MLP read the step's kernels from attn_metadata.
 
-    input_layernorm: RMSNorm
+    With `sandwich_norms` (Gemma) each block's output is normed too, and the names shift as in
+    HF's checkpoints: x += post_attention_layernorm(self_attn(input_layernorm(x)));
+    x += post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)))."""
+
+    input_layernorm: nn.Module
     self_attn: nn.Module
-    post_attention_layernorm: RMSNorm
+    post_attention_layernorm: nn.Module
     mlp: nn.Module
+    sandwich_norms: bool = False
+    layer_type: str | None = None  # the key of its RoPE table when the model keeps one per layer type
 
     def forward(
         self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, kv_cache: torch.Tensor,
@@ -51,6 +61,10 @@ class DecoderLayer(nn.Module):
         whole = self.as_one_op(rope, x, kv_cache, attn_metadata)
         if whole is not None:
             return whole
+        if self.sandwich_norms:
+            x = x + self.post_attention_layernorm(self.self_attn(rope, self.input_layernorm(x), kv_cache, attn_metadata))
+            h = self.mlp(self.pre_feedforward_layernorm(x), attn_metadata.kernels)
+            return x + self.post_feedforward_layernorm(h)
         x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, attn_metadata)
         return x + self.mlp(self.post_attention_layernorm(x), attn_metadata.kernels)
 
@@ -78,12 +92,15 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """The stack under HF's `model.` prefix: embedding, decoder layers, final norm."""
 
-    def __init__(self, hf_config, rotary_emb: RotaryEmbedding, make_layer: Callable[[int], DecoderLayer]):
+    def __init__(self, hf_config, rotary_emb: RotaryEmbedding | nn.ModuleDict,
+                 make_layer: Callable[[int], DecoderLayer]):
         super().__init__()
         self.embed_tokens = Embedding(hf_config.vocab_size, hf_config.hidden_size, parallel="column")
-        self.rotary_emb = rotary_emb  # one cos/sin table; the layers' attention holds it too
+        # One cos/sin table (the layers' attention holds it too), or one per layer type.
+        self.rotary_emb = rotary_emb
         self.layers = nn.ModuleList(make_layer(i) for i in range(hf_config.num_hidden_layers))
         self.norm = RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
+        self.embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size)
         self._one_op_stack: list[tuple] | None = None  # every layer's one-op arguments, once gathered
 
     def forward(
@@ -91,6 +108,13 @@ class DecoderModel(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # (num_tokens, hidden_size)
+        if self.embed_scale is not None:  # transformers keeps it a float32 tensor, cast to the weights' dtype
+            x = x * torch.tensor(self.embed_scale, dtype=torch.float32).to(x.dtype)
+        if isinstance(self.rotary_emb, nn.ModuleDict):
+            ropes = {kind: emb.cos_sin(positions, x.dtype) for kind, emb in self.rotary_emb.items()}
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                x = layer(ropes[layer.layer_type], x, kv_cache, attn_metadata)
+            return self.norm(x)
         rope = self.rotary_emb.cos_sin(positions, x.dtype)  # once per step, not once per layer
         stack = self._one_ops(x, kv_caches)
         if stack is not None:  # every layer one kernel call, without the modules' Python between them
@@ -121,7 +145,6 @@ class DecoderModel(nn.Module):
 class CausalLM(nn.Module):
     model: DecoderModel
     lm_head: Linear | None
-    model_class: type[DecoderModel] = DecoderModel  # a family whose stack differs (Gemma) sets its own
     # Whether every sliding-window layer attends within its window (models/config.py then serves
     # past the window; otherwise max_model_len is capped to it).
     serves_sliding_window: bool = False
@@ -129,12 +152,13 @@ class CausalLM(nn.Module):
     def __init__(self, hf_config, rotary_emb: RotaryEmbedding, make_layer: Callable[[int], DecoderLayer]):
         super().__init__()
         self.hf_config = hf_config
-        self.model = self.model_class(hf_config, rotary_emb, make_layer)
+        self.model = DecoderModel(hf_config, rotary_emb, make_layer)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         # Tied: logits reuse the embedding's storage; a second Parameter sharing it would
         # come apart when the loader moves the model off the meta device.
         self.lm_head = (None if self.tie_word_embeddings
                         else Linear(hf_config.hidden_size, hf_config.vocab_size, parallel="column"))
+        self.final_logit_softcapping = getattr(hf_config, "final_logit_softcapping", None) or None  # Gemma
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -147,7 +171,11 @@ class CausalLM(nn.Module):
         """hidden (num_rows, hidden_size), on the step's kernels -> float32 logits. Tensor
         parallel: each rank's slice of the vocabulary, gathered on rank 0 (others: their slice)."""
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return head.tp.gather_last_dim(head.linear(hidden, kernels)).float()  # (num_rows, vocab_size)
+        logits = head.tp.gather_last_dim(head.linear(hidden, kernels)).float()  # (num_rows, vocab_size)
+        if self.final_logit_softcapping is not None:
+            cap = self.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def row_invariant(self) -> bool:
         """Whether every product of the forward pass computes a token's row from that row alone, in

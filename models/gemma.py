@@ -1,7 +1,8 @@
 """Gemma 2 and Gemma 3 (text) decoders over a paged KV cache.
 
-Built from Llama's attention (models/llama.py) and the shared layers; what differs, all read
-from the HF config:
+Built from Llama's attention (models/llama.py), the shared layers and the shared stack
+(models/causal_lm.py, whose switches take Gemma's differences); what differs, all read from the
+HF config:
 
     embeddings   scaled by sqrt(hidden_size), the scale rounded to the activation dtype
     norms        GemmaRMSNorm: x / rms(x) * (1 + w) in float32; four a layer (before and
@@ -21,16 +22,13 @@ from __future__ import annotations
 
 import copy
 
-import torch
 from torch import nn
 
-from models.causal_lm import CausalLM, DecoderLayer, DecoderModel
+from models.causal_lm import CausalLM, DecoderLayer
 from models.config import layer_windows
-from models.layers.attention import AttentionMetadata
 from models.layers.mlp import GatedMLP
 from models.layers.norm import GemmaRMSNorm
 from models.layers.rope import RotaryEmbedding
-from models.layers.step_kernels import DEFAULT_KERNELS, StepKernels
 from models.llama import LlamaAttention
 
 
@@ -48,7 +46,10 @@ class GemmaAttention(LlamaAttention):
 
 
 class GemmaDecoderLayer(DecoderLayer):
-    """x += post_norm(attn(norm(x))); x += post_ff_norm(mlp(pre_ff_norm(x)))."""
+    """x += post_attention_layernorm(attn(input_layernorm(x)));
+    x += post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)))."""
+
+    sandwich_norms = True
 
     def __init__(self, config, layer_idx: int, rotary_embs: nn.ModuleDict, window: int | None, qk_norm: bool):
         super().__init__()
@@ -61,37 +62,6 @@ class GemmaDecoderLayer(DecoderLayer):
         self.post_feedforward_layernorm = GemmaRMSNorm(size, eps)
         act = getattr(config, "hidden_activation", None) or config.hidden_act
         self.mlp = GatedMLP(size, config.intermediate_size, act)
-
-    def forward(
-        self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        h = self.self_attn(rope, self.input_layernorm(x), kv_cache, attn_metadata)
-        x = x + self.post_attention_layernorm(h)
-        h = self.mlp(self.pre_feedforward_layernorm(x), attn_metadata.kernels)
-        return x + self.post_feedforward_layernorm(h)
-
-
-class GemmaModel(DecoderModel):
-    """The stack with a scaled embedding, Gemma's final norm and a RoPE table per layer type
-    (`rotary_emb` is a ModuleDict layer type -> RotaryEmbedding)."""
-
-    def __init__(self, hf_config, rotary_emb: nn.ModuleDict, make_layer):
-        super().__init__(hf_config, rotary_emb, make_layer)
-        self.norm = GemmaRMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
-        self.normalizer = hf_config.hidden_size**0.5
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # (num_tokens, hidden_size)
-        # transformers keeps the scale as a float32 tensor and casts it to the weights' dtype.
-        x = x * torch.tensor(self.normalizer, dtype=torch.float32).to(x.dtype)
-        ropes = {kind: emb.cos_sin(positions, x.dtype) for kind, emb in self.rotary_emb.items()}
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(ropes[layer.layer_type], x, kv_cache, attn_metadata)
-        return self.norm(x)
 
 
 def _rope_config(hf_config, layer_type: str):
@@ -106,7 +76,6 @@ def _rope_config(hf_config, layer_type: str):
 
 
 class GemmaForCausalLM(CausalLM):
-    model_class = GemmaModel
     serves_sliding_window = True
     qk_norm = False  # Gemma 3 norms q and k per head
 
@@ -120,13 +89,8 @@ class GemmaForCausalLM(CausalLM):
         windows = layer_windows(hf_config)
         super().__init__(hf_config, rotary_embs, lambda i: GemmaDecoderLayer(hf_config, i, rotary_embs, windows[i],
                                                                               self.qk_norm))
-        self.final_softcap = getattr(hf_config, "final_logit_softcapping", None) or None
-
-    def compute_logits(self, hidden: torch.Tensor, kernels: StepKernels = DEFAULT_KERNELS) -> torch.Tensor:
-        logits = super().compute_logits(hidden, kernels)  # (num_rows, vocab_size) float32
-        if self.final_softcap is not None:
-            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
-        return logits
+        self.model.norm = GemmaRMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
+        self.model.embed_scale = hf_config.hidden_size**0.5
 
 
 class Gemma2ForCausalLM(GemmaForCausalLM):
