@@ -97,3 +97,22 @@ def _prompt_logprobs(outputs, request_id):
     found = [o.prompt_logprobs for o in outputs if o.request_id == request_id and o.prompt_logprobs is not None]
     assert len(found) <= 1
     return found[0] if found else None
+
+
+def test_prompt_logprobs_over_two_tensor_parallel_ranks_equal_one(tiny_llama):
+    """Every rank computes the prompt rows' logits too (they are in the step's logit rows)."""
+    from engine.llm import LLM
+
+    path = str(tiny_llama[0])
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (30, 9)]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=2)
+    engine = dict(block_size=4, num_kv_blocks=64, max_num_batched_tokens=16, max_num_seqs=4)
+    expected = LLM(path, dtype="float32", **engine).generate(prompts, params)
+    with LLM(path, dtype="float32", tensor_parallel_size=2, **engine) as llm:
+        got = llm.generate(prompts, params)
+    for one, two in zip(expected, got):
+        assert two.token_ids == one.token_ids and two.prompt_logprobs[0] is None
+        for a, b in zip(one.prompt_logprobs[1:], two.prompt_logprobs[1:]):
+            assert (b.token_id, [t for t, _ in b.top]) == (a.token_id, [t for t, _ in a.top])
+            assert abs(a.logprob - b.logprob) < TOL
