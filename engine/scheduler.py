@@ -24,6 +24,10 @@ from engine.speculative import Speculator
 from engine.stats import EngineStats
 from engine.step import ScheduledRequest, SchedulerOutput
 
+# Prompt rows a step computes logits of, for prompt logprobs, at most: each holds the whole
+# vocabulary in float32 (256 rows of Qwen's 152k: 156 MB, and as much again for its log_softmax).
+MAX_PROMPT_LOGPROB_ROWS = 256
+
 
 class Scheduler:
     """The only writer of a request's status, timings and blocks: the engine core asks it."""
@@ -103,6 +107,7 @@ class Scheduler:
         # one of them waits a step and then reuses it instead of computing it again
         # (n samples of one prompt submitted together share the prompt this way).
         pending: set[int] = set()
+        prompt_rows_left = MAX_PROMPT_LOGPROB_ROWS
 
         # Decodes first, then running prefill chunks: a long prompt never starves decodes.
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
@@ -116,6 +121,11 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if _wants_prompt_logprobs(request):
+                num_new = _within_prompt_rows(request, request.num_computed_tokens, num_new, prompt_rows_left)
+                if num_new == 0:
+                    continue
+                prompt_rows_left -= _num_prompt_rows(request, request.num_computed_tokens, num_new)
             drafts = self._drafts(request, budget) if request in speculating else []
             table = bm.append_slots(request, request.num_computed_tokens + num_new + len(drafts))
             if table is None and drafts:  # drafts go before anyone is preempted
@@ -152,9 +162,15 @@ class Scheduler:
                     break
             num_hit_tokens = len(hits) * bm.block_size
             num_new = min(request.num_tokens - num_hit_tokens, budget)
+            if _wants_prompt_logprobs(request):
+                num_new = _within_prompt_rows(request, 0, num_new, prompt_rows_left)
+                if num_new == 0:
+                    break
             table = bm.allocate(request, hits, num_hit_tokens + num_new)
             if table is None:
                 break
+            if _wants_prompt_logprobs(request):
+                prompt_rows_left -= _num_prompt_rows(request, 0, num_new)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
@@ -198,7 +214,7 @@ class Scheduler:
             # Row j gives prompt token start + j + 1; the prompt's last row samples instead:
             #   prompt   t0 t1 t2 t3 t4 t5      chunk start 2, 4 tokens: rows of t2 t3 t4 t5
             #   rows           r0 r1 r2 (r3)    r0..r2 give t3..t5, r3 samples
-            prompt_logprob_rows = range(max(0, min(num_new, request.num_prompt_tokens - 1 - start)))
+            prompt_logprob_rows = range(_num_prompt_rows(request, start, num_new))
         return ScheduledRequest(
             request_id=request.request_id,
             token_ids=request.all_token_ids[start : start + num_new] + list(drafts),
@@ -307,3 +323,16 @@ def _wants_prompt_logprobs(request: Request) -> bool:
     """Prompt logprobs are asked and not yet delivered (they go out with the first token: a
     request preempted after it recomputes its prompt without them)."""
     return request.params.prompt_logprobs is not None and not request.output_token_ids
+
+
+def _num_prompt_rows(request: Request, start: int, num_new: int) -> int:
+    """Rows of a chunk of `num_new` tokens from `start` that give prompt logprobs (not the last
+    prompt row, which samples)."""
+    return max(0, min(num_new, request.num_prompt_tokens - 1 - start))
+
+
+def _within_prompt_rows(request: Request, start: int, num_new: int, rows_left: int) -> int:
+    """`num_new` cut so that the chunk's prompt-logprob rows fit in `rows_left` (0: none this step)."""
+    if request.num_prompt_tokens - 1 - start <= rows_left:
+        return num_new
+    return min(num_new, rows_left)

@@ -245,3 +245,29 @@ def test_fcfs_admission_order():
     run(s, model, on_step=record)
     steps = [first_token_step[r.request_id] for r in reqs]
     assert steps == sorted(steps)
+
+
+def test_prompt_logprob_rows_per_step_are_bounded_and_cover_the_prompt():
+    """Each prompt row's logits hold a whole vocabulary: a step computes at most
+    MAX_PROMPT_LOGPROB_ROWS of them, and over the steps every prompt position gets one row."""
+    from engine.scheduler import MAX_PROMPT_LOGPROB_ROWS
+
+    config = EngineConfig(block_size=16, num_kv_blocks=256, max_num_batched_tokens=2048)
+    scheduler = Scheduler(config, 256, config.limits(4096, 256, VOCAB))
+    model = FakePagedModel(16)
+    sizes = {"a": 700, "b": 300, "c": 40}
+    for rid, n in sizes.items():
+        scheduler.add_request(Request(rid, [1 + i % (VOCAB - 1) for i in range(n)],
+                                      SamplingParams(max_tokens=2, prompt_logprobs=1)))
+    scheduler.add_request(Request("plain", list(range(1, 500)), SamplingParams(max_tokens=2)))
+    positions = {rid: [] for rid in sizes}
+    while scheduler.has_unfinished:
+        output = scheduler.schedule()
+        rows = 0
+        for s in output.scheduled:
+            rows += len(s.prompt_logprob_rows)
+            positions.get(s.request_id, []).extend(s.start_position + j + 1 for j in s.prompt_logprob_rows)
+        assert rows <= MAX_PROMPT_LOGPROB_ROWS
+        scheduler.update(output, model.execute(output))
+        assert scheduler.audit() == []
+    assert positions == {rid: list(range(1, n)) for rid, n in sizes.items()}
