@@ -43,6 +43,9 @@ from models.registry import MODEL_REGISTRY
 # transformers model_type, where they differ (transformers' load_gguf_checkpoint renames the same).
 _CONFIG_KEYS = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 _MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}
+# `{arch}.*` keys that transformers' map leaves out, named as the HF config field they fill.
+_UNMAPPED_KEYS = ("attn_logit_softcapping", "final_logit_softcapping")
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3_text": 62}
 # Tensors that carry metadata rather than weights; read into the config.
 _ROPE_FREQS = "rope_freqs.weight"
 
@@ -162,6 +165,14 @@ def read_config(reader: GGUFReader, path: Path) -> PretrainedConfig:
         if (token := _field(reader, f"tokenizer.ggml.{key}_token_id", None)) is not None:
             params[f"{'pad' if key == 'padding' else key}_token_id"] = int(token)
 
+    for key in _UNMAPPED_KEYS:
+        if (value := meta(key, None)) is not None:
+            params[key] = value
+    if model_type in _GEMMA_27B_LAYERS:
+        # Not in the file: llama.cpp scales queries by head_dim, or by hidden / heads for the 27B
+        # models (recognised by their layer count), as their HF configs' query_pre_attn_scalar say.
+        big = int(meta("block_count")) == _GEMMA_27B_LAYERS[model_type]
+        params["query_pre_attn_scalar"] = hidden_size // num_heads if big else head_dim
     try:
         config = AutoConfig.for_model(model_type, **params)
     except (TypeError, ValueError) as exc:

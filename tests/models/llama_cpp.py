@@ -4,9 +4,10 @@ against files written the way the files people download were written.
 The converter comes from the llama.cpp tree vendored in the llama-cpp-python sdist on PyPI
 (pinned, sha256 checked), of which only the converter, its `conversion/` package and its own
 gguf-py are unpacked into pagedserve's cache, once per machine. It runs in a subprocess, with its
-own gguf-py first on the path, exactly as `python convert_hf_to_gguf.py` would, but for one thing:
-the BPE pre-tokenizer check, which knows only real models' tokenizers by hash, names the tiny
-test tokenizer's pre-tokenizer "default".
+own gguf-py first on the path, exactly as `python convert_hf_to_gguf.py` would, but for the
+vocabulary: the tests' tiny byte-level BPE tokenizer is written as a gpt2 vocabulary whatever the
+model (some converters insist on a sentencepiece file), and the BPE pre-tokenizer check, which
+knows only real models' tokenizers by hash, names it "default".
 """
 from __future__ import annotations
 
@@ -35,6 +36,16 @@ sys.argv[0] = "convert_hf_to_gguf.py"
 import convert_hf_to_gguf
 from conversion.base import TextModel
 TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
+model_class = convert_hf_to_gguf.get_model_class
+
+
+def byte_level_vocab(*args, **kwargs):
+    cls = model_class(*args, **kwargs)
+    cls.set_vocab = lambda self: self._set_vocab_gpt2()
+    return cls
+
+
+convert_hf_to_gguf.get_model_class = byte_level_vocab
 convert_hf_to_gguf.main()
 """
 

@@ -31,6 +31,15 @@ CASES = {
     "mistral": ("mistral", {"sliding_window": None}),
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {"head_dim": 32, "tie_word_embeddings": True}),
+    "phi3": ("phi3", {}),
+    # Gemma ties its embeddings (llama.cpp's converter writes no output.weight) and scales queries by
+    # head_dim as the released 2B/9B/4B/12B configs do.
+    "gemma2": ("gemma2", {"sliding_window": 8, "attn_logit_softcapping": 20.0, "final_logit_softcapping": 15.0,
+                          "head_dim": 16, "query_pre_attn_scalar": 16, "tie_word_embeddings": True}),
+    # GGUF keeps no layer pattern: llama.cpp and transformers both take Gemma 3's five sliding
+    # layers to one global, and 10000 as the sliding layers' RoPE base.
+    "gemma3": ("gemma3", {"sliding_window": 8, "head_dim": 16, "query_pre_attn_scalar": 16,
+                          "tie_word_embeddings": True, "num_hidden_layers": 6}),
 }
 PROMPT_LENS = [1, 9, 23, 41]
 

@@ -19,6 +19,7 @@ CASES = {
     "mistral": ("mistral", {}),  # default sliding_window 4096 > max_model_len: plain causal attention
     "qwen2": ("qwen2", {}),  # q/k/v biases
     "qwen3": ("qwen3", {"head_dim": 32, "tie_word_embeddings": True}),  # q/k norms, head_dim != hidden/heads
+    "phi3": ("phi3", {"sliding_window": 16}),  # fused qkv_proj / gate_up_proj in the checkpoint; windowed
     "rope_linear": ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}),
     "rope_dynamic": ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}),
     "rope_yarn": (
