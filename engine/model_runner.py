@@ -7,6 +7,9 @@ decodes alike, laid out flat, request after request:
     input_ids   [a0 a1 a2 a3 a4 | b9 | c0 c1 c2 c3]
     positions   [ 0  1  2  3  4 |  9 |  0  1  2  3]
     rows that produce a token:  4 (A's last), 5 (B's)      -> compute_logits on 2 rows only
+
+A request that asks for prompt logprobs adds its chunk's prompt rows (ScheduledRequest.
+prompt_logprob_rows) to the rows whose logits are computed; nobody asking, nothing is added.
 """
 from __future__ import annotations
 
@@ -176,7 +179,7 @@ class ModelRunner:
         rows = inputs.logit_rows
         if not rows:
             return None
-        if len(rows) < hidden.shape[0]:  # prefill chunks: only their last rows sample
+        if len(rows) < hidden.shape[0]:  # prefill chunks: only their last rows (and prompt-logprob rows)
             hidden = hidden[torch.tensor(rows, dtype=torch.int64, device=hidden.device)]  # (num_rows, hidden_size)
         return self.model.compute_logits(hidden, kernels)  # (num_rows, vocab) float32
 
