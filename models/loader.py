@@ -339,6 +339,11 @@ def _load_gguf(path: Path, dtype, device, max_model_len, quantization, batch_inv
     if quantization == "auto" and requantized:
         logger.info("%s: GGUF types with no exact int4/int8 form, requantized at load (round to nearest): %s",
                     path.name, dict(requantized))
+    for fused, shards in getattr(get_model_class(architecture), "fused_checkpoint_tensors", {}).items():
+        # A projection the checkpoint stores fused with others (Phi-3's qkv_proj) has the fused tensor's type.
+        for name, qtype in list(types.items()):
+            if name.endswith(f".{fused}.weight"):
+                types.update({name.replace(f".{fused}.", f".{shard}."): qtype for shard in shards})
     choose = choose_methods(quantization, lambda name: serving_format(types[name]) if name in types else None)
     model = build_model(config, weights, device, lambda: path, choose, batch_invariant)
     return _loaded(model, config, tokenizer)

@@ -16,6 +16,9 @@ from models.llama import LlamaForCausalLM, _head_dim
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
+    # checkpoint tensor -> the projections it holds, in row order (the loader reads their types from it)
+    fused_checkpoint_tensors = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]) -> set[str]:
         return super().load_weights(self._unfused(weights))
 
@@ -23,22 +26,22 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         c = self.hf_config
         d = _head_dim(c)
         kv = (getattr(c, "num_key_value_heads", None) or c.num_attention_heads) * d
-        parts = {
-            "self_attn.qkv_proj": (("q_proj", c.num_attention_heads * d), ("k_proj", kv), ("v_proj", kv)),
-            "mlp.gate_up_proj": (("gate_proj", c.intermediate_size), ("up_proj", c.intermediate_size)),
-        }
+        sizes = {"q_proj": c.num_attention_heads * d, "k_proj": kv, "v_proj": kv,
+                 "gate_proj": c.intermediate_size, "up_proj": c.intermediate_size}
+        parts = {fused: tuple((shard, sizes[shard]) for shard in shards)
+                 for fused, shards in self.fused_checkpoint_tensors.items()}
         for name, tensor in weights:
             prefix, _, kind = name.rpartition(".")
-            fused = next((f for f in parts if prefix.endswith(f)), None)
+            fused = next((f for f in parts if prefix.endswith(f".{f}")), None)
             if fused is None:
                 yield name, tensor
                 continue
-            sizes = parts[fused]
-            if tensor.shape[0] != sum(size for _, size in sizes):
+            shard_sizes = parts[fused]
+            if tensor.shape[0] != sum(size for _, size in shard_sizes):
                 raise ValueError(f"tensor {name!r}: {tensor.shape[0]} rows, expected "
-                                 f"{' + '.join(str(size) for _, size in sizes)}")
-            parent, start = prefix[: -len(fused)] + fused.rpartition(".")[0], 0
-            for shard, size in sizes:
+                                 f"{' + '.join(str(size) for _, size in shard_sizes)}")
+            parent, start = prefix[: -len(fused) - 1], 0
+            for shard, size in shard_sizes:
                 rows = slice(start, start + size)
                 part = tensor.rows(rows) if isinstance(tensor, QuantizedWeight) else tensor[rows]
                 yield f"{parent}.{shard}.{kind}", part

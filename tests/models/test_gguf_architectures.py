@@ -145,7 +145,7 @@ def test_llama3_rope_factors_reproduce_hf_frequencies(converted, tmp_path):
     torch.testing.assert_close(ours, ref, rtol=2e-7, atol=0)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "phi3"])
 def test_q8_0_file_is_served_from_its_blocks(converted, name, tmp_path):
     """Q8_0 weights stay 8-bit (llama's permuted Q/K rows reordered as whole blocks) and give what
     transformers computes from the same file's dequantized weights, within the int8 kernel's error."""
