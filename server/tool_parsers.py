@@ -3,6 +3,7 @@
 Each family writes its calls its own way:
 
     hermes       <tool_call>{"name": "f", "arguments": {...}}</tool_call>      Hermes, Qwen2.5, Qwen3
+                 (or a reply that is the bare object, perhaps in a ```json fence)
     llama3_json  {"name": "f", "parameters": {...}}; {...}                     Llama 3.1+ (maybe <|python_tag|>)
     mistral      [TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]         Mistral (or [TOOL_CALLS]f[ARGS]{...})
     deepseek_v3  <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f
@@ -176,7 +177,23 @@ class _MarkedParser(ToolParser):
 
 
 class HermesParser(_MarkedParser):
+    """Small models of this format (Qwen2.5-Coder 0.5B / 1.5B) often drop the tags and write the
+    bare object, perhaps in a ```json fence: a reply that starts so is read as calls too, as
+    llama.cpp's parser for this format reads it."""
+
     name, start, end = "hermes", "<tool_call>", "</tool_call>"
+    _BARE = re.compile(r'\s*(?:```(?:json|xml)?\s*)?(?=\{\s*"name"\s*:)')
+    _BARE_STARTS = ('{"name"', '```json{"name"', '```xml{"name"', '```{"name"')
+
+    def parse(self, text: str, final: bool) -> Parsed:
+        if self.start not in text:
+            bare = self._BARE.match(text)
+            if bare is not None:
+                return Parsed("", [scan_object_call(obj) for obj in split_objects(text[bare.end():])[0]])
+            compact = re.sub(r"\s+", "", text)
+            if not final and compact and any(s.startswith(compact) for s in self._BARE_STARTS):
+                return Parsed("")  # could still become a bare call
+        return super().parse(text, final)
 
 
 class DeepSeekV3Parser(_MarkedParser):

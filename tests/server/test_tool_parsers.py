@@ -13,6 +13,9 @@ CASES = [
     (HermesParser(), 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa}ris", "n": [1, 2]}}'
                      '\n</tool_call>\n<tool_call>{"name": "noop", "arguments": {}}</tool_call>',
      "Let me look.", [("get_weather", {"city": "Pa}ris", "n": [1, 2]}), ("noop", {})]),
+    (HermesParser(), '{"name": "get_weather", "arguments": {"city": "Paris"}}', None, [("get_weather", {"city": "Paris"})]),
+    (HermesParser(), '```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```', None,
+     [("get_weather", {"city": "Paris"})]),
     (Llama3JsonParser(), '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
                          '{"name": "noop", "parameters": {}}',
      None, [("get_weather", {"city": "Paris"}), ("noop", {})]),
