@@ -263,3 +263,17 @@ def test_logits_of_a_quantized_deepseek_are_the_same_however_a_token_is_schedule
     loaded = load_model(str(path), dtype="float32", quantization="int8")
     assert loaded.model.row_invariant()
     assert_all_equal(logits_per_schedule(loaded.model, torch.float16))
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_logits_of_a_quantized_gemma_are_the_same_however_a_token_is_scheduled(make_checkpoint, arch):
+    """Sliding-window layers (window 8 over 150 tokens) beside global ones, Gemma 2's soft-capped scores."""
+    from models.loader import load_model
+
+    extra = ({"attn_logit_softcapping": 3.0} if arch == "gemma2" else
+             {"layer_types": ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]})
+    path, _ = make_checkpoint(arch, max_position_embeddings=512, num_hidden_layers=4, head_dim=16, sliding_window=8,
+                              query_pre_attn_scalar=16, **extra)
+    loaded = load_model(path, dtype="float32", quantization="int8")
+    assert loaded.model.row_invariant()
+    assert_all_equal(logits_per_schedule(loaded.model, torch.float16))
