@@ -123,7 +123,7 @@ def read_eos_token_ids(checkpoint_dir: Path, hf_config: PretrainedConfig) -> tup
 
 
 def sliding_window(hf_config: PretrainedConfig) -> int | None:
-    """The attention window if any layer uses one (Mistral; Qwen2/3 with use_sliding_window)."""
+    """The attention window if any layer uses one (Mistral; Gemma 2/3; Qwen2/3 with use_sliding_window)."""
     window = getattr(hf_config, "sliding_window", None)
     if not window:
         return None
