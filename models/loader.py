@@ -175,21 +175,30 @@ def check_model(model: str | Path) -> Path:
 
 
 def _check_gguf(path: Path) -> None:
-    """What the GGUF reader would refuse, from the header and tensor table alone (memory-mapped:
-    no weight is read or dequantized, no tokenizer converted)."""
+    """What the GGUF reader would refuse, from the header alone (memory-mapped: no weight read, no
+    tokenizer converted): the architecture, the metadata, and every tensor type's dequantizer.
+    Tensor names are left to the load, whose name map builds transformers' model (seconds)."""
+    import numpy as np
     from gguf import GGUFReader
+    from gguf.constants import GGML_QUANT_SIZES
+    from gguf.quants import dequantize
 
-    from models.gguf import GGUFError, GGUFWeights, read_config
+    from models.gguf import GGUFError, read_config
 
     try:
         reader = GGUFReader(path)
     except (ValueError, OSError) as exc:  # the package's messages ("GGUF magic invalid") name no file
         raise GGUFError(f"{path}: not a readable GGUF file: {exc}") from None
     hf_config = read_config(reader, path)
-    GGUFWeights(reader, hf_config, path)  # every tensor's name and type
     if not any(a in MODEL_REGISTRY for a in (hf_config.architectures or [])):
         raise ValueError(f"{path}: unsupported architecture {hf_config.architectures}; "
                          f"supported: {', '.join(sorted(MODEL_REGISTRY))}")
+    for qtype, name in {t.tensor_type: t.name for t in reversed(reader.tensors)}.items():
+        try:  # one zero block asks the gguf package itself, as the reader does at load
+            dequantize(np.zeros((1, GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8), qtype)
+        except NotImplementedError:  # also integer tensors (I8, I32, ...), which are no weights
+            raise GGUFError(f"{path}: tensor {name!r} has type {qtype.name}, which the installed gguf package "
+                            "cannot dequantize") from None
 
 
 def _refuse_pickle(path: Path):

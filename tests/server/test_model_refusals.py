@@ -16,15 +16,22 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-def write_gguf(path: Path, architecture: str) -> Path:
-    """A well-formed GGUF file of `architecture` (one small tensor, a token list)."""
+def write_gguf(path: Path, architecture: str, norm_dtype=np.float32) -> Path:
+    """A well-formed GGUF file of `architecture`: llama-style metadata, a token list, two small
+    tensors (the norm's stored as `norm_dtype`)."""
     from gguf import GGUFWriter
 
     writer = GGUFWriter(str(path), architecture)
     writer.add_block_count(1)
     writer.add_embedding_length(8)
+    writer.add_head_count(2)
+    writer.add_head_count_kv(2)
+    writer.add_context_length(64)
+    writer.add_feed_forward_length(16)
+    writer.add_layer_norm_rms_eps(1e-5)
     writer.add_token_list(["a", "b", "c", "d"])
     writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.add_tensor("blk.0.attn_norm.weight", np.zeros((8,), dtype=norm_dtype))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -42,6 +49,8 @@ def refused(tmp_path_factory) -> dict[str, tuple[Path, list[str]]]:
     (root / "garbage.gguf").write_bytes(b"not a gguf file, just text" * 10)
     return {
         "gguf architecture": (write_gguf(root / "mamba.gguf", "mamba"), ["'mamba'", "not supported", "llama"]),
+        "tensor type": (write_gguf(root / "int-norm.gguf", "llama", np.int32),
+                        ["'blk.0.attn_norm.weight'", "type I32", "cannot dequantize"]),
         "missing file": (root / "absent.gguf", ["no GGUF file at", "absent.gguf"]),
         "not a gguf": (root / "garbage.gguf", ["not a readable GGUF file", "garbage.gguf"]),
         "checkpoint architecture": (mamba_dir, ["MambaForCausalLM", "supported", "LlamaForCausalLM"]),
@@ -87,7 +96,8 @@ def assert_one_line_refusal(out: subprocess.CompletedProcess, says: list[str]) -
         assert text in lines[0], (text, lines[0])
 
 
-@pytest.mark.parametrize("case", ["gguf architecture", "missing file", "not a gguf", "checkpoint architecture"])
+@pytest.mark.parametrize("case", ["gguf architecture", "tensor type", "missing file", "not a gguf",
+                                  "checkpoint architecture"])
 def test_server_refuses_in_one_line_before_binding_its_port(refused, case):
     model, says = refused[case]
     port = free_port()
@@ -114,8 +124,8 @@ def test_check_model_reads_headers_only(refused):
     from models.gguf import GGUFError
     from models.loader import check_model
 
-    for case, error in [("gguf architecture", GGUFError), ("not a gguf", GGUFError), ("missing file", FileNotFoundError),
-                        ("checkpoint architecture", ValueError)]:
+    for case, error in [("gguf architecture", GGUFError), ("tensor type", GGUFError), ("not a gguf", GGUFError),
+                        ("missing file", FileNotFoundError), ("checkpoint architecture", ValueError)]:
         model, says = refused[case]
         with pytest.raises(error) as info:
             check_model(str(model))
