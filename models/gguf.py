@@ -3,22 +3,26 @@
 Everything that names things comes from the two projects' own tables, not from ours:
 
     metadata -> config     transformers' GGUF_CONFIG_MAPPING (`{arch}.*` keys -> config fields),
-                           then transformers' config class for the architecture
+                           then transformers' config class for the architecture; for DeepSeek's
+                           `deepseek2`, which that map lacks, our one small table (_DEEPSEEK2_KEYS)
     tensor names           gguf-py's TensorNameMap over the state-dict names of transformers'
-                           model for that config (transformers' `get_gguf_hf_weights_map`)
+                           model for that config (transformers' `get_gguf_hf_weights_map`); for
+                           `deepseek2` also over the converter's names for its stacked experts and
+                           split kv_b_proj, which are then regrouped (_deepseek2_tensors)
     per-tensor fixes       transformers' TensorProcessor for the architecture (llama's Q/K row
                            order, Gemma's norm offset), applied to the stored tensor
     parsing, dequantizing  gguf-py (GGUFReader, quants.dequantize)
 
-An architecture is served when transformers reads its metadata and our registry has its
-model class. Weights are read one tensor at a time as the loader iterates, so the float
-model is never held twice. The tokenizer comes from transformers' GGUF support; converting
-it takes seconds, so the result is saved under the cache directory, keyed by the metadata.
+An architecture is served when transformers reads its metadata (or, for `deepseek2`, we do) and
+our registry has its model class. Weights are read one tensor at a time as the loader iterates,
+so the float model is never held twice. The tokenizer comes from transformers' GGUF support;
+converting it takes seconds, so the result is saved under the cache directory, keyed by the metadata.
 """
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -28,10 +32,12 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import MODEL_ARCH, GGMLQuantizationType, GGUFReader, get_tensor_name_map
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import Q4_K, dequantize
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase, PreTrainedTokenizerFast,
+)
 from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
 from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -46,6 +52,31 @@ _MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gemma3": "gem
 # `{arch}.*` keys that transformers' map leaves out, named as the HF config field they fill.
 _UNMAPPED_KEYS = ("attn_logit_softcapping", "final_logit_softcapping")
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3_text": 62}
+# transformers has no GGUF map for DeepSeek V2/V3 (llama.cpp's `deepseek2`): the `deepseek2.*` keys that
+# llama.cpp's converter (DeepseekV2Model) writes, named as the HF DeepseekV2/V3 config field they fill.
+_DEEPSEEK2_KEYS = {
+    "context_length": "max_position_embeddings", "block_count": "num_hidden_layers",
+    "embedding_length": "hidden_size", "feed_forward_length": "intermediate_size",
+    "attention.head_count": "num_attention_heads", "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "rope.freq_base": "rope_theta", "rope.dimension_count": "qk_rope_head_dim",
+    "attention.q_lora_rank": "q_lora_rank", "attention.kv_lora_rank": "kv_lora_rank",
+    "attention.value_length_mla": "v_head_dim", "leading_dense_block_count": "first_k_dense_replace",
+    "expert_feed_forward_length": "moe_intermediate_size", "expert_count": "n_routed_experts",
+    "expert_used_count": "num_experts_per_tok", "expert_shared_count": "n_shared_experts",
+    "expert_group_count": "n_group", "expert_group_used_count": "topk_group",
+    "expert_weights_scale": "routed_scaling_factor", "expert_weights_norm": "norm_topk_prob",
+}
+# What llama.cpp takes an absent key to mean, where HF's config defaults differ (V3's are DeepSeek-V3's sizes).
+_DEEPSEEK2_ABSENT = {"q_lora_rank": None, "n_routed_experts": None, "n_group": 1, "topk_group": 1,
+                     "routed_scaling_factor": 1.0, "norm_topk_prob": False}
+_GATING_FUNCS = {1: "softmax", 2: "sigmoid"}  # deepseek2.expert_gating_func; absent: softmax, as llama.cpp
+# Per layer, the names llama.cpp's converter gives what it writes in its own layout (gguf-py's
+# TensorNameMap knows them; transformers' model has none): routed experts stacked into 3-D tensors,
+# kv_b_proj split into k_b (transposed per head) and v_b, V3's correction bias as a `.bias`.
+_DEEPSEEK2_TENSORS = ("mlp.experts.gate_proj.weight", "mlp.experts.up_proj.weight", "mlp.experts.down_proj.weight",
+                      "self_attn.k_b_proj.weight", "self_attn.v_b_proj.weight", "mlp.gate.e_score_correction.bias")
+_STACKED_EXPERTS = re.compile(r"(.+\.experts)\.(gate_proj|up_proj|down_proj)\.weight$")
+_KV_B_HALF = re.compile(r"(.+)\.(k|v)_b_proj\.weight$")
 # Tensors that carry metadata rather than weights; read into the config.
 _ROPE_FREQS = "rope_freqs.weight"
 
@@ -68,13 +99,15 @@ class GGUFError(ValueError):
 @cache
 def supported_architectures() -> dict[str, str]:
     """GGUF architecture -> HF architecture name, for every architecture whose metadata
-    transformers reads and whose model class our registry has."""
+    transformers reads (and `deepseek2`, which we read) and whose model class our registry has."""
     supported = {}
     for config_key in GGUF_CONFIG_MAPPING:
         arch = next((a for a, k in _CONFIG_KEYS.items() if k == config_key), config_key)
         hf_architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(_MODEL_TYPES.get(arch, arch))
         if hf_architecture in MODEL_REGISTRY:
             supported[arch] = hf_architecture
+    if {"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"} <= set(MODEL_REGISTRY):
+        supported["deepseek2"] = "DeepseekV2ForCausalLM"  # or V3: read_config tells them apart per file
     return supported
 
 
@@ -130,25 +163,28 @@ def read_config(reader: GGUFReader, path: Path) -> PretrainedConfig:
     def meta(key, default=_REQUIRED):
         return _field(reader, f"{arch}.{key}", default, path)
 
-    params = dict(GGUF_CONFIG_DEFAULTS_MAPPING.get(config_key, {}))
-    mapping = GGUF_CONFIG_MAPPING[config_key]
-    for key in reader.fields:
-        if key.startswith(f"{arch}.") and mapping.get(key[len(arch) + 1:]) not in (None, -1):
-            params[mapping[key[len(arch) + 1:]]] = _field(reader, key)
     for key in ("embedding_length", "block_count", "attention.head_count"):
         meta(key)  # required: a clear error rather than a config class default
-
     hidden_size, num_heads = int(meta("embedding_length")), int(meta("attention.head_count"))
-    head_dim = int(meta("attention.key_length", hidden_size // num_heads))
-    params["head_dim"] = head_dim
-    if isinstance(params.get("num_key_value_heads"), list):  # per-layer counts: one value or refuse
-        counts = set(params["num_key_value_heads"])
-        if len(counts) != 1:
-            raise GGUFError(f"{path}: per-layer KV head counts {sorted(counts)} are not supported")
-        params["num_key_value_heads"] = counts.pop()
+    tensors = {t.name: t for t in reader.tensors}
+    if arch == "deepseek2":
+        model_type, params = _deepseek2_params(reader, meta, tensors, path)
+        head_dim = params["qk_rope_head_dim"]  # HF's DeepSeek configs: head_dim is the rotary part
+    else:
+        params = dict(GGUF_CONFIG_DEFAULTS_MAPPING.get(config_key, {}))
+        mapping = GGUF_CONFIG_MAPPING[config_key]
+        for key in reader.fields:
+            if key.startswith(f"{arch}.") and mapping.get(key[len(arch) + 1:]) not in (None, -1):
+                params[mapping[key[len(arch) + 1:]]] = _field(reader, key)
+        head_dim = int(meta("attention.key_length", hidden_size // num_heads))
+        params["head_dim"] = head_dim
+        if isinstance(params.get("num_key_value_heads"), list):  # per-layer counts: one value or refuse
+            counts = set(params["num_key_value_heads"])
+            if len(counts) != 1:
+                raise GGUFError(f"{path}: per-layer KV head counts {sorted(counts)} are not supported")
+            params["num_key_value_heads"] = counts.pop()
     rotary_dim = int(meta("rope.dimension_count", head_dim))
 
-    tensors = {t.name: t for t in reader.tensors}
     vocab_size = len(_field(reader, "tokenizer.ggml.tokens", _REQUIRED, path))
     embed = tensors.get("token_embd.weight")
     if embed is None:
@@ -177,8 +213,13 @@ def read_config(reader: GGUFReader, path: Path) -> PretrainedConfig:
         config = AutoConfig.for_model(model_type, **params)
     except (TypeError, ValueError) as exc:
         raise GGUFError(f"{path}: metadata does not make a {model_type} config: {exc}") from None
-    config.architectures = [supported_architectures()[arch]]
+    config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]]
     scaling = _rope_scaling(meta, path)
+    log_mul = meta("rope.scaling.yarn_log_multiplier", None) if arch == "deepseek2" else None
+    if log_mul and scaling.get("rope_type") == "yarn":
+        # deepseek2 writes 0.1 * mscale_all_dim, and llama.cpp scales attention as if mscale were the
+        # same (DeepSeek's releases set both equal); HF's YaRN reads both.
+        scaling["mscale"] = scaling["mscale_all_dim"] = float(np.float32(log_mul) / np.float32(0.1))
     if rotary_dim != head_dim:
         scaling["partial_rotary_factor"] = rotary_dim / head_dim
     if _ROPE_FREQS in tensors:
@@ -194,6 +235,30 @@ def read_config(reader: GGUFReader, path: Path) -> PretrainedConfig:
         target = rope["full_attention"] if "full_attention" in rope else rope
         target.update(scaling)
     return config
+
+
+def _deepseek2_params(reader: GGUFReader, meta, tensors: dict, path: Path) -> tuple[str, dict]:
+    """-> (model_type, config fields) of a `deepseek2` file. V3 is told from V2 as llama.cpp does:
+    sigmoid gating with `exp_probs_b` (the router's correction bias) tensors."""
+    params = dict(_DEEPSEEK2_ABSENT)
+    params.update({field: _field(reader, f"deepseek2.{key}") for key, field in _DEEPSEEK2_KEYS.items()
+                   if reader.get_field(f"deepseek2.{key}") is not None})
+    params["qk_nope_head_dim"] = int(meta("attention.key_length_mla")) - int(params["qk_rope_head_dim"])
+    # head_count_kv is 1: llama.cpp runs MLA as MQA over the latent; HF counts the decompressed heads.
+    params["num_key_value_heads"] = params["num_attention_heads"]
+    gating = int(meta("expert_gating_func", 1))
+    if gating not in _GATING_FUNCS:
+        raise GGUFError(f"{path}: expert gating function {gating} is not supported (1 softmax, 2 sigmoid)")
+    params["scoring_func"] = _GATING_FUNCS[gating]
+    if params["scoring_func"] == "softmax":
+        # DeepSeek's V2 releases group experts (n_group > 1) exactly when they route group-limited.
+        params["topk_method"] = "group_limited_greedy" if params["n_group"] > 1 else "greedy"
+        return "deepseek_v2", params
+    if not any(name.endswith(".exp_probs_b.bias") for name in tensors):
+        raise GGUFError(f"{path}: sigmoid expert gating without exp_probs_b tensors is not supported")
+    params["topk_method"] = "noaux_tc"
+    params["rope_interleave"] = True  # llama.cpp rotates deepseek2's rope dims as adjacent pairs
+    return "deepseek_v3", params
 
 
 def _rope_scaling(meta, path: Path) -> dict:
@@ -228,7 +293,41 @@ def tensor_name_map(config: PretrainedConfig, arch: str) -> dict[str, str]:
     transformers' model for `config` (built on the meta device: no memory)."""
     with torch.device("meta"):
         hf_model = AutoModelForCausalLM.from_config(config)
-    return get_gguf_hf_weights_map(hf_model, _processor(config, arch))
+    if arch != "deepseek2":
+        return get_gguf_hf_weights_map(hf_model, _processor(config, arch))
+    names = get_gguf_hf_weights_map(hf_model, _processor(config, arch), model_type=arch)
+    gguf_names = get_tensor_name_map(MODEL_ARCH.DEEPSEEK2, config.num_hidden_layers)
+    for layer in range(config.num_hidden_layers):
+        for name in _DEEPSEEK2_TENSORS:  # named as the converter had them; _deepseek2_tensors regroups
+            name = f"model.layers.{layer}.{name}"
+            gguf_name = gguf_names.get_name(name, try_suffixes=(".weight", ".bias"))
+            names[gguf_name] = name.replace("e_score_correction.bias", "e_score_correction_bias")
+    return names
+
+
+def _deepseek2_tensors(pairs: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The converter's layout back to the HF names our DeepSeek model loads:
+
+        experts.gate_proj.weight (E, inter, hidden)  ->  experts.{e}.gate_proj.weight (inter, hidden)
+        k_b_proj.weight (H, L, nope) + v_b_proj.weight (H, v, L)
+                                                     ->  kv_b_proj.weight (H * (nope + v), L), per head nope rows then v
+    """
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in pairs:
+        if m := _STACKED_EXPERTS.match(name):
+            for expert in range(tensor.shape[0]):
+                yield f"{m[1]}.{expert}.{m[2]}.weight", tensor[expert]
+        elif m := _KV_B_HALF.match(name):
+            halves.setdefault(m[1], {})[m[2]] = tensor
+            if len(halves[m[1]]) == 2:
+                pair = halves.pop(m[1])
+                k_b, v_b = pair["k"], pair["v"]
+                per_head = torch.cat([k_b.transpose(1, 2), v_b], dim=1)  # (H, nope + v, L)
+                yield f"{m[1]}.kv_b_proj.weight", per_head.reshape(-1, per_head.shape[-1])
+        else:
+            yield name, tensor
+    if halves:
+        raise GGUFError(f"k_b / v_b without its other half: {sorted(halves)}")
 
 
 def _processor(config: PretrainedConfig, arch: str) -> TensorProcessor:
@@ -245,6 +344,8 @@ class GGUFWeights:
         arch = _field(reader, "general.architecture")
         self._processor = _processor(config, arch)
         names = tensor_name_map(config, arch)
+        self._regroup = arch == "deepseek2"
+        self._num_experts = getattr(config, "n_routed_experts", None) or 0
         self._names: list[tuple[int, str]] = []
         checked: set[GGMLQuantizationType] = set()
         for index, tensor in enumerate(reader.tensors):
@@ -263,11 +364,24 @@ class GGUFWeights:
 
     def stored_types(self) -> dict[str, GGMLQuantizationType]:
         """HF name -> the GGUF type the file stores it in."""
-        return {hf_name: self._reader.tensors[index].tensor_type for index, hf_name in self._names}
+        types = {hf_name: self._reader.tensors[index].tensor_type for index, hf_name in self._names}
+        if not self._regroup:
+            return types
+        regrouped = {}  # under the names _deepseek2_tensors yields
+        for name, qtype in types.items():
+            if m := _STACKED_EXPERTS.match(name):
+                regrouped.update({f"{m[1]}.{e}.{m[2]}.weight": qtype for e in range(self._num_experts)})
+            elif m := _KV_B_HALF.match(name):
+                regrouped[f"{m[1]}.kv_b_proj.weight"] = qtype
+            else:
+                regrouped[name] = qtype
+        return regrouped
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
-        for index, hf_name in self._names:
-            yield hf_name, self._tensor(self._reader.tensors[index])
+        pairs = ((hf_name, self._tensor(self._reader.tensors[index])) for index, hf_name in self._names)
+        # deepseek2's 3-D tensors (stacked experts, k_b / v_b) come dequantized: _tensor keeps only 2-D
+        # ones quantized; the expert slices are then requantized at load where the model quantizes.
+        yield from _deepseek2_tensors(pairs) if self._regroup else pairs
 
     def _process(self, array: np.ndarray, name: str) -> np.ndarray:
         return self._processor.process(weights=array, name=name).weights
@@ -368,7 +482,13 @@ def load_tokenizer(path: Path, cache: Path | None = None, reader: GGUFReader | N
     saved = Path(cache) / "tokenizers" / f"gguf-{_metadata_key(reader)}"
     if (saved / "tokenizer_config.json").is_file():
         return AutoTokenizer.from_pretrained(saved)
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    arch = _field(reader, "general.architecture", None)
+    if _CONFIG_KEYS.get(arch, arch) in GGUF_CONFIG_MAPPING:
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    else:
+        # AutoTokenizer first builds transformers' config, which it cannot for deepseek2; the
+        # tokenizer itself comes from the file's tokenizer.ggml.* fields alone.
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(path.parent, gguf_file=path.name)
     tmp = None
     try:
         saved.parent.mkdir(parents=True, exist_ok=True)

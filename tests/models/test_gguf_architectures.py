@@ -14,6 +14,7 @@ import random
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from models.gguf import GGUFError, load_gguf, supported_architectures
 from models.loader import load_model
@@ -21,6 +22,7 @@ from tests.models.conftest import (
     assert_logits_close, make_hf_model, paged_forward, save_checkpoint, shuffled_block_tables, tiny_tokenizer,
 )
 from tests.models.llama_cpp import convert
+from tests.models.test_deepseek import CASES as DEEPSEEK, YARN, make_hf_deepseek
 
 CASES = {
     "llama": ("llama", {}),
@@ -40,6 +42,15 @@ CASES = {
     # layers to one global, and 10000 as the sliding layers' RoPE base.
     "gemma3": ("gemma3", {"sliding_window": 8, "head_dim": 16, "query_pre_attn_scalar": 16,
                           "tie_word_embeddings": True, "num_hidden_layers": 6}),
+    # DeepSeek (llama.cpp's `deepseek2`): test_deepseek's tiny models, whose per-expert tensors are what the
+    # converter reads. V3's config.json names its gating function (as DeepSeek's does; transformers'
+    # config does not), else the converter writes none and llama.cpp takes softmax; its KV head count is
+    # the head count (transformers' default is V3's 128), by which the converter splits kv_b_proj.
+    "deepseek_v2": ("v2-greedy-no-q-lora", {}),
+    # GGUF keeps one YaRN mscale (as 0.1 * mscale_all_dim): DeepSeek's releases set mscale to the same.
+    "deepseek_v2_group_limited_yarn": ("v2-group-limited-q-lora-yarn", {"rope_parameters": {
+        **YARN, "mscale": 0.707, "mscale_all_dim": 0.707}}),
+    "deepseek_v3": ("v3-q-lora", {"scoring_func": "sigmoid", "num_key_value_heads": 4}),
 }
 PROMPT_LENS = [1, 9, 23, 41]
 
@@ -53,7 +64,7 @@ def converted(tmp_path_factory):
         key = (name, outtype)
         if key not in built:
             arch, overrides = CASES[name]
-            hf_model = make_hf_model(arch, **overrides)
+            hf_model = make_hf_deepseek(arch, **overrides) if arch in DEEPSEEK else make_hf_model(arch, **overrides)
             root = tmp_path_factory.mktemp(name)
             checkpoint = save_checkpoint(hf_model, root / "hf")
             built[key] = hf_model, convert(checkpoint, root / f"{name}-{outtype}.gguf", outtype)
@@ -128,7 +139,34 @@ def test_config_from_metadata_equals_the_checkpoints(converted, name, tmp_path):
     assert config.rms_norm_eps == pytest.approx(ref.rms_norm_eps)
     assert eos == (tiny_tokenizer().eos_token_id,)
     expected = {n for n in hf_model.state_dict() if not (config.tie_word_embeddings and n == "lm_head.weight")}
+    if CASES[name][0] in DEEPSEEK:  # routed experts per expert, as the checkpoint stores them
+        with safe_open(path.parent / "hf" / "model.safetensors", "pt") as f:
+            expected = set(f.keys())
     assert {n for n, _ in weights} == expected
+
+
+@pytest.mark.parametrize("name", [n for n, (arch, _) in CASES.items() if arch in DEEPSEEK])
+def test_deepseek2_file_gives_back_the_checkpoints_config_and_tensors(converted, name, tmp_path):
+    """MLA / MoE fields from `deepseek2.*` metadata; kv_b_proj rebuilt from k_b and v_b and the stacked
+    experts split, bit for bit."""
+    hf_model, path = converted(name)
+    config, weights, *_ = load_gguf(path, cache=tmp_path)
+    ref = hf_model.config
+    assert config.architectures == ref.architectures
+    for key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_routed_experts",
+                "n_shared_experts", "num_experts_per_tok", "moe_intermediate_size", "first_k_dense_replace",
+                "norm_topk_prob", "routed_scaling_factor"):
+        assert getattr(config, key) == getattr(ref, key), key
+    if ref.model_type == "deepseek_v2":
+        assert config.topk_method == ref.topk_method
+    if config.topk_method != "greedy":
+        assert (config.n_group, config.topk_group) == (ref.n_group, ref.topk_group)
+    want = ref.rope_parameters
+    got = {k: v for k, v in config.rope_parameters.items() if k in want}
+    assert got == pytest.approx(want)
+    with safe_open(path.parent / "hf" / "model.safetensors", "pt") as f:
+        for hf_name, tensor in weights:
+            assert torch.equal(tensor, f.get_tensor(hf_name)), hf_name
 
 
 def test_llama3_rope_factors_reproduce_hf_frequencies(converted, tmp_path):
@@ -164,7 +202,7 @@ def test_q8_0_file_is_served_from_its_blocks(converted, name, tmp_path):
 
 
 def test_every_registered_llama_family_is_supported():
-    assert {"llama", "qwen2", "qwen3"} <= set(supported_architectures())
+    assert {"llama", "qwen2", "qwen3", "deepseek2"} <= set(supported_architectures())
 
 
 def test_unsupported_architecture_is_one_line_naming_it_and_the_supported(converted, tmp_path):
