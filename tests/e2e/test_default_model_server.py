@@ -172,19 +172,17 @@ def _readme_examples(section: str) -> list[str]:
 
 def test_the_readme_structured_output_examples_run_verbatim_and_finish(server):
     """The README's `parse(City)` and tool-call blocks, as written (default temperature, no
-    max_tokens), 10 and 3 times: each finishes in seconds, with a City and a tool call. Number,
+    max_tokens), 10 and 3 times: each ends by itself, with a City and a tool call. Number,
     string and array lengths are bounded in the grammar (engine/structured.py: `bounded`), so a
     float's digits cannot run to the end of the context as they once did. The tool block asks for
     one call (`parallel_tool_calls=False`): with up to 16, one first reply in ~120 ran to ~3.8k
     tokens of calls, and its follow-up was over this server's --max-model-len (a rightful 400)."""
-    import time
-
     city_block, tool_block = _readme_examples("Structured output and tool calls")[:2]
+    # parse() raises when a reply ends at the length limit; the tool block's answer is checked below
     city_block = city_block.replace("http://127.0.0.1:8000/v1", f"{server}/v1")
     for block, runs in ((city_block, 10), (tool_block, 3)):
         scope: dict = {}
         for _ in range(runs):
-            start = time.monotonic()
             exec(city_block, scope)  # the client (and City) as the README builds them
             if block is tool_block:
                 try:
@@ -195,5 +193,5 @@ def test_the_readme_structured_output_examples_run_verbatim_and_finish(server):
                                          f"{(reply.message.content or '')[:500] if reply else ''!r}") from None
                 assert scope["call"].function.name == "get_weather"
                 assert set(json.loads(scope["call"].function.arguments)) <= {"city"}
+                assert scope["answer"].choices[0].finish_reason in ("stop", "tool_calls")  # not cut by the context
             assert type(scope["city"]).__name__ == "City"
-            assert time.monotonic() - start < 60
