@@ -155,3 +155,38 @@ def assert_logits_close(ours: torch.Tensor, ref: torch.Tensor, tol: float = 1e-4
     rel = abs_diff / ref.abs().max().item()
     assert rel < tol and abs_diff < tol, f"relative diff {rel:.2e}, absolute diff {abs_diff:.2e}"
     return rel
+
+
+class ModelCase:
+    """A tiny random HF model (`arch` with config `overrides`) saved and loaded by us in float32, random
+    prompts of `prompt_lens` tokens and transformers' logits for each: the fixture of the model tests."""
+
+    def __init__(self, name: str, arch: str, overrides: dict, prompt_lens: list[int], tmp_path_factory):
+        from models.loader import load_model
+
+        self.hf_model = make_hf_model(arch, **overrides)
+        self.dir = save_checkpoint(self.hf_model, tmp_path_factory.mktemp(name))
+        self.loaded = load_model(str(self.dir), dtype="float32")
+        gen = random.Random(len(name))
+        vocab = self.loaded.config.vocab_size
+        self.prompts = [[gen.randrange(vocab) for _ in range(n)] for n in prompt_lens]
+        with torch.no_grad():
+            self.ref = [self.hf_model(input_ids=torch.tensor([p])).logits[0] for p in self.prompts]
+
+    def new_cache(self, seq_lens, block_size, seed=0):
+        tables, num_blocks = shuffled_block_tables(seq_lens, block_size, seed)
+        spec = self.loaded.model.kv_cache_spec(torch.float32)
+        return spec.allocate(num_blocks, block_size, "cpu"), tables
+
+
+def model_cases(cases: dict[str, tuple[str, dict]], prompt_lens: list[int], tmp_path_factory):
+    """name -> ModelCase, each built on first use."""
+    built: dict[str, ModelCase] = {}
+
+    def get(name: str) -> ModelCase:
+        if name not in built:
+            arch, overrides = cases[name]
+            built[name] = ModelCase(name, arch, overrides, prompt_lens, tmp_path_factory)
+        return built[name]
+
+    return get

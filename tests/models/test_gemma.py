@@ -3,14 +3,13 @@ cache reproduce transformers' eager logits (float32) on prompts several windows 
 layers interleaved with global ones, soft-capped scores and logits, Gemma 3's per-layer-type RoPE."""
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
 
 from models.layers import cpu_kernels
 from models.loader import load_model
-from tests.models.conftest import assert_logits_close, make_hf_model, paged_forward, save_checkpoint, shuffled_block_tables
+from tests.models.conftest import assert_logits_close, model_cases, paged_forward
 
 WINDOW = 8
 GEMMA = dict(num_hidden_layers=4, head_dim=16, sliding_window=WINDOW, hidden_activation="gelu_pytorch_tanh")
@@ -43,34 +42,9 @@ def attention_path(request, monkeypatch):
     return request.param
 
 
-class Case:
-    def __init__(self, name, tmp_path_factory):
-        arch, overrides = CASES[name]
-        self.hf_model = make_hf_model(arch, **overrides)
-        self.dir = save_checkpoint(self.hf_model, tmp_path_factory.mktemp(name))
-        self.loaded = load_model(str(self.dir), dtype="float32")
-        gen = random.Random(len(name))
-        vocab = self.loaded.config.vocab_size
-        self.prompts = [[gen.randrange(vocab) for _ in range(n)] for n in PROMPT_LENS]
-        with torch.no_grad():
-            self.ref = [self.hf_model(input_ids=torch.tensor([p])).logits[0] for p in self.prompts]
-
-    def new_cache(self, seq_lens, block_size, seed=0):
-        tables, num_blocks = shuffled_block_tables(seq_lens, block_size, seed)
-        spec = self.loaded.model.kv_cache_spec(torch.float32)
-        return spec.allocate(num_blocks, block_size, "cpu"), tables
-
-
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory):
-    built = {}
-
-    def get(name):
-        if name not in built:
-            built[name] = Case(name, tmp_path_factory)
-        return built[name]
-
-    return get
+    return model_cases(CASES, PROMPT_LENS, tmp_path_factory)
 
 
 def test_config_windows_and_max_model_len(cases):

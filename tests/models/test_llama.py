@@ -3,13 +3,12 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 
 import pytest
 import torch
 
 from models.loader import load_model
-from tests.models.conftest import assert_logits_close, paged_forward, save_checkpoint, shuffled_block_tables, make_hf_model
+from tests.models.conftest import assert_logits_close, model_cases, paged_forward
 
 CASES = {
     "llama_mha": ("llama", {"num_key_value_heads": 4}),
@@ -40,33 +39,9 @@ PROMPT_LENS = [1, 9, 23, 41]  # ragged; 41 spans several blocks of every size te
 WORST = {"relative": 0.0}
 
 
-class Case:
-    def __init__(self, name, tmp_path_factory):
-        arch, overrides = CASES[name]
-        self.hf_model = make_hf_model(arch, **overrides)
-        self.dir = save_checkpoint(self.hf_model, tmp_path_factory.mktemp(name))
-        self.loaded = load_model(str(self.dir), dtype="float32")
-        gen = random.Random(len(name))
-        vocab = self.loaded.config.vocab_size
-        self.prompts = [[gen.randrange(vocab) for _ in range(n)] for n in PROMPT_LENS]
-        with torch.no_grad():
-            self.ref = [self.hf_model(input_ids=torch.tensor([p])).logits[0] for p in self.prompts]
-
-    def new_cache(self, seq_lens, block_size, seed=0):
-        tables, num_blocks = shuffled_block_tables(seq_lens, block_size, seed)
-        spec = self.loaded.model.kv_cache_spec(torch.float32)
-        return spec.allocate(num_blocks, block_size, "cpu"), tables
-
-
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory):
-    built = {}
-
-    def get(name):
-        if name not in built:
-            built[name] = Case(name, tmp_path_factory)
-        return built[name]
-
+    get = model_cases(CASES, PROMPT_LENS, tmp_path_factory)
     yield get
     print(f"\nworst relative logits diff vs transformers: {WORST['relative']:.2e}")  # shown with -s
 
