@@ -19,6 +19,7 @@ CONFIGS = {  # architecture -> (transformers config class, extra fields)
     "MistralForCausalLM": ("MistralConfig", dict(num_key_value_heads=2)),
     "Qwen2ForCausalLM": ("Qwen2Config", dict(num_key_value_heads=2, tie_word_embeddings=True)),
     "Qwen3ForCausalLM": ("Qwen3Config", dict(num_key_value_heads=1, head_dim=32)),
+    "Phi3ForCausalLM": ("Phi3Config", dict(num_key_value_heads=2, pad_token_id=0)),
     "Gemma2ForCausalLM": ("Gemma2Config", dict(num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)),
     "Gemma3ForCausalLM": ("Gemma3TextConfig", dict(num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)),
     "DeepseekV2ForCausalLM": ("DeepseekV2Config", _MLA),
