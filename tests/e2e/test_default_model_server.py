@@ -3,9 +3,6 @@ driven by the official openai client over a real socket."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +12,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.server.conftest import wait_healthy
+from tests.server.conftest import free_port, stop_server, wait_healthy
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "SmolLM2-135M-Instruct"
@@ -27,9 +24,7 @@ def server():
     from models.fetch import default_model_path
 
     default_model_path()  # fetch (once) before the clock starts
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "server", "--port", str(port), "--max-model-len", "2048", "--kv-cache-memory", "0.25",
          "--log-level", "warning"],
@@ -39,13 +34,7 @@ def server():
         wait_healthy(proc, url, timeout=600)
         yield url
     finally:
-        os.kill(proc.pid, signal.SIGTERM)
-        try:
-            code = proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
-        assert code == 0, proc.stdout.read()
+        stop_server(proc, proc.stdout.read)
 
 
 @pytest.fixture(scope="module")

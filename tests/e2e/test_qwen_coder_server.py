@@ -4,9 +4,6 @@ calls read in Qwen's own `<tool_call>` format (the hermes parser, picked from th
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +12,7 @@ import openai
 import pytest
 
 from tests.conftest import QWEN05 as MODEL
-from tests.server.conftest import wait_healthy
+from tests.server.conftest import free_port, stop_server, wait_healthy
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow  # loads a 0.5B model and decodes on the CPU
@@ -30,9 +27,7 @@ ASK_WEATHER = [{"role": "user", "content": "What is the weather like in Paris ri
 @pytest.fixture(scope="module")
 def server(qwen05_servable, tmp_path_factory):
     """(URL, the server's log file): 127.0.0.1 on a free port, stopped by its own handle."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     log = tmp_path_factory.mktemp("qwen-server") / "server.log"
     with open(log, "w") as out:  # a file, not a pipe nobody reads: info-level logs would fill one
         proc = subprocess.Popen(
@@ -44,13 +39,7 @@ def server(qwen05_servable, tmp_path_factory):
         wait_healthy(proc, url, timeout=900, output=log.read_text)
         yield url, log
     finally:
-        os.kill(proc.pid, signal.SIGTERM)
-        try:
-            code = proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
-        assert code == 0, log.read_text()
+        stop_server(proc, log.read_text)
 
 
 @pytest.fixture(scope="module")

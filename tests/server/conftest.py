@@ -8,7 +8,10 @@ is stopped through its own handle (never by a signal to the test process).
 """
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -84,6 +87,24 @@ class LiveServer:
                 return
             time.sleep(0.02)
         raise AssertionError(f"engine not idle after {timeout}s: {self.engine.stats()}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop_server(proc: subprocess.Popen, output) -> None:
+    """SIGTERM to the server this test started (by its own PID); it must exit 0 within 60 s, else it
+    is killed and the test fails with `output()`."""
+    os.kill(proc.pid, signal.SIGTERM)
+    try:
+        code = proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    assert code == 0, output()
 
 
 def wait_healthy(proc, url: str, timeout: float, output=None) -> None:

@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.server.conftest import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -55,12 +57,6 @@ def refused(tmp_path_factory) -> dict[str, tuple[Path, list[str]]]:
         "not a gguf": (root / "garbage.gguf", ["not a readable GGUF file", "garbage.gguf"]),
         "checkpoint architecture": (mamba_dir, ["MambaForCausalLM", "supported", "LlamaForCausalLM"]),
     }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class PortWatch:
