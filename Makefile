@@ -10,7 +10,7 @@ TORCH_PIN := torch==2.13.0
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 CONSTRAINTS := constraints.txt
 
-.PHONY: setup serve test bench lock
+.PHONY: setup serve test docs bench lock
 
 $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	@echo "[setup 1/4] virtual environment $(VENV), pip"
@@ -33,7 +33,12 @@ serve: setup
 	$(PY) -m server $(ARGS)
 
 test: setup
+	$(VENV)/bin/mkdocs build --strict --quiet --site-dir $$(mktemp -d)   # a broken link or page fails
 	$(PY) -m pytest -q $(ARGS)
+
+# The documentation (docs/, mkdocs.yml) on http://127.0.0.1:8001; docs/flags.py rewrites the flag page.
+docs: setup
+	$(VENV)/bin/mkdocs serve --dev-addr 127.0.0.1:8001
 
 # Everything installed in .venv but torch (pinned above), its CUDA packages and pagedserve itself.
 lock: setup

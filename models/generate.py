@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--chat", action="store_true", help="apply the chat template (add_generation_prompt)")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                        help="split the model over N ranks (README: Scaling out)")
+                        help="split the model over N ranks (docs/scaling.md)")
     args = parser.parse_args(argv)
     if args.max_tokens < 0:
         parser.error("--max-tokens must be >= 0")

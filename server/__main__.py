@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reasoning-parser", default="auto", choices=["auto", "none", *REASONING_PARSERS],
                    help="return a reasoning model's <think>...</think> as reasoning_content, apart from content; "
                         "auto = from the chat template (none when it has no thinking tags)")
-    spec = p.add_argument_group("speculative decoding (README: Speculative decoding)")
+    spec = p.add_argument_group("speculative decoding (docs/speculative.md)")
     spec.add_argument("--speculative", default=None, choices=["ngram"],
                       help="draft tokens to verify in one step: ngram = lookup of the last tokens in the prompt and "
                            "output (and a grammar's forced tokens); outputs are the same as without (default: off)")
@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--prompt-lookup-max", type=int, default=4, help="longest n-gram looked up (tried first)")
     spec.add_argument("--speculative-max-batch-size", type=int, default=4,
                       help="no drafts while more requests than this run (where they stop paying)")
-    tp = p.add_argument_group("tensor parallelism (README: Scaling out)")
+    tp = p.add_argument_group("tensor parallelism (docs/scaling.md)")
     tp.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                     help="ranks the model is split over (torch.distributed: gloo on CPU, NCCL on CUDA); "
                          "one node: this process is rank 0 and starts the others")
