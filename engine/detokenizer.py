@@ -153,7 +153,7 @@ def _decoder(tokenizer, skip_special_tokens: bool) -> Callable[[list[int]], str]
     """`tokenizer.decode(ids, skip_special_tokens=..., clean_up_tokenization_spaces=False)` as a
     function of ids. Where the tokenizer is transformers' plain wrapper of a `tokenizers`
     tokenizer, that decode is the backend's own (with clean-up off it adds only argument
-    handling, ~10 us a call and two calls a token): call the backend directly."""
+    handling, paid twice a token): call the backend directly."""
     try:
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
     except ImportError:  # another transformers: its decode, as documented

@@ -290,9 +290,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
 def greedy_argmax(logits: torch.Tensor, block: int = 128) -> torch.Tensor:
     """logits.argmax(dim=-1), same index on ties (the first), faster on CPU.
 
-    With our kernels, one op (cpu_kernels.argmax_rows): in a serving step, after the forward
-    pass has left every cache cold, the torch ops below took ~110 us a 49152-wide row and it
-    ~35 (360M, one greedy request, Zen 5). Else: torch's argmax over a large vocabulary runs a
+    With our kernels, one op (cpu_kernels.argmax_rows), a third of the torch ops' time once the
+    forward pass has left every cache cold. Else: torch's argmax over a large vocabulary runs a
     scalar loop; amax is vectorised. So find each row's first block holding its maximum, then
     the first maximum inside it:
 
@@ -451,9 +450,9 @@ def _uniforms(batch: SamplingBatch, device: torch.device) -> torch.Tensor:
 def _draw_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Each row's token drawn from its sampling distribution with its uniform. On CPU with our
     kernels, one op (cpu_kernels.draw_rows: 2-3 passes over the row, the same token on every CPU)
-    where torch's ops took 5 (divide, softmax, cumsum, two searchsorteds: ~136 us a 49152-wide row
-    at t=0.8, paid by every sampled row of every step, and by each of a verification's k + 1) and
-    top-k / top-p / min-p ~10 more (topk, softmax, gathers, cumsums, masks: ~360 us a row)."""
+    where torch's ops took 5 (divide, softmax, cumsum, two searchsorteds), paid by every sampled
+    row of every step and by each of a verification's k + 1, and top-k / top-p / min-p ~10 more
+    (topk, softmax, gathers, cumsums, masks). Timings: docs/benchmarks.md, "The sampler"."""
     if not (logits.dtype == torch.float32 and cpu_kernels.usable(logits)):
         return _draw(sampling_probs(logits, batch), batch)
     token_ids = cpu_kernels.draw_rows(logits, *draw_knobs(batch, _uniforms(batch, logits.device).squeeze(1)))
@@ -487,7 +486,7 @@ def _draw(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     # A row with no probability left (every token -inf) or NaN ones has no distribution to
     # draw from: it takes its most probable token, and an id in the vocabulary whatever happens.
     drawable = (torch.isfinite(total) & (total > 0)).squeeze(1)  # (N,)
-    if not bool(drawable.all()):  # (the argmax over the vocabulary was ~20% of a 1-row draw, 30 of 147 us)
+    if not bool(drawable.all()):  # rare: the argmax over the vocabulary is a fifth of a 1-row draw
         token_ids = torch.where(drawable, token_ids, probs.nan_to_num(nan=0.0).argmax(dim=-1))
     return token_ids.clamp_(0, probs.shape[1] - 1)
 

@@ -42,7 +42,7 @@ class SpeculativeConfig:
     ngram_min: int = 1  # the shortest suffix of prompt + output looked up
     ngram_max: int = 4  # the longest, tried first
     # No drafts while more than this many requests run: each request's draft rows then cost a
-    # whole row of the step's compute (see README "Speculative decoding" for the measurement).
+    # whole row of the step's compute (docs/benchmarks.md, "Speculative decoding").
     max_batch_size: int = 4
 
     def __post_init__(self):
@@ -173,8 +173,8 @@ class Speculator:
     a = the acceptance rate of the draft's source (a match of n tokens, or the grammar), learned per
     request from a rate learned across requests, and the times of decode steps by (requests, rows),
     measured as the engine runs. Both matter: a match of 1 token is right ~15% of the time and one of
-    4 ~85%; and a step's time is not linear in its rows (one 135M request, 2 threads, Zen 5: 2 rows
-    cost ~1.0x one row, 4 rows ~1.3-1.4x; the 360M shape 1.1x and ~1.6x).
+    4 ~85%; and a step's time is not linear in its rows (2 rows can cost what one does, 4 rows
+    1.1-1.8x one, by CPU and model).
     """
 
     def __init__(self, config: SpeculativeConfig):
@@ -187,7 +187,7 @@ class Speculator:
                            for greedy in (False, True) for source in range(FORCED, config.ngram_max + 1)}
         # (requests, rows) -> the median time of the last STEP_WINDOW decode steps of that shape. A
         # median: one step held up (the event loop, a collection) took a running mean of a rarely seen
-        # shape to 1.7x its time for dozens of steps (135M, 2 rows: 7.4 ms where the median was 4.5).
+        # shape to 1.7x its time for dozens of steps.
         self._recent_steps: dict[tuple[int, int], deque[float]] = {}
         self._step_seconds: dict[tuple[int, int], float] = {}
         self._step = [1, 1, 1.0]  # the step being scheduled (begin_step): requests, rows so far, expected tokens

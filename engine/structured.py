@@ -1,7 +1,7 @@
 """Structured output: a request's grammar, compiled once, advanced token by token.
 
 llguidance does the grammar work (JSON schema, regex, choice, Lark/GBNF grammars;
-see the README for why it and not xgrammar). Here is what the engine needs of it:
+docs/structured-output.md says why it and not xgrammar). Here is what the engine needs of it:
 
     StructuredOutput   what the request asked for (kind + canonical text): hashable,
                        part of SamplingParams, the key of the compile cache

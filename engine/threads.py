@@ -3,7 +3,7 @@
   oneDNN            torch sends bf16/fp16 matmuls to oneDNN. For a single row (a step of
                     one decode: every weight read once for one token) torch's own
                     reduced-precision gemv, used with oneDNN off, is faster (about half the
-                    time of a one-token step, measured on Zen 4); from 2 rows on oneDNN
+                    time of a one-token step); from 2 rows on oneDNN
                     wins by a wide margin. So single-token steps run on
                     torch's kernels, always: a choice by timing would switch kernels between
                     steps, and with them the rounding of bf16 results, so that one seeded
@@ -22,7 +22,7 @@
                     under --batch-invariant, on rows_matmul) and our CPU kernels serve
                     attention and the rest. A model with dense linear layers otherwise
                     runs them on torch's GEMMs, where for some row counts the thread count
-                    changes a row's rounding (MKL float32, measured: README "Determinism"):
+                    changes a row's rounding (MKL float32: docs/determinism.md):
                     its steps keep one count, all the cores (or --num-threads).
 
 The tuner:
@@ -32,9 +32,8 @@ The tuner:
     each step       the best setting: at first the candidates' first (most threads); another
                     replaces it when both have 3 timed steps and its median is at least
                     `margin` (10%) lower. Without the margin (the lowest median of however
-                    many steps won), noise flipped the count: a 360M shape's decodes in one
-                    process, 2 threads 7.16 ms a step (median), 1 thread 9.23, ran 24 of 252
-                    steps on 1 thread, 29 of them in a row (Zen 5, 2 cores)
+                    many steps won), noise flipped the count: decodes whose median was 30%
+                    slower on 1 thread still ran a tenth of their steps on it, dozens in a row
     first steps     each candidate once, in order; then the best until it has 3 timed steps
     re-checks       every `recheck_every` steps of a bucket, another candidate runs once,
                     less often the worse it did (its time ratio, at most 4, x recheck_every),
@@ -43,10 +42,9 @@ The tuner:
     costly steps    a step that would take more than `explore_seconds` (0.2 s) with the
                     bucket's best tries another setting (first steps, re-checks) only where
                     a smaller bucket runs best with it (the cores are contended). Timing a
-                    costly size on fewer threads was a bet of seconds: a 1540-token prompt
-                    step of the 1.7B shape (2 cores, Zen 5) ran 7.8 s on 2 threads the first
-                    time and 14.9 s on 1 the second, and a 512-token one 2.3 then 4.4 s, in
-                    one run of 16 streams: 47-49 output tok/s against 62 with --num-threads 2
+                    costly size on fewer threads is a bet of seconds: a long prompt step on
+                    1 thread of 2 takes about twice as long, and a run of 16 streams lost a
+                    quarter of its throughput to such tries
 """
 from __future__ import annotations
 

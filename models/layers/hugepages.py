@@ -6,9 +6,8 @@ prefetchers stop at each crossing (and the TLB's few thousand entries cover a fe
 model loaded tensor by tensor lies scattered across the heap. Here a model's tensors are
 copied, in the order the model holds them, into one anonymous mapping advised
 MADV_HUGEPAGE (transparent huge pages in "madvise" mode, most distributions' default), and
-the KV caches are allocated in another. SmolLM2-135M's 120 quantized products for one row,
-2 threads, AMD EPYC Zen 3: 4.13-4.25 -> 3.75-3.80 ms (best of 20, alternated in one process);
-the same weights each in its own huge-page mapping gained about half of that.
+the KV caches are allocated in another: a one-row step's products run ~10% faster
+(docs/benchmarks.md); the same weights each in its own huge-page mapping gained about half of that.
 
 Where the kernel refuses (THP "never", not Linux), the memory is an ordinary mapping: the same
 numbers, contiguous, 4 KiB pages. `PAGEDSERVE_HUGEPAGES=0` keeps torch's own allocations.

@@ -15,7 +15,7 @@ Layers are split as vLLM, SGLang and nano-vllm split them (Megatron's scheme), w
 A model is built under `building(tp)` and its parallel layers keep that `TensorParallel`;
 every collective goes through its `Communicator`: `DistCommunicator` over a
 torch.distributed process group (gloo on CPU, NCCL on CUDA), or `ShmCommunicator` for CPU
-ranks of one machine (a shared-memory buffer: ~20x faster than gloo's TCP here); the tests
+ranks of one machine (a shared-memory buffer, far faster than gloo's TCP on loopback); the tests
 run ranks as threads of one process with another. Every one of them adds the ranks'
 tensors so that every rank gets the same bits; the shared-memory one adds them in rank order.
 """

@@ -275,7 +275,7 @@ class RowsDenseMethod(DenseMethod):
     its step (neighbours, row count, prefix-cache hits, thread count), as quantized layers are
     (CausalLM.row_invariant). torch's GEMMs (MKL, oneDNN) round a row by the step's row count.
     Weights stay plain (never oneDNN-packed). Its speed against torch's depends on the CPU: on an
-    AVX2 Zen 3 it was faster but for bf16's one-row decode (README "Determinism"); where oneDNN
+    AVX2 Zen 3 it was faster but for bf16's one-row decode (docs/benchmarks.md); where oneDNN
     takes bf16 its GEMMs should win. Off the CPU kernels (other devices, no compiler) it is
     DenseMethod."""
 
