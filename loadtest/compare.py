@@ -182,10 +182,9 @@ def merge_rounds(rounds: list[dict]) -> dict:
 def measure(commands: dict[str, list[str]], args, tokenizer_dir: str, threads: int | None = None) -> list[dict]:
     """Run each concurrency on one server and at once on the other (side_by_side), alternating which
     goes first: the two figures of a row come minutes closer than whole runs one after the other,
-    and this machine's speed drifts over minutes (ours at 360M read 7.0 and 9.5 ms a token in runs
-    minutes apart). With --rounds N, all of that N times on servers started afresh each round (a
+    and a shared machine's speed drifts over minutes (by a third between runs minutes apart). With --rounds N, all of that N times on servers started afresh each round (a
     llama-server that had served a round kept its finished requests' cache cells, and its c=16
-    throughput fell from 154 to 108-120 tok/s at 360M: each decode attends over the cells in use),
+    throughput fell by a fifth to a third: each decode attends over the cells in use),
     which server goes first alternating from round to round too, each round its own prompts (the
     same for both servers: a prompt of an earlier round would come from a prefix cache), and each
     figure the median of its N. One result per server, in the order given."""

@@ -147,9 +147,8 @@ def measured(off, on, requests: list[dict], rounds: int, control=None) -> dict:
     and one with them (`--speculative ngram`'s policy), the order rotating by round; output tok/s of
     each, the median of the rounds' ratios, and whether both gave every request the tokens the first
     decode did (they must: verification is exact). `control`, a second engine without drafts, runs
-    in the rotation too: two engines of the same settings in one process differ by a few percent
-    (360M shape, chat at t=0.8, Zen 3, 4 rounds: a second one without drafts 0.958x the first, the one
-    with drafts, which made one draft, 0.986x), and its ratio shows how much."""
+    in the rotation too: two engines of the same settings in one process differ by a few percent,
+    and its ratio shows how much."""
     engines = [("off", off), ("on", on)] + ([("control", control)] if control is not None else [])
     ratios: dict[str, list[float]] = {name: [] for name, _ in engines if name != "off"}
     same = True

@@ -223,9 +223,8 @@ def measure(servers: dict[str, list[str]], args, loads: dict[str, list[dict]]) -
             for name in servers:
                 results[name][f"{workload} t={temperature} c=1"] = row_result(runs[name], counted[name], tokens)
     # The mixed run on a fresh pair each round: two servers of the same command differ by a few
-    # percent for their whole life (both without drafts, 6 rounds alternated: the second 1.00-1.09x
-    # the first, median 1.05x; Zen 3), which one pair for every round reads as a cost or a gain of
-    # speculation. Here no draft is made above 4 running requests, so that was most of the figure.
+    # percent for their whole life (both without drafts, alternated over rounds: up to 9%), which
+    # one pair for every round reads as a cost or a gain of speculation. Here no draft is made above 4 running requests, so that was most of the figure.
     if args.mixed_rounds == 0:  # c=1 rows only
         return results
     mixed = [{**b, "max_tokens": args.max_tokens, "temperature": 0.8, "seed": i}
@@ -280,8 +279,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--mixed-rounds", type=int, default=None,
                    help="rounds of the mixed run, each on a pair started afresh (default: --rounds, at least 5; 0: none). Above "
                         "--speculative-max-batch-size running requests no draft is made, so its two figures differ by "
-                        "the machine's drift and the pair's own difference: one server's runs spread 132-187 tok/s in "
-                        "one sitting (Zen 3), more than any cost of drafts")
+                        "the machine's drift and the pair's own difference: one server's runs can spread by a third in "
+                        "one sitting, more than any cost of drafts")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.8])
     p.add_argument("--concurrency", type=int, default=16)
