@@ -33,12 +33,12 @@ serve: setup
 	$(PY) -m server $(ARGS)
 
 test: setup
-	$(VENV)/bin/mkdocs build --strict --quiet --site-dir $$(mktemp -d)   # a broken link or page fails
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir $$(mktemp -d)   # a broken link or page fails
 	$(PY) -m pytest -q $(ARGS)
 
 # The documentation (docs/, mkdocs.yml) on http://127.0.0.1:8001; docs/flags.py rewrites the flag page.
 docs: setup
-	$(VENV)/bin/mkdocs serve --dev-addr 127.0.0.1:8001
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve --dev-addr 127.0.0.1:8001
 
 # Everything installed in .venv but torch (pinned above), its CUDA packages and pagedserve itself.
 lock: setup
