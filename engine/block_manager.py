@@ -20,6 +20,19 @@ different salts (or one salted, one not) share no block.
 
 A block's hash is registered only once its KV has been computed (`cache_blocks`,
 called after the forward pass), so a failed step never leaves garbage in the cache.
+
+KV cache groups (vLLM's hybrid KV cache manager). A model whose layers attend differently, some
+over the whole context and some within a sliding window, has one group per kind of layer (and as
+many groups of a kind as it takes to keep every group the same number of layers: the runner gives
+block b of every group the same bytes). Each request holds one block table per group, all from one
+pool. A sliding group's table drops the blocks that have left the window of the next query:
+
+    window 8, block_size 4, 14 tokens computed: the next query (position 14) sees 7..14
+    full group     [3, 8, 2, 5]
+    sliding group  [0, 9, 4, 6]      block 0 is the null block: never allocated, never written
+
+so a sliding layer holds about window / block_size blocks a request however long its context. A
+prefix hit must then find, in a sliding group, only the blocks of the window before its end.
 """
 from __future__ import annotations
 
@@ -31,6 +44,7 @@ from typing import Iterable
 from engine.request import Request
 
 _ROOT = b"pagedserve-prefix-root"
+NULL_BLOCK = 0  # a sliding group's table entry for a block left behind by the window
 
 
 def hash_block(parent: int | None, token_ids: Iterable[int], salt: str | None = None) -> int:
@@ -49,18 +63,31 @@ def hash_block(parent: int | None, token_ids: Iterable[int], salt: str | None = 
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    """windows: one entry per KV cache group, None for layers that see the whole context, else
+    the sliding window (a query at position p sees keys at positions > p - window)."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 windows: tuple[int | None, ...] = (None,)):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one token, got {num_blocks} x {block_size}")
+        if not windows or any(w is not None and w < 1 for w in windows):
+            raise ValueError(f"need one window (None or at least 1) per KV cache group, got {windows}")
+        self.windows = tuple(windows)
+        # Sliding groups point the blocks they drop at a null block, kept out of the pool.
+        self.null_block = NULL_BLOCK if any(w is not None for w in windows) else None
+        if self.null_block is not None and num_blocks < 2:
+            raise ValueError(f"a model with sliding-window layers needs at least 2 blocks, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
-        self.block_hashes: list[int | None] = [None] * num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))  # a stack: block 0 is taken first
+        # (group, hash) of a cached block: a group's blocks hold its own layers' KV.
+        self.block_hashes: list[tuple[int, int] | None] = [None] * num_blocks
+        first = 0 if self.null_block is None else 1
+        self._free = list(range(num_blocks - 1, first - 1, -1))  # a stack: the lowest block is taken first
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached with ref 0, oldest first
-        self._cached: dict[int, int] = {}  # hash -> block id
-        self._tables: dict[str, list[int]] = {}  # request id -> block table
+        self._cached: dict[tuple[int, int], int] = {}  # (group, hash) -> block id
+        self._tables: dict[str, list[list[int]]] = {}  # request id -> one block table per group
         self._num_cached_blocks: dict[str, int] = {}  # request id -> leading blocks already registered
         # Prefix cache counters, in prompt tokens, counted once per admission.
         self.num_prefix_queries = 0
@@ -68,24 +95,43 @@ class BlockManager:
 
     # ----------------------------------------------------------------- queries
     @property
+    def num_usable_blocks(self) -> int:
+        """Blocks the pool can hand out (all but the null block)."""
+        return self.num_blocks - (self.null_block is not None)
+
+    @property
     def num_free_blocks(self) -> int:
         """Blocks an allocation can take now: free plus evictable cached ones."""
         return len(self._free) + len(self._evictable)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - self.num_free_blocks
+        return self.num_usable_blocks - self.num_free_blocks
 
     @property
     def num_cached_blocks(self) -> int:
         """Blocks holding a reusable prefix, whether a request holds them or not."""
         return len(self._cached)
 
-    def block_table(self, request_id: str) -> list[int]:
+    def block_table(self, request_id: str, group: int = 0) -> list[int]:
+        return self._tables[request_id][group]
+
+    def block_tables(self, request_id: str) -> list[list[int]]:
         return self._tables[request_id]
+
+    def num_held_blocks(self, group: int) -> int:
+        """Blocks the running requests' tables of this group hold (null entries aside)."""
+        return sum(b != self.null_block for tables in self._tables.values() for b in tables[group])
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def _first_needed(self, group: int, next_position: int) -> int:
+        """The first block of the group that a query at next_position or later still reads."""
+        window = self.windows[group]
+        if window is None:
+            return 0
+        return max(0, next_position - window + 1) // self.block_size
 
     # ------------------------------------------------------------ prefix cache
     def _hash_blocks(self, request: Request) -> list[int]:
@@ -98,23 +144,45 @@ class BlockManager:
                                      request.params.cache_salt))
         return hashes
 
-    def get_computed_blocks(self, request: Request) -> list[int]:
-        """The cached blocks of the request's longest cached prefix (nothing is changed).
+    def get_computed_blocks(self, request: Request) -> list[list[int]]:
+        """Per group, the cached blocks of the request's longest cached prefix (nothing is
+        changed); every list has one entry per block of the prefix, a sliding group's
+        null_block for those before its window.
 
         The match stops one token short of the end: the last token must be computed
         so that the step produces logits for it.
         """
+        none: list[list[int]] = [[] for _ in self.windows]
         if not self.enable_prefix_caching:
-            return []
+            return none
         hashes = self._hash_blocks(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
-        blocks = []
-        for h in hashes[:max_blocks]:
-            block_id = self._cached.get(h)
-            if block_id is None:
-                break
-            blocks.append(block_id)
-        return blocks
+        # Full groups need every block of the prefix; sliding ones only their window's.
+        length = max_blocks
+        for group, window in enumerate(self.windows):
+            if window is None:
+                length = next((i for i, h in enumerate(hashes[:length]) if (group, h) not in self._cached), length)
+        valid = [True] * (length + 1)
+        for group, window in enumerate(self.windows):
+            if window is not None:
+                valid = [a and b for a, b in zip(valid, self._window_hits(group, hashes, length))]
+        length = max(n for n, ok in enumerate(valid) if ok)
+        if length == 0:
+            return none
+        return [[self._cached[(g, h)] if i >= self._first_needed(g, length * self.block_size) else self.null_block
+                 for i, h in enumerate(hashes[:length])] for g in range(len(self.windows))]
+
+    def _window_hits(self, group: int, hashes: list[int], max_length: int) -> list[bool]:
+        """For each prefix length n (in blocks, 0..max_length), whether this sliding group has
+        cached every block that a query after the prefix reads: one pass over the blocks."""
+        valid = [True] + [False] * max_length
+        run_start = 0  # first block of the run of cached blocks that ends at block n - 1
+        for n in range(1, max_length + 1):
+            if (group, hashes[n - 1]) not in self._cached:
+                run_start = n
+            else:
+                valid[n] = run_start <= self._first_needed(group, n * self.block_size)
+        return valid
 
     def next_block_hash(self, request: Request, num_hit_blocks: int) -> int | None:
         """Hash of the first block after a prefix hit, if that block could be a hit too."""
@@ -134,73 +202,103 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         rid = request.request_id
-        table = self._tables[rid]
+        tables = self._tables[rid]
         hashes = self._hash_blocks(request)
         start = self._num_cached_blocks[rid]
-        end = min(num_computed_tokens // self.block_size, len(table))
-        for i in range(start, end):
-            block_id, h = table[i], hashes[i]
-            # A block reused from the cache already carries h; a block computed twice
-            # (two requests with the same prefix in flight) keeps only the first copy.
-            if self.block_hashes[block_id] is None and h not in self._cached:
-                self.block_hashes[block_id] = h
-                self._cached[h] = block_id
+        end = min(num_computed_tokens // self.block_size, len(tables[0]))
+        for group, table in enumerate(tables):
+            for i in range(start, end):
+                block_id, key = table[i], (group, hashes[i])
+                # A block reused from the cache already carries its key; a block computed twice
+                # (two requests with the same prefix in flight) keeps only the first copy.
+                if block_id != self.null_block and self.block_hashes[block_id] is None and key not in self._cached:
+                    self.block_hashes[block_id] = key
+                    self._cached[key] = block_id
         self._num_cached_blocks[rid] = max(start, end)
 
     # ------------------------------------------------------------------- verbs
-    def can_allocate(self, request: Request, num_tokens: int, computed_blocks: list[int] = ()) -> bool:
-        """Whether the request's table can grow to hold num_tokens tokens."""
-        have = len(self._tables.get(request.request_id, ())) + len(computed_blocks)
+    def _num_new_blocks(self, tables: list[list[int]], num_tokens: int) -> int:
+        return sum(max(0, self.blocks_needed(num_tokens) - len(t)) for t in tables)
+
+    def can_allocate(self, request: Request, num_tokens: int, computed_blocks: list[list[int]] = ()) -> bool:
+        """Whether the request's tables can grow to hold num_tokens tokens."""
+        tables = self._tables.get(request.request_id) or computed_blocks or [[] for _ in self.windows]
         # Hits sitting in the evictable pool stop being allocatable once we hold them.
-        reused_evictable = sum(1 for b in computed_blocks if self.ref_counts[b] == 0)
-        return self.blocks_needed(num_tokens) - have <= self.num_free_blocks - reused_evictable
+        reused_evictable = sum(1 for t in computed_blocks for b in t if b != self.null_block and self.ref_counts[b] == 0)
+        return self._num_new_blocks(tables, num_tokens) <= self.num_free_blocks - reused_evictable
 
-    def allocate(self, request: Request, computed_blocks: list[int], num_tokens: int) -> list[int] | None:
-        """Give a newly admitted request a table: its prefix hits, then fresh blocks up to num_tokens.
+    def allocate(self, request: Request, computed_blocks: list[list[int]], num_tokens: int) -> list[list[int]] | None:
+        """Give a newly admitted request its tables: its prefix hits (from get_computed_blocks, or
+        empty), then fresh blocks up to num_tokens.
 
-        Returns the block table, or None (and changes nothing) when the pool is short.
+        Returns the block tables, or None (and changes nothing) when the pool is short.
         """
         rid = request.request_id
         if rid in self._tables:
             raise ValueError(f"request {rid!r} already holds blocks")
+        computed_blocks = [list(t) for t in computed_blocks] or [[] for _ in self.windows]
         if not self.can_allocate(request, num_tokens, computed_blocks):
             return None
-        for block_id in computed_blocks:
+        for block_id in (b for t in computed_blocks for b in t if b != self.null_block):
             if self.ref_counts[block_id] == 0:
                 del self._evictable[block_id]
             self.ref_counts[block_id] += 1
-        num_new = self.blocks_needed(num_tokens) - len(computed_blocks)
-        self._tables[rid] = list(computed_blocks) + [self._take_block() for _ in range(num_new)]
-        self._num_cached_blocks[rid] = len(computed_blocks)
+        num_hit = len(computed_blocks[0])
+        self._tables[rid] = computed_blocks
+        self._grow(computed_blocks, num_tokens)
+        self._num_cached_blocks[rid] = num_hit
         if self.enable_prefix_caching:
             self.num_prefix_queries += request.num_tokens
-            self.num_prefix_hits += len(computed_blocks) * self.block_size
+            self.num_prefix_hits += num_hit * self.block_size
         return self._tables[rid]
 
-    def append_slots(self, request: Request, num_tokens: int) -> list[int] | None:
-        """Grow a running request's table to hold num_tokens tokens; None when the pool is short."""
-        table = self._tables[request.request_id]
-        num_new = self.blocks_needed(num_tokens) - len(table)
-        if num_new > self.num_free_blocks:
+    def append_slots(self, request: Request, num_tokens: int) -> list[list[int]] | None:
+        """Grow a running request's tables to hold num_tokens tokens, after letting its sliding
+        groups drop what has left their window; None when the pool is short."""
+        tables = self._tables[request.request_id]
+        self.release_outside_window(request)
+        if self._num_new_blocks(tables, num_tokens) > self.num_free_blocks:
             return None
-        table.extend(self._take_block() for _ in range(num_new))
-        return table
+        self._grow(tables, num_tokens)
+        return tables
+
+    def release_outside_window(self, request: Request) -> None:
+        """Hand back the blocks of the request's sliding groups that no query from its next token
+        on reads (a cached one stays a prefix-cache entry until evicted)."""
+        tables = self._tables[request.request_id]
+        for group, table in enumerate(tables):
+            if self.windows[group] is None:
+                continue
+            for i in range(min(self._first_needed(group, request.num_computed_tokens), len(table))):
+                if table[i] != self.null_block:
+                    self._release(table[i])
+                    table[i] = self.null_block
+
+    def _grow(self, tables: list[list[int]], num_tokens: int) -> None:
+        need = self.blocks_needed(num_tokens)
+        for table in tables:
+            table.extend(self._take_block() for _ in range(need - len(table)))
 
     def free(self, request: Request) -> None:
         """Release every block of the request (no-op if it holds none)."""
-        table = self._tables.pop(request.request_id, None)
+        tables = self._tables.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
-        if table is None:
+        if tables is None:
             return
         # Tail first: the end of a sequence is the least likely to be shared, so it is
         # the first to be evicted (evictable is ordered oldest first).
-        for block_id in reversed(table):
-            self.ref_counts[block_id] -= 1
-            if self.ref_counts[block_id] == 0:
-                if self.block_hashes[block_id] is None:
-                    self._free.append(block_id)
-                else:
-                    self._evictable[block_id] = None
+        for table in tables:
+            for block_id in reversed(table):
+                if block_id != self.null_block:
+                    self._release(block_id)
+
+    def _release(self, block_id: int) -> None:
+        self.ref_counts[block_id] -= 1
+        if self.ref_counts[block_id] == 0:
+            if self.block_hashes[block_id] is None:
+                self._free.append(block_id)
+            else:
+                self._evictable[block_id] = None
 
     def _take_block(self) -> int:
         if self._free:
@@ -222,11 +320,14 @@ class BlockManager:
             issues.append("a block appears twice in the free list")
         if free & evictable or free & held or evictable & held:
             issues.append(f"blocks in two states: {sorted((free & evictable) | (free & held) | (evictable & held))}")
-        if len(free) + len(evictable) + len(held) != self.num_blocks:
+        if len(free) + len(evictable) + len(held) != self.num_usable_blocks:
             issues.append(
-                f"free {len(free)} + cached {len(evictable)} + held {len(held)} != total {self.num_blocks}"
+                f"free {len(free)} + cached {len(evictable)} + held {len(held)} != total {self.num_usable_blocks}"
             )
-        holders = Counter(b for table in self._tables.values() for b in table)
+        if self.null_block is not None and (self.null_block in free | evictable | held
+                                            or self.block_hashes[self.null_block] is not None):
+            issues.append(f"the null block {self.null_block} is in the pool")
+        holders = Counter(b for tables in self._tables.values() for t in tables for b in t if b != self.null_block)
         for block_id in range(self.num_blocks):
             if self.ref_counts[block_id] != holders[block_id]:
                 issues.append(
@@ -238,12 +339,15 @@ class BlockManager:
         for block_id in evictable:
             if self.block_hashes[block_id] is None:
                 issues.append(f"evictable block {block_id} has no hash")
-        for h, block_id in self._cached.items():
-            if self.block_hashes[block_id] != h:
+        for key, block_id in self._cached.items():
+            if self.block_hashes[block_id] != key:
                 issues.append(f"cache entry for block {block_id} does not match its hash")
         if sum(h is not None for h in self.block_hashes) != len(self._cached):
             issues.append("hashed blocks and cache entries differ in number")
-        for rid, table in self._tables.items():
-            if len(set(table)) != len(table):
+        for rid, tables in self._tables.items():
+            if len({len(t) for t in tables}) != 1:
+                issues.append(f"request {rid!r} holds tables of different lengths")
+            real = [b for t in tables for b in t if b != self.null_block]
+            if len(set(real)) != len(real):
                 issues.append(f"request {rid!r} holds a block twice")
         return issues

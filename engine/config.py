@@ -16,6 +16,29 @@ DEFAULT_KV_CACHE_MEMORY_GIB = 1.0
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
+def max_blocks_per_request(windows: tuple[int | None, ...], block_size: int, num_tokens: int, max_chunk: int) -> int:
+    """Blocks, over all groups, that one request of num_tokens tokens holds at most when it
+    computes at most max_chunk tokens a step: a sliding group, the window before a chunk and the
+    chunk (one block more where they straddle a boundary)."""
+    full = -(-num_tokens // block_size)
+    return sum(full if w is None else min(full, -(-(w - 1 + max_chunk) // block_size) + 1) for w in windows)
+
+
+def max_tokens_per_request(windows: tuple[int | None, ...], block_size: int, num_blocks: int, max_chunk: int,
+                           limit: int) -> int:
+    """The longest request, up to `limit` tokens, whose blocks fit on their own in a pool of
+    num_blocks (one of them the null block when a group slides)."""
+    usable = num_blocks - any(w is not None for w in windows)
+    lo, hi = 0, limit
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if max_blocks_per_request(windows, block_size, mid, max_chunk) <= usable:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     block_size: int = 16  # tokens per KV block
@@ -75,9 +98,13 @@ class EngineConfig:
         if not self.stalled_stream_timeout > 0:
             raise ValueError(f"stalled_stream_timeout must be > 0, got {self.stalled_stream_timeout}")
 
-    def limits(self, max_model_len: int, num_blocks: int, vocab_size: int) -> EngineLimits:
-        """The limits of an engine serving max_model_len tokens from a pool of num_blocks blocks."""
-        return EngineLimits(max_model_len=max_model_len, num_kv_cache_tokens=num_blocks * self.block_size,
+    def limits(self, max_model_len: int, num_blocks: int, vocab_size: int,
+               num_kv_cache_tokens: int | None = None) -> EngineLimits:
+        """The limits of an engine serving max_model_len tokens from a pool of num_blocks blocks
+        (num_kv_cache_tokens: the longest request the pool holds, if not num_blocks' tokens)."""
+        if num_kv_cache_tokens is None:
+            num_kv_cache_tokens = num_blocks * self.block_size
+        return EngineLimits(max_model_len=max_model_len, num_kv_cache_tokens=num_kv_cache_tokens,
                             vocab_size=vocab_size, max_num_seqs=self.max_num_seqs, max_waiting=self.max_waiting)
 
     def resolve_max_model_len(self, model_max_len: int) -> int:
@@ -90,11 +117,12 @@ class EngineConfig:
             )
         return self.max_model_len
 
-    def resolve_num_blocks(self, bytes_per_token: int, max_model_len: int) -> int:
-        """Blocks in the KV pool for a model storing `bytes_per_token` bytes per token.
+    def resolve_num_blocks(self, bytes_per_token: int, max_model_len: int, blocks_per_seq: int | None = None) -> int:
+        """Blocks in the KV pool for a model storing `bytes_per_token` bytes per token in a block.
 
         With neither size given the pool gets the default budget, capped at what
-        max_num_seqs full-length requests could ever use (no point holding more).
+        max_num_seqs full-length requests could ever use (no point holding more): blocks_per_seq
+        each (default: max_model_len's blocks).
         """
         if bytes_per_token < 1:
             raise ValueError(f"bytes_per_token must be at least 1, got {bytes_per_token}")
@@ -104,7 +132,8 @@ class EngineConfig:
         gib = self.kv_cache_memory_gib if self.kv_cache_memory_gib is not None else DEFAULT_KV_CACHE_MEMORY_GIB
         num_blocks = int(gib * 2**30) // bytes_per_block
         if self.kv_cache_memory_gib is None:
-            blocks_per_seq = -(-max_model_len // self.block_size)
+            if blocks_per_seq is None:
+                blocks_per_seq = -(-max_model_len // self.block_size)
             num_blocks = min(num_blocks, self.max_num_seqs * blocks_per_seq)
         if num_blocks < 1:
             raise ValueError(

@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import replace
 from typing import Callable, Sequence
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, max_tokens_per_request
 from engine.detokenizer import IncrementalDetokenizer
 from engine.model_runner import ModelRunner
 from engine.step import EngineDeadError
@@ -45,8 +45,14 @@ class EngineCore:
         self.clock = clock
         self.ranks = ranks
         self.runner = ModelRunner(loaded, self.config, ranks)
-        self.limits = self.config.limits(self.runner.max_model_len, self.runner.num_blocks, loaded.config.vocab_size)
-        self.scheduler = Scheduler(self.config, self.runner.num_blocks, self.limits, clock)
+        windows = self.runner.kv_layout.windows
+        capacity = None  # a pool without sliding groups: its tokens
+        if any(w is not None for w in windows):
+            capacity = max_tokens_per_request(windows, self.config.block_size, self.runner.num_blocks,
+                                              self.config.max_num_batched_tokens, self.runner.max_model_len)
+        self.limits = self.config.limits(self.runner.max_model_len, self.runner.num_blocks, loaded.config.vocab_size,
+                                         capacity)
+        self.scheduler = Scheduler(self.config, self.runner.num_blocks, self.limits, clock, windows)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         # request id -> its prompt logprobs so far, by prompt position (chunks fill them in; a
         # recompute after preemption writes the same again); sent with its first token.

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, max_blocks_per_request
 from engine.sampler import SamplingBatch, TokenHistory, make_generator, prompt_logprobs, sample
 from engine.structured import allowed_tokens
 from engine.step import EngineDeadError, RunnerOutput, ScheduledRequest, SchedulerOutput, StepInputs
@@ -50,10 +50,16 @@ class ModelRunner:
         self.device = next(self.model.parameters()).device
         self.max_model_len = config.resolve_max_model_len(loaded.config.max_model_len)
         self.kv_cache_spec = self.model.kv_cache_spec(resolve_kv_cache_dtype(config.kv_cache_dtype, loaded))
-        bytes_per_token = self.kv_cache_spec.bytes_per_token
-        self.num_blocks = config.resolve_num_blocks(bytes_per_token, self.max_model_len)
-        self.kv_caches = self.kv_cache_spec.allocate(self.num_blocks, self.block_size, self.device)
-        self.kv_cache_bytes = sum(c.numel() * c.element_size() for c in self.kv_caches)
+        # Layers grouped by how they attend: a sliding group's tables drop what leaves its window.
+        self.kv_layout = self.kv_cache_spec.layout(self.max_model_len)
+        bytes_per_token = self.kv_cache_spec.bytes_per_entry * self.kv_layout.num_slots  # in one block id
+        blocks_per_seq = max_blocks_per_request(self.kv_layout.windows, self.block_size, self.max_model_len,
+                                                config.max_num_batched_tokens)
+        self.num_blocks = config.resolve_num_blocks(bytes_per_token, self.max_model_len, blocks_per_seq)
+        if any(w is not None for w in self.kv_layout.windows) and config.num_kv_blocks is None:
+            self.num_blocks += 1  # the null block (engine/block_manager.py)
+        self.kv_caches = self.kv_cache_spec.allocate(self.num_blocks, self.block_size, self.device, self.kv_layout)
+        self.kv_cache_bytes = sum(c.numel() * c.element_size() for c in {id(c): c for c in self.kv_caches}.values())
         self.weight_bytes = loaded.weight_bytes
         # CPU: intra-op threads (chosen by timing steps unless configured, or unless results
         # would depend on the count), set for each step in whichever thread runs it and the
@@ -71,6 +77,10 @@ class ModelRunner:
             self.num_blocks, self.block_size, self.num_tokens_capacity, bytes_per_token,
             self.num_tokens_capacity * bytes_per_token / 2**30, self.kv_cache_spec.dtype, self.device,
         )
+        if len(self.kv_layout.windows) > 1 or self.kv_layout.windows[0] is not None:
+            logger.info("KV cache groups of %d layers, windows %s (None: the whole context); a block is one "
+                        "group's %d layers", self.kv_layout.num_slots, list(self.kv_layout.windows),
+                        self.kv_layout.num_slots)
 
     def step_totals(self) -> dict:
         """Steps, tokens and seconds by intra-op thread count since start (engine/threads.py); empty
@@ -126,7 +136,8 @@ class ModelRunner:
             positions=[p for s in scheduled for p in range(s.start_position, s.start_position + len(s.token_ids))],
             query_lens=[len(s.token_ids) for s in scheduled],
             seq_lens=[s.start_position + len(s.token_ids) for s in scheduled],
-            block_tables=[s.block_table for s in scheduled], logit_rows=rows, onednn=kernels.onednn,
+            block_tables=[[s.block_tables[g] for s in scheduled] for g in range(len(self.kv_layout.windows))],
+            logit_rows=rows, onednn=kernels.onednn,
         )
         if self.ranks is None:
             logits = self.forward_logits(inputs, kernels)
@@ -172,9 +183,11 @@ class ModelRunner:
             kernels = StepKernels(onednn=inputs.onednn)
         # One host tensor for both inputs: a step of decodes is small, so per-call overhead counts.
         ids = torch.tensor([inputs.token_ids, inputs.positions], dtype=torch.int64, device=self.device)
-        meta = AttentionMetadata.build(
-            inputs.query_lens, inputs.seq_lens, inputs.block_tables, self.block_size, self.device, kernels
-        )
+        metas = [AttentionMetadata.build(inputs.query_lens, inputs.seq_lens, tables, self.block_size, self.device,
+                                         kernels) for tables in inputs.block_tables]
+        meta = metas[0]
+        if len(metas) > 1:
+            meta.by_layer = [metas[g] for g in self.kv_layout.layer_groups]
         hidden = self.model(ids[0], ids[1], self.kv_caches, meta)  # (num_tokens, hidden_size)
         rows = inputs.logit_rows
         if not rows:

@@ -33,11 +33,12 @@ class Scheduler:
     """The only writer of a request's status, timings and blocks: the engine core asks it."""
 
     def __init__(self, config: EngineConfig, num_blocks: int, limits: EngineLimits,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, windows: tuple[int | None, ...] = (None,)):
+        """windows: the model's KV cache groups (see engine/block_manager.py)."""
         self.config = config
         self.limits = limits
         self.clock = clock
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, windows)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last one is preempted first
         self.requests: dict[str, Request] = {}
@@ -127,12 +128,12 @@ class Scheduler:
                     continue
                 prompt_rows_left -= _num_prompt_rows(request, request.num_computed_tokens, num_new)
             drafts = self._drafts(request, budget) if request in speculating else []
-            table = bm.append_slots(request, request.num_computed_tokens + num_new + len(drafts))
-            if table is None and drafts:  # drafts go before anyone is preempted
+            tables = bm.append_slots(request, request.num_computed_tokens + num_new + len(drafts))
+            if tables is None and drafts:  # drafts go before anyone is preempted
                 self.speculator.stats.num_cut_by_budget += len(drafts)
                 drafts = []
-                table = bm.append_slots(request, request.num_computed_tokens + num_new)
-            while table is None:
+                tables = bm.append_slots(request, request.num_computed_tokens + num_new)
+            while tables is None:
                 victim = self.running[-1]  # the most recently admitted
                 undone = scheduled.pop(victim.request_id, None)
                 if undone is not None:
@@ -141,10 +142,10 @@ class Scheduler:
                 preempted.append(victim.request_id)
                 if victim is request:
                     break
-                table = bm.append_slots(request, request.num_computed_tokens + num_new)
-            if table is None:
+                tables = bm.append_slots(request, request.num_computed_tokens + num_new)
+            if tables is None:
                 continue
-            scheduled[request.request_id] = self._scheduled(request, num_new, table, drafts)
+            scheduled[request.request_id] = self._scheduled(request, num_new, tables, drafts)
             pending.update(bm.hashes_to_cache(request, request.num_computed_tokens + num_new))
             budget -= num_new + len(drafts)
 
@@ -158,16 +159,16 @@ class Scheduler:
                 hits = []
             else:
                 hits = bm.get_computed_blocks(request)
-                if bm.next_block_hash(request, len(hits)) in pending:
+                if bm.next_block_hash(request, len(hits[0])) in pending:
                     break
-            num_hit_tokens = len(hits) * bm.block_size
+            num_hit_tokens = len(hits[0]) * bm.block_size if hits else 0
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             if _wants_prompt_logprobs(request):
                 num_new = _within_prompt_rows(request, 0, num_new, prompt_rows_left)
                 if num_new == 0:
                     break
-            table = bm.allocate(request, hits, num_hit_tokens + num_new)
-            if table is None:
+            tables = bm.allocate(request, hits, num_hit_tokens + num_new)
+            if tables is None:
                 break
             if _wants_prompt_logprobs(request):
                 prompt_rows_left -= _num_prompt_rows(request, 0, num_new)
@@ -179,7 +180,7 @@ class Scheduler:
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_hit_tokens
             self.running.append(request)
-            scheduled[request.request_id] = self._scheduled(request, num_new, table)
+            scheduled[request.request_id] = self._scheduled(request, num_new, tables)
             pending.update(bm.hashes_to_cache(request, num_hit_tokens + num_new))
             budget -= num_new
 
@@ -207,7 +208,8 @@ class Scheduler:
                     self.speculator.config.num_speculative_tokens)
         return self.speculator.propose(request, limit)[:limit] if limit > 0 else []
 
-    def _scheduled(self, request: Request, num_new: int, table: list[int], drafts: list[int] = ()) -> ScheduledRequest:
+    def _scheduled(self, request: Request, num_new: int, tables: list[list[int]],
+                   drafts: list[int] = ()) -> ScheduledRequest:
         start = request.num_computed_tokens
         prompt_logprob_rows = range(0)
         if _wants_prompt_logprobs(request):
@@ -220,7 +222,7 @@ class Scheduler:
             token_ids=request.all_token_ids[start : start + num_new] + list(drafts),
             draft_token_ids=list(drafts),
             start_position=start,
-            block_table=list(table),
+            block_tables=[list(t) for t in tables],
             samples=start + num_new == request.num_tokens,
             params=request.params,
             prompt_token_ids=request.prompt_token_ids,
@@ -305,7 +307,7 @@ class Scheduler:
         return EngineStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
-            num_kv_blocks_total=bm.num_blocks,
+            num_kv_blocks_total=bm.num_usable_blocks,
             num_kv_blocks_used=bm.num_used_blocks,
             num_kv_blocks_cached=bm.num_cached_blocks,
             kv_block_size=bm.block_size,

@@ -18,7 +18,7 @@ class ScheduledRequest:
     request_id: str
     token_ids: list[int]  # the tokens to compute this step (a decode's drafts last)
     start_position: int  # position of token_ids[0] (= num_computed_tokens before the step)
-    block_table: list[int]
+    block_tables: list[list[int]]  # one per KV cache group (engine/block_manager.py)
     samples: bool  # the chunk reaches the end of the request: sample its next token
     # What the sampler needs for this request (plain Python; the runner makes tensors).
     params: SamplingParams
@@ -61,7 +61,7 @@ class StepInputs:
     positions: list[int]
     query_lens: list[int]
     seq_lens: list[int]
-    block_tables: list[list[int]]
+    block_tables: list[list[list[int]]]  # [KV cache group][sequence]
     logit_rows: list[int]  # rows of the step whose logits are computed (empty: none)
     onednn: bool = True  # the step's StepKernels
 

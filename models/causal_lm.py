@@ -110,20 +110,22 @@ class DecoderModel(nn.Module):
         x = self.embed_tokens(input_ids)  # (num_tokens, hidden_size)
         if self.embed_scale is not None:  # transformers keeps it a float32 tensor, cast to the weights' dtype
             x = x * torch.tensor(self.embed_scale, dtype=torch.float32).to(x.dtype)
+        # Each layer's metadata: its KV cache group's block tables (one group: the same for all).
+        metas = attn_metadata.by_layer or [attn_metadata] * len(self.layers)
         if isinstance(self.rotary_emb, nn.ModuleDict):
             ropes = {kind: emb.cos_sin(positions, x.dtype) for kind, emb in self.rotary_emb.items()}
-            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                x = layer(ropes[layer.layer_type], x, kv_cache, attn_metadata)
+            for layer, kv_cache, meta in zip(self.layers, kv_caches, metas, strict=True):
+                x = layer(ropes[layer.layer_type], x, kv_cache, meta)
             return self.norm(x)
         rope = self.rotary_emb.cos_sin(positions, x.dtype)  # once per step, not once per layer
         stack = self._one_ops(x, kv_caches)
         if stack is not None:  # every layer one kernel call, without the modules' Python between them
             call = type(self.layers[0]).call_one_op
-            for args, kv_cache in zip(stack, kv_caches, strict=True):
-                x = call(x, args, rope, kv_cache, attn_metadata)
+            for args, kv_cache, meta in zip(stack, kv_caches, metas, strict=True):
+                x = call(x, args, rope, kv_cache, meta)
             return self.norm(x)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(rope, x, kv_cache, attn_metadata)
+        for layer, kv_cache, meta in zip(self.layers, kv_caches, metas, strict=True):
+            x = layer(rope, x, kv_cache, meta)
         return self.norm(x)
 
     def _one_ops(self, x: torch.Tensor, kv_caches: list[torch.Tensor]) -> list[tuple] | None:
@@ -197,7 +199,9 @@ class CausalLM(nn.Module):
 
     def kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec:
         """What one token stores per layer, as the layers' attention declares it."""
-        return KVCacheSpec(len(self.model.layers), self.model.layers[0].self_attn.kv_entry_shape, dtype)
+        windows = tuple(getattr(layer.self_attn, "window", None) for layer in self.model.layers)
+        return KVCacheSpec(len(self.model.layers), self.model.layers[0].self_attn.kv_entry_shape, dtype,
+                           windows if any(w is not None for w in windows) else ())
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors in; returns the parameter names fully loaded."""

@@ -63,25 +63,71 @@ from models.layers.step_kernels import DEFAULT_KERNELS, StepKernels
 
 
 @dataclass(frozen=True)
+class KVCacheLayout:
+    """Which cache tensor and which KV cache group (block tables, engine/block_manager.py) each
+    layer uses. Layers that attend alike form groups of `num_slots` layers (vLLM's hybrid KV cache
+    manager); layer j of every group uses tensor j, so one block id is the same bytes in every group
+    and a group's blocks come from the one pool. Gemma 3 1B (22 sliding layers, 4 global): 4
+    tensors, 1 global group and 6 sliding ones (two slots of the last unused). A model whose layers
+    all attend alike is one group, a tensor a layer."""
+
+    windows: tuple[int | None, ...]  # per group: None (the whole context) or its sliding window
+    layer_groups: tuple[int, ...]  # per layer
+    layer_slots: tuple[int, ...]  # per layer: its tensor
+    num_slots: int
+
+    @classmethod
+    def of(cls, layer_windows: tuple[int | None, ...]) -> "KVCacheLayout":
+        kinds: dict[int | None, list[int]] = {}
+        for layer, window in enumerate(layer_windows):
+            kinds.setdefault(window, []).append(layer)
+        num_slots = min(len(layers) for layers in kinds.values())
+        windows: list[int | None] = []
+        groups, slots = [0] * len(layer_windows), [0] * len(layer_windows)
+        for window, layers in kinds.items():
+            for k, layer in enumerate(layers):
+                groups[layer], slots[layer] = len(windows) + k // num_slots, k % num_slots
+            windows += [window] * -(-len(layers) // num_slots)
+        return cls(tuple(windows), tuple(groups), tuple(slots), num_slots)
+
+
+@dataclass(frozen=True)
 class KVCacheSpec:
     """What a model stores per token per layer; the block manager only sees blocks."""
 
     num_layers: int
     entry_shape: tuple[int, ...]  # GQA: (2, num_kv_heads, head_dim); MLA: (kv_lora_rank + qk_rope_head_dim,)
     dtype: torch.dtype
+    layer_windows: tuple[int | None, ...] = ()  # each layer's sliding window (None: full); empty: all full
 
     @property
     def bytes_per_token(self) -> int:
+        """Bytes of one token in every layer."""
+        return self.num_layers * self.bytes_per_entry
+
+    @property
+    def bytes_per_entry(self) -> int:
         numel = 1
         for dim in self.entry_shape:
             numel *= dim
-        return self.num_layers * numel * torch.empty((), dtype=self.dtype).element_size()
+        return numel * torch.empty((), dtype=self.dtype).element_size()
 
-    def allocate(self, num_blocks: int, block_size: int, device: torch.device | str) -> list[torch.Tensor]:
+    def layout(self, max_model_len: int) -> KVCacheLayout:
+        """The layers grouped by window; a window that covers max_model_len is no window."""
+        windows = self.layer_windows or (None,) * self.num_layers
+        return KVCacheLayout.of(tuple(w if w is not None and w < max_model_len else None for w in windows))
+
+    def allocate(self, num_blocks: int, block_size: int, device: torch.device | str,
+                 layout: KVCacheLayout | None = None) -> list[torch.Tensor]:
+        """One cache tensor per layer (layers of different groups share theirs under a layout;
+        without one every layer has its own, and uses one block table)."""
         shape = (num_blocks, block_size, *self.entry_shape)
+        num_tensors = self.num_layers if layout is None else layout.num_slots
         if torch.device(device).type == "cpu":  # one huge-page arena: decodes stream their rows
-            return hugepages.zeros([shape] * self.num_layers, self.dtype)
-        return [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(self.num_layers)]
+            tensors = hugepages.zeros([shape] * num_tensors, self.dtype)
+        else:
+            tensors = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(num_tensors)]
+        return tensors if layout is None else [tensors[slot] for slot in layout.layer_slots]
 
 
 @dataclass
@@ -156,6 +202,8 @@ class AttentionMetadata:
     # What `groups` is built from, on first use (the C++ kernel needs no groups: a CPU step never
     # builds them): query lens, seq lens (lists), the padded tables, block_size, device.
     group_inputs: tuple = field(default=(), repr=False)
+    # Several KV cache groups (KVCacheLayout): each layer's metadata, its group's block tables.
+    by_layer: list["AttentionMetadata"] | None = field(default=None, repr=False)
 
     @classmethod
     def build(

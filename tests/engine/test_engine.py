@@ -53,7 +53,7 @@ def solo_outputs(loaded, requests, **config):
 def assert_pool_empty(core):
     bm = core.scheduler.block_manager
     assert core.audit() == []
-    assert bm.num_used_blocks == 0 and bm.num_free_blocks == bm.num_blocks
+    assert bm.num_used_blocks == 0 and bm.num_free_blocks == bm.num_usable_blocks
 
 
 def hf_greedy(hf_model, prompt, max_tokens):

@@ -7,7 +7,7 @@ prefix-cache block or a bad recompute after preemption changes the output.
 """
 import pytest
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, max_blocks_per_request, max_tokens_per_request
 from engine.request import QueueFullError, Request, RequestStatus, SamplingParams
 from engine.scheduler import Scheduler
 
@@ -16,43 +16,62 @@ EOS = 0
 
 
 class FakePagedModel:
-    def __init__(self, block_size):
+    """windows: the KV cache groups (engine/block_manager.py). Each group's layer writes the token
+    through its own table into one slot store (block ids are one pool); a sliding group's token reads
+    only the keys in its window, so a block dropped too early, or shared by two groups, shows."""
+
+    def __init__(self, block_size, windows=(None,)):
         self.block_size = block_size
+        self.windows = windows
         self.slots = {}  # slot -> token id written there
         self.num_computed_tokens = 0
 
     def execute(self, output):
         sampled = {}
+        bs = self.block_size
         for s in output.scheduled:
-            bs = self.block_size
-            for i, token_id in enumerate(s.token_ids):
-                pos = s.start_position + i
-                self.slots[s.block_table[pos // bs] * bs + pos % bs] = token_id
+            assert len(s.block_tables) == len(self.windows)
+            for table in s.block_tables:
+                for i, token_id in enumerate(s.token_ids):
+                    pos = s.start_position + i
+                    self.slots[table[pos // bs] * bs + pos % bs] = token_id
             self.num_computed_tokens += len(s.token_ids)
             if s.samples:  # the last row, and a draft's rows: keep tokens up to the first miss
                 end = s.start_position + len(s.token_ids)
                 run = []
                 for j, row_end in enumerate(range(end - len(s.draft_token_ids), end + 1)):
-                    context = [self.slots[s.block_table[p // bs] * bs + p % bs] for p in range(row_end)]
-                    run.append(1 + sum((i + 1) * t for i, t in enumerate(context)) % (VOCAB - 1))
+                    contexts = []
+                    for table, window in zip(s.block_tables, self.windows):
+                        first = 0 if window is None else max(0, row_end - window)
+                        contexts.append({p: self.slots[table[p // bs] * bs + p % bs] for p in range(first, row_end)})
+                    run.append(next_token(contexts))
                     if j == len(s.draft_token_ids) or run[-1] != s.draft_token_ids[j]:
                         break
                 sampled[s.request_id] = run
         return sampled
 
 
-def reference_output(prompt, max_tokens):
+def next_token(contexts):
+    """contexts: per group, position -> token id of the keys it sees."""
+    return 1 + sum((k + 1) * (p + 1) * t for k, context in enumerate(contexts) for p, t in context.items()) % (VOCAB - 1)
+
+
+def reference_output(prompt, max_tokens, windows=(None,)):
     tokens = list(prompt)
     out = []
     for _ in range(max_tokens):
-        out.append(1 + sum((i + 1) * t for i, t in enumerate(tokens)) % (VOCAB - 1))
+        n = len(tokens)
+        out.append(next_token([{p: tokens[p] for p in range(0 if w is None else max(0, n - w), n)} for w in windows]))
         tokens.append(out[-1])
     return out
 
 
-def make_scheduler(num_blocks=64, block_size=4, max_model_len=256, **kw):
+def make_scheduler(num_blocks=64, block_size=4, max_model_len=256, windows=(None,), **kw):
     config = EngineConfig(block_size=block_size, num_kv_blocks=num_blocks, **kw)
-    return Scheduler(config, num_blocks, config.limits(max_model_len, num_blocks, VOCAB))
+    capacity = None  # as EngineCore: a pool with sliding groups holds longer requests than its tokens
+    if any(w is not None for w in windows):
+        capacity = max_tokens_per_request(windows, block_size, num_blocks, config.max_num_batched_tokens, max_model_len)
+    return Scheduler(config, num_blocks, config.limits(max_model_len, num_blocks, VOCAB, capacity), windows=windows)
 
 
 def add(scheduler, rid, prompt, max_tokens=8, **params):
@@ -75,7 +94,7 @@ def run(scheduler, model, max_steps=10_000, on_step=None):
         if on_step:
             on_step(len(outputs), out)
     bm = scheduler.block_manager
-    assert bm.num_free_blocks == bm.num_blocks
+    assert bm.num_free_blocks == bm.num_usable_blocks
     return outputs
 
 
@@ -271,3 +290,36 @@ def test_prompt_logprob_rows_per_step_are_bounded_and_cover_the_prompt():
         scheduler.update(output, model.execute(output))
         assert scheduler.audit() == []
     assert positions == {rid: list(range(1, n)) for rid, n in sizes.items()}
+
+
+WINDOWED = [(None, 6), (6,), (6, 6, None), (9, None)]
+
+
+@pytest.mark.parametrize("windows", WINDOWED)
+def test_sliding_groups_under_load_preemption_and_prefix_hits(windows):
+    """Prompts of several windows, chunked, in a pool that preempts, half of them sharing prefixes:
+    every output is the reference's, the pool audits clean at every step, and a sliding group never
+    holds more than its window and a chunk a running request."""
+    # Room for the longest request (70 tokens) and two blocks more: six at once preempt.
+    num_blocks = 1 + max_blocks_per_request(windows, 4, 70, 10) + 2
+    s = make_scheduler(num_blocks=num_blocks, max_num_batched_tokens=10, max_num_seqs=6, windows=windows)
+    model = FakePagedModel(4, windows)
+    shared = list(range(500, 530))
+    reqs = [add(s, f"r{i}", (shared if i % 2 else []) + list(range(i * 37, i * 37 + 5 + 7 * (i % 4))),
+                max_tokens=6 + i % 7) for i in range(14)]
+    bm = s.block_manager
+    most = [0] * len(windows)
+
+    def check(step, out):
+        for g, w in enumerate(windows):
+            held = bm.num_held_blocks(g)
+            most[g] = max(most[g], held)
+            if w is not None:
+                assert held <= len(s.running) * (-(-(w - 1 + 10) // 4) + 1)
+
+    run(s, model, on_step=check)
+    for r in reqs:
+        assert r.output_token_ids == reference_output(r.prompt_token_ids, r.params.max_tokens, windows)
+    assert s.num_preemptions > 0 and bm.num_prefix_hits > 0
+    if None in windows:
+        assert max(m for m, w in zip(most, windows) if w is None) > max(m for m, w in zip(most, windows) if w)

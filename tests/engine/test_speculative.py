@@ -168,7 +168,7 @@ class SyntheticModel:
 
 
 def request(params, prompt, output, drafts=(), generator=None):
-    return ScheduledRequest(request_id="r", token_ids=[], start_position=0, block_table=[], samples=True,
+    return ScheduledRequest(request_id="r", token_ids=[], start_position=0, block_tables=[[]], samples=True,
                             params=params, prompt_token_ids=list(prompt), output_token_ids=list(output),
                             generator=generator, draft_token_ids=list(drafts))
 
