@@ -22,15 +22,10 @@ from models.causal_lm import CausalLM, DecoderLayer
 from models.layers.linear import load_hf_weights
 from models.layers.mla import MLAttention
 from models.layers.mlp import GatedMLP
-from models.layers.moe import MoE, RouterConfig
+from models.layers.moe import MoE, RouterConfig, load_expert_weight
 from models.layers.norm import RMSNorm
 from models.layers.rope import RotaryEmbedding
 
-# Per-expert checkpoint names (save_pretrained and DeepSeek's releases):
-#   model.layers.3.mlp.experts.17.gate_proj.weight -> ("model.layers.3.mlp.experts", "17", "gate_proj")
-_EXPERT_WEIGHT = re.compile(r"(.+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-# HF's in-memory (fused) layout: model.layers.3.mlp.experts.gate_up_proj (E, 2 * inter, hidden)
-_FUSED_EXPERTS = re.compile(r"(.+\.experts)\.(gate_up_proj|down_proj)$")
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -45,7 +40,9 @@ class DeepseekDecoderLayer(DecoderLayer):
         c = hf_config
         self.self_attn = MLAttention(c, rotary_emb)
         if router_config is not None and is_moe_layer(c, layer_idx):
-            self.mlp = MoE(c, router_config)
+            self.mlp = MoE(c.hidden_size, c.moe_intermediate_size, c.hidden_act, router_config,
+                           shared_intermediate_size=c.moe_intermediate_size * (c.n_shared_experts or 0),
+                           mlp_bias=getattr(c, "mlp_bias", False))
         else:
             self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, bias=getattr(c, "mlp_bias", False))
         self.input_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
@@ -81,19 +78,10 @@ class _DeepseekForCausalLM(CausalLM):
         is a plain or merged (gate/up) parameter: see models/layers/linear.py.
         """
         loaded: set[str] = set()
-        num_experts = self.hf_config.n_routed_experts or 0
 
         def load_special(name: str, tensor: torch.Tensor) -> bool:
-            if m := _EXPERT_WEIGHT.match(name):
-                prefix, expert, proj = m[1], int(m[2]), m[3]
-                if not 0 <= expert < num_experts:
-                    raise ValueError(f"tensor {name!r}: expert index out of range (n_routed_experts={num_experts})")
-                done = self._submodule(prefix, name).load_expert(expert, proj, tensor, name)
-                loaded.update(f"{prefix}.{n}" for n in done)
-                return True
-            if m := _FUSED_EXPERTS.match(name):
-                prefix, proj = m[1], m[2]
-                loaded.update(f"{prefix}.{n}" for n in self._submodule(prefix, name).load_fused(proj, tensor, name))
+            if (done := load_expert_weight(self, name, tensor)) is not None:
+                loaded.update(done)
                 return True
             if name.endswith(".kv_b_proj.weight"):
                 prefix = name.removesuffix(".kv_b_proj.weight")

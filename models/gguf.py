@@ -7,8 +7,9 @@ Everything that names things comes from the two projects' own tables, not from o
                            `deepseek2`, which that map lacks, our one small table (_DEEPSEEK2_KEYS)
     tensor names           gguf-py's TensorNameMap over the state-dict names of transformers'
                            model for that config (transformers' `get_gguf_hf_weights_map`); for
-                           `deepseek2` also over the converter's names for its stacked experts and
-                           split kv_b_proj, which are then regrouped (_deepseek2_tensors)
+                           the MoE architectures also over the converter's names for what it writes
+                           in its own layout (_CONVERTER_TENSORS: stacked experts, deepseek2's split
+                           kv_b_proj), which are then regrouped (_to_hf_layout)
     per-tensor fixes       transformers' TensorProcessor for the architecture (llama's Q/K row
                            order, Gemma's norm offset), applied to the stored tensor
     parsing, dequantizing  gguf-py (GGUFReader, quants.dequantize)
@@ -32,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
-from gguf import MODEL_ARCH, GGMLQuantizationType, GGUFReader, get_tensor_name_map
+from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFReader, get_tensor_name_map
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import Q4_K, dequantize
 from transformers import (
@@ -49,8 +50,12 @@ from models.registry import MODEL_REGISTRY
 # transformers model_type, where they differ (transformers' load_gguf_checkpoint renames the same).
 _CONFIG_KEYS = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 _MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}
-# `{arch}.*` keys that transformers' map leaves out, named as the HF config field they fill.
-_UNMAPPED_KEYS = ("attn_logit_softcapping", "final_logit_softcapping")
+# `{arch}.*` keys that transformers' map leaves out -> the HF config field they fill (its qwen2moe /
+# qwen3moe maps drop the expert sizes, which its own GGUF loader then takes from the config defaults).
+_UNMAPPED_KEYS = {"attn_logit_softcapping": "attn_logit_softcapping",
+                  "final_logit_softcapping": "final_logit_softcapping",
+                  "expert_feed_forward_length": "moe_intermediate_size",
+                  "expert_shared_feed_forward_length": "shared_expert_intermediate_size"}
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3_text": 62}
 # transformers has no GGUF map for DeepSeek V2/V3 (llama.cpp's `deepseek2`): the `deepseek2.*` keys that
 # llama.cpp's converter (DeepseekV2Model) writes, named as the HF DeepseekV2/V3 config field they fill.
@@ -71,10 +76,17 @@ _DEEPSEEK2_ABSENT = {"q_lora_rank": None, "n_routed_experts": None, "n_group": 1
                      "routed_scaling_factor": 1.0, "norm_topk_prob": False}
 _GATING_FUNCS = {1: "softmax", 2: "sigmoid"}  # deepseek2.expert_gating_func; absent: softmax, as llama.cpp
 # Per layer, the names llama.cpp's converter gives what it writes in its own layout (gguf-py's
-# TensorNameMap knows them; transformers' model has none): routed experts stacked into 3-D tensors,
-# kv_b_proj split into k_b (transposed per head) and v_b, V3's correction bias as a `.bias`.
-_DEEPSEEK2_TENSORS = ("mlp.experts.gate_proj.weight", "mlp.experts.up_proj.weight", "mlp.experts.down_proj.weight",
-                      "self_attn.k_b_proj.weight", "self_attn.v_b_proj.weight", "mlp.gate.e_score_correction.bias")
+# TensorNameMap knows them): routed experts stacked into 3-D tensors; for deepseek2 also kv_b_proj split
+# into k_b (transposed per head) and v_b, V3's correction bias as a `.bias`. transformers' map names the
+# stacked gate and up experts only as its fused `experts.gate_up_proj`, which its processor fills from
+# both inside its own loader; ours regroups them into per-expert tensors instead.
+_STACKED_EXPERT_TENSORS = ("mlp.experts.gate_proj.weight", "mlp.experts.up_proj.weight", "mlp.experts.down_proj.weight")
+_CONVERTER_TENSORS = {
+    "deepseek2": _STACKED_EXPERT_TENSORS + ("self_attn.k_b_proj.weight", "self_attn.v_b_proj.weight",
+                                            "mlp.gate.e_score_correction.bias"),
+    "qwen2moe": _STACKED_EXPERT_TENSORS,
+    "qwen3moe": _STACKED_EXPERT_TENSORS,
+}
 _STACKED_EXPERTS = re.compile(r"(.+\.experts)\.(gate_proj|up_proj|down_proj)\.weight$")
 _KV_B_HALF = re.compile(r"(.+)\.(k|v)_b_proj\.weight$")
 # Tensors that carry metadata rather than weights; read into the config.
@@ -201,9 +213,9 @@ def read_config(reader: GGUFReader, path: Path) -> PretrainedConfig:
         if (token := _field(reader, f"tokenizer.ggml.{key}_token_id", None)) is not None:
             params[f"{'pad' if key == 'padding' else key}_token_id"] = int(token)
 
-    for key in _UNMAPPED_KEYS:
+    for key, field in _UNMAPPED_KEYS.items():
         if (value := meta(key, None)) is not None:
-            params[key] = value
+            params[field] = value
     if model_type in _GEMMA_27B_LAYERS:
         # Not in the file: llama.cpp scales queries by head_dim, or by hidden / heads for the 27B
         # models (recognised by their layer count), as their HF configs' query_pre_attn_scalar say.
@@ -293,24 +305,26 @@ def tensor_name_map(config: PretrainedConfig, arch: str) -> dict[str, str]:
     transformers' model for `config` (built on the meta device: no memory)."""
     with torch.device("meta"):
         hf_model = AutoModelForCausalLM.from_config(config)
-    if arch != "deepseek2":
+    if arch not in _CONVERTER_TENSORS:
         return get_gguf_hf_weights_map(hf_model, _processor(config, arch))
     names = get_gguf_hf_weights_map(hf_model, _processor(config, arch), model_type=arch)
-    gguf_names = get_tensor_name_map(MODEL_ARCH.DEEPSEEK2, config.num_hidden_layers)
+    gguf_arch = next(key for key, name in MODEL_ARCH_NAMES.items() if name == arch)
+    gguf_names = get_tensor_name_map(gguf_arch, config.num_hidden_layers)
     for layer in range(config.num_hidden_layers):
-        for name in _DEEPSEEK2_TENSORS:  # named as the converter had them; _deepseek2_tensors regroups
+        for name in _CONVERTER_TENSORS[arch]:  # named as the converter had them; _to_hf_layout regroups
             name = f"model.layers.{layer}.{name}"
             gguf_name = gguf_names.get_name(name, try_suffixes=(".weight", ".bias"))
             names[gguf_name] = name.replace("e_score_correction.bias", "e_score_correction_bias")
     return names
 
 
-def _deepseek2_tensors(pairs: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The converter's layout back to the HF names our DeepSeek model loads:
+def _to_hf_layout(pairs: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The converter's layout back to the HF names our MoE models load (models/layers/moe.py):
 
         experts.gate_proj.weight (E, inter, hidden)  ->  experts.{e}.gate_proj.weight (inter, hidden)
         k_b_proj.weight (H, L, nope) + v_b_proj.weight (H, v, L)
                                                      ->  kv_b_proj.weight (H * (nope + v), L), per head nope rows then v
+                                                             (deepseek2)
     """
     halves: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in pairs:
@@ -344,8 +358,7 @@ class GGUFWeights:
         arch = _field(reader, "general.architecture")
         self._processor = _processor(config, arch)
         names = tensor_name_map(config, arch)
-        self._regroup = arch == "deepseek2"
-        self._num_experts = getattr(config, "n_routed_experts", None) or 0
+        self._regroup = arch in _CONVERTER_TENSORS
         self._names: list[tuple[int, str]] = []
         checked: set[GGMLQuantizationType] = set()
         for index, tensor in enumerate(reader.tensors):
@@ -364,27 +377,31 @@ class GGUFWeights:
 
     def stored_types(self) -> dict[str, GGMLQuantizationType]:
         """HF name -> the GGUF type the file stores it in."""
-        types = {hf_name: self._reader.tensors[index].tensor_type for index, hf_name in self._names}
-        if not self._regroup:
-            return types
-        regrouped = {}  # under the names _deepseek2_tensors yields
-        for name, qtype in types.items():
-            if m := _STACKED_EXPERTS.match(name):
-                regrouped.update({f"{m[1]}.{e}.{m[2]}.weight": qtype for e in range(self._num_experts)})
-            elif m := _KV_B_HALF.match(name):
-                regrouped[f"{m[1]}.kv_b_proj.weight"] = qtype
+        types = {}  # under the names __iter__ yields
+        for index, name in self._names:
+            tensor = self._reader.tensors[index]
+            if self._regroup and (m := _STACKED_EXPERTS.match(name)):
+                num_experts = int(tensor.shape[-1])  # GGUF dims fastest-first: (hidden, inter, experts)
+                types.update({f"{m[1]}.{e}.{m[2]}.weight": tensor.tensor_type for e in range(num_experts)})
+            elif self._regroup and (m := _KV_B_HALF.match(name)):
+                types[f"{m[1]}.kv_b_proj.weight"] = tensor.tensor_type
             else:
-                regrouped[name] = qtype
-        return regrouped
+                types[name] = tensor.tensor_type
+        return types
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
         pairs = ((hf_name, self._tensor(self._reader.tensors[index])) for index, hf_name in self._names)
-        # deepseek2's 3-D tensors (stacked experts, k_b / v_b) come dequantized: _tensor keeps only 2-D
+        # 3-D tensors (stacked experts, deepseek2's k_b / v_b) come dequantized: _tensor keeps only 2-D
         # ones quantized; the expert slices are then requantized at load where the model quantizes.
-        yield from _deepseek2_tensors(pairs) if self._regroup else pairs
+        yield from _to_hf_layout(pairs) if self._regroup else pairs
 
     def _process(self, array: np.ndarray, name: str) -> np.ndarray:
-        return self._processor.process(weights=array, name=name).weights
+        processed = self._processor.process(weights=array, name=name).weights
+        if processed.ndim > max(array.ndim, 2) and processed.shape[0] == 1:
+            # qwen2moe's processor puts a unit axis in front of the shared expert gate, for files that
+            # store it 1-D; one stored as its (1, hidden) matrix already has it.
+            processed = processed[0]
+        return processed
 
     def _tensor(self, tensor) -> torch.Tensor | QuantizedWeight:
         shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims fastest-first

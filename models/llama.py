@@ -7,6 +7,8 @@ One class serves all four; their differences are a few config switches:
     Llama   `attention_bias` / `mlp_bias` flags; RoPE scaling via rope_parameters
     Mistral sliding window on every layer (Qwen2/3: on the layers `layer_types` marks), in paged attention
 
+Qwen2-MoE and Qwen3-MoE (models/qwen_moe.py) share this attention.
+
 Parameter names follow the HF checkpoints, except q/k/v -> `qkv_proj` and
 gate/up -> `gate_up_proj`, each one matmul (see models/layers/linear.py).
 """
@@ -50,19 +52,19 @@ class LlamaAttention(nn.Module):
         self.head_dim = _head_dim(config)
         self.scale = self.head_dim**-0.5
         attention_bias = bool(getattr(config, "attention_bias", False))
-        is_qwen2 = config.model_type == "qwen2"
+        is_qwen2 = config.model_type in ("qwen2", "qwen2_moe")  # Qwen2-MoE: biases unless qkv_bias=False
         d = self.head_dim
         kv_rows = slice(kv_heads.start * d, kv_heads.stop * d)
         self.qkv_proj = MergedLinear(
             config.hidden_size,
             {"q_proj": num_heads * d, "k_proj": num_kv_heads * d, "v_proj": num_kv_heads * d},
-            bias=attention_bias or is_qwen2,
+            bias=attention_bias or (is_qwen2 and getattr(config, "qkv_bias", True)),
             parallel="column",
             shard_parts={"q_proj": slice(heads.start * d, heads.stop * d), "k_proj": kv_rows, "v_proj": kv_rows},
         )
         o_bias = attention_bias and not is_qwen2  # Qwen2: biases on q/k/v only
         self.o_proj = Linear(num_heads * d, config.hidden_size, bias=o_bias, parallel="row")
-        self.qk_norm = config.model_type == "qwen3"
+        self.qk_norm = config.model_type in ("qwen3", "qwen3_moe")
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)

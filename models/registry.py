@@ -13,6 +13,8 @@ MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("models.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("models.llama", "LlamaForCausalLM"),
+    "Qwen2MoeForCausalLM": ("models.qwen_moe", "QwenMoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("models.qwen_moe", "QwenMoeForCausalLM"),
     "Phi3ForCausalLM": ("models.phi3", "Phi3ForCausalLM"),
     "Gemma2ForCausalLM": ("models.gemma", "Gemma2ForCausalLM"),  # model_type gemma2
     "Gemma3ForCausalLM": ("models.gemma", "Gemma3ForCausalLM"),  # model_type gemma3_text

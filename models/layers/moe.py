@@ -1,9 +1,9 @@
-"""DeepSeek mixture of experts: a router sends each token to its top-k routed experts,
-and shared experts see every token.
+"""Mixture of experts (DeepSeek V2/V3, Qwen2-MoE, Qwen3-MoE): a router sends each token to
+its top-k routed experts, and shared experts (if any) see every token.
 
 Routing, computed in float32 like the reference:
 
-    V2  scores = softmax(logits)
+    V2  scores = softmax(logits)   (Qwen2-MoE, Qwen3-MoE: the same, "greedy")
         "greedy":               top-k over all experts
         "group_limited_greedy": keep the topk_group groups with the best single score,
                                 then top-k among their experts
@@ -13,10 +13,12 @@ Routing, computed in float32 like the reference:
         selection (load balancing); the weights are the unbiased scores.
 
 The chosen weights are optionally renormalised to sum to 1 (norm_topk_prob) and then
-multiplied by routed_scaling_factor.
+multiplied by routed_scaling_factor (Qwen: 1). Qwen2-MoE scales its shared expert's output
+per token by sigmoid(shared_expert_gate(x)).
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -30,13 +32,18 @@ from models.layers.mlp import GatedMLP, gated
 from models.layers.step_kernels import StepKernels
 
 _TOPK_METHODS = {"softmax": ("greedy", "group_limited_greedy"), "sigmoid": ("noaux_tc",)}
+# Per-expert checkpoint names (what save_pretrained writes):
+#   model.layers.3.mlp.experts.17.gate_proj.weight -> ("model.layers.3.mlp.experts", "17", "gate_proj")
+_EXPERT_WEIGHT = re.compile(r"(.+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# HF's in-memory (fused) layout: model.layers.3.mlp.experts.gate_up_proj (E, 2 * inter, hidden)
+_FUSED_EXPERTS = re.compile(r"(.+\.experts)\.(gate_up_proj|down_proj)$")
 
 
 @dataclass(frozen=True)
 class RouterConfig:
     num_experts: int
     top_k: int
-    scoring: str  # "softmax" (V2) | "sigmoid" (V3)
+    scoring: str  # "softmax" (V2, Qwen) | "sigmoid" (V3)
     topk_method: str  # "greedy" | "group_limited_greedy" (softmax) | "noaux_tc" (sigmoid)
     num_groups: int
     topk_groups: int
@@ -74,6 +81,12 @@ class RouterConfig:
             norm_topk_prob=bool(hf_config.norm_topk_prob),
             routed_scaling_factor=float(hf_config.routed_scaling_factor),
         )
+
+    @classmethod
+    def softmax_top_k(cls, num_experts: int, top_k: int, norm_topk_prob: bool) -> "RouterConfig":
+        """Plain softmax over all experts, then top-k (Qwen2-MoE, Qwen3-MoE): no groups, no scaling."""
+        return cls(num_experts=num_experts, top_k=top_k, scoring="softmax", topk_method="greedy", num_groups=1,
+                   topk_groups=1, norm_topk_prob=norm_topk_prob, routed_scaling_factor=1.0)
 
 
 class Router(nn.Module):
@@ -122,7 +135,7 @@ class Router(nn.Module):
             choice = self._mask_groups(choice)
         expert_ids = torch.topk(choice, k=cfg.top_k, dim=-1, sorted=False)[1]  # (T, top_k)
         weights = scores.gather(1, expert_ids)
-        if cfg.norm_topk_prob and cfg.top_k > 1:
+        if cfg.norm_topk_prob:  # top_k 1: weight 1, as transformers' Qwen and DeepSeek V3 routers give
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * cfg.routed_scaling_factor, expert_ids
 
@@ -229,26 +242,52 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    """Routed experts plus (optionally) always-on shared experts, fed the same tokens."""
+    """Routed experts plus (optionally) always-on shared experts, fed the same tokens. The shared
+    experts are stored as one MLP whose intermediate size is their sum (`shared_intermediate_size`);
+    with `shared_gate` (Qwen2-MoE) its output is scaled per token by sigmoid(shared_expert_gate(x))."""
 
-    def __init__(self, hf_config, router_config: RouterConfig):
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, router_config: RouterConfig,
+                 shared_intermediate_size: int = 0, shared_gate: bool = False, mlp_bias: bool = False):
         super().__init__()
-        hidden, inter = hf_config.hidden_size, hf_config.moe_intermediate_size
-        self.gate = Router(router_config, hidden)
-        self.experts = Experts(router_config.num_experts, hidden, inter, hf_config.hidden_act)
-        num_shared = hf_config.n_shared_experts or 0
-        # The shared experts are stored as one MLP whose intermediate size is their sum.
+        self.gate = Router(router_config, hidden_size)
+        self.experts = Experts(router_config.num_experts, hidden_size, intermediate_size, hidden_act)
         self.shared_experts = (
-            GatedMLP(hidden, inter * num_shared, hf_config.hidden_act, bias=getattr(hf_config, "mlp_bias", False),
-                     reduce=False)
-            if num_shared
+            GatedMLP(hidden_size, shared_intermediate_size, hidden_act, bias=mlp_bias, reduce=False)
+            if shared_intermediate_size
             else None
         )
+        # Replicated under tensor parallel: each rank scales its partial sum by the same gate.
+        self.shared_expert_gate = Linear(hidden_size, 1, bias=False) if shared_gate else None
         self.tp = self.experts.down[0].tp if router_config.num_experts else None
 
     def forward(self, x: torch.Tensor, kernels: StepKernels) -> torch.Tensor:
         weights, expert_ids = self.gate(x)  # float32 logits: no reduced-precision matmul to choose for
         out = self.experts(x, weights, expert_ids, kernels)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x, kernels)
+            shared = self.shared_experts(x, kernels)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x, kernels)) * shared  # (T, 1) * (T, hidden)
+            out = out + shared
         return self.tp.all_reduce(out)  # tensor parallel: the ranks' partial sums, added once
+
+
+def load_expert_weight(model: nn.Module, name: str, tensor: torch.Tensor) -> list[str] | None:
+    """Copy `name` in if it is a routed expert's weight, per expert (`experts.N.gate_proj.weight`: what
+    save_pretrained and DeepSeek's releases write) or fused (`experts.gate_up_proj`, `experts.down_proj`:
+    HF's in-memory layout); returns the parameter names now fully loaded, None for any other tensor."""
+    m = _EXPERT_WEIGHT.match(name) or _FUSED_EXPERTS.match(name)
+    if m is None:
+        return None
+    prefix = m[1]
+    try:
+        experts = model.get_submodule(prefix)
+    except AttributeError:
+        experts = None
+    if not isinstance(experts, Experts):
+        raise ValueError(f"tensor {name!r} does not belong to this model")
+    if m.re is _FUSED_EXPERTS:
+        return [f"{prefix}.{n}" for n in experts.load_fused(m[2], tensor, name)]
+    expert, proj = int(m[2]), m[3]
+    if not 0 <= expert < len(experts.gate_up):
+        raise ValueError(f"tensor {name!r}: expert index out of range (the model has {len(experts.gate_up)} experts)")
+    return [f"{prefix}.{n}" for n in experts.load_expert(expert, proj, tensor, name)]

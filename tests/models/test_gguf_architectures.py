@@ -51,7 +51,14 @@ CASES = {
     "deepseek_v2_group_limited_yarn": ("v2-group-limited-q-lora-yarn", {"rope_parameters": {
         **YARN, "mscale": 0.707, "mscale_all_dim": 0.707}}),
     "deepseek_v3": ("v3-q-lora", {"scoring_func": "sigmoid", "num_key_value_heads": 4}),
+    # Qwen MoE: llama.cpp puts the MoE on every layer (GGUF keeps no decoder_sparse_step or mlp_only_layers)
+    # and renormalises the top-k weights for qwen3moe only, as the released configs' norm_topk_prob says.
+    "qwen3_moe": ("qwen3_moe", {"head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2,
+                                "moe_intermediate_size": 32, "norm_topk_prob": True}),
+    "qwen2_moe": ("qwen2_moe", {"num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 32,
+                                "shared_expert_intermediate_size": 48, "norm_topk_prob": False}),
 }
+QWEN_MOE = [n for n, (arch, _) in CASES.items() if arch in ("qwen2_moe", "qwen3_moe")]
 PROMPT_LENS = [1, 9, 23, 41]
 
 
@@ -139,7 +146,7 @@ def test_config_from_metadata_equals_the_checkpoints(converted, name, tmp_path):
     assert config.rms_norm_eps == pytest.approx(ref.rms_norm_eps)
     assert eos == (tiny_tokenizer().eos_token_id,)
     expected = {n for n in hf_model.state_dict() if not (config.tie_word_embeddings and n == "lm_head.weight")}
-    if CASES[name][0] in DEEPSEEK:  # routed experts per expert, as the checkpoint stores them
+    if CASES[name][0] in DEEPSEEK or name in QWEN_MOE:  # routed experts per expert, as the checkpoint stores them
         with safe_open(path.parent / "hf" / "model.safetensors", "pt") as f:
             expected = set(f.keys())
     assert {n for n, _ in weights} == expected
@@ -167,6 +174,24 @@ def test_deepseek2_file_gives_back_the_checkpoints_config_and_tensors(converted,
     with safe_open(path.parent / "hf" / "model.safetensors", "pt") as f:
         for hf_name, tensor in weights:
             assert torch.equal(tensor, f.get_tensor(hf_name)), hf_name
+
+
+@pytest.mark.parametrize("name", QWEN_MOE)
+def test_qwen_moe_file_gives_back_the_checkpoints_experts(converted, name, tmp_path):
+    """Expert sizes from the `{arch}.expert_*` keys transformers' map leaves out; the stacked experts
+    split back into the checkpoint's per-expert tensors, bit for bit."""
+    hf_model, path = converted(name)
+    config, weights, *_ = load_gguf(path, cache=tmp_path)
+    ref = hf_model.config
+    assert config.architectures == ref.architectures
+    for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                "shared_expert_intermediate_size"):
+        assert getattr(config, key, None) == getattr(ref, key, None), key
+    types = weights.stored_types()
+    with safe_open(path.parent / "hf" / "model.safetensors", "pt") as f:
+        for hf_name, tensor in weights:
+            assert torch.equal(tensor, f.get_tensor(hf_name)), hf_name
+            assert hf_name in types
 
 
 def test_llama3_rope_factors_reproduce_hf_frequencies(converted, tmp_path):
@@ -202,7 +227,7 @@ def test_q8_0_file_is_served_from_its_blocks(converted, name, tmp_path):
 
 
 def test_every_registered_llama_family_is_supported():
-    assert {"llama", "qwen2", "qwen3", "deepseek2"} <= set(supported_architectures())
+    assert {"llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "deepseek2"} <= set(supported_architectures())
 
 
 def test_unsupported_architecture_is_one_line_naming_it_and_the_supported(converted, tmp_path):

@@ -1,4 +1,5 @@
-"""Our loader + LlamaForCausalLM reproduce transformers' logits (float32) through the paged cache."""
+"""Our loader + LlamaForCausalLM (and the Qwen MoE models built on its attention) reproduce
+transformers' logits (float32) through the paged cache."""
 from __future__ import annotations
 
 import json
@@ -18,6 +19,13 @@ CASES = {
     "mistral": ("mistral", {}),  # default sliding_window 4096 > max_model_len: plain causal attention
     "qwen2": ("qwen2", {}),  # q/k/v biases
     "qwen3": ("qwen3", {"head_dim": 32, "tie_word_embeddings": True}),  # q/k norms, head_dim != hidden/heads
+    # models/qwen_moe.py: this attention with a MoE of 8 experts (top 2-3) on the sparse layers, dense
+    # MLPs on the others (mlp_only_layers, decoder_sparse_step); Qwen2-MoE adds its gated shared expert.
+    "qwen3_moe": ("qwen3_moe", {"head_dim": 32, "num_hidden_layers": 3, "mlp_only_layers": [1], "num_experts": 8,
+                                "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True}),
+    "qwen2_moe": ("qwen2_moe", {"num_hidden_layers": 3, "decoder_sparse_step": 2, "num_experts": 8,
+                                "num_experts_per_tok": 3, "moe_intermediate_size": 32,
+                                "shared_expert_intermediate_size": 48, "tie_word_embeddings": True}),
     "phi3": ("phi3", {"sliding_window": 16}),  # fused qkv_proj / gate_up_proj in the checkpoint; windowed
     "rope_linear": ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}),
     "rope_dynamic": ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}),
