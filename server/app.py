@@ -21,10 +21,12 @@ from typing import Any, Callable
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from server.errors import error_body, install_error_handlers, model_not_found
+from server.errors import APIError, error_body, install_error_handlers, model_not_found
 from server.metrics import CONTENT_TYPE, ServerMetrics
 from server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                              openapi_body, openapi_schemas)
+from server.protocol_anthropic import MessagesInput, MessagesRequest
+from server.serving_anthropic import count_tokens, create_message
 from server.serving_chat import create_chat_completion
 from server.serving_common import ServerState
 from server.serving_completion import create_completion
@@ -40,6 +42,7 @@ def create_app(
     engine: Any = None,
     *,
     served_model_name: str,
+    served_model_aliases: tuple[str, ...] = (),
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     read_timeout: float | None = DEFAULT_READ_TIMEOUT_S,
@@ -53,12 +56,15 @@ def create_app(
     engine requests are admitted at once, and the rest get 429. A request body that has not
     arrived `read_timeout` seconds after its headers gets a 408 (None: no bound; the headers'
     own bound is the HTTP server's, server.http_server.make_server). `tool_call_parser`: how
-    tool calls are read from the output (server/tool_parsers.py); auto = from the chat template."""
+    tool calls are read from the output (server/tool_parsers.py); auto = from the chat template.
+    `served_model_aliases`: other names requests may use for the model (/v1/models lists them after
+    `served_model_name`, which responses carry)."""
     if (engine is None) == (engine_factory is None):
         raise ValueError("give exactly one of engine or engine_factory")
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be positive, got {max_body_bytes}")
-    state = ServerState(served_model_name=served_model_name, metrics=ServerMetrics(),
+    state = ServerState(served_model_name=served_model_name, model_aliases=tuple(served_model_aliases),
+                        metrics=ServerMetrics(),
                         max_body_bytes=max_body_bytes, api_key=api_key or None, tool_call_parser=tool_call_parser,
                         reasoning_parser=reasoning_parser)
     created = int(time.time())
@@ -117,21 +123,21 @@ def create_app(
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
-    def model_card() -> dict[str, Any]:
-        card = {"id": served_model_name, "object": "model", "created": created, "owned_by": "pagedserve"}
+    def model_card(name: str) -> dict[str, Any]:
+        card = {"id": name, "object": "model", "created": created, "owned_by": "pagedserve"}
         if state.engine is not None:
             card["max_model_len"] = state.limits.max_model_len
         return card
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(name) for name in (served_model_name, *served_model_aliases)]}
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str) -> dict[str, Any]:
-        if model != served_model_name:
+        if model != served_model_name and model not in served_model_aliases:
             raise model_not_found(model, served_model_name)
-        return model_card()
+        return model_card(model)
 
     # Bodies are parsed by hand (protocol.parse_body, for OpenAI's error messages); the
     # document still shows each route's request model, with its bounds.
@@ -140,6 +146,10 @@ def create_app(
     app.add_api_route("/v1/chat/completions", create_chat_completion, methods=["POST"],
                       openapi_extra=openapi_body(ChatCompletionRequest))
     app.add_api_route("/v1/responses", create_response, methods=["POST"])
+    # Anthropic's Messages API (its errors in Anthropic's shape: server/errors.py).
+    app.add_api_route("/v1/messages", create_message, methods=["POST"], openapi_extra=openapi_body(MessagesRequest))
+    app.add_api_route("/v1/messages/count_tokens", count_tokens, methods=["POST"],
+                      openapi_extra=openapi_body(MessagesInput))
     app.add_api_route("/tokenize", tokenize, methods=["POST"], openapi_extra=openapi_body(TokenizeRequest))
     app.add_api_route("/detokenize", detokenize, methods=["POST"], openapi_extra=openapi_body(DetokenizeRequest))
     _publish_request_schemas(app)
@@ -153,7 +163,7 @@ def _publish_request_schemas(app: FastAPI) -> None:
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             document = generate()
-            document.setdefault("components", {}).setdefault("schemas", {}).update(openapi_schemas())
+            document.setdefault("components", {}).setdefault("schemas", {}).update(openapi_schemas(MessagesRequest, MessagesInput))
             app.openapi_schema = document
         return app.openapi_schema
 
@@ -187,7 +197,8 @@ async def _in_daemon_thread(fn: Callable[[], Any]) -> Any:
 
 
 class APIKeyMiddleware:
-    """401 for any /v1/* (and tokenizer) request without `Authorization: Bearer <key>`.
+    """401 for any /v1/* (and tokenizer) request without `Authorization: Bearer <key>` or
+    Anthropic's `x-api-key: <key>`.
 
     Plain ASGI rather than BaseHTTPMiddleware, which would buffer and wrap the SSE streams.
     /health and /metrics stay open for load balancers and scrapers.
@@ -198,14 +209,16 @@ class APIKeyMiddleware:
     def __init__(self, app, api_key: str):
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.expected_key = api_key.encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and (scope["path"] == "/v1" or scope["path"].startswith(self._PROTECTED_PREFIXES)):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
-                body = error_body(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'.",
-                                  code="invalid_api_key")
-                response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
-                await response(scope, receive, send)
+            headers = dict(scope["headers"])
+            bearer_ok = secrets.compare_digest(headers.get(b"authorization", b""), self.expected)
+            key_ok = secrets.compare_digest(headers.get(b"x-api-key", b""), self.expected_key)
+            if not (bearer_ok or key_ok):
+                error = APIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>' or "
+                                 "'x-api-key: <key>'.", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                await error.response(scope["path"])(scope, receive, send)
                 return
         await self.app(scope, receive, send)

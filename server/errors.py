@@ -4,6 +4,10 @@ Every error the server sends looks like OpenAI's:
 
     {"error": {"message": "...", "type": "invalid_request_error", "param": "top_p", "code": null}}
 
+except on Anthropic's routes (/v1/messages...), where it looks like Anthropic's:
+
+    {"type": "error", "error": {"type": "invalid_request_error", "message": "..."}}
+
 Handlers raise `APIError` (or one of the helpers below); the exception
 handlers registered by `install_error_handlers` turn it, and anything
 FastAPI/Starlette would otherwise render in its own format, into that body.
@@ -40,14 +44,15 @@ _ERROR_TYPES = {
 # reports the missing API rather than a missing model or a typo.
 _UNSERVED = {
     "/v1/embeddings": "embeddings",
-    "/v1/messages": "Anthropic's Messages API", "/v1/audio": "audio", "/v1/images": "images",
+    "/v1/audio": "audio", "/v1/images": "images",
     "/v1/moderations": "moderations", "/v1/files": "files", "/v1/batches": "batches",
     "/v1/fine_tuning": "fine-tuning", "/v1/fine-tunes": "fine-tuning", "/v1/assistants": "assistants",
     "/v1/threads": "assistants' threads", "/v1/vector_stores": "vector stores", "/v1/uploads": "uploads",
     "/v1/realtime": "the Realtime API", "/v1/edits": "edits", "/v1/engines": "engines",
     "/v1/rerank": "reranking", "/v1/score": "scoring", "/v1/classify": "classification",
 }
-SERVED_ROUTES = ("POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses", "GET /v1/models",
+SERVED_ROUTES = ("POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses", "POST /v1/messages",
+                 "POST /v1/messages/count_tokens", "GET /v1/models",
                  "GET /v1/models/{model}",
                  "POST /tokenize",
                  "POST /detokenize", "GET /health", "GET /metrics")
@@ -68,8 +73,25 @@ class APIError(Exception):
     def body(self) -> dict:
         return error_body(self.status, self.message, param=self.param, code=self.code)
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self, path: str = "") -> JSONResponse:
+        """The error as OpenAI's body, or Anthropic's on Anthropic's routes (`path`)."""
+        body = anthropic_error_body(self.status, self.message) if is_anthropic_route(path) else self.body()
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+# Anthropic's `type` for each status (its error docs); other 4xx are invalid requests.
+_ANTHROPIC_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                    408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
+                    500: "api_error", 503: "overloaded_error", 529: "overloaded_error"}
+
+
+def is_anthropic_route(path: str) -> bool:
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def anthropic_error_body(status: int, message: str) -> dict:
+    error_type = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": error_type, "message": message}}
 
 
 def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict:
@@ -108,15 +130,15 @@ def route_error(method: str, path: str, status: int, headers: dict | None = None
                          headers=headers)
     else:
         error = APIError(404, f"Unknown route: {method} {shown}{served}", code="not_found")
-    return error.response()
+    return error.response(path)
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Route every error path through the OpenAI body."""
+    """Route every error path through the OpenAI body (Anthropic's on its routes)."""
 
     @app.exception_handler(APIError)
-    async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -125,18 +147,16 @@ def install_error_handlers(app: FastAPI) -> None:
             return route_error(request.method, request.url.path, exc.status_code, getattr(exc, "headers", None))
         phrase = HTTPStatus(exc.status_code).phrase if exc.status_code in HTTPStatus._value2member_map_ else ""
         message = exc.detail if isinstance(exc.detail, str) else phrase
-        return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        return APIError(exc.status_code, message, headers=getattr(exc, "headers", None)).response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         # Only reached for query/path parameters: bodies are parsed by protocol.parse_body.
         first = exc.errors()[0] if exc.errors() else {}
         param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        return JSONResponse(error_body(400, first.get("msg", "invalid request"), param=param), status_code=400)
+        return APIError(400, first.get("msg", "invalid request"), param=param).response(request.url.path)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error serving %s %s", request.method, request.url.path)
-        return JSONResponse(error_body(500, f"internal server error: {type(exc).__name__}: {exc}"),
-                            status_code=500)
+        return APIError(500, f"internal server error: {type(exc).__name__}: {exc}").response(request.url.path)

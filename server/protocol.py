@@ -391,9 +391,9 @@ _UNSUPPORTED_MESSAGE_KEYS = ("name", "function_call", "audio", "refusal")
 REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
 
 
-def openapi_schemas() -> dict[str, Any]:
-    """The request models as OpenAPI component schemas (name -> JSON schema), with their bounds."""
-    _, top = models_json_schema([(m, "validation") for m in REQUEST_MODELS],
+def openapi_schemas(*more: type[BaseModel]) -> dict[str, Any]:
+    """The request models (and `more`) as OpenAPI component schemas (name -> JSON schema), with their bounds."""
+    _, top = models_json_schema([(m, "validation") for m in (*REQUEST_MODELS, *more)],
                                 ref_template="#/components/schemas/{model}")
     return top["$defs"]
 

@@ -1,4 +1,4 @@
-"""The tail both OpenAI endpoints share: hand the choices to the engine, then stream
+"""The tail every endpoint shares: hand the choices to the engine, then stream
 them as SSE or wait for them (aborting if the client leaves) and answer in JSON."""
 from __future__ import annotations
 
@@ -21,11 +21,19 @@ _SUCCESS = ("stop", "length")
 
 
 class View(Protocol):
-    """How one endpoint renders its choices (chat.completion or text_completion)."""
+    """How one endpoint renders its choices (chat.completion or text_completion). A view may
+    also frame its stream's ending itself (Anthropic's has no [DONE] and its own error event):
+    `error_event(exc) -> str` and `end_event: str`; OpenAI's framing otherwise."""
 
     def response(self, choices: list[Choice]) -> dict[str, Any]: ...
 
     def chunks(self, events: AsyncIterator) -> AsyncIterator[str]: ...
+
+
+def openai_error_event(exc: Exception) -> str:
+    if isinstance(exc, APIError):
+        return sse_event(exc.body())
+    return sse_event(error_body(500, str(exc), code="engine_error"))
 
 
 async def respond(request: Request, state: ServerState, choices: list[Choice], view: View, arrival: float,
@@ -34,8 +42,9 @@ async def respond(request: Request, state: ServerState, choices: list[Choice], v
     events = stream_choices(state, choices, arrival)
     await anext(events)  # admitted and accepted by the engine, or an APIError (429, 400)
     if stream:
-        return sse_response(_guarded(view.chunks(events), events, request_id),
-                            headers={"X-Request-Id": request_id})
+        body = _guarded(view.chunks(events), events, request_id, getattr(view, "error_event", openai_error_event),
+                        getattr(view, "end_event", SSE_DONE))
+        return sse_response(body, headers={"X-Request-Id": request_id})
     try:
         await run_unless_disconnected(request, _drain(events))
     except ClientDisconnected:
@@ -60,18 +69,17 @@ async def _drain(events: AsyncIterator) -> None:
         pass
 
 
-async def _guarded(chunks: AsyncIterator[str], events, request_id: str) -> AsyncIterator[str]:
+async def _guarded(chunks: AsyncIterator[str], events, request_id: str, error_event, end_event: str
+                   ) -> AsyncIterator[str]:
     try:
         async for chunk in chunks:
             yield chunk
     except Exception as exc:  # noqa: BLE001 - the stream has started: report it in-band
         logger.warning("stream %s failed: %s", request_id, exc)
-        if isinstance(exc, APIError):
-            yield sse_event(exc.body())
-        else:
-            yield sse_event(error_body(500, str(exc), code="engine_error"))
+        yield error_event(exc)
     finally:
         # Closing the engine stream aborts whatever is still running (client gone).
         with anyio.CancelScope(shield=True):
             await events.aclose()
-    yield SSE_DONE
+    if end_event:
+        yield end_event

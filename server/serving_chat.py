@@ -74,10 +74,7 @@ async def serve_chat(request: Request, state, engine, body: ChatCompletionReques
     if structured is not None and state.reasoning_parser and thinks:  # free thinking first, then the grammar
         structured = structured.after_reasoning(state.reasoning_parser)
     await compile_or_400(engine, structured, param)
-    messages, tool_defs = chat_messages(body, engine.tokenizer)
-    prompt_ids = await state.off_loop(encode_chat, engine.tokenizer, messages, tools=tool_defs,
-                                      max_chars=state.max_prompt_chars, max_model_len=state.limits.max_model_len,
-                                      template_kwargs=body.template_kwargs())
+    prompt_ids = await chat_prompt_ids(state, engine, body)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if requested is None:
         max_tokens = default_max_tokens(state, len(prompt_ids), "messages")
@@ -94,6 +91,14 @@ async def serve_chat(request: Request, state, engine, body: ChatCompletionReques
     choices = make_choices(request_id, [prompt_ids], params)
     return await respond(request, state, choices, make_view(request_id, tools), arrival, request_id, body.user,
                          bool(body.stream))
+
+
+async def chat_prompt_ids(state, engine, body: ChatCompletionRequest) -> list[int]:
+    """The prompt a chat request renders to: its messages and tools through the template."""
+    messages, tool_defs = chat_messages(body, engine.tokenizer)
+    return await state.off_loop(encode_chat, engine.tokenizer, messages, tools=tool_defs,
+                                max_chars=state.max_prompt_chars, max_model_len=state.limits.max_model_len,
+                                template_kwargs=body.template_kwargs())
 
 
 class _ChatView:

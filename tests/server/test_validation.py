@@ -224,8 +224,8 @@ def test_unknown_route_and_wrong_method_use_openai_body(live):
     assert error["code"] == "not_found" and "POST /v1/chat/completions" in error["message"]
     assert assert_openai_error(live.http.get(CMPL), 405, None, "GET is not allowed")["code"] == "method_not_allowed"
     assert_openai_error(live.http.get("/v1/models/gpt-4"), 404, "model", "does not exist")
-    for path, api in (("/v1/embeddings", "embeddings"), ("/v1/messages", "Anthropic's Messages API"),
-                      ("/v1/audio/speech", "audio"), ("/v1/moderations", "moderations")):
+    for path, api in (("/v1/embeddings", "embeddings"), ("/v1/audio/speech", "audio"),
+                      ("/v1/moderations", "moderations")):
         error = assert_openai_error(live.http.post(path, json={"model": M}), 501, None, api)
         assert error["code"] == "not_implemented" and "does not serve" in error["message"]
     import openai
