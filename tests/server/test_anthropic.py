@@ -183,3 +183,100 @@ def test_x_api_key_and_anthropic_version_are_accepted(start_server):
     response = live.http.post("/v1/chat/completions", headers={"x-api-key": "sekret"},
                               json={"model": M, "messages": HELLO, "max_tokens": 1})
     assert response.status_code == 200  # x-api-key opens the OpenAI routes too
+
+
+WEATHER = {"name": "get_weather", "description": "The weather in a city",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},
+                                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                            "required": ["city", "days"]}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.mark.parametrize("tool_choice", [{"type": "any"}, {"type": "tool", "name": "get_weather"}],
+                         ids=["any", "by name"])
+def test_a_forced_tool_call_is_valid_every_time_and_its_result_is_answered(live, tool_choice):
+    jsonschema = pytest.importorskip("jsonschema")
+    c = client(live)
+    schema = {**WEATHER["input_schema"], "additionalProperties": False}
+    for draw in range(8):  # the tiny random model writes gibberish: only the grammar makes the call valid
+        message = c.messages.create(model=M, max_tokens=100, messages=ASK, tools=[WEATHER], tool_choice=tool_choice,
+                                    extra_body={"temperature": 1.0})
+        calls = [b for b in message.content if b.type == "tool_use"]
+        # "any" lets the model call again and again: cut at max_tokens, the calls it finished stand
+        assert calls and message.stop_reason in ("tool_use", "max_tokens"), f"draw {draw}: {message.content}"
+        for call in calls:
+            assert call.name == "get_weather" and call.id.startswith("toolu_")
+            jsonschema.validate(call.input, schema)
+    results = [{"type": "tool_result", "tool_use_id": call.id, "content": [{"type": "text", "text": "sunny, 21 C"}]}
+               for call in calls]
+    follow = ASK + [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in message.content]},
+                    {"role": "user", "content": results + [{"type": "text", "text": "So?"}]}]
+    answer = c.messages.create(model=M, max_tokens=8, messages=follow, tools=[WEATHER])
+    assert answer.stop_reason in ("end_turn", "max_tokens", "tool_use")
+    counted = c.messages.count_tokens(model=M, messages=follow, tools=[WEATHER]).input_tokens
+    assert answer.usage.input_tokens + answer.usage.cache_read_input_tokens == counted
+    assert counted > c.messages.count_tokens(model=M, messages=ASK, tools=[WEATHER]).input_tokens + 20
+    live.wait_idle()
+
+
+def test_a_streamed_tool_call_arrives_as_input_json_deltas(live):
+    c = client(live)
+    kwargs = dict(model=M, max_tokens=100, messages=ASK, tools=[WEATHER],
+                  tool_choice={"type": "tool", "name": "get_weather"})
+    with c.messages.stream(**kwargs) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    pieces = [e.delta.partial_json for e in events if e.type == "content_block_delta"]
+    starts = [e.content_block for e in events if e.type == "content_block_start"]
+    assert [b.type for b in starts] == ["tool_use"] and starts[0].input == {}
+    assert len(pieces) > 1 and all(isinstance(p, str) for p in pieces)
+    import json
+    assert json.loads("".join(pieces)) == final.content[0].input
+    assert final.stop_reason == "tool_use" and final.content[0].name == "get_weather"
+    assert set(final.content[0].input) == {"city", "days"}
+    live.wait_idle()
+
+
+def test_tool_choice_none_auto_and_one_call_at_most(live):
+    c = client(live)
+    without = c.messages.count_tokens(model=M, messages=ASK).input_tokens
+    # none: the tools are not shown to the model and no call is read back
+    assert c.messages.count_tokens(model=M, messages=ASK, tools=[WEATHER],
+                                   tool_choice={"type": "none"}).input_tokens == without
+    assert c.messages.count_tokens(model=M, messages=ASK, tools=[WEATHER]).input_tokens > without
+    none = c.messages.create(model=M, max_tokens=8, messages=ASK, tools=[WEATHER], tool_choice={"type": "none"})
+    assert all(b.type == "text" for b in none.content) and none.stop_reason != "tool_use"
+    auto = c.messages.create(model=M, max_tokens=8, messages=ASK, tools=[WEATHER], tool_choice={"type": "auto"})
+    assert auto.stop_reason in ("end_turn", "max_tokens", "tool_use")
+    one = c.messages.create(model=M, max_tokens=200, messages=ASK, tools=[WEATHER],
+                            tool_choice={"type": "any", "disable_parallel_tool_use": True})
+    assert len([b for b in one.content if b.type == "tool_use"]) == 1
+    live.wait_idle()
+
+
+def test_a_json_output_format_is_followed(live):
+    schema = {"type": "object", "properties": {"sunny": {"type": "boolean"}}, "required": ["sunny"],
+              "additionalProperties": False}
+    message = client(live).messages.create(model=M, max_tokens=40, messages=ASK, output_config={
+        "format": {"type": "json_schema", "schema": schema}}, extra_body=GREEDY)
+    import json
+    assert set(json.loads(message.content[0].text)) == {"sunny"}
+
+
+TOOL_BAD = [
+    ({"tool_choice": {"type": "tool", "name": "nope"}, "tools": [WEATHER]}, "nope"),
+    ({"tool_choice": {"type": "tool"}, "tools": [WEATHER]}, "tool_choice.name"),
+    ({"tool_choice": {"type": "any"}}, "tool_choice"),
+    ({"tools": [{"name": "f"}]}, "tools[0].input_schema"),
+    ({"tools": [{**WEATHER, "name": "bad name"}]}, "tools[0].name"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]},
+     "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
+        {"type": "image", "source": {}}]}]}]}, "messages[0].content[0].content[0].type"),
+]
+
+
+@pytest.mark.parametrize("fields,names", TOOL_BAD, ids=[names for _, names in TOOL_BAD])
+def test_bad_tools_are_400s_naming_the_field(live, fields, names):
+    body = {"model": M, "max_tokens": 4, "messages": ASK, **fields}
+    assert_anthropic_error(live.http.post("/v1/messages", json=body), 400, names)
