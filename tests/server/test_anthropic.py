@@ -280,3 +280,43 @@ TOOL_BAD = [
 def test_bad_tools_are_400s_naming_the_field(live, fields, names):
     body = {"model": M, "max_tokens": 4, "messages": ASK, **fields}
     assert_anthropic_error(live.http.post("/v1/messages", json=body), 400, names)
+
+
+@pytest.fixture(scope="module")
+def thinking_live(tmp_path_factory):
+    """The tiny Llama read with the deepseek_r1 reasoning parser: the prompt opened <think>, and the
+    random model never closes it, so all of its output is thinking."""
+    path = save_checkpoint(make_hf_model("llama", max_position_embeddings=2048), tmp_path_factory.mktemp("think"))
+    engine = AsyncEngine(load_model(path, dtype="float32", device="cpu"),
+                         EngineConfig(**{**ENGINE_DEFAULTS, "num_kv_blocks": 1024}))
+    server = LiveServer(create_app(engine, served_model_name=M, reasoning_parser="deepseek_r1"), engine).start()
+    yield server
+    server.stop()
+
+
+def test_thinking_comes_as_thinking_blocks_whole_and_streamed(thinking_live):
+    c = client(thinking_live)
+    kwargs = dict(model=M, max_tokens=12, messages=HELLO, thinking={"type": "enabled", "budget_tokens": 8},
+                  extra_body=GREEDY)
+    whole = c.messages.create(**kwargs)
+    assert [b.type for b in whole.content] == ["thinking"] and whole.content[0].thinking
+    assert whole.stop_reason == "max_tokens" and whole.usage.output_tokens == 12
+    with c.messages.stream(**kwargs) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    deltas = [e.delta for e in events if e.type == "content_block_delta"]
+    assert deltas and {d.type for d in deltas} == {"thinking_delta"}
+    assert "".join(d.thinking for d in deltas) == whole.content[0].thinking == final.content[0].thinking
+    assert c.messages.create(**{**kwargs, "thinking": {"type": "adaptive"}}).content[0].type == "thinking"
+    thinking_live.wait_idle()
+
+
+def test_earlier_thinking_passed_back_is_dropped_from_the_prompt(thinking_live):
+    c = client(thinking_live)
+    turn = [{"type": "thinking", "thinking": "Let me think about this at length.", "signature": "sig"},
+            {"type": "redacted_thinking", "data": "opaque"}, {"type": "text", "text": "Hi!"}]
+    with_thinking = HELLO + [{"role": "assistant", "content": turn}, {"role": "user", "content": "And?"}]
+    without = HELLO + [{"role": "assistant", "content": "Hi!"}, {"role": "user", "content": "And?"}]
+    assert (c.messages.count_tokens(model=M, messages=with_thinking).input_tokens
+            == c.messages.count_tokens(model=M, messages=without).input_tokens)
+    assert c.messages.create(model=M, max_tokens=2, messages=with_thinking, thinking={"type": "disabled"}).usage
