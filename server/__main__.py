@@ -1,11 +1,14 @@
 """`python -m server` / `pagedserve`: CLI args -> EngineConfig -> load model -> AsyncEngine -> app -> uvicorn.
 
---model is checked first, from file headers alone (models.loader.check_model): a model
-that is not there, or whose architecture, metadata or tensor types we do not serve, is
-one line on stderr and exit status 2 before the port is bound. Then the HTTP server
-starts and the model loads in a background thread: /health answers 503 until the
-engine is ready, then 200 (what a startup probe waits on). If loading still fails the
-process exits with status 1.
+Exit status 2 means "fix the configuration": a restart cannot help. It is one line on
+stderr, before the port is bound, for a flag out of range, no writable temporary directory
+(a read-only root without `--tmpfs /tmp`: torch needs one at import), and a --model that is
+not there or whose architecture, metadata or tensor types we do not serve (checked from
+file headers alone, models.loader.check_model). Then the HTTP server starts and the model
+loads in a background thread: /health answers 503 until the engine is ready, then 200
+(what a startup probe waits on). If loading still fails the process exits with status 2
+for a ValueError (a configuration the engine refuses, e.g. a context longer than the KV
+cache holds) and 1 for anything else.
 
 SIGTERM: uvicorn stops accepting connections, lets in-flight requests finish
 (up to --shutdown-timeout seconds), the app shuts the engine down, and the
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import signal
 import sys
 
@@ -59,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "weights always are; CPU only; slower prefill). vLLM's VLLM_BATCH_INVARIANT, SGLang's "
                         "--enable-deterministic-inference")
     p.add_argument("--served-model-name", default=None,
-                   help="the model name clients send in 'model' and see in /v1/models (default: the base name of --model, without .gguf)")
+                   help="the model name clients send in 'model' and see in /v1/models (default: the base name of --model; "
+                        "a .gguf file's also without a trailing quantization tag such as .Q4_1, both accepted)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length served (prompt + completion); default: the model's own")
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests in the running batch at most")
@@ -150,6 +155,20 @@ def check_model_arg(model: str) -> str | None:
     return None
 
 
+def check_temp_dir() -> str | None:
+    """Why no temporary file can be made, in one line (None: one can). torch imports a package that
+    asks for the temporary directory, so a read-only root file system without a writable /tmp
+    would otherwise end in a traceback ("No usable temporary directory found")."""
+    import tempfile
+
+    try:
+        tempfile.gettempdir()  # tries $TMPDIR, /tmp, /var/tmp, /usr/tmp and the working directory
+    except OSError:
+        return ("no writable temporary directory: under `docker run --read-only` add `--tmpfs /tmp` "
+                "(compose: `tmpfs: [/tmp]`), or set TMPDIR to a writable directory")
+    return None
+
+
 def resolve_device(name: str) -> str:
     import torch
 
@@ -187,26 +206,44 @@ def speculative_config(args: argparse.Namespace):
                              max_batch_size=args.speculative_max_batch_size)
 
 
-def served_name(model: str) -> str:
-    """The model's name for clients when --served-model-name is not given: the checkpoint
-    directory's or .gguf file's base name, never the path (which would show clients the
-    server's filesystem). A catalogue model, by any of its spellings, is served under its name."""
+# The quantization tag llama.cpp's tools append to a GGUF file's name: `<model>.Q4_1.gguf`,
+# `<model>-Q4_K_M.gguf`, `<model>.IQ4_XS.gguf`, `<model>-f16.gguf`.
+_QUANT_SUFFIX = re.compile(r"[.-](?:I?Q\d(?:_[A-Z0-9]+)*|BF16|F16|F32)$", re.IGNORECASE)
+
+
+def served_names(model: str) -> tuple[str, ...]:
+    """The names clients may send in 'model' when --served-model-name is not given, the one
+    responses carry first: the checkpoint directory's or .gguf file's base name, never the path
+    (which would show clients the server's filesystem). A GGUF whose name ends in a quantization
+    tag is also served without it, listed first (`SmolLM2-135M-Instruct.Q4_1.gguf`: both
+    `SmolLM2-135M-Instruct` and `SmolLM2-135M-Instruct.Q4_1`); the file's own `general.name` is
+    not used, as converters fill it with names no client would guess (the default model's is
+    "Smollm2 135M 8k Lc100K Mix1 Ep2"). A catalogue model, by any of its spellings, is served under its name."""
     from models.catalog import find_model
     from models.fetch import is_hub_id
 
     if (known := find_model(model)) is not None:
-        return known.name
+        return (known.name,)
     if is_hub_id(model):
-        return model  # as vLLM serves a hub id: whole
+        return (model,)  # as vLLM serves a hub id: whole
     name = os.path.basename(os.path.abspath(os.path.expanduser(model)))  # no symlinks followed
-    if name.lower().endswith(".gguf"):
-        name = name[:-len(".gguf")]
-    return name or "model"
+    if not name.lower().endswith(".gguf"):
+        return (name or "model",)
+    stem = name[:-len(".gguf")] or "model"
+    base = _QUANT_SUFFIX.sub("", stem)
+    return (base, stem) if base and base != stem else (stem,)
+
+
+def served_name(model: str) -> str:
+    """The name responses carry (the first of served_names)."""
+    return served_names(model)[0]
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if (problem := check_temp_dir()) is not None:
+        parser.exit(2, f"pagedserve: error: {problem}\n")
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     if args.read_timeout <= 0:
         parser.error(f"--read-timeout must be positive, got {args.read_timeout}")
@@ -273,9 +310,10 @@ def main(argv: list[str] | None = None) -> None:
         failed.append(exc)
         server.should_exit = True
 
-    served = args.served_model_name or served_name(args.model)
+    names = (args.served_model_name,) if args.served_model_name else served_names(args.model)
+    served = names[0]
     app = create_app(engine_factory=load_engine, on_load_error=on_load_error, on_ready=on_ready,
-                     served_model_name=served,
+                     served_model_name=served, served_model_aliases=names[1:],
                      api_key=api_key, read_timeout=args.read_timeout, tool_call_parser=args.tool_call_parser,
                      reasoning_parser=args.reasoning_parser)
     # On SIGTERM the server ends the streams still running just before --shutdown-timeout,
@@ -289,7 +327,7 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGINT, _exit_interrupted)  # Ctrl-C: drained as SIGTERM is, then status 130
     server.run()
     if failed:
-        sys.exit(1)
+        sys.exit(2 if isinstance(failed[0], ValueError) else 1)  # 2: a restart would fail the same way
     if server.exit_signal == signal.SIGINT:
         sys.exit(130)  # stopped by Ctrl-C (after draining): the shell's convention
 

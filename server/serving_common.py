@@ -50,10 +50,11 @@ _PARSE_OFF_LOOP_BYTES = 64 * 1024
 class ServerState:
     """Everything a route needs, on app.state.server; `engine` is None while the model loads."""
 
-    served_model_name: str
+    served_model_name: str  # what responses carry
     metrics: ServerMetrics
     max_body_bytes: int
     api_key: str | None = None
+    model_aliases: tuple[str, ...] = ()  # other names a request may give
     engine: Any = None
     load_error: str | None = None
     # Filled by attach() from the engine:
@@ -106,7 +107,7 @@ class ServerState:
         return self.engine
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.served_model_name:
+        if model is not None and model != self.served_model_name and model not in self.model_aliases:
             raise model_not_found(model, self.served_model_name)
 
     def admit(self, num_requests: int) -> None:

@@ -24,6 +24,18 @@ def test_models_health_and_tokenizer_endpoints(live):
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHello world!<|im_end|>\n<|im_start|>assistant\n")
 
 
+def test_a_model_alias_is_listed_after_the_name_and_answers_under_the_name(start_server):
+    server = start_server(app_kwargs={"served_model_aliases": (f"{M}.Q4_1",)})
+    assert [m.id for m in server.client().models.list().data] == [M, f"{M}.Q4_1"]
+    assert server.http.get(f"/v1/models/{M}.Q4_1").json()["id"] == f"{M}.Q4_1"
+    result = server.client().completions.create(model=f"{M}.Q4_1", prompt=PROMPT, max_tokens=2, temperature=0)
+    assert result.model == M
+    chat = server.http.post("/v1/chat/completions", json={"model": f"{M}.Q4_1", "messages": MESSAGES, "max_tokens": 2})
+    assert chat.status_code == 200 and chat.json()["model"] == M
+    assert server.http.post("/v1/completions", json={"model": f"{M}.Q8_0", "prompt": PROMPT}).status_code == 404
+    assert server.http.get(f"/v1/models/{M}.Q8_0").status_code == 404
+
+
 def test_completion_has_usage_and_timing_headers(live):
     raw = live.client().completions.with_raw_response.create(model=M, prompt=PROMPT, max_tokens=7, temperature=0)
     result = raw.parse()

@@ -61,6 +61,28 @@ def test_a_model_that_is_not_there_is_one_line_before_any_server_starts(model, s
     assert "Traceback" not in out.stderr and "Uvicorn" not in out.stderr
 
 
+def test_no_writable_temporary_directory_is_one_line_and_exit_2(tmp_path):
+    # As under `docker run --read-only` without `--tmpfs /tmp`: tempfile finds no directory to write.
+    (tmp_path / "sitecustomize.py").write_text("import tempfile\ntempfile._candidate_tempdir_list = lambda: []\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-m", "server", "--port", "1"], cwd=REPO, capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert out.returncode == 2
+    lines = (out.stdout + out.stderr).strip().splitlines()
+    assert len(lines) == 1 and "--tmpfs /tmp" in lines[0] and "TMPDIR" in lines[0], lines
+
+
+def test_a_configuration_the_loader_refuses_exits_2_as_a_restart_would_fail_again(tiny_model_dir):
+    proc, _ = start_tiny(tiny_model_dir, "--max-model-len", "100000")  # beyond the model's positions
+    try:
+        output, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 2, output
+    assert "max_model_len 100000" in output
+
+
 def test_bad_flag_values_exit_with_usage_error():
     with pytest.raises(SystemExit) as exc:
         build_parser().parse_args(["--dtype", "int3"])
@@ -146,7 +168,7 @@ def test_sigterm_lets_in_flight_requests_finish_then_exits_0(served_process):
 @pytest.mark.parametrize("model,name", [
     ("/srv/secret/checkpoints/SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct"),
     ("/srv/secret/checkpoints/my-llama/", "my-llama"),
-    ("/srv/secret/gguf/SmolLM2-135M-Instruct-Q8_0.gguf", "SmolLM2-135M-Instruct-Q8_0"),
+    ("/srv/secret/gguf/SmolLM2-135M-Instruct-Q8_0.gguf", "SmolLM2-135M-Instruct"),
     ("relative/dir/Qwen3-0.6B.GGUF", "Qwen3-0.6B"),
     ("~/models/tiny", "tiny"),
     ("SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct"),
@@ -157,6 +179,22 @@ def test_default_served_model_name_is_the_base_name_not_the_path(model, name):
     from server.__main__ import served_name
 
     assert served_name(model) == name
+
+
+@pytest.mark.parametrize("model,names", [
+    ("/models/SmolLM2-135M-Instruct.Q4_1.gguf", ("SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct.Q4_1")),
+    ("/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+     ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-1.5b-instruct-q4_k_m")),
+    ("/models/Llama-3.2-1B-Instruct-IQ4_XS.gguf", ("Llama-3.2-1B-Instruct", "Llama-3.2-1B-Instruct-IQ4_XS")),
+    ("/models/tiny-f16.gguf", ("tiny", "tiny-f16")),
+    ("/models/Qwen3-0.6B.gguf", ("Qwen3-0.6B",)),
+    ("/models/Q4_0.gguf", ("Q4_0",)),
+    ("/checkpoints/my-llama-Q4_0", ("my-llama-Q4_0",)),  # a directory keeps its whole name
+])
+def test_a_gguf_is_served_without_its_quantization_tag_and_still_by_its_file_name(model, names):
+    from server.__main__ import served_names
+
+    assert served_names(model) == names
 
 
 def test_served_model_name_of_the_current_directory_is_its_name(tmp_path, monkeypatch):

@@ -57,15 +57,18 @@ def dockerfile_instructions() -> list[tuple[str, str]]:
 
 
 def pip_installs(command: str) -> list[list[str]]:
-    """The argument lists of every `pip install` in a shell command (split at && and ;)."""
-    installs = []
-    for part in command.split("&&"):
-        if "pip install" not in part:
-            continue
-        words = shlex.split(part)
-        for i in range(len(words) - 1):
-            if words[i] == "pip" and words[i + 1] == "install":
-                installs.append(words[i + 2:])
+    """The argument lists of every `pip install` in a shell command (split at &&, || and ;, with
+    `{ ...; }` groups opened)."""
+    lexer = shlex.shlex(command, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    installs, words = [], []
+    for token in [*lexer, ";"]:
+        if token in ("&&", "||", ";", "|"):
+            if words[:2] == ["pip", "install"]:
+                installs.append(words[2:])
+            words = []
+        elif token not in ("{", "}"):
+            words.append(token)
     return installs
 
 
@@ -118,17 +121,37 @@ def test_the_dockerfile_installs_through_the_lock_file_and_the_makefiles_torch()
     copies = [args for keyword, args in instructions if keyword == "COPY"]
     assert any("constraints.txt" in args.split() for args in copies), "the lock file is not copied into the image"
     installs = [words for keyword, args in instructions if keyword == "RUN" for words in pip_installs(args)]
-    torch_installs = [words for words in installs if any(w.startswith("${TORCH_SPEC}") or w == "${TORCH_SPEC}"
-                                                         for w in words)]
-    assert len(torch_installs) == 1 and "--no-deps" in torch_installs[0], \
+    from_index = [words for words in installs if "${TORCH_SPEC}" in words and "--index-url" in words]
+    assert len(from_index) == 1 and "--no-deps" in from_index[0], \
         "torch comes alone from its index; its dependencies come pinned with the rest"
-    rest = [words for words in installs if words not in torch_installs and words != ["--upgrade", "pip"]]
+    assert from_index[0][from_index[0].index("--index-url") + 1] == "${TORCH_INDEX}"
+    rest = [words for words in installs if words not in from_index and words != ["--upgrade", "pip"]]
     assert rest
-    for words in rest:
+    for words in rest:  # the fallback for an unreachable TORCH_INDEX among them
         assert "-c" in words and words[words.index("-c") + 1] == "constraints.txt", f"unlocked: pip install {words}"
     torch_spec = re.search(r"^ARG TORCH_SPEC=(\S+)$", (ROOT / "Dockerfile").read_text(), re.M)[1]
     torch_pin = re.search(r"^TORCH_PIN\s*:=\s*(\S+)$", (ROOT / "Makefile").read_text(), re.M)[1]
     assert torch_spec == torch_pin
+
+
+def test_the_dockerfile_falls_back_as_the_makefile_does_when_the_torch_index_is_unreachable():
+    torch_runs = [args for keyword, args in dockerfile_instructions()
+                  if keyword == "RUN" and "--index-url" in args and "${TORCH_SPEC}" in args]
+    assert len(torch_runs) == 1
+    fallback = torch_runs[0].split("--index-url", 1)[1].partition("||")[2]
+    assert [words for words in pip_installs(fallback) if "${TORCH_SPEC}" in words] == \
+        [["-c", "constraints.txt", "${TORCH_SPEC}"]]
+    assert re.search(r"--index-url \$\(TORCH_INDEX\)[^\n]*\\\n\s*\|\|", (ROOT / "Makefile").read_text())
+
+
+def test_the_dockerfile_builds_pagedserve_with_the_locked_setuptools():
+    # An isolated build would install the newest setuptools, out of the lock file's reach.
+    installs = [words for keyword, args in dockerfile_instructions() if keyword == "RUN" for words in pip_installs(args)]
+    project = [words for words in installs if words[-1] == "."]
+    assert len(project) == 1 and "--no-build-isolation" in project[0]
+    setuptools = installs.index(next(words for words in installs if "setuptools" in words))
+    assert setuptools < installs.index(project[0]) and "constraints.txt" in installs[setuptools]
+    assert "setuptools" in lock_pins()
 
 
 def test_this_environment_holds_the_locked_versions():
