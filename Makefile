@@ -33,6 +33,7 @@ serve: setup
 	$(PY) -m server $(ARGS)
 
 test: setup
+	$(VENV)/bin/ruff check .
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir $$(mktemp -d)   # a broken link or page fails
 	$(PY) -m pytest -q $(ARGS)
 

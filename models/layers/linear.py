@@ -12,7 +12,6 @@ import math
 from typing import Callable, Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from models.layers import parallel as tp_state

@@ -67,7 +67,7 @@ def test_completion_stream_matches_and_stop_and_logprobs(client):
     assert "".join(c.choices[0].text for c in streamed) == text
     lp = whole.choices[0].logprobs
     assert "".join(lp.tokens) == text and len(lp.tokens) == whole.usage.completion_tokens
-    assert all(max(top.values()) == pytest.approx(l, abs=1e-4) for top, l in zip(lp.top_logprobs, lp.token_logprobs))
+    assert all(max(top.values()) == pytest.approx(logprob, abs=1e-4) for top, logprob in zip(lp.top_logprobs, lp.token_logprobs))
     assert "Paris" in text
     cut = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stop=["Paris"])
     assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text == text[: text.index("Paris")]

@@ -219,7 +219,9 @@ def test_engine_thread_death_ends_every_stream_with_an_error(engine, monkeypatch
             raise RuntimeError("boom")
 
         monkeypatch.setattr(engine, broken, explode)
-        rests = [[out async for out in s] for s in streams]
+        rests = []
+        for s in streams:  # an async comprehension inside a sync one needs Python 3.11
+            rests.append([out async for out in s])
         return rests
 
     rests = asyncio.run(asyncio.wait_for(main(), 10))

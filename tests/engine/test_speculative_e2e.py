@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from engine.llm import LLM
 from engine.request import SamplingParams

@@ -37,10 +37,10 @@ def test_tuner_totals_count_each_thread_counts_steps_tokens_and_seconds():
     chosen = run(tuner, {TWO: 1.0, ONE: 3.0}, 40, num_tokens=16)
     totals = tuner.totals()
     assert set(totals) == {1, 2}
-    for threads, setting, ms in ((2, TWO, 1.0), (1, ONE, 3.0)):
+    for num_threads, setting, ms in ((2, TWO, 1.0), (1, ONE, 3.0)):
         steps = chosen.count(setting)
-        assert totals[threads].steps == steps and totals[threads].tokens == 16 * steps
-        assert totals[threads].seconds == pytest.approx(steps * 16 * ms / 1e3)
+        assert totals[num_threads].steps == steps and totals[num_threads].tokens == 16 * steps
+        assert totals[num_threads].seconds == pytest.approx(steps * 16 * ms / 1e3)
 
 
 def test_tuner_moves_when_the_machine_changes_and_steps_of_other_sizes_are_apart():

@@ -52,10 +52,10 @@ def test_config_windows_and_max_model_len(cases):
     gemma2, gemma3, mistral = cases("gemma2"), cases("gemma3"), cases("mistral")
     for case in (gemma2, gemma3, mistral):
         assert case.loaded.config.max_model_len == 128  # max_position_embeddings, past the window
-    assert [l.self_attn.window for l in gemma2.loaded.model.model.layers] == [WINDOW, None, WINDOW, None]
-    assert [l.self_attn.window for l in gemma3.loaded.model.model.layers] == [WINDOW, WINDOW, None, WINDOW]
-    assert [l.self_attn.window for l in mistral.loaded.model.model.layers] == [WINDOW, WINDOW]
-    assert [l.self_attn.window for l in cases("qwen2").loaded.model.model.layers] == [None, WINDOW]
+    assert [layer.self_attn.window for layer in gemma2.loaded.model.model.layers] == [WINDOW, None, WINDOW, None]
+    assert [layer.self_attn.window for layer in gemma3.loaded.model.model.layers] == [WINDOW, WINDOW, None, WINDOW]
+    assert [layer.self_attn.window for layer in mistral.loaded.model.model.layers] == [WINDOW, WINDOW]
+    assert [layer.self_attn.window for layer in cases("qwen2").loaded.model.model.layers] == [None, WINDOW]
     assert gemma2.loaded.model.model.layers[0].self_attn.softcap == 3.0
 
 
