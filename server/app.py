@@ -163,7 +163,8 @@ def _publish_request_schemas(app: FastAPI) -> None:
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             document = generate()
-            document.setdefault("components", {}).setdefault("schemas", {}).update(openapi_schemas(MessagesRequest, MessagesInput))
+            schemas = openapi_schemas(MessagesRequest, MessagesInput)
+            document.setdefault("components", {}).setdefault("schemas", {}).update(schemas)
             app.openapi_schema = document
         return app.openapi_schema
 

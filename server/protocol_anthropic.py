@@ -158,7 +158,8 @@ class MessagesInput(_Strict):
         choice = self.tool_choice
         if choice is not None:
             if choice.type == "tool" and choice.name is None:
-                raise invalid("'tool_choice.name' is required when 'tool_choice.type' is 'tool'", param="tool_choice.name")
+                raise invalid("'tool_choice.name' is required when 'tool_choice.type' is 'tool'",
+                              param="tool_choice.name")
             body["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type) or {
                 "type": "function", "function": {"name": choice.name}}
             if choice.disable_parallel_tool_use:
@@ -244,7 +245,8 @@ def chat_turns(message: InputMessage, param: str) -> list[dict[str, Any]]:
             results.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": block.text()})
         # thinking and redacted_thinking: dropped (earlier turns' thinking, passed back)
     if message.role == "assistant":
-        return [{"role": "assistant", "content": parts or (None if calls else ""), **({"tool_calls": calls} if calls else {})}]
+        turn = {"role": "assistant", "content": parts or (None if calls else "")}
+        return [{**turn, "tool_calls": calls} if calls else turn]
     return results + ([{"role": "user", "content": parts}] if parts or not results else [])
 
 

@@ -147,7 +147,8 @@ class _MessagesView:
             for delta in deltas:
                 function = delta.get("function", {})
                 if "id" in delta:
-                    for event in blocks.open(("tool_use", delta["index"]), _tool_block(delta["id"], function["name"], {})):
+                    block = _tool_block(delta["id"], function["name"], {})
+                    for event in blocks.open(("tool_use", delta["index"]), block):
                         yield event
                 if function.get("arguments"):
                     yield blocks.delta({"type": "input_json_delta", "partial_json": function["arguments"]})

@@ -83,7 +83,8 @@ def test_max_tokens_and_stop_sequences_end_the_message(live):
     text = whole.content[0].text
     assert whole.stop_reason == "max_tokens" and whole.usage.output_tokens == 24, whole
     stop = text[4:7]
-    cut = c.messages.create(model=M, max_tokens=24, messages=HELLO, extra_body=GREEDY, stop_sequences=["\x00never", stop])
+    cut = c.messages.create(model=M, max_tokens=24, messages=HELLO, extra_body=GREEDY,
+                            stop_sequences=["\x00never", stop])
     assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
     assert cut.content[0].text == text[:text.find(stop)]
     live.wait_idle()
@@ -320,3 +321,22 @@ def test_earlier_thinking_passed_back_is_dropped_from_the_prompt(thinking_live):
     assert (c.messages.count_tokens(model=M, messages=with_thinking).input_tokens
             == c.messages.count_tokens(model=M, messages=without).input_tokens)
     assert c.messages.create(model=M, max_tokens=2, messages=with_thinking, thinking={"type": "disabled"}).usage
+
+
+def test_a_failure_mid_stream_is_an_error_event(start_server):
+    live = start_server()
+    generate = live.engine.generate
+
+    async def failing_generate(*args, **kwargs):
+        async for output in generate(*args, **kwargs):
+            yield output
+            raise RuntimeError("the engine broke")
+
+    live.engine.generate = failing_generate
+    body = {"model": M, "max_tokens": 8, "messages": HELLO, "stream": True}
+    with httpx.stream("POST", f"{live.url}/v1/messages", json=body, timeout=60) as response:
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[0] == "event: message_start" and lines[-2] == "event: error", lines
+    assert '"type":"api_error"' in lines[-1] and "the engine broke" in lines[-1]
+    with pytest.raises(anthropic.APIStatusError, match="the engine broke"):
+        list(client(live).messages.create(**{**body, "stream": True}))

@@ -75,7 +75,8 @@ def test_a_streamed_tool_call_adds_up_to_a_valid_call(live):
     for chunk in bound.stream("What is the weather in Rome?"):
         streamed = chunk if streamed is None else streamed + chunk
     assert [call["name"] for call in streamed.tool_calls] == ["GetWeather"]
-    jsonschema.validate(streamed.tool_calls[0]["args"], {**GetWeather.model_json_schema(), "additionalProperties": False})
+    schema = {**GetWeather.model_json_schema(), "additionalProperties": False}
+    jsonschema.validate(streamed.tool_calls[0]["args"], schema)
     assert streamed.response_metadata["stop_reason"] == "tool_use"
 
 
