@@ -385,7 +385,7 @@ def test_the_cpu_kernels_draw_is_the_torch_draw(kw):
     logits = torch.stack(rows * 4)  # (12, V)
     batch = batch_of([SamplingParams(seed=0, **kw)] * 12, generators=[torch.Generator().manual_seed(i) for i in range(12)],
                      vocab_size=vocab)
-    forbidden = torch.isinf(sampler._sampling_logits(logits, batch))  # what temperature, top-k and top-p cut
+    forbidden = torch.isinf(sampler.sampling_logits(logits, batch))  # what temperature, top-k and top-p cut
     agree = total = 0
     for u in torch.linspace(0, 0.999, 150):
         uniforms = torch.full((12,), float(u))

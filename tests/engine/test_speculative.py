@@ -15,8 +15,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine import model_runner
-from engine.model_runner import sample_requests
+from engine import verification
+from engine.verification import sample_requests
 from engine.request import RequestStatus, SamplingParams
 from engine.speculative import NgramIndex, SpeculativeConfig, Speculator, expected_tokens
 from engine.step import ScheduledRequest
@@ -271,7 +271,7 @@ def test_unseeded_outputs_with_drafts_are_distributed_as_without():
 def test_a_verifier_that_forgets_the_drafts_in_the_penalties_fails_the_distribution_test(monkeypatch):
     """The check above has teeth: a verifier that samples row j without drafts 0..j-1 in the
     request's output (so presence_penalty misses them) is caught."""
-    real = model_runner.SamplingBatch.from_params
+    real = verification.SamplingBatch.from_params
 
     def forgetful(params, prompts, outputs, *args, **kwargs):
         outputs = [o[: len(outputs[0])] for o in outputs]  # every row sees only the emitted output
@@ -281,7 +281,7 @@ def test_a_verifier_that_forgets_the_drafts_in_the_penalties_fails_the_distribut
     prompt = [7, 8, 9]
     base = first_tokens(model, DISTRIBUTION_PARAMS, prompt, [], 3000, seed=1)
     likely = max(range(VOCAB), key=lambda t: model.logits(prompt)[t].item())
-    monkeypatch.setattr(model_runner.SamplingBatch, "from_params", forgetful)
+    monkeypatch.setattr(verification.SamplingBatch, "from_params", forgetful)
     spec = first_tokens(model, DISTRIBUTION_PARAMS, prompt, [likely, likely], 3000, seed=2)
     assert chi_square_p_value(base, spec) < 1e-4
 
