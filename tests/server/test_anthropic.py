@@ -340,3 +340,10 @@ def test_a_failure_mid_stream_is_an_error_event(start_server):
     assert '"type":"api_error"' in lines[-1] and "the engine broke" in lines[-1]
     with pytest.raises(anthropic.APIStatusError, match="the engine broke"):
         list(client(live).messages.create(**{**body, "stream": True}))
+
+
+def test_a_client_finds_the_server_through_anthropic_base_url(live, monkeypatch):
+    monkeypatch.setenv("ANTHROPIC_BASE_URL", live.url)
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "unused")
+    message = anthropic.Anthropic(max_retries=0).messages.create(model=M, max_tokens=2, messages=HELLO)
+    assert message.model == M and message.usage.output_tokens <= 2
