@@ -58,7 +58,7 @@ def test_message_items_json_schema_output_and_tools_fed_back(live):
     items = [{"role": "developer", "content": "Answer in JSON."},
              {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Is it "},
                                                               {"type": "input_text", "text": "sunny?"}]}]
-    shaped = client.responses.create(model=M, input=items, max_output_tokens=40, text={
+    shaped = client.responses.create(model=M, input=items, max_output_tokens=40, temperature=0, text={
         "format": {"type": "json_schema", "name": "answer", "schema": SUNNY, "strict": True}})
     assert set(json.loads(shaped.output_text)) == {"sunny"}
     called = client.responses.create(model=M, input="Weather in Paris?", tools=[WEATHER], tool_choice="required", temperature=0,
