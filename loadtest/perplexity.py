@@ -3,15 +3,20 @@
     python -m loadtest.perplexity --quantization none      # dense (a GGUF dequantized)
     python -m loadtest.perplexity --quantization int8      # then int4, auto: compare the lines
     python -m loadtest.perplexity --model qwen2.5-coder-0.5b-instruct   # a model by name, fetched
+    python -m loadtest.perplexity --model NAME --llama-cpp-python ~/venv-with-llama-cpp/bin/python
 
 One prefill of the whole text (at most max-model-len tokens) through the paged model, as the
 server runs it; the default text (loadtest/data/perplexity.txt: two public-domain passages,
-a science paragraph and a short Python function) is ~600 tokens.
+a science paragraph and a short Python function) is ~600 tokens. --llama-cpp-python scores the
+same GGUF file and the same token ids at the same positions in llama.cpp too (llama-cpp-python,
+run by that interpreter, so our venv never imports it) and prints both perplexities and their ratio.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import subprocess
 from pathlib import Path
 
 import torch
@@ -20,6 +25,24 @@ from models.layers.attention import AttentionMetadata
 from models.layers.quantization import QUANTIZATIONS
 
 DEFAULT_TEXT = Path(__file__).parent / "data" / "perplexity.txt"
+
+# argv: GGUF path, threads; stdin: the token ids (JSON); stdout: {"perplexity": ...}. Row i of
+# llm.scores is the logits after ids[i], as in next_token_logits; log-softmax in float64.
+_LLAMA_CPP = """
+import json, sys
+import numpy as np
+from llama_cpp import Llama
+ids = json.load(sys.stdin)
+n = len(ids)
+threads = int(sys.argv[2])
+llm = Llama(sys.argv[1], n_ctx=n, n_batch=n, n_ubatch=n, logits_all=True, n_threads=threads,
+            n_threads_batch=threads, verbose=False)
+llm.eval(ids[:-1])  # one batch, as our one prefill
+x = np.asarray(llm.scores[: n - 1], dtype=np.float64)  # (n - 1, vocab)
+top = x.max(axis=1)
+nll = top + np.log(np.exp(x - top[:, None]).sum(axis=1)) - x[np.arange(n - 1), ids[1:]]
+print(json.dumps({"perplexity": float(np.exp(nll.mean()))}))
+"""
 
 
 @torch.inference_mode()
@@ -34,12 +57,25 @@ def next_token_logits(loaded, ids: list[int], block_size: int = 16) -> torch.Ten
     return loaded.model.compute_logits(hidden)
 
 
+def token_ids(loaded, text: str) -> list[int]:
+    """The ids scored: `text` as our tokenizer encodes it (no BOS added unless it adds one), cut to
+    max_model_len; every one but the first is predicted from those before it."""
+    return loaded.tokenizer(text).input_ids[: loaded.config.max_model_len]
+
+
 def perplexity(loaded, text: str, block_size: int = 16) -> tuple[float, int]:
     """-> (perplexity, tokens scored) of `text` under `loaded` (a models.loader.LoadedModel)."""
-    ids = loaded.tokenizer(text).input_ids[: loaded.config.max_model_len]
+    ids = token_ids(loaded, text)
     logits = next_token_logits(loaded, ids[:-1], block_size)  # (n - 1, vocab): each position predicts the next
     nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="mean")
     return math.exp(nll.item()), len(ids) - 1
+
+
+def llama_cpp_perplexity(python: str, gguf: str, ids: list[int]) -> float:
+    """Perplexity of `ids` (scored as `perplexity` scores them) under llama.cpp, run by `python`."""
+    result = subprocess.run([python, "-c", _LLAMA_CPP, gguf, str(torch.get_num_threads())],
+                            input=json.dumps(ids), stdout=subprocess.PIPE, text=True, check=True)
+    return json.loads(result.stdout)["perplexity"]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -51,11 +87,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quantization", default="auto", choices=QUANTIZATIONS)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--text", type=Path, default=DEFAULT_TEXT)
+    p.add_argument("--llama-cpp-python", metavar="PYTHON",
+                   help="an interpreter with llama-cpp-python installed: score the same GGUF there too")
     args = p.parse_args(argv)
     loaded = load_model(args.model, dtype=args.dtype, quantization=args.quantization)
-    ppl, count = perplexity(loaded, args.text.read_text())
+    text = args.text.read_text()
+    ppl, count = perplexity(loaded, text)
     print(f"{args.model} --quantization {args.quantization} ({loaded.quantization}; "
-          f"{loaded.weight_bytes / 2**20:.1f} MiB of weights): perplexity {ppl:.3f} over {count} tokens")
+          f"{loaded.weight_bytes / 2**20:.1f} MiB of weights): perplexity {ppl:.4f} over {count} tokens")
+    if args.llama_cpp_python:
+        if not loaded.config.path.endswith(".gguf"):
+            p.error(f"--llama-cpp-python needs a GGUF model, not {loaded.config.path}")
+        reference = llama_cpp_perplexity(args.llama_cpp_python, loaded.config.path, token_ids(loaded, text))
+        print(f"llama.cpp (llama-cpp-python, {Path(loaded.config.path).name}): perplexity {reference:.4f} "
+              f"over the same {count} tokens; ours / llama.cpp {ppl / reference:.4f}")
 
 
 if __name__ == "__main__":
