@@ -22,9 +22,13 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from functools import cache
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a mask is built: engine.request imports this module
+    import llguidance
+    import torch
+    from llguidance._lib import JsonCompileOptions
 
 Kind = Literal["json", "regex", "choice", "grammar"]
 REASONING_PARSERS = ("qwen3", "deepseek_r1")  # server/reasoning.py's
@@ -34,7 +38,7 @@ KINDS: tuple[Kind, ...] = ("json", "regex", "choice", "grammar")
 # JSON is generated compactly and always the same way (", " and ": ", no other whitespace):
 # free whitespace lets a weak model pad forever, and these are the separators models
 # learned from json.dumps. Clients parse either.
-_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 # Bounds on one grammar: a schema or regex past them is refused (400), never a stall.
 MAX_SPEC_CHARS = 256 * 1024
 _MAX_LEXER_STATES = 50_000  # ~1-2 kB each: at most ~100 MB for one grammar's lexer
@@ -109,7 +113,7 @@ class StructuredOutput:
     spec: str
     reasoning: str | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"structured output kind must be one of {KINDS}, got {self.kind!r}")
         if len(self.spec) > MAX_SPEC_CHARS:
@@ -148,7 +152,7 @@ class StructuredOutput:
 class CompiledGrammar:
     """A grammar ready to match: every request under it gets a copy of the same fresh matcher."""
 
-    def __init__(self, matcher):
+    def __init__(self, matcher: llguidance.LLMatcher):
         self._matcher = matcher  # never advanced; copied
 
     def matcher(self) -> GrammarMatcher:
@@ -158,7 +162,7 @@ class CompiledGrammar:
 class GrammarMatcher:
     """One request's place in its grammar."""
 
-    def __init__(self, matcher):
+    def __init__(self, matcher: llguidance.LLMatcher):
         self._m = matcher
 
     def accept(self, token_id: int) -> bool:
@@ -199,6 +203,8 @@ def allowed_tokens(matchers: Sequence[GrammarMatcher], vocab_size: int,
     With `drafts` (speculative decoding; each matcher's drafts, which it accepts: the
     speculator cut them at the first it refuses), each matcher has 1 + len(drafts) rows: what
     it allows now, then after each draft, the matcher left where it was."""
+    import torch
+
     if drafts is not None and any(drafts):
         offsets = [0]
         for d in drafts:
@@ -217,24 +223,29 @@ def allowed_tokens(matchers: Sequence[GrammarMatcher], vocab_size: int,
     return unpack_bitmask(bitmask, vocab_size)
 
 
-_EXECUTOR = None
+_EXECUTOR: llguidance.LLExecutor | None = None
 
 
-def _executor():
+def _executor() -> llguidance.LLExecutor:
     global _EXECUTOR
     if _EXECUTOR is None:
         import llguidance
+        import torch
 
         _EXECUTOR = llguidance.LLExecutor(num_threads=max(1, torch.get_num_threads()))
     return _EXECUTOR
 
 
-_BITS = torch.arange(32, dtype=torch.int32)
+@cache
+def _bits() -> torch.Tensor:
+    import torch
+
+    return torch.arange(32, dtype=torch.int32)
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """(N, W) int32 words, bit b of word w = token 32 w + b -> (N, vocab_size) bool."""
-    bits = (bitmask.unsqueeze(-1) >> _BITS.to(bitmask.device)) & 1  # (N, W, 32)
+    bits = (bitmask.unsqueeze(-1) >> _bits().to(bitmask.device)) & 1  # (N, W, 32)
     return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
@@ -245,11 +256,11 @@ class GrammarCompiler:
     50k vocabulary). Compiling never raises anything but GrammarError for a bad grammar.
     """
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Sequence[int], cache_size: int = _CACHE_SIZE):
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int], cache_size: int = _CACHE_SIZE):
         self._hf_tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
-        self._ll_tokenizer = None
+        self._ll_tokenizer: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()  # the cache: held for a lookup only (the event loop takes it)
         self._tokenizer_lock = threading.Lock()  # held while the tokenizer view is built
         self._cache: OrderedDict[StructuredOutput, CompiledGrammar] = OrderedDict()
@@ -289,7 +300,7 @@ class GrammarCompiler:
         special = set(getattr(self._hf_tokenizer, "all_special_tokens", ()) or ())
         return THINK_OPEN in special and THINK_CLOSE in special
 
-    def _tokenizer(self):
+    def _tokenizer(self) -> llguidance.LLTokenizer:
         with self._tokenizer_lock:
             if self._ll_tokenizer is None:
                 import llguidance.hf

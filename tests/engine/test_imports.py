@@ -7,6 +7,8 @@ imported by none of them.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,3 +95,10 @@ def test_packages_import_downwards_only():
         if (src := name.split(".")[0]) != (dst := dep.split(".")[0]) and dst not in ALLOWED[src]
     )
     assert wrong == []
+
+
+def test_the_scheduler_and_the_step_data_import_no_torch():
+    # Their docstrings promise it: they run and are tested without the model's world.
+    code = "import sys, engine.scheduler, engine.step; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
