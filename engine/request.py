@@ -7,8 +7,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from engine.structured import StructuredOutput
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.speculative import DraftState
+    from engine.structured import GrammarMatcher
 
 # Temperatures below this are greedy: dividing logits by them would overflow float32.
 GREEDY_TEMPERATURE = 1e-5
@@ -118,10 +125,11 @@ class Request:
     params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = 0.0
-    generator: object | None = None  # the sampler's per-request RNG; opaque here
-    token_history: object | None = None  # the sampler's per-request penalty cache; opaque here
-    grammar: object | None = None  # its structured output's GrammarMatcher (engine/structured.py)
-    draft_state: object | None = None  # its speculative decoding's state (engine/speculative.py)
+    generator: torch.Generator | None = None  # the sampler's per-request RNG
+    # The sampler's per-request penalty cache, a TokenHistory: Any, as its module imports this one.
+    token_history: Any = None
+    grammar: GrammarMatcher | None = None  # its structured output's matcher (engine/structured.py)
+    draft_state: DraftState | None = None  # its speculative decoding's state (engine/speculative.py)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -9,8 +9,15 @@ block manager and the runner import this module, never each other.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.request import SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:  # for the types only: they import torch
+    import torch
+
+    from engine.sampling.metadata import TokenHistory
+    from engine.structured import GrammarMatcher
 
 
 @dataclass
@@ -24,9 +31,9 @@ class ScheduledRequest:
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    generator: object | None
-    token_history: object | None = None
-    grammar: object | None = None  # the request's GrammarMatcher, when its output is constrained
+    generator: torch.Generator | None
+    token_history: TokenHistory | None = None
+    grammar: GrammarMatcher | None = None  # when the request's output is constrained
     # A decode's drafts (engine/speculative.py): the last len(draft_token_ids) of token_ids, not
     # tokens of the request until the runner accepts them; each adds a row that samples.
     draft_token_ids: list[int] = field(default_factory=list)
