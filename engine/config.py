@@ -65,7 +65,7 @@ class EngineConfig:
     # Speculative decoding (engine/speculative.py); None: off.
     speculative: SpeculativeConfig | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.block_size < 1:

@@ -60,7 +60,7 @@ class ParallelConfig:
     spawn_local_ranks: bool = True  # False: torchrun started every rank
     collective_timeout: float = 30.0  # seconds a step's collective waits for a silent rank
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         n = self.tensor_parallel_size
         if n < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {n}")
@@ -254,7 +254,7 @@ def _join_watching(processes: list, join: Callable[[], RankGroup]) -> RankGroup:
     this one watches the ranks it started: one that exits first fails the start at once."""
     result: dict = {}
 
-    def run():
+    def run() -> None:
         try:
             result["group"] = join()
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
@@ -316,7 +316,7 @@ def _exit_with_parent(parent_pid: int) -> None:
     if os.getppid() != parent_pid:
         os._exit(1)
 
-    def watch():
+    def watch() -> None:
         while os.getppid() == parent_pid:
             time.sleep(0.5)
         os._exit(1)

@@ -85,7 +85,7 @@ class SamplingParams:
     # among unsalted ones), so one tenant cannot learn from another's cache hits what it was sent.
     cache_salt: str | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.temperature < 0:
@@ -141,7 +141,7 @@ class Request:
     first_token_time: float | None = None
     last_token_time: float | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
         self.all_token_ids = list(self.prompt_token_ids)  # prompt + output, what the KV cache holds
 

@@ -45,7 +45,7 @@ class SpeculativeConfig:
     # whole row of the step's compute (docs/benchmarks.md, "Speculative decoding").
     max_batch_size: int = 4
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
         if not 1 <= self.num_speculative_tokens <= 16:

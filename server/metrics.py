@@ -27,7 +27,7 @@ _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120
 
 
 class ServerMetrics:
-    def __init__(self):
+    def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.request_success = Counter(

@@ -196,7 +196,7 @@ class _Blocks:
     """The stream's content blocks: one open at a time, numbered in order; a new kind of output
     (thinking, text, the next tool call) closes the open block and starts the next."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.index = -1
         self.started = False  # message_start sent
         self._open: tuple | None = None
