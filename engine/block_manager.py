@@ -39,7 +39,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import Counter, OrderedDict
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from engine.request import Request
 
@@ -169,7 +169,7 @@ class BlockManager:
         length = max(n for n, ok in enumerate(valid) if ok)
         if length == 0:
             return none
-        return [[self._cached[(g, h)] if i >= self._first_needed(g, length * self.block_size) else self.null_block
+        return [[self._cached[(g, h)] if i >= self._first_needed(g, length * self.block_size) else NULL_BLOCK
                  for i, h in enumerate(hashes[:length])] for g in range(len(self.windows))]
 
     def _window_hits(self, group: int, hashes: list[int], max_length: int) -> list[bool]:
@@ -217,10 +217,10 @@ class BlockManager:
         self._num_cached_blocks[rid] = max(start, end)
 
     # ------------------------------------------------------------------- verbs
-    def _num_new_blocks(self, tables: list[list[int]], num_tokens: int) -> int:
+    def _num_new_blocks(self, tables: Sequence[list[int]], num_tokens: int) -> int:
         return sum(max(0, self.blocks_needed(num_tokens) - len(t)) for t in tables)
 
-    def can_allocate(self, request: Request, num_tokens: int, computed_blocks: list[list[int]] = ()) -> bool:
+    def can_allocate(self, request: Request, num_tokens: int, computed_blocks: Sequence[list[int]] = ()) -> bool:
         """Whether the request's tables can grow to hold num_tokens tokens."""
         tables = self._tables.get(request.request_id) or computed_blocks or [[] for _ in self.windows]
         # Hits sitting in the evictable pool stop being allocatable once we hold them.
@@ -270,9 +270,9 @@ class BlockManager:
             if self.windows[group] is None:
                 continue
             for i in range(min(self._first_needed(group, request.num_computed_tokens), len(table))):
-                if table[i] != self.null_block:
+                if table[i] != NULL_BLOCK:
                     self._release(table[i])
-                    table[i] = self.null_block
+                    table[i] = NULL_BLOCK
 
     def _grow(self, tables: list[list[int]], num_tokens: int) -> None:
         need = self.blocks_needed(num_tokens)
@@ -305,7 +305,9 @@ class BlockManager:
             block_id = self._free.pop()
         else:
             block_id, _ = self._evictable.popitem(last=False)
-            del self._cached[self.block_hashes[block_id]]
+            key = self.block_hashes[block_id]
+            assert key is not None  # only a cached block is evictable
+            del self._cached[key]
             self.block_hashes[block_id] = None
         self.ref_counts[block_id] = 1
         return block_id

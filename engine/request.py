@@ -14,7 +14,6 @@ from engine.structured import StructuredOutput
 if TYPE_CHECKING:
     import torch
 
-    from engine.speculative import DraftState
     from engine.structured import GrammarMatcher
 
 # Temperatures below this are greedy: dividing logits by them would overflow float32.
@@ -129,7 +128,8 @@ class Request:
     # The sampler's per-request penalty cache, a TokenHistory: Any, as its module imports this one.
     token_history: Any = None
     grammar: GrammarMatcher | None = None  # its structured output's matcher (engine/structured.py)
-    draft_state: DraftState | None = None  # its speculative decoding's state (engine/speculative.py)
+    # Its speculative decoding's DraftState: Any, as engine/speculative.py imports this module.
+    draft_state: Any = None
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, EngineLimits
@@ -114,7 +114,7 @@ class Scheduler:
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         speculating = self._speculating(decodes)
-        if speculating:
+        if speculating and self.speculator is not None:
             self.speculator.begin_step(len(decodes))
         for request in decodes + prefills:
             if budget == 0:
@@ -129,7 +129,7 @@ class Scheduler:
                 prompt_rows_left -= _num_prompt_rows(request, request.num_computed_tokens, num_new)
             drafts = self._drafts(request, budget) if request in speculating else []
             tables = bm.append_slots(request, request.num_computed_tokens + num_new + len(drafts))
-            if tables is None and drafts:  # drafts go before anyone is preempted
+            if tables is None and drafts and self.speculator is not None:  # drafts go before anyone is preempted
                 self.speculator.stats.num_cut_by_budget += len(drafts)
                 drafts = []
                 tables = bm.append_slots(request, request.num_computed_tokens + num_new)
@@ -203,13 +203,15 @@ class Scheduler:
     def _drafts(self, request: Request, budget: int) -> list[int]:
         """Drafts for a decode: within the step's token budget, and such that the whole run
         (drafts plus one token) stays within max_tokens and the context."""
+        if self.speculator is None:
+            return []
         limit = min(budget - 1, request.params.max_tokens - request.num_output_tokens - 1,
                     self.limits.max_model_len - request.num_tokens - 1,
                     self.speculator.config.num_speculative_tokens)
         return self.speculator.propose(request, limit)[:limit] if limit > 0 else []
 
     def _scheduled(self, request: Request, num_new: int, tables: list[list[int]],
-                   drafts: list[int] = ()) -> ScheduledRequest:
+                   drafts: Sequence[int] = ()) -> ScheduledRequest:
         start = request.num_computed_tokens
         prompt_logprob_rows = range(0)
         if _wants_prompt_logprobs(request):

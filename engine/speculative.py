@@ -30,7 +30,10 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
+
+if TYPE_CHECKING:
+    from engine.request import Request
 
 SPECULATIVE_METHODS = ("ngram",)
 
@@ -157,7 +160,7 @@ class SpecStats:
 
 
 class Proposer(Protocol):
-    def propose(self, request, k: int) -> list[int]:
+    def propose(self, request: Request, k: int) -> list[int]:
         """Up to k draft tokens to follow request.all_token_ids (deterministic)."""
 
 
@@ -190,9 +193,9 @@ class Speculator:
         # shape to 1.7x its time for dozens of steps.
         self._recent_steps: dict[tuple[int, int], deque[float]] = {}
         self._step_seconds: dict[tuple[int, int], float] = {}
-        self._step = [1, 1, 1.0]  # the step being scheduled (begin_step): requests, rows so far, expected tokens
+        self._step: tuple[int, int, float] = (1, 1, 1.0)  # the step being scheduled (begin_step): requests, rows so far, expected tokens
 
-    def state(self, request) -> DraftState:
+    def state(self, request: Request) -> DraftState:
         if request.draft_state is None:
             request.draft_state = DraftState(NgramIndex(self.config.ngram_min, self.config.ngram_max))
         return request.draft_state
@@ -222,9 +225,9 @@ class Speculator:
 
     def begin_step(self, num_decodes: int) -> None:
         """A step of `num_decodes` decodes is being scheduled: drafts are proposed for it next."""
-        self._step = [num_decodes, num_decodes, float(num_decodes)]  # requests, rows, expected tokens
+        self._step = (num_decodes, num_decodes, float(num_decodes))  # requests, rows, expected tokens
 
-    def propose(self, request, limit: int) -> list[int]:
+    def propose(self, request: Request, limit: int) -> list[int]:
         """Drafts for a request about to decode in the step begun last: at most `limit` (its
         max_tokens and context left), cut at the first token its grammar refuses."""
         state = self.state(request)
@@ -254,15 +257,15 @@ class Speculator:
             drafts = drafts[:valid]
         if drafts:
             state.source = source
-            self._step = [num_requests, rows + len(drafts), expected - 1 + expected_tokens(acceptance, len(drafts))]
+            self._step = (num_requests, rows + len(drafts), expected - 1 + expected_tokens(acceptance, len(drafts)))
         return drafts
 
-    def rate(self, request, source: int) -> float:
+    def rate(self, request: Request, source: int) -> float:
         """The request's acceptance rate for drafts from `source` (the engine's, until it has its own)."""
         state = self.state(request)
         return state.acceptance.get(source, self.acceptance[request.params.greedy, source])
 
-    def record(self, request, num_drafts: int, num_accepted: int) -> None:
+    def record(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """A step verified `num_drafts` drafts of the request and accepted the first `num_accepted`."""
         if num_drafts == 0:
             return
