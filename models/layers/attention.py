@@ -179,8 +179,8 @@ class AttentionGroup:
     def buffer(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A tensor of this shape that the step's layers share: a layer's gathered keys are read
         before the next layer gathers. A fresh tensor of a gather's size (tens of MB) is mapped
-        afresh by malloc and page-faulted in at every layer: 1.7B's 64 decodes gathered in 168 ms
-        that way against 34 ms into a kept buffer (32 KV heads, float32, 2 threads, Zen 3)."""
+        afresh by malloc and page-faulted in at every layer, at several times the gather's own cost
+        (docs/benchmarks.md)."""
         key = (tuple(shape), dtype, device)
         buf = self.workspace.get(key)
         if buf is None:
@@ -222,7 +222,7 @@ class AttentionMetadata:
         if not (len(query_lens) == len(seq_lens) == len(block_tables)):
             raise ValueError("query_lens, seq_lens and block_tables must have one entry per sequence")
         # Plain Python over sequences and blocks, then one tensor each: a step of a few decodes
-        # would otherwise spend ~0.1 ms in a dozen torch ops on tensors of a few elements.
+        # would otherwise spend longer in a dozen torch ops' dispatch than in the loops.
         used = [(s + block_size - 1) // block_size for s in seq_lens]
         width = max(used, default=0)
         rows, slots, query_start = [], [], [0]

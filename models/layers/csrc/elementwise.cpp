@@ -1,9 +1,8 @@
-// Element-wise layers fused into one pass each, for CPUs. In eager PyTorch an RMSNorm is
-// ~8 ops over the activations (upcast, square, mean, rsqrt, scale, downcast, weight) and
-// SwiGLU's silu(gate) * up is 2 more, each a pass over memory with its own dispatch: in a
-// prefill step of 2048 tokens they took ~20% of the time. Rounding follows the PyTorch
-// code they replace (transformers' Llama): normalize in float32, round to the input dtype,
-// then multiply by the weight in that dtype; silu rounded before the product.
+// Element-wise layers fused into one pass each, for CPUs. In eager PyTorch an RMSNorm is ~8 ops over the
+// activations (upcast, square, mean, rsqrt, scale, downcast, weight) and SwiGLU's silu(gate) * up is 2 more,
+// each a pass over memory with its own dispatch: a large share of a long prefill step. Rounding follows the
+// PyTorch code they replace (transformers' Llama): normalize in float32, round to the input dtype, then
+// multiply by the weight in that dtype; silu rounded before the product.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -44,7 +43,7 @@ inline f32x8 rounded(f32x8 v) {
 
 // One row of n: weight * round(x * rsqrt(mean(x^2) + eps)). (A function of its own, its arguments
 // locals: in the rows' lambda, every store (a memcpy) could alias what the lambda reads through its
-// captures, which were reloaded at each vector: 2048 rows of 960 took 2.7x as long.)
+// captures, which were reloaded at each vector.)
 template <typename scalar_t>
 void rms_norm_row(const scalar_t* x, const scalar_t* w, scalar_t* out, int64_t n, float eps) {
   const float sum = sum_squares(x, n);  // one order in every ISA build (vec8.h)
@@ -229,9 +228,9 @@ at::Tensor softmax_rows(const at::Tensor& logits, bool log) {
 // logits (N, V) float32 -> (N,) int64: each row's first maximum, as torch.argmax (a NaN counts as
 // the largest: the first NaN), each row on one thread. Blocks of 256, each block's max on four 8-lane
 // chains (a max is exact in any order) and whether it holds a NaN; the row's first block holding its
-// max (or a NaN) is then searched for the first index. Greedy sampling's three torch ops (block amax,
-// argmax, the block's argmax) took ~110 us a 49152-wide row in a serving step, where the forward pass
-// before has left every cache cold. NaN is found from its bits (-ffast-math assumes there is none).
+// max (or a NaN) is then searched for the first index. One pass where greedy sampling took three
+// torch ops (block amax, argmax, the block's argmax), each reading a row the forward pass has left
+// cold. NaN is found from its bits (-ffast-math assumes there is none).
 constexpr int64_t kArgmaxBlock = 256;
 
 inline bool is_nan_bits(float v) {
@@ -304,7 +303,7 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
 // One row's inverse-CDF draw from softmax(x / t) cut by top-k, top-p and min-p: the first token whose
 // running sum of weights e^(x/t - max) passes u times their total; -1 where no token has weight
 // (every logit -inf). What the sampler did in torch ops (divide, topk, softmax, cumsums, masks,
-// two searchsorteds: ~136 us a 49152-wide row at t=0.8, ~360 us more with top-p), in 2-3 passes:
+// two searchsorteds; docs/benchmarks.md has both times), in 2-3 passes:
 // the weights summed in blocks of kDrawBlock (each block on one 8-lane chain, its lanes by one
 // tree), the blocks' sums added in order to find the block, then that block's weights one by one.
 // A token of weight 0 (a -inf logit, or cut) is never drawn: the running sum cannot pass u * total

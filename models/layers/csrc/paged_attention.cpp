@@ -114,8 +114,7 @@ inline __m512 load16(const c10::BFloat16* p) {
 // accumulate's arithmetic on 16 lanes: 64 numbers of each of kRows rows (4 vectors a row) from d on,
 // while they last. Every number is its own chain of FMAs in key order, so the width of the vectors
 // that carry them changes no bit; it halves the instructions (and on a core with 512-bit FMA units the
-// cycles). 360M's 1-16 decodes x 32 layers, 16-bit cache, Zen 5, both forms interleaved in one process:
-// 3-5% faster.
+// cycles).
 template <int kRows, typename kv_t>
 inline void accumulate16(float* const* acc, const float* const* p, const kv_t* const* v, int64_t from, int64_t to,
                          int64_t& d, int64_t Dv) {
@@ -185,13 +184,9 @@ inline void accumulate(float* const* acc, const float* const* p, const kv_t* con
   }
 }
 
-// A cache row's lines, asked for now, read later. A decode's rows stream (keys kAhead ahead of their
-// scores, values as their keys' scores are computed) into L1: 1.7B's 32 heads, one decode of 128-256
-// keys, 16-bit cache, cold (another 128 MB read between layers), 2 threads, Zen 5, alternated: 24
-// layers 2.8-3.2 -> 2.2-2.4 ms; 360M one decode 1.8-2.1 -> 1.5-1.7 ms, 16 decodes 7.9-10.1 -> 6.9-7.2
-// (into L2 was level on 1.7B's 16 and 64 decodes). The many rows of a prompt ask for a whole block of
-// keys at once, into L2 (into L1 those held the fill buffers the reads need: 1.7B's 32 heads, 200
-// keys, cold, 205 -> 140 us a layer on a Zen 4; 360M 44 -> 38).
+// A cache row's lines, asked for now, read later. A decode's rows stream (keys kAhead ahead of their scores,
+// values as their keys' scores are computed) into L1 (into L2 was no faster). The many rows of a prompt ask
+// for a whole block of keys at once, into L2 (into L1 those held the fill buffers the reads need).
 template <int kLocality = 3, typename cache_t>
 inline void prefetch_row(const cache_t* row, int64_t n) {
   const char* bytes = reinterpret_cast<const char*>(row);
@@ -239,9 +234,7 @@ struct Attention {
   // Rows of a task's keys from u on, then of the next task's from its key 0 (or none): what a decode
   // asks for ahead of its scores, walked along the block tables. (Found by its key's position, each
   // row cost a 64-bit division; perf put the address arithmetic of these prefetches among a decode's
-  // hottest instructions. 1.7B's 32 heads, 4 decodes of 128-256 keys in cache, 1 thread, Zen 5,
-  // alternated 4 times: 200-205 -> 188-195 us a layer; one decode 45 -> 42-43. Cold, at 16 decodes
-  // and 2 threads: 18.9-22.4 -> 18.0-20.3 ms for 24 layers; one decode level.)
+  // hottest instructions.)
   struct Walk {
     const cache_t* base = nullptr;
     const int64_t* table = nullptr;
@@ -353,8 +346,7 @@ struct Attention {
       // Keys stream kAhead keys ahead of the scores, on into the thread's next task; a value row
       // is asked for as its key's score is computed and read after the block's scores. (Asking
       // for a block's 128 key and value rows at once, then reading them, stalled on the requests
-      // themselves, with no arithmetic to overlap: 1.7B's 32 heads x 16 decodes of 128-256 keys,
-      // 16-bit cache, 2 threads, Zen 5: 1.39 -> 1.01 ms a layer; 360M's 5 heads 300 -> 177 us.)
+      // themselves, with no arithmetic to overlap.)
       // Keys widened into a buffer are all read now: those are asked for here.
       if (widen) {
         for (int64_t t = t0; t < nk; ++t) prefetch_row<2>(kbase + slots[t], Dk);
@@ -430,9 +422,7 @@ struct Attention {
       // A 16-bit cache: a decode's few rows widen each number as they load it (F16C, or a shift
       // for bfloat16: exact, so the same sums); many rows share one widening into a buffer (keys
       // now, values once the scores are done: 32 KB each, one buffer hot at a time). Writing a
-      // decode's rows into the buffers and reading them back took 20-30% of its time (Zen 3, 2
-      // threads, cold cache: 1.7B's 32 heads x 16 decodes 2.9-3.8 -> 2.4-3.3 ms a layer, 360M's
-      // 5 x 3 heads x 16 decodes 744-782 -> 572-697 us).
+      // decode's rows into the buffers and reading them back was a large share of its time.
       if constexpr (!std::is_same_v<cache_t, float>) {
         if (few) {
           const cache_t* krow16[kKeys + 3];
@@ -516,19 +506,16 @@ struct Attention {
 // reads a block's 2 x Hk runs (a head's keys, a head's values) one task after the other, so the
 // hardware prefetcher, running on past the end of one head's run, fetches the next head's, not a
 // stranger's block. (Head-major served the earlier plane-major layout, where a KV head's rows for
-// every sequence were one plane; its blocks were 2 KB runs scattered over the plane.) 16 decodes of
-// 128-256 tokens, 16-bit cache, scattered blocks of 16 tokens, every layer's cache cold, 2 threads,
-// Zen 3, plane-major head-major against block-major sequence-major switched per call: 360M's 5 KV
-// heads x 32 layers 0.78-0.82x the time, 1.7B's 32 x 24 0.70-0.74x.
+// every sequence were one plane; its blocks were 2 KB runs scattered over the plane.)
 //
-// Few tasks of many vectors each (one request's verification step: SmolLM2-135M's 3 KV heads x 6 rows
-// x 3 query heads = 3 tasks of 18 vectors) would leave a thread idle for a third of the call, and
-// tasks of more than kFewRows vectors widen their keys into a buffer first. Where there are fewer
-// than 4 tasks a thread, each (sequence, head)'s vectors are cut into the fewest pieces of at most
-// kFewRows vectors and at least 2 x kShareRows (a multiple of kShareRows) that make the task count a
-// multiple of the threads or at least 4 a thread (2-row steps cut into 3 + 3 vectors were slower). A piece reads its keys again (from L2 or L3: a step's few sequences' keys are
-// a few hundred KB); these steps are bound by arithmetic, not reads. A decode of G <= kShareRows
-// vectors is never cut.
+// Few tasks of many vectors each (one request's verification step: SmolLM2-135M's 3 KV heads x 6 rows x 3
+// query heads = 3 tasks of 18 vectors) would leave a thread idle for a third of the call, and tasks of more
+// than kFewRows vectors widen their keys into a buffer first. Where there are fewer than 4 tasks a thread,
+// each (sequence, head)'s vectors are cut into the fewest pieces of at most kFewRows vectors and at least 2 x
+// kShareRows (a multiple of kShareRows) that make the task count a multiple of the threads or at least 4 a
+// thread (2-row steps cut into 3 + 3 vectors were slower). A piece reads its keys again (from L2 or L3: a
+// step's few sequences' keys are a few hundred KB); these steps are bound by arithmetic, not reads. A decode
+// of G <= kShareRows vectors is never cut.
 inline int64_t piece_of(int64_t vecs, int64_t pieces) {  // `vecs` in `pieces`: each a multiple of kShareRows
   return ((vecs + pieces - 1) / pieces + kShareRows - 1) / kShareRows * kShareRows;
 }
@@ -570,8 +557,7 @@ void run_tasks(const Kernel& kernel, int64_t n, int64_t Hk) {
     }
   }
   // A few hundred (vector, key) pairs take microseconds: waking the thread team would cost more.
-  // One decode's keys come from memory, not cache, so from a thousand on two threads are faster
-  // (SmolLM2-360M's 5 KV heads x 3 queries x 192 keys, 16-bit cache: 87 -> 60 us a layer).
+  // One decode's keys come from memory, not cache, so from a thousand on two threads are faster.
   const int64_t parts = total < 1024 ? 1 : std::min<int64_t>(threads, tasks.size());
   std::vector<size_t> bounds(parts + 1, tasks.size());
   bounds[0] = 0;

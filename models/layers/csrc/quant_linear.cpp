@@ -68,11 +68,9 @@ constexpr int kLanes = 8;       // output columns per panel
 constexpr int kPrefetchGroups = 24;  // how far ahead a tile's stream is prefetched
 constexpr int kBalancedPanels = 24;  // a one-row-block step's panels per task, about
 
-// f(0) .. f(n - 1) on the thread team, each task claimed by whichever thread is free next, in
-// order: a thread held up (the event loop shares its core) or given the larger share no longer
-// keeps the other idle for the rest of the split. Served 360M shape, 16 streams, 2 threads, Zen 3
-// (perf, cpu-clock): the engine's thread waited in the OpenMP barrier for the other's products in
-// 6.2% of its samples with the static split, 3.2% with this. A task's result never depends on
+// f(0) .. f(n - 1) on the thread team, each task claimed by whichever thread is free next, in order: a thread
+// held up (the event loop shares its core) or given the larger share no longer keeps the other idle for the
+// rest of the split (it halved the engine thread's waits in the barrier). A task's result never depends on
 // which thread runs it, so the split changes no bit.
 template <typename F>
 void parallel_tasks(int64_t n, const F& f) {
@@ -87,9 +85,7 @@ void parallel_tasks(int64_t n, const F& f) {
 // with the most left. For the steps of one row block (decodes), whose tasks are runs of panels:
 // a thread's tasks follow each other in memory, so the prefetch of one's last tile runs into the
 // next one's first (claimed in one shared order, the two threads' tasks interleave and each began
-// at a cold stream), and a thread held up still has its share taken. Zen 5, 2 threads, Q4_0 one-row
-// products (interleaved calls, the same bits): 360M's linears x 32 6.7 -> 5.8 ms p25, 135M's 2.70 ->
-// 2.26, two rows 6.2 -> 5.8 and 2.73 -> 2.49; 1.7B's level (28.7 / 28.8).
+// at a cold stream), and a thread held up still has its share taken.
 template <typename F>
 void parallel_ranges(int64_t n, const F& f) {
   const int64_t T = std::min<int64_t>(n, at::get_num_threads());
@@ -220,13 +216,11 @@ struct Isa {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x));
 #endif
   }
-  // An opaque step on the running sum: keeps the compiler from reassociating a group's 16
-  // madds + adds into a tree, which spilled every partial product to the stack. With madd + add
-  // (AVX2, AVX-512 without VNNI) every tile needs it, even a lone row's (5.6 -> 2.9 cycles a
-  // group on a Zen 3). A fused dot (VNNI) has nothing to reassociate: AVX512-VNNI runs without
-  // it (a lone row's reads overlap better, 360M's decode linears 13-16 -> 16-22 GB/s on a Zen 4;
-  // 4 x 4 tiles stop spilling); AVX-VNNI, 16 registers and not measured here, keeps it on tiles
-  // of more than one row, as before.
+  // An opaque step on the running sum: keeps the compiler from reassociating a group's 16 madds + adds into a
+  // tree, which spilled every partial product to the stack. With madd + add (AVX2, AVX-512 without VNNI)
+  // every tile needs it, even a lone row's. A fused dot (VNNI) has nothing to reassociate: AVX512-VNNI runs
+  // without it (a lone row's reads overlap better; 4 x 4 tiles stop spilling); AVX-VNNI, 16 registers and not
+  // measured here, keeps it on tiles of more than one row, as before.
   // "v": any of AVX-512's 32 vector registers ("x" allows only the first 16, and made gcc
   // spill 9 of a 4 x 4 tile's 16 sums to the stack and shuffle the rest every chunk).
 #if defined(__AVX512VL__)
@@ -234,10 +228,9 @@ struct Isa {
 #else
   static void order(I& v) { __asm__("" : "+x"(v)); }
 #endif
-  // Pairs broadcast once a step into memory (`Operands::xb`) rather than at every use: on a Zen 3 a
-  // `vpbroadcastd` from memory takes a vector pipe as well as a load (8 of them added 2.9 cycles
-  // to 8 madd + 8 add, measured), where madd's own memory operand is a load alone; and with no
-  // register held by a pair, a tile of 4 rows x 3 panels fits the 16 registers.
+  // Pairs broadcast once a step into memory (`Operands::xb`) rather than at every use: a `vpbroadcastd` from
+  // memory takes a vector pipe as well as a load, where madd's own memory operand is a load alone; and with
+  // no register held by a pair, a tile of 4 rows x 3 panels fits the 16 registers.
   static constexpr bool kPrebroadcast = !kFusedDot && kRegisters < 32;
   static F to_float(I v) { return _mm256_cvtepi32_ps(v); }
   static F broadcast(float s) { return _mm256_set1_ps(s); }
@@ -296,18 +289,16 @@ struct Isa {  // plain C++: the same lane arithmetic, one lane at a time
 #endif
 
 #if defined(PAGEDSERVE_GROUP_ASM)
-// A 4 x 3 tile's group of 4 bits in assembly (AVX2; the pairs pre-broadcast, `Isa::kPrebroadcast`),
-// its float step included: 12 integer sums (ymm0-11), the 0x0F mask (ymm12) and 3 scratch registers
-// are the 16. Given the same arithmetic as intrinsics, gcc widened every panel's nibbles up front and
-// kept 5 of the sums on the stack. (The float step was C after the integer assembly, the sums
-// stored and loaded back; in here it costs no less that could be measured on a Zen 3, but it keeps
-// the sums in registers whatever the compiler does.) Row r's pairs at x[r] (+ 256 bytes: the high
-// nibbles' pairs), panel p's chunks at w[p]: a base register and a constant an operand, no index
-// (indexed memory operands ran a chunk at half the speed on a Zen 3: 31 against 16 cycles,
-// measured). The rows' group factors at `rf` (int32 xmin[4], float xscale[4], float xsum[4]),
-// panel p's scales at f + p * fs bytes (mins at mn + p * fs), the float sums at acc[r][p]. The
-// arithmetic of `tile`'s C loop, operation for operation: the integer sums start at the rows' xmin
-// (integer addition: where the sum starts does not change it), then
+// A 4 x 3 tile's group of 4 bits in assembly (AVX2; the pairs pre-broadcast, `Isa::kPrebroadcast`), its float
+// step included: 12 integer sums (ymm0-11), the 0x0F mask (ymm12) and 3 scratch registers are the 16. Given
+// the same arithmetic as intrinsics, gcc widened every panel's nibbles up front and kept 5 of the sums on the
+// stack. (The float step was C after the integer assembly, the sums stored and loaded back; in here it costs
+// no less that could be measured, but it keeps the sums in registers whatever the compiler does.) Row r's
+// pairs at x[r] (+ 256 bytes: the high nibbles' pairs), panel p's chunks at w[p]: a base register and a
+// constant an operand, no index (indexed memory operands ran a chunk at half the speed). The rows' group
+// factors at `rf` (int32 xmin[4], float xscale[4], float xsum[4]), panel p's scales at f + p * fs bytes (mins
+// at mn + p * fs), the float sums at acc[r][p]. The arithmetic of `tile`'s C loop, operation for operation:
+// the integer sums start at the rows' xmin (integer addition: where the sum starts does not change it), then
 // acc = fma(float(sum) * xscale, scale, acc) and, with mins, acc = fma(xsum, min, acc).
 #define PS_ROW(off, x, d) "vpmaddwd " off "(%[" x "]), %%ymm14, %%ymm15\n\tvpaddd %%ymm15, %%ymm" d ", %%ymm" d "\n\t"
 #define PS_HALF(off, a, b, c, d) PS_ROW(off, "x0", a) PS_ROW(off, "x1", b) PS_ROW(off, "x2", c) PS_ROW(off, "x3", d)
@@ -429,9 +420,7 @@ __attribute__((noinline)) void tile(const Operands<S>& op, int64_t m0, int64_t p
   const S* mins = op.mins != nullptr ? op.mins + p0 * op.scales_per_row * kLanes : nullptr;
   int64_t sg = 0, left = op.groups_per_scale;  // the group's scale index, and groups left in it
   // The group kPrefetchGroups ahead (below), followed like sg / left rather than divided out at
-  // every group: its `idiv` and address arithmetic were ~20% of a lone row's tile<4, 1, 3> samples.
-  // One-row products, interleaved calls, Zen 3: 1.7B's gate/up x 8 (151 MB) 18.2 -> 19.1 GB/s p25
-  // on 2 threads, 12.2 -> 12.7 on 1; 360M/135M shapes 4-9% faster.
+  // every group: its `idiv` and address arithmetic were a large share of a lone row's tile.
   int64_t ahead_g = kPrefetchGroups % op.nb, ahead_panels = kPrefetchGroups / op.nb * RP;
   int64_t ahead_sg = ahead_g / op.groups_per_scale, ahead_left = op.groups_per_scale - ahead_g % op.groups_per_scale;
   // Row r's pair j (its xq[2j], xq[2j + 1]) in every lane: broadcast here, or (tiles of more than
@@ -443,8 +432,7 @@ __attribute__((noinline)) void tile(const Operands<S>& op, int64_t m0, int64_t p
     else return Isa::pair(x);
   };
   // A lone row's integer sums in two chains a panel, as wide_tile's kSplit, where the dot is fused
-  // (AVX2's madd + add in two chains, each held by Isa::order, measured level: 360M's one-row
-  // products 6.96 / 6.93 and 6.37 / 6.62 ms p25, the avx2 build on a Zen 5).
+  // (AVX2's madd + add in two chains, each held by Isa::order, measured no faster).
   constexpr bool kSplit = RM == 1 && Isa::kFusedDot;
   for (int64_t g = 0; g < op.nb; ++g) {
     typename Isa::I dots[RM][RP], dots2[RP];
@@ -455,12 +443,9 @@ __attribute__((noinline)) void tile(const Operands<S>& op, int64_t m0, int64_t p
     // Every cache line of the group kPrefetchGroups ahead in the order the tiles read them: this
     // tile's panels, then (past their last group) the next tile's, which follow in memory. Into
     // L2: a decode's whole step is a stream from memory, and L1 prefetches held the fill buffers
-    // the loads need. 360M's decode linears on a Zen 4: 14-16 -> 19-21 GB/s (prefetching each
-    // panel's own stream into L1, 24 groups ahead, was slower than not prefetching: it overran
-    // short panels into data already read).
-    // The group's scales (and mins) too, which are streams of their own: without them 360M's decode
-    // linears read at 21-23 GB/s, with them 25-27 (Zen 4, Q4_0); 135M's (float32 scales and mins)
-    // 18 -> 24.
+    // the loads need (prefetching each panel's own stream into L1 was slower than not prefetching:
+    // it overran short panels into data already read).
+    // The group's scales (and mins) too, which are streams of their own.
     {
       const uint8_t* at = w + ahead_panels * op.panel_bytes + ahead_g * kGroupBytes;
       const int64_t factors_at = (ahead_panels * op.scales_per_row + ahead_sg) * kLanes;
@@ -568,17 +553,15 @@ void tile_upto(const Operands<S>& op, int64_t m0, int64_t p0, int rm, int rp) {
 }
 
 #if defined(PAGEDSERVE_GROUP_ASM)
-// AVX2's 4 x 3 tiles of 4 bits (group_4x3) over a task's rows (4 at a time) and panels, K a slice of
-// 8 groups at a time: for each slice, each 4 rows' pairs of the slice are broadcast (16 KB, in L1)
-// and every tile takes the slice's groups, then the next 4 rows, then the next slice. Pairs
-// broadcast for all of K (8 times the bytes of the rows: 128 KB at K = 2048) were read from L2 by
-// each tile: 26.5 cycles a chunk on a Zen 3, where pairs in L1 take 16 (group_4x3 alone, looped over
-// K = 2048 and over K = 256); and K = 8192 did not fit at all. Rows inside slices: a task's slice of
-// weights (48 panels: 48 KB) is read from memory once and by the other rows from L2, where rows
-// outside slices read all of the task's weights (384 KB at K = 2048, 1.5 MB at K = 8192) once per 4
-// rows, from L3 or memory, and two threads slowed each other there. The float sums of the task's
-// tiles wait in `acc` between slices; each output still takes its groups in order, so the bits are
-// `tile`'s.
+// AVX2's 4 x 3 tiles of 4 bits (group_4x3) over a task's rows (4 at a time) and panels, K a slice of 8 groups
+// at a time: for each slice, each 4 rows' pairs of the slice are broadcast (16 KB, in L1) and every tile
+// takes the slice's groups, then the next 4 rows, then the next slice. Pairs broadcast for all of K (8 times
+// the bytes of the rows: 128 KB at K = 2048) were read from L2 by each tile, where a chunk runs much slower
+// than from L1; and K = 8192 did not fit at all. Rows inside slices: a task's slice of weights (48 panels: 48
+// KB) is read from memory once and by the other rows from L2, where rows outside slices read all of the
+// task's weights (384 KB at K = 2048, 1.5 MB at K = 8192) once per 4 rows, from L3 or memory, and two threads
+// slowed each other there. The float sums of the task's tiles wait in `acc` between slices; each output still
+// takes its groups in order, so the bits are `tile`'s.
 constexpr int64_t kSliceGroups = 8;
 constexpr int64_t kSlicedMinRows = 8;  // fewer rows take 4 x 2 tiles (int_qlinear)
 constexpr int64_t kSlicePairs = kSliceGroups * kBlock / 2;
@@ -587,10 +570,8 @@ constexpr int kSlicedTileFloats = 4 * 3 * kLanes;
 // The first rows of each slice also prefetch the tiles' next slice, and in the last slice the first
 // slice of the panels from `next_p` on (what this thread most likely takes next: the next task's
 // panels, or the up half's after the gate's): without it every task began on weights still in
-// memory, which at a few rows (decodes) the other rows do not hide. Zen 3, 2 threads, weights on
-// huge pages, with and without alternated in one process (medians of 8-12): 360M's linears x 32,
-// 16 rows 84.8 -> 80.0 and 86.3 -> 81.6 ms, 8 rows 48.1 -> 45.3, 64 rows 297 -> 292; 1.7B's x 8, 16
-// rows 116.1 -> 105.9. (Prefetching a task's whole first slice at its start as well gained nothing.)
+// memory, which at a few rows (decodes) the other rows do not hide. (Prefetching a task's whole first
+// slice at its start as well gained nothing.)
 template <typename S>
 void sliced_tiles_4x3(const Operands<S>& op, int64_t m_begin, int64_t row_tiles, int64_t p_begin, int64_t tiles, float* acc,
                       int32_t* xb, float* xf, int64_t next_p) {
@@ -686,9 +667,7 @@ void sliced_tiles_4x3(const Operands<S>& op, int64_t m_begin, int64_t row_tiles,
 // runs exactly the arithmetic of `tile` above (the integer dot is exact, then the same convert,
 // multiply and fused multiply-adds, group by group in order), so a row's bits do not depend on
 // which of the two it fell in (a task's last odd panel takes `tile`). PAGEDSERVE_WIDE_TILES=0 turns them off (to
-// compare; results are the same bits). Measured on a 16-core Intel Xeon (AVX-512 VNNI, AMX; the
-// SmolLM2-1.7B shape's linears, 2 layers, Q4_0, `loadtest.bench_quant`): 128 rows 261 -> 171 ms on
-// 1 thread, 37-39 -> 24-27 ms on 16; 16 rows 32.5 -> 22.6 ms on 1. Not measured on a Zen 4.
+// compare; results are the same bits; docs/benchmarks.md has the figures).
 // tests/models/test_wide_tiles.py builds them with emulated vectors where the CPU lacks AVX-512.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) || defined(PAGEDSERVE_WIDE_EMULATED)
 #define PAGEDSERVE_HAS_WIDE_TILES 1
@@ -696,10 +675,8 @@ constexpr bool kWide = true;
 // Two tile shapes of the 32 registers: steps of more than 6 rows take 8 rows x 2 vectors (16 sums, 4
 // widened chunks, 2 pairs: 32 products for 2 widenings, where 6 x 3 does 36 for 3), fewer rows 6 x 3
 // (more panels to share each row's pairs, where rows are few). The widenings compete with `vpdpwssd`
-// for the vector pipes: Zen 5, 2 threads, 1.7B's linears x 24 (Q4_0, interleaved calls, the same
-// bits), 256 rows 1066 -> 1046 ms p25, 16 rows 75.2 -> 71.0; 360M's 256 rows 224 -> 216, 16 rows
-// 16.9 -> 16.5; 5 rows on 8 x 2 were slower (7.60 -> 8.05). 12 x 2, 10 x 2, 9 x 2, 7 x 3 and 4 x 4
-// were no better than 8 x 2 there. Measured on that Zen 5 only.
+// for the vector pipes, so 8 x 2 pays from 16 rows on and 5 rows were slower on it; 12 x 2, 10 x 2,
+// 9 x 2, 7 x 3 and 4 x 4 were no better than 8 x 2.
 constexpr int kWideRows = 8;
 constexpr int kWideVectors = 2;
 constexpr int kFewWideRows = 6;
@@ -962,16 +939,12 @@ void int_qlinear(const Operands<S>& op, float* silu_out = nullptr) {
   // from the scales that is not an integer takes `tile`) keep a K slice of the task's rows, pairs and
   // weights in cache at a time, not all of K: the largest tasks whatever K. Each slice's pairs are
   // broadcast once a task (K = 8192 had tasks of 12 panels, the broadcast ~10% of the product) and
-  // the weights read from memory once a row block (K = 8192 had blocks of 16 rows). 128 x 8192 ->
-  // 2048, 1 thread, Zen 3: 51.5-57.4 -> 44.4-46.9 ms (tasks of 48 panels alone).
+  // the weights read from memory once a row block (K = 8192 had blocks of 16 rows).
   //
-  // Below kSlicedMinRows rows (a speculative verification's 1 + k rows, a few decodes) the 4 x 2
-  // tiles that broadcast the pairs at each use, panels outer, are the faster, with the same bits:
-  // every linear layer's product, 2 threads, Zen 3, calls alternated, time against the sliced tiles
-  // at 4 / 5 / 6 / 7 rows: 135M 0.79 / 0.82 / 0.85 / 0.85 (8 rows 0.99), 360M 0.81 / 0.91 / 0.88 /
-  // 0.91, 1.7B 0.90 / 0.94 / - / 1.00; at 8 rows the sliced ones won at 360M and 1.7B (0.97, 0.93),
-  // and the pre-broadcast tiles were slower than either below 8. At 3 rows the sliced path had no
-  // whole 4-row tile and took these already.
+  // Below kSlicedMinRows rows (a speculative verification's 1 + k rows, a few decodes) the 4 x 2 tiles that
+  // broadcast the pairs at each use, panels outer, are the faster, with the same bits (docs/benchmarks.md);
+  // from 8 rows the sliced ones win, and the pre-broadcast tiles were slower than either below 8. At 3 rows
+  // the sliced path had no whole 4-row tile and took these already.
   const bool group_asm = Bits == 4 && (op.mins != nullptr || op.xmin != nullptr || op.min_per_scale == 0.f);
   const bool sliced = group_asm && op.M >= kSlicedMinRows;
   each_use = group_asm && op.M > 2 && !sliced;
@@ -999,8 +972,7 @@ void int_qlinear(const Operands<S>& op, float* silu_out = nullptr) {
   int64_t panel_blocks = (panels + block_panels - 1) / block_panels;
   if (row_blocks == 1) {  // one row block (decodes): as many blocks for each thread, of about equal size
     // Tiles of more than 2 rows broadcast each K slice's pairs once a task (sliced_tiles_4x3,
-    // 4 rows at a time): twice the panels a task halves that (16 rows, 1 thread, Zen 3: the
-    // broadcast loop was ~12% of the product's samples with 24-panel tasks).
+    // 4 rows at a time): twice the panels a task halves that.
     const int64_t balanced = op.M <= 2 ? kBalancedPanels : 2 * kBalancedPanels;
     panel_blocks = threads * ((panels + threads * balanced - 1) / (threads * balanced));
   }
@@ -1017,11 +989,8 @@ void int_qlinear(const Operands<S>& op, float* silu_out = nullptr) {
     if (op.M <= 2) {
 #if defined(PAGEDSERVE_HAS_WIDE_TILES)
       // One or two rows on the 512-bit tiles (a vector for each two panels; kDecodePanels = 2 *
-      // kFewWideVectors, so tasks start on whole tiles either way): 360M's 128 two-row products 6.90
-      // -> 6.29 ms p25 on 2 threads, 8.82 -> 7.31 on 1, 1.7B's 96 26.3 -> 25.7 on 2 (Zen 5, calls
-      // interleaved, the same bits). One row was level there (6.08 / 6.09) while its sums ran in one
-      // chain a panel; with two (wide_tile's kSplit) 360M's 128 one-row products went 4.96 -> 4.18-4.89
-      // ms p25 and 1.7B's (8 layers) 6.13 -> 5.13, a 360M decode's forward and logits 7.67 -> 6.39.
+      // kFewWideVectors, so tasks start on whole tiles either way). One row gained only once its sums ran in
+      // two chains a panel (wide_tile's kSplit); docs/benchmarks.md has the figures.
       if (wide_enabled) {
         const auto wide_rows = [&](auto rows) {
           constexpr int RM = decltype(rows)::value, RP = 2 * kFewWideVectors;
@@ -1088,9 +1057,9 @@ void int_qlinear(const Operands<S>& op, float* silu_out = nullptr) {
     // the task's panels, where 4 rows' pairs (K x 64 bytes) leave room in a 512 KB L2 for the
     // task's weights (up to 256 KB); K = 8192 (1.7B's down projection, 512 KB of pairs) keeps the
     // 4 x 2 tiles that broadcast at each use. The bound is reasoned from the cache sizes: runs
-    // with and without it on that shape (Zen 3) were within this VM's noise (30-46 ms either way).
+    // with and without it on that shape could not tell them apart.
     if (Isa::kPrebroadcast && op.K * 64 <= (192 << 10) && !each_use) {
-      // 64-byte aligned: a madd operand that crosses a cache line costs (a chunk 6.8 -> 8.5 ns, Zen 3).
+      // 64-byte aligned: a madd operand that crosses a cache line costs more.
       thread_local std::vector<int32_t> broadcast_storage;
       const int64_t pairs = op.K / 2;
       if (broadcast_storage.size() < static_cast<size_t>(kTileRows * pairs * kLanes + 16))
@@ -1178,9 +1147,9 @@ at::Tensor qlinear(
   }
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({M, silu_mul ? N / 2 : N}, x.options().dtype(at::kFloat));
-  // A small step's rounded activations go in this thread's scratch, kept across calls: three
-  // tensors a call were ~1 of the ~3 us a decode's product costs besides its reads (128 products
-  // a 360M step). Large steps (prefill) allocate, so the scratch stays at ~2 MB.
+  // A small step's rounded activations go in this thread's scratch, kept across calls: three tensors a call
+  // were a third of what a decode's product costs besides its reads. Large steps (prefill) allocate, so the
+  // scratch stays at ~2 MB.
   const int64_t nb = K / kBlock;
   const bool small = M * K <= (int64_t{1} << 20);
   thread_local std::vector<int16_t> xq_scratch;
