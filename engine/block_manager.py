@@ -16,7 +16,8 @@ before it, so equal hashes mean equal prefixes:
     hashes:   h0 = H(root, t0..15)   h1 = H(h0, t16..31)   (partial block: no hash)
 
 A request's `cache_salt` (vLLM's) goes into its root, h0 = H(root, salt, t0..15): requests with
-different salts (or one salted, one not) share no block.
+different salts (or one salted, one not) share no block. So does its LoRA adapter's name
+(h0 = H(root, salt, "lora", name, t0..15)): an adapter's KV is its own.
 
 A block's hash is registered only once its KV has been computed (`cache_blocks`,
 called after the forward pass), so a failed step never leaves garbage in the cache.
@@ -44,12 +45,14 @@ from typing import Iterable, Sequence
 from engine.request import Request
 
 _ROOT = b"pagedserve-prefix-root"
+_LORA_TAG = b"pagedserve-lora-adapter"
 NULL_BLOCK = 0  # a sliding group's table entry for a block left behind by the window
 
 
-def hash_block(parent: int | None, token_ids: Iterable[int], salt: str | None = None) -> int:
-    """128-bit blake2b of the parent block's hash (or the root, salted for a first block) and this
-    block's token ids."""
+def hash_block(parent: int | None, token_ids: Iterable[int], salt: str | None = None,
+               lora_name: str | None = None) -> int:
+    """128-bit blake2b of the parent block's hash (or the root, salted and with the LoRA adapter's
+    name for a first block) and this block's token ids."""
     h = hashlib.blake2b(digest_size=16)
     if parent is not None:
         h.update(parent.to_bytes(16, "little"))
@@ -58,6 +61,9 @@ def hash_block(parent: int | None, token_ids: Iterable[int], salt: str | None = 
         if salt is not None:  # its length first: salt and tokens cannot run into each other
             data = salt.encode("utf-8", "surrogatepass")  # any str (the server refuses lone surrogates)
             h.update(len(data).to_bytes(8, "little") + data)
+        if lora_name is not None:  # a tag, so that no salt reads the same
+            data = lora_name.encode("utf-8", "surrogatepass")
+            h.update(_LORA_TAG + len(data).to_bytes(8, "little") + data)
     h.update(array("q", token_ids).tobytes())
     return int.from_bytes(h.digest(), "little")
 
@@ -141,7 +147,7 @@ class BlockManager:
         bs = self.block_size
         for i in range(len(hashes), len(tokens) // bs):
             hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs : (i + 1) * bs],
-                                     request.params.cache_salt))
+                                     request.params.cache_salt, request.params.lora_name))
         return hashes
 
     def get_computed_blocks(self, request: Request) -> list[list[int]]:

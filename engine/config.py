@@ -64,6 +64,10 @@ class EngineConfig:
     stalled_stream_timeout: float = 30.0
     # Speculative decoding (engine/speculative.py); None: off.
     speculative: SpeculativeConfig | None = None
+    # LoRA adapters served beside the base model: (name, PEFT directory) pairs, read at start
+    # (models/layers/lora.py); a request picks one by SamplingParams.lora_name.
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    max_lora_rank: int = 16  # adapters of a higher rank are refused
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -95,6 +99,11 @@ class EngineConfig:
             raise ValueError(f"audit_interval_steps must be >= 0, got {self.audit_interval_steps}")
         if self.max_pending_outputs < 1:
             raise ValueError(f"max_pending_outputs must be at least 1, got {self.max_pending_outputs}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be at least 1, got {self.max_lora_rank}")
+        lora_names = [name for name, _ in self.lora_modules]
+        if any(not name for name in lora_names) or len(set(lora_names)) != len(lora_names):
+            raise ValueError(f"LoRA adapter names must be non-empty and distinct, got {lora_names}")
         if not self.stalled_stream_timeout > 0:
             raise ValueError(f"stalled_stream_timeout must be > 0, got {self.stalled_stream_timeout}")
 

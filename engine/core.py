@@ -82,6 +82,8 @@ class EngineCore:
         arrival_time: float | None = None,
     ) -> None:
         """Queue a request; ValueError if it can never fit (self.limits), QueueFullError if the queue is full."""
+        if params.lora_name is not None and params.lora_name not in self.runner.lora_slots:
+            raise ValueError(f"unknown LoRA adapter {params.lora_name!r}")
         prompt_token_ids = tokenize_prompt(self.tokenizer, prompt)
         request = Request(
             request_id,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 import torch
 
@@ -25,6 +26,7 @@ from engine.threads import StepTuner, applied, candidate_settings
 from engine.verification import sample_requests
 from models.layers import cpu_kernels
 from models.layers.attention import AttentionMetadata
+from models.layers.lora import LoRABatch, add_lora_adapters
 from models.layers.step_kernels import DEFAULT_KERNELS, StepKernels
 
 logger = logging.getLogger(__name__)
@@ -61,6 +63,13 @@ class ModelRunner:
         self.kv_caches = self.kv_cache_spec.allocate(self.num_blocks, self.block_size, self.device, self.kv_layout)
         self.kv_cache_bytes = sum(c.numel() * c.element_size() for c in {id(c): c for c in self.kv_caches}.values())
         self.weight_bytes = loaded.weight_bytes
+        # LoRA adapter name -> its slot in the layers (models/layers/lora.py); empty: none served.
+        self.lora_slots: dict[str, int] = {}
+        if config.lora_modules:
+            if ranks is not None:
+                raise ValueError("LoRA adapters under tensor parallelism are not supported")
+            self.lora_slots = add_lora_adapters(self.model, dict(config.lora_modules), config.max_lora_rank,
+                                                loaded.config.dtype)  # in the model's dtype, as PEFT loads them
         # CPU: intra-op threads (chosen by timing steps unless configured, or unless results
         # would depend on the count), set for each step in whichever thread runs it and the
         # caller's put back after, and the step's kernels (torch's own for single-token steps),
@@ -139,6 +148,9 @@ class ModelRunner:
             block_tables=[[s.block_tables[g] for s in scheduled] for g in range(len(self.kv_layout.windows))],
             logit_rows=rows, onednn=kernels.onednn,
         )
+        if self.lora_slots:
+            slots = [self.lora_slots[s.params.lora_name] if s.params.lora_name else 0 for s in scheduled]
+            inputs.lora_slots = slots if any(slots) else None
         if self.ranks is None:
             logits = self.forward_logits(inputs, kernels)
         else:  # tensor parallel: every rank runs this step; a failure leaves them out of step
@@ -181,6 +193,8 @@ class ModelRunner:
         on every rank alike (tensor parallel: rank 0 gets the whole vocabulary)."""
         if kernels is None or kernels.onednn != inputs.onednn:
             kernels = StepKernels(onednn=inputs.onednn)
+        if inputs.lora_slots is not None:
+            kernels = replace(kernels, lora=LoRABatch.build(inputs.query_lens, inputs.lora_slots, self.device))
         # One host tensor for both inputs: a step of decodes is small, so per-call overhead counts.
         ids = torch.tensor([inputs.token_ids, inputs.positions], dtype=torch.int64, device=self.device)
         metas = [AttentionMetadata.build(inputs.query_lens, inputs.seq_lens, tables, self.block_size, self.device,

@@ -83,6 +83,9 @@ class SamplingParams:
     # vLLM's `cache_salt`: the prefix cache shares blocks only among requests with the same salt (None:
     # among unsalted ones), so one tenant cannot learn from another's cache hits what it was sent.
     cache_salt: str | None = None
+    # The LoRA adapter (EngineConfig.lora_modules) this request runs with; None: the base model.
+    # Its prefix-cache blocks are its own, as with a salt.
+    lora_name: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -111,6 +114,8 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         if self.cache_salt is not None and not self.cache_salt:
             raise ValueError("cache_salt must be non-empty")
+        if self.lora_name is not None and not self.lora_name:
+            raise ValueError("lora_name must be non-empty")
 
     @property
     def greedy(self) -> bool:

@@ -71,6 +71,7 @@ class StepInputs:
     block_tables: list[list[list[int]]]  # [KV cache group][sequence]
     logit_rows: list[int]  # rows of the step whose logits are computed (empty: none)
     onednn: bool = True  # the step's StepKernels
+    lora_slots: list[int] | None = None  # per sequence its LoRA adapter's slot (0: none); None: no adapter
 
 
 class EngineDeadError(RuntimeError):

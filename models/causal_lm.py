@@ -74,7 +74,8 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor | None:
         """The layer's output from one kernel call, where a model class has one for this step and
         it gives the same bits as the modules; None: module by module."""
-        args = self.one_op_args(x, kv_cache)
+        # One op holds the base weights alone: a step with LoRA rows goes module by module.
+        args = None if attn_metadata.kernels.lora is not None else self.one_op_args(x, kv_cache)
         return None if args is None else self.call_one_op(x, args, rope, kv_cache, attn_metadata)
 
     def one_op_args(self, x: torch.Tensor, kv_cache: torch.Tensor) -> tuple | None:
@@ -118,7 +119,7 @@ class DecoderModel(nn.Module):
                 x = layer(ropes[layer.layer_type], x, kv_cache, meta)
             return self.norm(x)
         rope = self.rotary_emb.cos_sin(positions, x.dtype)  # once per step, not once per layer
-        stack = self._one_ops(x, kv_caches)
+        stack = None if attn_metadata.kernels.lora is not None else self._one_ops(x, kv_caches)
         if stack is not None:  # every layer one kernel call, without the modules' Python between them
             call = type(self.layers[0]).call_one_op
             for args, kv_cache, meta in zip(stack, kv_caches, metas, strict=True):

@@ -9,7 +9,7 @@ them stacked along the output dim and loads each checkpoint tensor into its rows
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 from torch import nn
@@ -17,6 +17,9 @@ from torch import nn
 from models.layers import parallel as tp_state
 from models.layers.quantization import DENSE, LinearMethod, QuantizedWeight
 from models.layers.step_kernels import DEFAULT_KERNELS, StepKernels, onednn_takes
+
+if TYPE_CHECKING:
+    from models.layers.lora import LoRAWeights
 
 PARALLEL_MODES = (None, "column", "row")
 
@@ -36,6 +39,7 @@ class Linear(nn.Module):
     """
 
     packed_weight: torch.Tensor | None = None
+    lora: LoRAWeights | None = None  # its LoRA adapters (models/layers/lora.py); None: none touches it
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, parallel: str | None = None,
                  reduce: bool = True):
@@ -81,7 +85,8 @@ class Linear(nn.Module):
         """x W^T + b on the step's `kernels` (AttentionMetadata.kernels); `forward` too,
         except for an Embedding, whose forward looks rows up."""
         if self.parallel != "row":
-            return self.quant_method.apply(self, x, self.bias, kernels)
+            out = self.quant_method.apply(self, x, self.bias, kernels)
+            return out if self.lora is None else self.lora.apply(x, out, kernels.lora)
         partial = self.quant_method.apply(self, x, self.bias if self.tp.rank == 0 else None, kernels)
         return self.tp.all_reduce(partial) if self.reduce else partial
 

@@ -38,7 +38,9 @@ def gated(gate_up_proj: MergedLinear, down_proj: Linear, act_fn, is_silu: bool, 
     """down(act(gate(x)) * up(x)): GatedMLP's forward, and each routed expert's (models/layers/moe.py).
     On CPU, silu's on our kernels (each element the same bits wherever it falls in the step)."""
     if is_silu and cpu_kernels.usable(x):
-        act = gate_up_proj.quant_method.apply_silu_mul(gate_up_proj, x, gate_up_proj.bias, kernels)
+        act = None
+        if gate_up_proj.lora is None or kernels.lora is None:  # the fused op adds no adapter
+            act = gate_up_proj.quant_method.apply_silu_mul(gate_up_proj, x, gate_up_proj.bias, kernels)
         if act is None:
             act = cpu_kernels.silu_and_mul(gate_up_proj(x, kernels))  # column-parallel: this rank's [gate | up]
         return down_proj(act, kernels)

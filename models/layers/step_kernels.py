@@ -5,15 +5,20 @@ engine/threads.py) that the layers receive with the step, as `AttentionMetadata.
              it (and a Linear uses its oneDNN-packed weight). False: torch's own kernels
              (a Linear with a plain weight kept beside the packed one uses that for a
              single row: torch's gemv reads it faster).
+    lora     which LoRA adapter each row of the step adds (models/layers/lora.py LoRABatch);
+             None: no row uses one, and no layer adds anything.
 
 The layers read the choice from the step, never from torch.backends.mkldnn.enabled.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
 
 import torch
+
+if TYPE_CHECKING:
+    from models.layers.lora import LoRABatch
 
 
 def onednn_takes(dtype: torch.dtype) -> bool:
@@ -31,6 +36,7 @@ def onednn_takes(dtype: torch.dtype) -> bool:
 @dataclass(frozen=True)
 class StepKernels:
     onednn: bool = True  # False: torch's own kernels for reduced-precision matmuls
+    lora: LoRABatch | None = field(default=None, compare=False)
 
     def matmul(self, op: Callable[..., torch.Tensor], *args) -> torch.Tensor:
         """op(*args), a matmul (F.linear, torch.bmm, torch.einsum), on the kernels this step chose.

@@ -1,0 +1,222 @@
+"""LoRA adapters: PEFT directories read once, applied unmerged, a different adapter per row.
+
+    y = base(x) + scale * B (A x)        A: (r, in), B: (out, r), scale = alpha / r (rsLoRA: alpha / sqrt(r))
+
+The base weights stay as stored (dense or quantized); each adapted Linear holds a `LoRAWeights`
+(`Linear.lora`, None when no adapter touches the layer: the base path then pays one None check).
+An adapter gets a slot (1, 2, ...; 0 is the base model); the runner gives each step a `LoRABatch`,
+its rows grouped by slot (`StepKernels.lora`, None when no row of the step uses an adapter), and
+every adapted layer adds, per slot present, two small matmuls over that slot's rows:
+
+    rows of the step   [ a a a | - | b | a ]      a, b: slots 1, 2; -: the base model
+    LoRABatch.groups   (1, rows [0 1 2 4]), (2, rows 3..3)
+
+Our q/k/v (gate/up) are one MergedLinear (models/layers/linear.py); PEFT trains them apart. An
+adapter's per-projection A's are stacked, and its B's laid out block by block on the merged
+output's rows, zeros where a projection is not adapted, so a merged layer is still two matmuls:
+
+    A_cat = [ A_q ; A_v ]              (r_q + r_v, in)
+    B_cat = [ B_q   0  ]   q rows      (out, r_q + r_v)
+            [ 0     0  ]   k rows (not adapted)
+            [ 0    B_v ]   v rows
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from models.layers.linear import Embedding, Linear, MergedLinear
+
+TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# PEFT options that change what an adapter computes: refused by name unless left at their defaults.
+_UNSUPPORTED_OPTIONS = ("modules_to_save", "use_dora", "fan_in_fan_out", "lora_bias", "rank_pattern", "alpha_pattern",
+                        "layers_to_transform", "layer_replication", "trainable_token_indices", "target_parameters",
+                        "megatron_config", "use_qalora", "use_bdlora", "arrow_config")
+_PREFIX = "base_model.model."  # PEFT's names: base_model.model.<the HF model's module path>.lora_A.weight
+
+
+@dataclass(frozen=True)
+class LoRAAdapter:
+    """One PEFT adapter as read from its directory: per HF module path, (A, B)."""
+
+    name: str
+    path: str
+    rank: int
+    scale: float
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+def read_peft_adapter(name: str, path: str | Path, max_rank: int) -> LoRAAdapter:
+    """Read and check a PEFT LoRA directory (adapter_config.json + adapter_model.safetensors);
+    every problem is a ValueError naming the adapter and what is wrong."""
+    from safetensors.torch import load_file
+
+    where = f"LoRA adapter {name!r} ({path})"
+    directory = Path(path)
+    config_file, tensors_file = directory / "adapter_config.json", directory / "adapter_model.safetensors"
+    if not directory.is_dir():
+        raise ValueError(f"{where}: no such directory")
+    if not config_file.is_file():
+        raise ValueError(f"{where}: no adapter_config.json")
+    if not tensors_file.is_file():
+        raise ValueError(f"{where}: no adapter_model.safetensors (adapter_model.bin is not read)")
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{where}: adapter_config.json is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{where}: adapter_config.json is not a JSON object")
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{where}: peft_type {config.get('peft_type')!r} is not supported (only LORA)")
+    for option in _UNSUPPORTED_OPTIONS:
+        if config.get(option):
+            raise ValueError(f"{where}: {option}={config[option]!r} is not supported")
+    if config.get("bias", "none") != "none":
+        raise ValueError(f"{where}: bias={config['bias']!r} is not supported (only 'none')")
+    rank, alpha = config.get("r"), config.get("lora_alpha")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise ValueError(f"{where}: r must be a positive integer, got {rank!r}")
+    if rank > max_rank:
+        raise ValueError(f"{where}: rank {rank} is above --max-lora-rank {max_rank}")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+        raise ValueError(f"{where}: lora_alpha must be a number, got {alpha!r}")
+    targets = config.get("target_modules")
+    target_list = [targets] if isinstance(targets, str) else targets
+    if not isinstance(target_list, list) or not target_list:
+        raise ValueError(f"{where}: target_modules must name modules, got {targets!r}")
+    unknown = [t for t in target_list if t not in TARGET_MODULES]
+    if unknown:
+        raise ValueError(f"{where}: target module(s) {', '.join(map(repr, unknown))} are not supported "
+                         f"(supported: {', '.join(TARGET_MODULES)})")
+    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    try:
+        tensors = load_file(str(tensors_file))
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for a bad file
+        raise ValueError(f"{where}: cannot read adapter_model.safetensors: {e}") from None
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        module, _, kind = key.removeprefix(_PREFIX).rpartition(".lora_")
+        if kind not in ("A.weight", "B.weight") or module.rpartition(".")[2] not in target_list:
+            raise ValueError(f"{where}: tensor {key!r} is not a LoRA weight of its target_modules")
+        pairs.setdefault(module, {})[kind[0]] = tensor
+    weights = {}
+    for module, pair in pairs.items():
+        if set(pair) != {"A", "B"}:
+            raise ValueError(f"{where}: {module} has lora_{next(iter(pair))} but not its pair")
+        a, b = pair["A"], pair["B"]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != rank or b.shape[1] != rank:
+            raise ValueError(f"{where}: {module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} "
+                             f"do not have rank {rank}")
+        weights[module] = (a, b)
+    if not weights:
+        raise ValueError(f"{where}: adapter_model.safetensors holds no LoRA weights")
+    return LoRAAdapter(name, str(path), rank, float(scale), weights)
+
+
+@dataclass(frozen=True)
+class LoRABatch:
+    """One step's rows by adapter slot: (slot, rows), rows a slice where they are contiguous."""
+
+    groups: tuple[tuple[int, slice | torch.Tensor], ...]
+
+    @classmethod
+    def build(cls, query_lens: list[int], slots: list[int], device: torch.device) -> LoRABatch | None:
+        """Each request's `query_lens` rows take its slot (0: no adapter); None when no row has one."""
+        rows: dict[int, list[int]] = {}
+        start = 0
+        for num, slot in zip(query_lens, slots, strict=True):
+            if slot:
+                rows.setdefault(slot, []).extend(range(start, start + num))
+            start += num
+        groups = []
+        for slot, found in rows.items():
+            if found[-1] - found[0] + 1 == len(found):
+                groups.append((slot, slice(found[0], found[-1] + 1)))
+            else:
+                groups.append((slot, torch.tensor(found, dtype=torch.int64, device=device)))
+        return cls(tuple(groups)) if groups else None
+
+
+class LoRAWeights:
+    """The adapters of one Linear: per slot, A_cat (R, in), B_cat (out, R) and the scale."""
+
+    def __init__(self):
+        self.slots: dict[int, tuple[torch.Tensor, torch.Tensor, float]] = {}
+
+    def apply(self, x: torch.Tensor, out: torch.Tensor, batch: LoRABatch | None) -> torch.Tensor:
+        """out (the base layer's x W^T + b) plus each row's adapter term, in place."""
+        if batch is None:
+            return out
+        for slot, rows in batch.groups:
+            found = self.slots.get(slot)
+            if found is None:  # this adapter leaves the layer alone
+                continue
+            a, b, scale = found
+            x_rows = x[rows].to(a.dtype)  # (num_rows, in)
+            delta = ((x_rows @ a.t()) @ b.t()) * scale  # (num_rows, out), PEFT's order: B(A x) * scale
+            if isinstance(rows, slice):
+                out[rows] += delta.to(out.dtype)
+            else:
+                out.index_add_(0, rows, delta.to(out.dtype))
+        return out
+
+
+def add_lora_adapters(model: nn.Module, modules: dict[str, str], max_rank: int,
+                      dtype: torch.dtype = torch.float32) -> dict[str, int]:
+    """Read each adapter (name -> PEFT directory) and attach it to the model's Linear layers, in
+    `dtype` (float32, or the model's dtype). Returns name -> slot. Everything is read and checked
+    before any layer changes: a bad adapter leaves the model as it was."""
+    linears: dict[str, tuple[Linear, str | None]] = {}  # HF module path -> (our layer, its shard)
+    for path, module in model.named_modules():
+        if isinstance(module, MergedLinear):
+            parent = path.rpartition(".")[0]
+            for shard in module.shard_sizes:
+                linears[f"{parent}.{shard}" if parent else shard] = (module, shard)
+        elif isinstance(module, Linear) and not isinstance(module, Embedding):
+            linears[path] = (module, None)
+    staged: list[tuple[Linear, int, tuple[torch.Tensor, torch.Tensor, float]]] = []
+    slots = {}
+    for slot, (name, path) in enumerate(modules.items(), start=1):
+        adapter = read_peft_adapter(name, path, max_rank)
+        per_layer: dict[int, tuple[Linear, list[tuple[str | None, torch.Tensor, torch.Tensor]]]] = {}
+        for module_path, (a, b) in adapter.weights.items():
+            if ".experts." in module_path:  # an expert sees some rows of the step: not the batch's rows
+                raise ValueError(f"LoRA adapter {name!r} ({path}): adapters on MoE experts ({module_path}) "
+                                 "are not supported")
+            if module_path not in linears:
+                raise ValueError(f"LoRA adapter {name!r} ({path}): the model has no layer {module_path}")
+            layer, shard = linears[module_path]
+            if layer.tp.enabled:
+                raise ValueError(f"LoRA adapter {name!r}: adapters under tensor parallelism are not supported")
+            out = layer.shard_sizes[shard] if shard is not None else layer.out_features
+            if a.shape[1] != layer.in_features or b.shape[0] != out:
+                raise ValueError(f"LoRA adapter {name!r} ({path}): {module_path}: lora_A {tuple(a.shape)} and "
+                                 f"lora_B {tuple(b.shape)} do not fit the layer ({out} x {layer.in_features})")
+            per_layer.setdefault(id(layer), (layer, []))[1].append((shard, a, b))
+        for layer, parts in per_layer.values():
+            staged.append((layer, slot, _stack(layer, parts, adapter.scale, dtype)))
+        slots[name] = slot
+    for layer, slot, weights in staged:
+        if layer.lora is None:
+            layer.lora = LoRAWeights()
+        layer.lora.slots[slot] = weights
+    return slots
+
+
+def _stack(layer: Linear, parts: list[tuple[str | None, torch.Tensor, torch.Tensor]], scale: float,
+           dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """One layer's A_cat and B_cat (see the module docstring), on the layer's device."""
+    device = next(t for t in (layer.bias, getattr(layer, layer.weight_param_names()[0])) if t is not None).device
+    a_cat = torch.cat([a for _, a, _ in parts]).to(device=device, dtype=dtype)  # (R, in)
+    b_cat = torch.zeros(layer.out_features, a_cat.shape[0], dtype=dtype, device=device)  # (out, R)
+    col = 0
+    for shard, a, b in parts:
+        rows = layer.shard_rows(shard) if shard is not None else slice(None)
+        b_cat[rows, col : col + a.shape[0]] = b.to(dtype)
+        col += a.shape[0]
+    return a_cat, b_cat, scale
