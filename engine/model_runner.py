@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
@@ -29,10 +30,21 @@ from models.layers.attention import AttentionMetadata
 from models.layers.lora import LoRABatch, add_lora_adapters
 from models.layers.step_kernels import DEFAULT_KERNELS, StepKernels
 
+if TYPE_CHECKING:
+    from engine.request import SamplingParams
+    from models.causal_lm import CausalLM
+    from models.loader import LoadedModel
+
 logger = logging.getLogger(__name__)
 
 
-def resolve_kv_cache_dtype(name: str, loaded) -> torch.dtype:
+class Ranks(Protocol):
+    """What the runner needs of engine.parallel.RankGroup (which imports this module)."""
+
+    def send(self, inputs: StepInputs | None) -> None: ...
+
+
+def resolve_kv_cache_dtype(name: str, loaded: LoadedModel) -> torch.dtype:
     """EngineConfig.kv_cache_dtype -> the cache's torch dtype (see there)."""
     if name != "auto":
         return getattr(torch, name)
@@ -42,11 +54,11 @@ def resolve_kv_cache_dtype(name: str, loaded) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, loaded, config: EngineConfig, ranks=None):
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, ranks: Ranks | None = None):
         """`ranks`: rank 0's engine.parallel.RankGroup under tensor parallelism (every step's
         inputs go to the other ranks first); None: one process."""
         self.ranks = ranks
-        self.model = loaded.model
+        self.model = cast("CausalLM", loaded.model)  # every registered architecture is one
         self.model_config = loaded.config
         self.block_size = config.block_size
         self.device = next(self.model.parameters()).device
@@ -103,7 +115,7 @@ class ModelRunner:
     def make_generator(self, seed: int | None) -> torch.Generator | None:
         return make_generator(seed, self.device)
 
-    def make_token_history(self, params) -> TokenHistory | None:
+    def make_token_history(self, params: SamplingParams) -> TokenHistory | None:
         """A request's penalty cache, kept across its steps; None when it has no penalty."""
         if params.repetition_penalty == 1.0 and params.frequency_penalty == 0 and params.presence_penalty == 0:
             return None
@@ -130,7 +142,9 @@ class ModelRunner:
         return result
 
     def _execute(self, scheduled: list[ScheduledRequest], kernels: StepKernels) -> RunnerOutput:
-        rows, samplers, offset = [], [], 0
+        rows: list[int] = []
+        samplers: list[ScheduledRequest] = []
+        offset = 0
         prompt_rows: list[tuple[ScheduledRequest, int]] = []  # (request, its first row in the logits)
         for s in scheduled:
             if s.prompt_logprob_rows:
@@ -180,7 +194,7 @@ class ModelRunner:
             start = s.start_position + s.prompt_logprob_rows[0] + 1  # the first prompt token given
             targets = s.prompt_token_ids[start : start + num]
             found[s.request_id] = (start, prompt_logprobs(logits[first : first + num], targets,
-                                                          s.params.prompt_logprobs))
+                                                          s.params.prompt_logprobs or 0))
         result = RunnerOutput()
         if samplers:
             keep = (~is_prompt_row).nonzero().squeeze(1).to(logits.device)

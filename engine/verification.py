@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import torch
 
+from collections.abc import Sequence
+
 from engine.sampler import SamplingBatch, sample
 from engine.step import RunnerOutput, ScheduledRequest
 from engine.structured import allowed_tokens
 
 
-def sample_requests(logits: torch.Tensor, requests: list[ScheduledRequest], eos_token_ids=()) -> RunnerOutput:
+def sample_requests(logits: torch.Tensor, requests: list[ScheduledRequest],
+                    eos_token_ids: Sequence[int] | Sequence[Sequence[int]] = ()) -> RunnerOutput:
     """Sample every row, then verify drafts (engine/speculative.py): a request with k drafts
     has k + 1 rows, row j sampled as if drafts 0..j-1 had been emitted (its output, penalties,
     min_tokens and grammar mask include them; its generator draws in row order), and keeps
@@ -39,12 +42,13 @@ def sample_requests(logits: torch.Tensor, requests: list[ScheduledRequest], eos_
     allowed = None
     constrained = [s for s in requests if s.grammar is not None]
     if constrained:
-        constrained_rows, row = [], 0
+        constrained_rows: list[int] = []
+        row = 0
         for s in requests:
             if s.grammar is not None:
                 constrained_rows += range(row, row + 1 + len(s.draft_token_ids))
             row += 1 + len(s.draft_token_ids)
-        masks = allowed_tokens([s.grammar for s in constrained], vocab_size,
+        masks = allowed_tokens([s.grammar for s in requests if s.grammar is not None], vocab_size,
                                [s.draft_token_ids for s in constrained])
         allowed = (torch.tensor(constrained_rows, dtype=torch.int64, device=logits.device), masks.to(logits.device))
     batch = SamplingBatch.from_params(
@@ -56,7 +60,7 @@ def sample_requests(logits: torch.Tensor, requests: list[ScheduledRequest], eos_
         allowed=allowed,
     )
     drafted = [s for s in requests if s.draft_token_ids and s.generator is not None and not s.params.greedy]
-    states = {s.request_id: s.generator.get_state() for s in drafted}
+    states = {s.request_id: s.generator.get_state() for s in drafted if s.generator is not None}
     out = sample(logits, batch)
     request_ids = [s.request_id for s in requests for _ in range(1 + len(s.draft_token_ids))]
     bad = [(rid, t) for rid, t in zip(request_ids, out.token_ids) if not 0 <= t < vocab_size]
@@ -73,7 +77,7 @@ def sample_requests(logits: torch.Tensor, requests: list[ScheduledRequest], eos_
         result.sampled[s.request_id] = run
         result.logprobs[s.request_id] = out.logprobs[row : row + len(run)]
         row += 1 + len(drafts)
-        if s.request_id in states:  # the generator drew for every row: as if it drew for the run only
+        if s.request_id in states and s.generator is not None:  # the generator drew for every row: as if it drew for the run only
             s.generator.set_state(states[s.request_id])
             for _ in run:
                 torch.rand((1,), device=logits.device, generator=s.generator)

@@ -17,7 +17,7 @@ def token_logprobs(logprobs: torch.Tensor | None, token_ids: torch.Tensor,
     if logprobs is None:
         return [None] * batch.num_rows
     chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
-    max_k = batch.max_logprobs
+    max_k = batch.max_logprobs or 0  # not None: a row wants logprobs
     top_values, top_ids = ([], []) if max_k == 0 else (t.tolist() for t in logprobs.topk(max_k, dim=-1))
     ids = token_ids.tolist()
     out: list[TokenLogprob | None] = []

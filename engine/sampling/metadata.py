@@ -49,7 +49,7 @@ class TokenHistory:
     def update(self, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int]) -> TokenHistory:
         other_prompt = self.num_prompt_tokens and len(prompt_token_ids) != self.num_prompt_tokens
         if other_prompt or len(output_token_ids) < self.num_output_tokens:  # not what it was built from
-            self.__init__(self.device)
+            TokenHistory.__init__(self, self.device)
         if not self.num_prompt_tokens:
             self._add_seen(prompt_token_ids)
             self.num_prompt_tokens = len(prompt_token_ids)
@@ -106,12 +106,17 @@ class TopKTopP:
     width: int  # candidates looked at first: the largest top-k, or _TOP_P_CANDIDATES for top-p-only rows
 
     @classmethod
-    def build(cls, params, greedy, vocab_size, device) -> TopKTopP | None:
-        rows, ks, ps = [], [], []
+    def build(cls, params: Sequence[SamplingParams], greedy: Sequence[bool], vocab_size: int,
+              device: torch.device | str) -> TopKTopP | None:
+        rows: list[int] = []
+        ks: list[int] = []
+        ps: list[float] = []
         for row, (p, is_greedy) in enumerate(zip(params, greedy)):
             k = min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size
             if not is_greedy and (k < vocab_size or p.top_p < 1.0):
-                rows.append(row), ks.append(k), ps.append(p.top_p)
+                rows.append(row)
+                ks.append(k)
+                ps.append(p.top_p)
         if not rows:
             return None
         top_k = torch.tensor(ks, dtype=torch.int64, device=device).unsqueeze(1)
@@ -174,7 +179,7 @@ class SamplingBatch:
                 f"row; got {num_rows}, {len(prompt_token_ids)}, {len(output_token_ids)}, {len(generators)}")
         eos_per_row = _eos_per_row(eos_token_ids, num_rows)
 
-        def tensor(values, dtype=torch.int64):
+        def tensor(values: Sequence[float], dtype: torch.dtype = torch.int64) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=device)
 
         greedy = [p.greedy for p in params]
@@ -192,7 +197,8 @@ class SamplingBatch:
             for token_id, value in p.logit_bias.items():
                 if not 0 <= token_id < vocab_size:
                     raise ValueError(f"logit_bias token id {token_id} is outside the vocabulary (size {vocab_size})")
-                bias_index.append(row * vocab_size + token_id), bias_values.append(value)
+                bias_index.append(row * vocab_size + token_id)
+                bias_values.append(value)
             if len(output_token_ids[row]) < p.min_tokens and p.structured is None:  # a grammar places EOS
                 stops = set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids) | set(eos_per_row[row])
                 banned += [row * vocab_size + t for t in stops if 0 <= t < vocab_size]  # others cannot occur
@@ -217,7 +223,7 @@ class SamplingBatch:
 
         constrained = [i for i, g in enumerate(grammars or ()) if g is not None]
         if constrained and allowed is None:
-            mask = allowed_tokens([grammars[i] for i in constrained], vocab_size).to(device)
+            mask = allowed_tokens([g for g in grammars or () if g is not None], vocab_size).to(device)
             allowed = (tensor(constrained), mask)
 
         seeded_rows = tuple((i, gen) for i, gen in enumerate(generators) if gen is not None and not greedy[i])
@@ -241,7 +247,7 @@ def _flat_index(rows: list[int], token_ids: Sequence[torch.Tensor], vocab_size: 
     """Each row's token ids (a tensor per row) as flat indices row * vocab_size + token, and their rows."""
     lengths = torch.tensor([t.numel() for t in token_ids], device=device)
     row_of = torch.repeat_interleave(torch.tensor(rows, device=device), lengths)
-    return row_of * vocab_size + torch.cat(token_ids).to(device), row_of
+    return row_of * vocab_size + torch.cat(list(token_ids)).to(device), row_of
 
 
 def _eos_per_row(eos_token_ids: Sequence[int] | Sequence[Sequence[int]], num_rows: int) -> list[Sequence[int]]:

@@ -83,7 +83,8 @@ def _top_k_top_p(logits: torch.Tensor, f: TopKTopP) -> torch.Tensor:
     return sub if all_rows else logits.index_copy(0, f.rows, sub)
 
 
-def _top_p_threshold(values, sorted_probs, top_k, top_p, kept_mass, exhaustive):
+def _top_p_threshold(values: torch.Tensor, sorted_probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                     kept_mass: torch.Tensor, exhaustive: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """From a row's W best tokens (values, probs: (M, W), best first): which rows these
     decide, and the lowest logit each keeps."""
     width = values.shape[1]
