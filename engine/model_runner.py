@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
@@ -32,6 +32,7 @@ from models.layers.step_kernels import DEFAULT_KERNELS, StepKernels
 
 if TYPE_CHECKING:
     from engine.request import SamplingParams
+    from models.causal_lm import CausalLM
     from models.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ class ModelRunner:
         """`ranks`: rank 0's engine.parallel.RankGroup under tensor parallelism (every step's
         inputs go to the other ranks first); None: one process."""
         self.ranks = ranks
-        self.model = loaded.model
+        self.model = cast("CausalLM", loaded.model)  # every registered architecture is one
         self.model_config = loaded.config
         self.block_size = config.block_size
         self.device = next(self.model.parameters()).device
@@ -141,7 +142,9 @@ class ModelRunner:
         return result
 
     def _execute(self, scheduled: list[ScheduledRequest], kernels: StepKernels) -> RunnerOutput:
-        rows, samplers, offset = [], [], 0
+        rows: list[int] = []
+        samplers: list[ScheduledRequest] = []
+        offset = 0
         prompt_rows: list[tuple[ScheduledRequest, int]] = []  # (request, its first row in the logits)
         for s in scheduled:
             if s.prompt_logprob_rows:
