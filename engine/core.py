@@ -13,7 +13,7 @@ import logging
 import time
 from collections import Counter
 from dataclasses import replace
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from engine.config import EngineConfig, max_tokens_per_request
 from engine.detokenizer import IncrementalDetokenizer
@@ -24,10 +24,16 @@ from engine.scheduler import Scheduler
 from engine.stats import EngineStats
 from engine.structured import GrammarCompiler
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from engine.parallel import RankGroup
+    from models.loader import LoadedModel
+
 logger = logging.getLogger(__name__)
 
 
-def tokenize_prompt(tokenizer, prompt: str | Sequence[int]) -> list[int]:
+def tokenize_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | Sequence[int]) -> list[int]:
     """Token ids of a prompt: text goes through the tokenizer exactly as its defaults say
     (special tokens such as BOS included when the checkpoint's tokenizer adds them)."""
     if isinstance(prompt, str):
@@ -36,8 +42,8 @@ def tokenize_prompt(tokenizer, prompt: str | Sequence[int]) -> list[int]:
 
 
 class EngineCore:
-    def __init__(self, loaded, config: EngineConfig | None = None, clock: Callable[[], float] = time.monotonic,
-                 ranks=None):
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None,
+                 clock: Callable[[], float] = time.monotonic, ranks: RankGroup | None = None):
         """`ranks`: rank 0's engine.parallel.RankGroup when the model is split over several."""
         self.config = config or EngineConfig()
         self.tokenizer = loaded.tokenizer
@@ -214,11 +220,15 @@ class EngineCore:
         detokenizer = self._detokenizers.pop(request_id, None)
         return detokenizer.flush() if detokenizer is not None else ""
 
-    def _final_output(self, request, text, token_ids=(), logprobs=None, error=None) -> RequestOutput:
-        self.num_finished[request.status.finish_reason] += 1
+    def _final_output(self, request: Request, text: str, token_ids: Sequence[int] = (),
+                      logprobs: list[TokenLogprob] | None = None, error: str | None = None) -> RequestOutput:
+        reason = request.status.finish_reason
+        assert reason is not None  # the request has finished
+        self.num_finished[reason] += 1
         return self._output(request, text, list(token_ids), logprobs, error)
 
-    def _output(self, request: Request, text, token_ids, logprobs, error=None) -> RequestOutput:
+    def _output(self, request: Request, text: str, token_ids: list[int], logprobs: list[TokenLogprob] | None,
+                error: str | None = None) -> RequestOutput:
         first_scheduled, first_token = request.first_scheduled_time, request.first_token_time
         prompt_logprobs = None
         if request.num_output_tokens or request.status.is_finished:
@@ -237,8 +247,9 @@ class EngineCore:
             num_cached_tokens=request.num_cached_tokens,
             error=error,
             queue_time=(first_scheduled - request.arrival_time) if first_scheduled is not None else 0.0,
-            prefill_time=(first_token - first_scheduled) if first_token is not None else 0.0,
-            decode_time=(request.last_token_time - first_token) if first_token is not None else 0.0,
+            prefill_time=(first_token - first_scheduled) if first_token is not None and first_scheduled is not None else 0.0,
+            decode_time=(request.last_token_time - first_token)
+            if first_token is not None and request.last_token_time is not None else 0.0,
             stop_reason=request.stop_reason,
             prompt_logprobs=prompt_logprobs,
         )

@@ -34,8 +34,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from engine.request import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 _REPLACEMENT_CHAR = "\ufffd"
 
@@ -52,7 +56,7 @@ class IncrementalDetokenizer:
     EOS or `stop_token_ids` should not be appended if its text is to stay out.
     """
 
-    def __init__(self, tokenizer, prompt_token_ids: Sequence[int], params: SamplingParams):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: Sequence[int], params: SamplingParams):
         self._decode_ids = _decoder(tokenizer, params.skip_special_tokens)
         # Tokens decode() would skip never enter the window, so a run of them cannot grow it.
         self._skipped_ids = _special_ids(tokenizer) if params.skip_special_tokens else frozenset()
@@ -149,7 +153,7 @@ class IncrementalDetokenizer:
         return released, match[1] if match is not None else None
 
 
-def _decoder(tokenizer, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+def _decoder(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool) -> Callable[[list[int]], str]:
     """`tokenizer.decode(ids, skip_special_tokens=..., clean_up_tokenization_spaces=False)` as a
     function of ids. Where the tokenizer is transformers' plain wrapper of a `tokenizers`
     tokenizer, that decode is the backend's own (with clean-up off it adds only argument
@@ -157,16 +161,17 @@ def _decoder(tokenizer, skip_special_tokens: bool) -> Callable[[list[int]], str]
     try:
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
     except ImportError:  # another transformers: its decode, as documented
-        TokenizersBackend = None
-    backend = getattr(tokenizer, "backend_tokenizer", None)
+        TokenizersBackend = None  # type: ignore[misc, assignment]
+    backend: Any = getattr(tokenizer, "backend_tokenizer", None)
     if (TokenizersBackend is not None and isinstance(tokenizer, TokenizersBackend)
             and type(tokenizer)._decode is TokenizersBackend._decode and hasattr(backend, "decode")):
         return functools.partial(backend.decode, skip_special_tokens=skip_special_tokens)
-    return functools.partial(tokenizer.decode, skip_special_tokens=skip_special_tokens,
+    # decode() of a list of ids is a str (its stub also allows a list of them, for batches)
+    return functools.partial(tokenizer.decode, skip_special_tokens=skip_special_tokens,  # type: ignore[return-value]
                              clean_up_tokenization_spaces=False)
 
 
-def _special_ids(tokenizer) -> frozenset[int]:
+def _special_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
     """Ids that decode(skip_special_tokens=True) drops: the added tokens marked special
     (what a fast tokenizer's backend skips), else the tokenizer's special ids."""
     added = getattr(tokenizer, "added_tokens_decoder", None)
