@@ -24,7 +24,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, AsyncIterator, Sequence
 
 from engine.config import EngineConfig
 from engine.core import EngineCore, tokenize_prompt
@@ -32,6 +32,10 @@ from engine.step import EngineDeadError
 from engine.request import RequestOutput, SamplingParams
 from engine.stats import EngineStats
 from engine.structured import GrammarError, StructuredOutput
+
+if TYPE_CHECKING:
+    from engine.parallel import RankGroup
+    from models.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +64,8 @@ class _Sink:
 
 
 class AsyncEngine:
-    def __init__(self, loaded, config: EngineConfig | None = None, start: bool = True, ranks=None):
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None, start: bool = True,
+                 ranks: RankGroup | None = None):
         """`ranks`: rank 0's engine.parallel.RankGroup (tensor parallel); shutdown stops them."""
         self.core = EngineCore(loaded, config, ranks=ranks)
         self.config = self.core.config
@@ -297,6 +302,7 @@ class AsyncEngine:
             self._hold(sink, output, now)
         send = []
         for sink in list(self._held):
+            assert sink.held is not None and sink.stalled_since is not None  # what _hold set
             if sink.held.finished or sink.num_sent - sink.num_read < limit:
                 pass  # sent below
             elif now - sink.stalled_since < self.config.stalled_stream_timeout:
@@ -323,7 +329,7 @@ class AsyncEngine:
             sink.held = _merge(sink.held, output)
 
     @staticmethod
-    def _send(loop: asyncio.AbstractEventLoop, stream: asyncio.Queue, item) -> bool:
+    def _send(loop: asyncio.AbstractEventLoop, stream: asyncio.Queue, item: object) -> bool:
         return AsyncEngine._send_all(loop, [(stream, item)])
 
     @staticmethod

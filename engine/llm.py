@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Sequence, cast
 
 from engine.config import EngineConfig
 from engine.core import EngineCore, tokenize_prompt
 from engine.request import RequestOutput, SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from models.loader import LoadedModel
 
 
 @dataclass
@@ -50,12 +55,12 @@ class CompletionResult:
 class LLM:
     def __init__(
         self, model: str, dtype: str = "auto", device: str = "cpu", quantization: str = "auto",
-        tensor_parallel_size: int = 1, batch_invariant: bool = False, **engine_kwargs
+        tensor_parallel_size: int = 1, batch_invariant: bool = False, **engine_kwargs: Any
     ):
         from models.loader import load_model  # lazy: the engine package does not need the loader
 
         config = EngineConfig(**engine_kwargs)
-        load_kwargs = dict(model=model, dtype=dtype, device=device, max_model_len=config.max_model_len,
+        load_kwargs: dict[str, Any] = dict(model=model, dtype=dtype, device=device, max_model_len=config.max_model_len,
                            quantization=quantization, batch_invariant=batch_invariant)
         ranks = None
         if tensor_parallel_size > 1:
@@ -79,11 +84,11 @@ class LLM:
     def __enter__(self) -> LLM:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     @classmethod
-    def from_loaded(cls, loaded, **engine_kwargs) -> LLM:
+    def from_loaded(cls, loaded: LoadedModel, **engine_kwargs: Any) -> LLM:
         """Wrap an already loaded model (LoadedModel) instead of loading one."""
         llm = cls.__new__(cls)
         llm.engine = EngineCore(loaded, EngineConfig(**engine_kwargs))
@@ -91,7 +96,7 @@ class LLM:
         return llm
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> PreTrainedTokenizerBase:
         return self.engine.tokenizer
 
     def generate(
@@ -101,7 +106,8 @@ class LLM:
     ) -> list[CompletionResult]:
         """Run every prompt to completion, in one continuous batch; results in prompt order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+            prompts = [cast("str | Sequence[int]", prompts)]
+        prompts = cast("Sequence[str | Sequence[int]]", prompts)  # a batch now
         params = SamplingParams() if params is None else params
         params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params_list) != len(prompts):

@@ -25,18 +25,23 @@ import datetime
 import logging
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.process
 import os
 import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from engine.step import EngineDeadError, StepInputs
 from models.layers.parallel import DistCommunicator, ShmCommunicator, TensorParallel
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from models.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +85,7 @@ class ParallelConfig:
         return self.tensor_parallel_size // self.nnodes
 
     @classmethod
-    def from_torchrun(cls, tensor_parallel_size: int, **kwargs) -> tuple[ParallelConfig, int] | None:
+    def from_torchrun(cls, tensor_parallel_size: int, **kwargs: Any) -> tuple[ParallelConfig, int] | None:
         """(config, this process's rank) when torchrun started it (RANK, WORLD_SIZE, MASTER_*), else None."""
         env = os.environ
         if "RANK" not in env or "WORLD_SIZE" not in env:
@@ -112,8 +117,8 @@ def free_port() -> int:
 class WorkerSpec:
     """What a worker needs to load its part of the model and run steps (picklable)."""
 
-    load_kwargs: dict  # models.loader.load_model's
-    engine_config: object  # EngineConfig
+    load_kwargs: dict[str, Any]  # models.loader.load_model's
+    engine_config: EngineConfig
     parallel: ParallelConfig
     num_threads: int
     parent_pid: int = field(default_factory=os.getpid)
@@ -135,12 +140,12 @@ class RankGroup:
                                           backend=backend)
         self.control_group = dist.new_group(ranks, timeout=IDLE_TIMEOUT, backend="gloo")
         self.tp = TensorParallel(rank, config.tensor_parallel_size, self._communicator(backend))
-        self.processes: list[multiprocessing.Process] = []
-        self._listeners: list[Callable[[str], None]] = []
+        self.processes: Sequence[multiprocessing.process.BaseProcess] = []
+        self._listeners: list[Callable[[str], object]] = []
         self._stopping = False
         self._closed = False
 
-    def _communicator(self, backend: str):
+    def _communicator(self, backend: str) -> DistCommunicator | ShmCommunicator:
         config = self.config
         shm = backend == "gloo" and config.nnodes == 1 and ShmCommunicator.supported()
         if config.collectives == "dist" or (config.collectives == "auto" and not shm):
@@ -150,7 +155,8 @@ class RankGroup:
         # Rank 0 creates the file; once every rank has mapped it, it is unlinked: nothing is
         # left in /dev/shm however the ranks end.
         size, timeout = config.tensor_parallel_size, config.collective_timeout
-        comm, box = None, [None]
+        comm: ShmCommunicator | None = None
+        box = [""]  # the file's name: rank 0's, broadcast
         if self.rank == 0:  # made, at its full size, before any other rank hears its name
             box[0] = f"/dev/shm/pagedserve-tp-{os.getpid()}-{os.urandom(4).hex()}"
             comm = ShmCommunicator(0, size, box[0], SHM_CAPACITY, create=True, timeout=timeout)
@@ -170,7 +176,7 @@ class RankGroup:
         except Exception as e:  # a worker is gone
             raise EngineDeadError(f"tensor-parallel step could not be sent: {e}") from e
 
-    def on_failure(self, listener: Callable[[str], None]) -> None:
+    def on_failure(self, listener: Callable[[str], object]) -> None:
         """Call `listener(message)` (from a monitor thread) when a worker this rank started exits unasked."""
         self._listeners.append(listener)
 
@@ -179,8 +185,8 @@ class RankGroup:
             threading.Thread(target=self._monitor, name="pagedserve-tp-monitor", daemon=True).start()
 
     def _monitor(self) -> None:
-        sentinels = {p.sentinel: p for p in self.processes}
-        ready = multiprocessing.connection.wait(list(sentinels))
+        sentinels: dict[object, multiprocessing.process.BaseProcess] = {p.sentinel: p for p in self.processes}
+        ready = multiprocessing.connection.wait([p.sentinel for p in self.processes])
         if self._stopping:
             return
         process = sentinels[ready[0]]
@@ -324,7 +330,8 @@ def _exit_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="pagedserve-parent-watch", daemon=True).start()
 
 
-def load_parallel(load_kwargs: dict, engine_config, parallel: ParallelConfig, rank: int = 0):
+def load_parallel(load_kwargs: dict[str, Any], engine_config: EngineConfig, parallel: ParallelConfig,
+                  rank: int = 0) -> tuple[LoadedModel, EngineConfig, RankGroup]:
     """Rank 0 of a tensor-parallel engine: start this node's other ranks, then load rank 0's
     part of the model. Returns (LoadedModel, engine config with this rank's threads, RankGroup);
     the caller hands the group to EngineCore / AsyncEngine, whose close / shutdown stops it."""
@@ -345,7 +352,7 @@ def load_parallel(load_kwargs: dict, engine_config, parallel: ParallelConfig, ra
     return loaded, engine_config, group
 
 
-def run_node(load_kwargs: dict, engine_config, parallel: ParallelConfig, rank: int) -> None:
+def run_node(load_kwargs: dict[str, Any], engine_config: EngineConfig, parallel: ParallelConfig, rank: int) -> None:
     """A node other than rank 0's (or a torchrun rank other than 0): start this node's other
     ranks, then serve steps as `rank` until rank 0 stops them."""
     from dataclasses import replace
