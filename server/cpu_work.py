@@ -17,9 +17,12 @@ from __future__ import annotations
 import asyncio
 import functools
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from server.errors import invalid
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 _NORMALIZER_SLACK = 4
 
@@ -33,7 +36,7 @@ async def off_loop(pool: ThreadPoolExecutor, fn: Callable[..., Any], *args: Any,
     return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args, **kwargs))
 
 
-def prompt_char_limit(tokenizer, max_model_len: int) -> int:
+def prompt_char_limit(tokenizer: PreTrainedTokenizerBase, max_model_len: int) -> int:
     """Characters beyond which a text certainly has more than max_model_len tokens."""
     longest = max((len(token) for token in tokenizer.get_vocab()), default=1)
     backend = getattr(tokenizer, "backend_tokenizer", None)

@@ -16,7 +16,7 @@ from server.errors import invalid
 from server.tool_parsers import PARSERS, JsonParser, ToolParser, hermes_messages, template_renders_tools
 
 
-def structured_output(body) -> tuple[StructuredOutput | None, str | None]:
+def structured_output(body: Any) -> tuple[StructuredOutput | None, str | None]:
     """The request's structured output and the field that asked for it; 400 for more than one."""
     asks: list[tuple[str, StructuredOutput]] = []
     param = "response_format"
@@ -64,7 +64,7 @@ def _schema(value: Any, param: str) -> dict | bool:
     return value
 
 
-async def compile_or_400(engine, spec: StructuredOutput | None, param: str | None) -> None:
+async def compile_or_400(engine: Any, spec: StructuredOutput | None, param: str | None) -> None:
     """Compile the grammar before the request is admitted, so a bad one is a 400 naming its field."""
     if spec is None:
         return
@@ -85,7 +85,7 @@ class ToolPlan:
 MAX_FORCED_CALLS = 16  # tool_choice "required": a small model otherwise calls again and again, to max_tokens
 
 
-def plan_tools(body, parser_name: str) -> ToolPlan | None:
+def plan_tools(body: Any, parser_name: str) -> ToolPlan | None:
     """None when no tool can be called (no tools, or tool_choice "none")."""
     tools, choice = body.tools or [], body.tool_choice
     if choice is not None and choice != "none" and not tools:
@@ -111,7 +111,7 @@ def plan_tools(body, parser_name: str) -> ToolPlan | None:
     return ToolPlan(JsonParser(name), _spec(_parameters(by_name[name])), 1)
 
 
-def _parameters(function) -> dict:
+def _parameters(function: Any) -> dict:
     """A function's parameters as the grammar of its arguments: objects that do not say whether
     they take undeclared keys take none (a model otherwise adds keys the tool does not have)."""
     return _closed(function.parameters if function.parameters is not None else {"type": "object", "properties": {}})
@@ -136,7 +136,7 @@ def _spec(schema: dict) -> StructuredOutput:
         raise invalid(str(exc), param="tools") from None
 
 
-def chat_messages(body, tokenizer) -> tuple[list[dict], list[dict] | None]:
+def chat_messages(body: Any, tokenizer: Any) -> tuple[list[dict], list[dict] | None]:
     """(messages, tools) to render, for a chat or a /tokenize request: the model's own template shows the tools when it can;
     otherwise tools, past calls and results are written as text in the Hermes format."""
     messages = body.template_messages()

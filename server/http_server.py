@@ -14,13 +14,17 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import sys
 from types import FrameType
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import uvicorn
 
 from server.timeouts import HeaderTimeoutH11Protocol
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 # The time left to the streams to send their last event and close, before uvicorn cancels.
 MAX_SHUTDOWN_MARGIN_S = 1.0
@@ -36,7 +40,7 @@ class PagedServer(uvicorn.Server):
         self._draining = False
         self.exit_signal: int | None = None  # the first signal that asked us to stop
 
-    async def serve(self, sockets=None) -> None:
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
 
@@ -59,10 +63,11 @@ class PagedServer(uvicorn.Server):
         if timeout is None:
             return  # uvicorn waits for ever: nothing is cut
         margin = min(MAX_SHUTDOWN_MARGIN_S, timeout / 2)
+        assert self._loop is not None  # set by serve(), which runs before any exit is handled
         self._loop.call_later(max(0.0, timeout - margin), self.end_streams)
 
 
-def make_server(app, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+def make_server(app: FastAPI, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
                 shutdown_timeout: float = 30.0, read_timeout: float = 30.0) -> PagedServer:
     """The app's server (create_app's). `read_timeout`: a request's headers must arrive within
     it of the connection opening (or of the previous response), else the connection gets a 408
@@ -70,5 +75,6 @@ def make_server(app, *, host: str = "127.0.0.1", port: int = 8000, log_level: st
     keep-alive connections close after 5 s (uvicorn's default)."""
     protocol = type("PagedH11Protocol", (HeaderTimeoutH11Protocol,), {"header_timeout": read_timeout})
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol,
-                            timeout_keep_alive=5, timeout_graceful_shutdown=shutdown_timeout)
+                            # uvicorn's stub says int; it waits any number of seconds
+                            timeout_keep_alive=5, timeout_graceful_shutdown=shutdown_timeout)  # type: ignore[arg-type]
     return PagedServer(config, app.state.server.end_streams)

@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import TYPE_CHECKING
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from server.errors import APIError
+
+if TYPE_CHECKING:
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 DEFAULT_READ_TIMEOUT_S = 30.0
 
@@ -30,12 +34,12 @@ class HeaderTimeoutH11Protocol(H11Protocol):
 
     header_timeout: float = DEFAULT_READ_TIMEOUT_S
 
-    def connection_made(self, transport) -> None:
+    def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)
         self._header_timer: asyncio.TimerHandle | None = None
         self._arm_header_timer()
 
-    def connection_lost(self, exc) -> None:
+    def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_timer()
         super().connection_lost(exc)
 
@@ -76,18 +80,18 @@ class BodyTimeoutMiddleware:
     body; once the body is complete, receive() (which then waits for a disconnect) is not bounded.
     """
 
-    def __init__(self, app, timeout: float):
+    def __init__(self, app: ASGIApp, timeout: float):
         self.app = app
         self.timeout = timeout
 
-    async def __call__(self, scope, receive, send):
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout
         body_complete = False
 
-        async def timed_receive():
+        async def timed_receive() -> Message:
             nonlocal body_complete
             if body_complete:
                 return await receive()
