@@ -34,7 +34,7 @@ class HeaderTimeoutH11Protocol(H11Protocol):
 
     header_timeout: float = DEFAULT_READ_TIMEOUT_S
 
-    def connection_made(self, transport: asyncio.Transport) -> None:
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # as uvicorn's
         super().connection_made(transport)
         self._header_timer: asyncio.TimerHandle | None = None
         self._arm_header_timer()
