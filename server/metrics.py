@@ -10,12 +10,13 @@ Two kinds of numbers:
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from engine.request import RequestOutput
+from engine.stats import EngineStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -50,7 +51,7 @@ class ServerMetrics:
                                     "Time a request waited in the engine's queue before first being scheduled.",
                                     buckets=_LATENCY_BUCKETS, registry=r)
 
-    def watch_engine(self, stats: Callable[[], object], model_name: str = "", prefix_caching: bool = True) -> None:
+    def watch_engine(self, stats: Callable[[], EngineStats | None], model_name: str = "", prefix_caching: bool = True) -> None:
         """Expose the engine's own gauges and counters, read at every scrape (and the few that
         routers and autoscalers read under vLLM's names, labelled with `model_name` as vLLM does)."""
         self.registry.register(_EngineCollector(stats, model_name, prefix_caching))
@@ -98,12 +99,12 @@ class RequestTimer:
 
 
 class _EngineCollector:
-    def __init__(self, stats: Callable[[], object], model_name: str, prefix_caching: bool):
+    def __init__(self, stats: Callable[[], EngineStats | None], model_name: str, prefix_caching: bool):
         self._stats = stats
         self._model_name = model_name
         self._prefix_caching = prefix_caching
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         s = self._stats()
         if s is None:
             return
@@ -146,7 +147,7 @@ class _EngineCollector:
                 family.add_metric([str(threads)], value)
         yield from families
 
-    def _vllm_named(self, s):
+    def _vllm_named(self, s: EngineStats) -> Iterator[Metric]:
         """vLLM's names for what the Gateway API Inference Extension / llm-d and KEDA scale and route
         on: queue and batch sizes, KV-cache use as a 0-1 fraction, the cache's configuration."""
         labels, values = ["model_name"], [self._model_name]
