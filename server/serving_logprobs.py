@@ -8,10 +8,14 @@ fallback, else the UTF-8 of the decoded text.
 """
 from __future__ import annotations
 
+import builtins
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.request import TokenLogprob
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -30,7 +34,7 @@ def _gpt2_unicode_to_byte() -> dict[str, int]:
 
 
 class LogprobFormatter:
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase):
         self.tokenizer = tokenizer
         decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
         self._byte_level = "ByteLevel" in repr(decoder)
@@ -40,7 +44,7 @@ class LogprobFormatter:
 
     def text(self, token_id: int) -> str:
         if token_id not in self._text:
-            self._text[token_id] = self.tokenizer.decode([token_id])
+            self._text[token_id] = self.tokenizer.decode([token_id])  # type: ignore[assignment]  # one sequence: a str
         return self._text[token_id]
 
     def bytes(self, token_id: int) -> bytes:
@@ -48,7 +52,7 @@ class LogprobFormatter:
             self._bytes[token_id] = self._token_bytes(token_id)
         return self._bytes[token_id]
 
-    def _token_bytes(self, token_id: int) -> bytes:
+    def _token_bytes(self, token_id: int) -> builtins.bytes:  # the method above shadows the type
         piece = self.tokenizer.convert_ids_to_tokens(token_id)
         if isinstance(piece, str):
             if match := _BYTE_FALLBACK.fullmatch(piece):
@@ -62,7 +66,10 @@ class LogprobFormatter:
         """Legacy completions format; top_logprobs holds the top k and the sampled token (up to k + 1).
         With echo, `prompt` (its token ids and prompt logprobs) comes first: the first prompt token
         has null for its logprob and its top_logprobs, as OpenAI gives it."""
-        tokens, token_logprobs, top, offsets = [], [], [], []
+        tokens: list[str] = []
+        token_logprobs: list[float | None] = []
+        top: list[dict[str, float] | None] = []
+        offsets: list[int] = []
         entries: list[tuple[int, TokenLogprob | None]] = [(lp.token_id, lp) for lp in logprobs]
         if prompt is not None:
             entries = list(zip(*prompt)) + entries
