@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.json_schema import models_json_schema
@@ -404,7 +404,10 @@ def openapi_body(model_cls: type[BaseModel]) -> dict[str, Any]:
         "schema": {"$ref": f"#/components/schemas/{model_cls.__name__}"}}}}}
 
 
-def parse_body(raw: bytes, model_cls: type[BaseModel]) -> BaseModel:
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse_body(raw: bytes, model_cls: type[M]) -> M:
     """JSON bytes -> a validated request, or an APIError naming what is wrong."""
     data = _load_json(raw)
     if not isinstance(data, dict):

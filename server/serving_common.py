@@ -18,10 +18,11 @@ import logging
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, TypeVar
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 import anyio
 from fastapi import Request
+from pydantic import BaseModel
 
 from engine.config import EngineLimits
 from engine.request import QueueFullError, RequestOutput, SamplingParams, TokenLogprob
@@ -35,7 +36,7 @@ from server.serving_logprobs import LogprobFormatter
 from server.reasoning import parser_for_template as reasoning_for_template
 from server.tool_parsers import parser_for_template
 
-M = TypeVar("M")
+M = TypeVar("M", bound=BaseModel)
 
 logger = logging.getLogger("pagedserve.server")
 _END = object()  # a pump's last item: its engine stream is over
@@ -70,7 +71,7 @@ class ServerState:
     responses: ResponseStore = field(default_factory=ResponseStore)  # for previous_response_id
     open_streams: set[asyncio.Queue] = field(default_factory=set)  # of the requests in stream_choices
 
-    def attach(self, engine) -> None:
+    def attach(self, engine: Any) -> None:
         self.limits = engine.limits
         self.max_prompt_chars = prompt_char_limit(engine.tokenizer, engine.limits.max_model_len)
         self.logprobs = LogprobFormatter(engine.tokenizer)
@@ -88,7 +89,7 @@ class ServerState:
                                   getattr(config, "enable_prefix_caching", True))
         self.engine = engine
 
-    async def off_loop(self, fn, *args, **kwargs):
+    async def off_loop(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """fn(*args, **kwargs) in the CPU worker thread: tokenizing must not stall the streams."""
         return await off_loop(self.cpu_pool, fn, *args, **kwargs)
 
@@ -100,7 +101,7 @@ class ServerState:
         for queue in self.open_streams:
             queue.put_nowait((None, _SHUTDOWN))
 
-    def require_engine(self):
+    def require_engine(self) -> Any:
         if self.engine is None:
             raise APIError(503, "The model is still loading; retry shortly.", code="model_loading",
                            headers={"Retry-After": "5"})
@@ -116,6 +117,7 @@ class ServerState:
         The engine refuses beyond the same bound (QueueFullError), which a client would
         only hear inside a 200 stream; it never comes first, as every request the engine
         holds is counted here until its stream has ended."""
+        assert self.limits is not None  # attach()ed: the engine is loaded
         limit = self.limits.max_in_flight
         if limit is not None:
             if num_requests > limit:
@@ -177,7 +179,7 @@ def log_request(request_id: str, choices: list[Choice], user: str | None, stream
                 len(choices[0].prompt_token_ids), choices[0].params.max_tokens, stream, user)
 
 
-def sampling_params(body, *, max_tokens: int, logprobs: int | None, structured: StructuredOutput | None = None,
+def sampling_params(body: Any, *, max_tokens: int, logprobs: int | None, structured: StructuredOutput | None = None,
                     skip_special_tokens: bool = True, prompt_logprobs: int | None = None) -> list[SamplingParams]:
     """One SamplingParams per sample (n of them): a seeded request seeds sample i with seed + i,
     so the n samples differ and the whole response is still reproducible."""
@@ -218,6 +220,7 @@ def check_context(state: ServerState, num_prompt_tokens: int, max_tokens: int, p
     """400 for a request longer than the context or than the whole KV cache (the engine's
     limits), before the engine sees it: the one check of the server."""
     limits = state.limits
+    assert limits is not None  # attach()ed: the engine is loaded
     total = num_prompt_tokens + max_tokens
     longest = limits.max_request_tokens - 1  # with a one-token prompt
     if max_tokens > longest:
@@ -239,6 +242,7 @@ def check_context(state: ServerState, num_prompt_tokens: int, max_tokens: int, p
 
 def default_max_tokens(state: ServerState, num_prompt_tokens: int, param: str) -> int:
     """OpenAI chat's default: as many tokens as fit after the prompt (in the context and the cache)."""
+    assert state.limits is not None  # attach()ed: the engine is loaded
     room = state.limits.max_request_tokens - num_prompt_tokens
     if room < 1:
         check_context(state, num_prompt_tokens, 1, param)
