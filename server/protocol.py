@@ -17,7 +17,7 @@ import re
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from pydantic.json_schema import models_json_schema
+from pydantic.json_schema import JsonDict, models_json_schema
 
 from server.errors import APIError, invalid, not_supported
 
@@ -51,8 +51,8 @@ _TEMPLATE_RESERVED = frozenset({"messages", "conversation", "tools", "documents"
 
 
 # For the OpenAPI document of the fields typed Any above (their checks are hand-written).
-_STOP_STRING = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_LENGTH}
-_TOKEN_ID = {"type": "integer", "minimum": 0}
+_STOP_STRING: JsonDict = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_LENGTH}
+_TOKEN_ID: JsonDict = {"type": "integer", "minimum": 0}
 
 
 class _Strict(BaseModel):
@@ -162,12 +162,12 @@ class _SamplingFields(_Strict):
             raise invalid("'prompt_logprobs' is not available when 'stream' is true", param="prompt_logprobs")
         if self.stream_options is not None and not self.stream:
             raise invalid("'stream_options' is only allowed when 'stream' is true", param="stream_options")
-        for key, value in (self.logit_bias or {}).items():
+        for key, bias in (self.logit_bias or {}).items():
             if not _TOKEN_ID_KEY.fullmatch(key) or not int(key) < vocab_size:
                 raise invalid(f"'logit_bias' keys must be token ids in [0, {vocab_size}), got {key!r}",
                               param="logit_bias")
-            if not -100 <= value <= 100:
-                raise invalid(f"'logit_bias' values must be in [-100, 100], got {value} for token {key}",
+            if not -100 <= bias <= 100:
+                raise invalid(f"'logit_bias' values must be in [-100, 100], got {bias} for token {key}",
                               param="logit_bias")
         for token_id in self.stop_token_ids or ():
             if not 0 <= token_id < vocab_size:
@@ -388,7 +388,7 @@ _UNSUPPORTED_TOKENIZE = {"continue_final_message": (None, False)}
 _UNSUPPORTED_MESSAGE_KEYS = ("name", "function_call", "audio", "refusal")
 
 
-REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+REQUEST_MODELS: tuple[type[BaseModel], ...] = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
 
 
 def openapi_schemas(*more: type[BaseModel]) -> dict[str, Any]:
