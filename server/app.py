@@ -16,10 +16,13 @@ import secrets
 import threading
 import time
 from contextlib import asynccontextmanager
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
+
+if TYPE_CHECKING:
+    from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.errors import APIError, error_body, install_error_handlers, model_not_found
 from server.metrics import CONTENT_TYPE, ServerMetrics
@@ -77,6 +80,7 @@ def create_app(
             on_ready(ready_engine)
 
     async def load_in_background() -> None:
+        assert engine_factory is not None  # started only with one
         try:
             await attach(await _in_daemon_thread(engine_factory))
         except Exception as exc:  # noqa: BLE001 - reported to the caller, which decides to exit
@@ -86,7 +90,7 @@ def create_app(
                 on_load_error(exc)
 
     @asynccontextmanager
-    async def lifespan(_app: FastAPI):
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         loader = None
         if engine is not None:
             await attach(engine)
@@ -125,7 +129,7 @@ def create_app(
 
     def model_card(name: str) -> dict[str, Any]:
         card = {"id": name, "object": "model", "created": created, "owned_by": "pagedserve"}
-        if state.engine is not None:
+        if state.engine is not None and state.limits is not None:
             card["max_model_len"] = state.limits.max_model_len
         return card
 
@@ -168,7 +172,7 @@ def _publish_request_schemas(app: FastAPI) -> None:
             app.openapi_schema = document
         return app.openapi_schema
 
-    app.openapi = openapi
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to extend the schema
 
 
 async def _in_daemon_thread(fn: Callable[[], Any]) -> Any:
@@ -177,7 +181,7 @@ async def _in_daemon_thread(fn: Callable[[], Any]) -> Any:
     loop = asyncio.get_running_loop()
     future = loop.create_future()
 
-    def settle(method, value) -> None:
+    def settle(method: Callable[[Any], object], value: Any) -> None:
         if not future.done():
             method(value)
 
@@ -207,12 +211,12 @@ class APIKeyMiddleware:
 
     _PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
-    def __init__(self, app, api_key: str):
+    def __init__(self, app: ASGIApp, api_key: str):
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
         self.expected_key = api_key.encode()
 
-    async def __call__(self, scope, receive, send):
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and (scope["path"] == "/v1" or scope["path"].startswith(self._PROTECTED_PREFIXES)):
             headers = dict(scope["headers"])
             bearer_ok = secrets.compare_digest(headers.get(b"authorization", b""), self.expected)

@@ -22,7 +22,7 @@ prefix cache reuses every prompt's prefix without being asked.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, Field, ValidationError
 
@@ -290,7 +290,10 @@ def _validate(model_cls: type[BaseModel], data: dict[str, Any], param: str) -> A
         raise APIError(400, message, param=full, code=error.code) from None
 
 
-def parse_messages_body(raw: bytes, model_cls: type[MessagesInput]) -> MessagesInput:
+M = TypeVar("M", bound="MessagesInput")
+
+
+def parse_messages_body(raw: bytes, model_cls: type[M]) -> M:
     data = _load_json(raw)
     if not isinstance(data, dict):
         raise invalid("The request body must be a JSON object")

@@ -3,7 +3,7 @@ them as SSE or wait for them (aborting if the client leaves) and answer in JSON.
 from __future__ import annotations
 
 import logging
-from typing import Any, AsyncIterator, Protocol
+from typing import Any, AsyncGenerator, AsyncIterator, Callable, Protocol
 
 import anyio
 from fastapi import Request
@@ -49,7 +49,7 @@ async def respond(request: Request, state: ServerState, choices: list[Choice], v
         await run_unless_disconnected(request, _drain(events))
     except ClientDisconnected:
         return disconnected_response()
-    failed = next((c.final for c in choices if c.final.finish_reason not in _SUCCESS), None)
+    failed = next((c.final_output for c in choices if c.final_output.finish_reason not in _SUCCESS), None)
     if failed is not None:
         raise APIError(500, f"The request failed in the engine: {failed.error or failed.finish_reason}",
                        code="engine_error")
@@ -69,7 +69,8 @@ async def _drain(events: AsyncIterator) -> None:
         pass
 
 
-async def _guarded(chunks: AsyncIterator[str], events, request_id: str, error_event, end_event: str
+async def _guarded(chunks: AsyncIterator[str], events: AsyncGenerator[Any, None], request_id: str,
+                   error_event: Callable[[Exception], str], end_event: str
                    ) -> AsyncIterator[str]:
     try:
         async for chunk in chunks:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -31,6 +31,7 @@ from server.protocol_anthropic import MessagesInput, MessagesRequest, parse_mess
 from server.reasoning import ReasoningStream
 from server.reasoning import split as split_reasoning
 from server.respond import check_succeeded
+from server.serving_common import ServerState
 from server.serving_chat import chat_prompt_ids, serve_chat
 from server.serving_common import Choice, read_body, usage
 from server.tool_parsers import ToolCallStream
@@ -42,8 +43,11 @@ _PARAMS = {"stop": "stop_sequences", "user": "metadata.user_id", "max_completion
            "response_format.json_schema": "output_config.format"}
 
 
-async def _parse(request: Request, model_cls: type[MessagesInput]):
-    state = request.app.state.server
+M = TypeVar("M", bound=MessagesInput)
+
+
+async def _parse(request: Request, model_cls: type[M]) -> tuple[ServerState, Any, M]:
+    state: ServerState = request.app.state.server
     raw = await read_body(request, state.max_body_bytes)
     engine = state.require_engine()
     if len(raw) > _PARSE_OFF_LOOP_BYTES:
@@ -107,14 +111,15 @@ class _MessagesView:
     def response(self, choices: list[Choice]) -> dict[str, Any]:
         choice = choices[0]
         thought, answer = split_reasoning(self.reasoning, choice.text, True) if self.reasoning else ("", choice.text)
-        text, calls = answer, []
+        text: str | None = answer
+        calls: list[dict] = []
         if self.tools is not None:
             text, calls = ToolCallStream(self.tools.parser, self.tools.max_calls).final(answer)
         content = [_thinking_block(thought)] if thought else []
         if text or not (thought or calls):
             content.append(_text_block(text or ""))
         content += [_tool_block(c["id"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
-        stop_reason, stop_sequence = self._stop(choice.final, bool(calls))
+        stop_reason, stop_sequence = self._stop(choice.final_output, bool(calls))
         return {**self._message(content, stop_reason, stop_sequence), "usage": self._usage(choice)}
 
     # ---------------------------------------------------------------- events

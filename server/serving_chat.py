@@ -7,7 +7,7 @@ the arguments in pieces) and the rest stays content.
 from __future__ import annotations
 
 import time
-from typing import Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -26,8 +26,11 @@ from server.serving_logprobs import LogprobFormatter
 from server.streaming import sse_event
 from server.tool_parsers import ToolCallStream
 
+if TYPE_CHECKING:
+    from server.serving_common import ServerState
 
-def encode_chat(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
+
+def encode_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
                 tools: list[dict] | None = None, max_chars: int = 0, max_model_len: int = 0,
                 template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Messages -> prompt token ids through the model's own chat template; a rendered text over
@@ -48,18 +51,22 @@ def encode_chat(tokenizer, messages: list[dict[str, Any]], add_generation_prompt
 async def create_chat_completion(request: Request) -> Response:
     arrival = time.monotonic()
     state, engine, body = await parse_request(request, ChatCompletionRequest)
+    logprobs = state.logprobs
+    assert logprobs is not None  # attach()ed, as the engine is
 
     def view(request_id: str, tools: ToolPlan | None) -> _ChatView:
-        return _ChatView(request_id, int(time.time()), state.served_model_name, state.logprobs, body, tools,
+        return _ChatView(request_id, int(time.time()), state.served_model_name, logprobs, body, tools,
                          state.reasoning_parser)
 
     return await serve_chat(request, state, engine, body, arrival, "chatcmpl", view)
 
 
-async def serve_chat(request: Request, state, engine, body: ChatCompletionRequest, arrival: float, id_prefix: str,
+async def serve_chat(request: Request, state: ServerState, engine: Any, body: ChatCompletionRequest, arrival: float,
+                     id_prefix: str,
                      make_view: Callable[[str, ToolPlan | None], Any]) -> Response:
     """A validated chat request through the template, the grammar and the engine, rendered by
     make_view(request id, tool plan): the chat endpoint's view, or the Responses API's."""
+    assert state.limits is not None  # attach()ed, as the engine is
     body.check_common(state.limits.vocab_size)
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid("'top_logprobs' requires 'logprobs' to be true", param="top_logprobs")
@@ -93,8 +100,9 @@ async def serve_chat(request: Request, state, engine, body: ChatCompletionReques
                          bool(body.stream))
 
 
-async def chat_prompt_ids(state, engine, body: ChatCompletionRequest) -> list[int]:
+async def chat_prompt_ids(state: ServerState, engine: Any, body: ChatCompletionRequest) -> list[int]:
     """The prompt a chat request renders to: its messages and tools through the template."""
+    assert state.limits is not None  # attach()ed, as the engine is
     messages, tool_defs = chat_messages(body, engine.tokenizer)
     return await state.off_loop(encode_chat, engine.tokenizer, messages, tools=tool_defs,
                                 max_chars=state.max_prompt_chars, max_model_len=state.limits.max_model_len,
@@ -128,7 +136,7 @@ class _ChatView:
         for c in choices:
             thought, text = split_reasoning(self.reasoning, c.text, True) if self.reasoning else (None, c.text)
             message: dict[str, Any] = {"role": "assistant", "content": text}
-            finish_reason = c.final.finish_reason
+            finish_reason = c.final_output.finish_reason
             stream = self._tool_stream(c.index)
             if stream is not None:
                 content, tool_calls = stream.final(text)
@@ -144,7 +152,8 @@ class _ChatView:
             rendered.append(choice)
         return self._envelope("chat.completion", rendered, usage=usage(choices, self.body.num_choices))
 
-    def _chunk(self, index: int, delta: dict, finish_reason: str | None = None, logprobs=None) -> str:
+    def _chunk(self, index: int, delta: dict, finish_reason: str | None = None,
+               logprobs: dict[str, list] | None = None) -> str:
         extra = {"usage": None} if self.body.include_usage else {}
         return sse_event(self._envelope("chat.completion.chunk", [
             {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}], **extra))

@@ -18,7 +18,7 @@ import logging
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, TypeVar
+from typing import Any, AsyncGenerator, Callable, TypeVar
 
 import anyio
 from fastapi import Request
@@ -146,6 +146,12 @@ class Choice:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # with SamplingParams.prompt_logprobs
     final: RequestOutput | None = None  # the last output, once finished
     num_outputs: int = 0
+
+    @property
+    def final_output(self) -> RequestOutput:
+        """`final`, read once the choice has finished."""
+        assert self.final is not None, f"choice {self.index} has not finished"
+        return self.final
 
     def add(self, output: RequestOutput) -> None:
         self.num_outputs += 1
@@ -277,7 +283,7 @@ async def parse_request(request: Request, model_cls: type[M]) -> tuple[ServerSta
 
 
 async def stream_choices(state: ServerState, choices: list[Choice],
-                         arrival: float) -> AsyncIterator[tuple[Choice, RequestOutput] | None]:
+                         arrival: float) -> AsyncGenerator[tuple[Choice, RequestOutput] | None, None]:
     """Run every choice on the engine; yield (choice, output) as outputs arrive.
 
     The first item is None and marks "accepted": by then admission is taken (429

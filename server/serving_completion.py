@@ -24,6 +24,7 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 async def create_completion(request: Request) -> Response:
     arrival = time.monotonic()
     state, engine, body = await parse_request(request, CompletionRequest)
+    assert state.limits is not None and state.logprobs is not None  # attach()ed, as the engine is
     vocab_size = state.limits.vocab_size
     body.check_common(vocab_size)
     body.check_echo()
@@ -95,7 +96,7 @@ class _CompletionView:
             prefix = self._prefix(c)
             choice = {"index": c.index, "text": prefix + c.text,
                       "logprobs": self._logprobs(c, c.logprobs, len(prefix), True),
-                      "finish_reason": c.final.finish_reason}
+                      "finish_reason": c.final_output.finish_reason}
             if self.body.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = self.logprobs.prompt(c.prompt_logprobs or [])
             rendered.append(choice)

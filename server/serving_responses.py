@@ -73,7 +73,7 @@ class _ResponsesView:
 
     def __init__(self, request_id: str, model: str, body: ResponsesRequest, tools: ToolPlan | None,
                  store: ResponseStore | None, conversation: list[dict[str, Any]], reasoning: str | None = None,
-                 tokenizer=None):
+                 tokenizer: Any = None):
         self.id, self.model, self.body, self.tools = request_id, model, body, tools
         self.store, self.conversation = store, conversation
         self.reasoning, self.tokenizer = reasoning, tokenizer  # the parser, or None: all text is the answer
@@ -87,7 +87,8 @@ class _ResponsesView:
     def response(self, choices: list[Choice]) -> dict[str, Any]:
         choice = choices[0]
         thought, answer = split_reasoning(self.reasoning, choice.text, True) if self.reasoning else ("", choice.text)
-        content, calls = answer, []
+        content: str | None = answer
+        calls: list[dict] = []
         if self.tools is not None:
             content, calls = ToolCallStream(self.tools.parser, self.tools.max_calls).final(answer)
         self._thought = thought
@@ -122,6 +123,7 @@ class _ResponsesView:
                     yield self._event("response.reasoning_text.delta", item_id=self.reasoning_id,
                                       output_index=self._index_of(output, self.reasoning_id), content_index=0,
                                       delta=thought)
+            deltas: list[dict]
             if stream is None:
                 content, deltas = new_text, []
             else:

@@ -19,6 +19,7 @@ from server.serving_common import parse_request
 
 async def tokenize(request: Request) -> JSONResponse:
     state, engine, body = await parse_request(request, TokenizeRequest)
+    assert state.limits is not None  # attach()ed, as the engine is
     if (body.prompt is None) == (body.messages is None):
         raise invalid("Give exactly one of 'prompt' or 'messages'", param="prompt")
     if body.prompt is not None:
@@ -34,5 +35,6 @@ async def tokenize(request: Request) -> JSONResponse:
 
 async def detokenize(request: Request) -> JSONResponse:
     state, engine, body = await parse_request(request, DetokenizeRequest)
+    assert state.limits is not None  # attach()ed, as the engine is
     check_token_ids(body.tokens, state.limits.vocab_size, "tokens")
     return JSONResponse({"prompt": await state.off_loop(engine.tokenizer.decode, body.tokens)})
