@@ -24,6 +24,17 @@ import os
 import re
 import signal
 import sys
+from types import FrameType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the engine is imported once the flags are read
+    from transformers import PreTrainedTokenizerBase
+
+    from engine.async_engine import AsyncEngine
+    from engine.config import EngineConfig
+    from engine.core import EngineCore
+    from engine.parallel import ParallelConfig
+    from engine.speculative import SpeculativeConfig
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
 DEFAULT_MAX_WAITING = 1024
@@ -117,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parallel_config(args: argparse.Namespace):
+def parallel_config(args: argparse.Namespace) -> tuple[ParallelConfig, int]:
     """(ParallelConfig, this process's rank): torchrun's environment when it started us, else the flags."""
     from engine.parallel import ParallelConfig
 
@@ -137,7 +148,7 @@ class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
         text = action.help or ""
         if action.default in (None, False, argparse.SUPPRESS) or "default" in text:
             return text
-        return super()._get_help_string(action)
+        return super()._get_help_string(action) or ""
 
 
 def check_model_arg(model: str) -> str | None:
@@ -185,7 +196,7 @@ def load_kwargs(args: argparse.Namespace, device: str | None = None) -> dict:
                 quantization=args.quantization, batch_invariant=args.batch_invariant)
 
 
-def engine_config(args: argparse.Namespace):
+def engine_config(args: argparse.Namespace) -> EngineConfig:
     from engine.config import EngineConfig
 
     return EngineConfig(
@@ -196,7 +207,7 @@ def engine_config(args: argparse.Namespace):
         kv_cache_dtype=args.kv_cache_dtype, speculative=speculative_config(args))
 
 
-def speculative_config(args: argparse.Namespace):
+def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
     from engine.speculative import SpeculativeConfig
 
     if args.speculative is None:
@@ -267,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
     from server.app import create_app
     from server.http_server import make_server
 
-    def load_engine():
+    def load_engine() -> AsyncEngine:
         import torch
 
         from engine.async_engine import AsyncEngine
@@ -296,7 +307,7 @@ def main(argv: list[str] | None = None) -> None:
 
     describe: dict[str, str] = {}
 
-    def on_ready(engine) -> None:
+    def on_ready(engine: AsyncEngine) -> None:
         limits = engine.limits
         print(f"pagedserve ready: http://{args.host}:{args.port}/v1  model {served}  ({describe.get('model', '')}); "
               f"context {limits.max_model_len} tokens, up to {limits.max_num_seqs} sequences, KV cache "
@@ -332,7 +343,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(130)  # stopped by Ctrl-C (after draining): the shell's convention
 
 
-def warm_up(core, tokenizer) -> None:
+def warm_up(core: EngineCore, tokenizer: PreTrainedTokenizerBase) -> None:
     """One short request through the engine before /health turns 200, so the first client's request
     does not pay for first-touch costs (thread pools, kernel dispatch, allocations): ~1-3 s on a
     CPU. Its prompt stays in the prefix cache like any other."""
@@ -348,11 +359,11 @@ def warm_up(core, tokenizer) -> None:
     logging.getLogger("pagedserve.server").info("warm-up: one request in %.0f ms", (time.monotonic() - start) * 1e3)
 
 
-def _exit_cleanly(_signum, _frame) -> None:
+def _exit_cleanly(_signum: int, _frame: FrameType | None) -> None:
     raise SystemExit(0)
 
 
-def _exit_interrupted(_signum, _frame) -> None:
+def _exit_interrupted(_signum: int, _frame: FrameType | None) -> None:
     raise SystemExit(130)
 
 

@@ -207,7 +207,7 @@ class MessagesRequest(MessagesInput):
         if thinking is not None and thinking.budget_tokens is not None and thinking.budget_tokens >= self.max_tokens:
             raise invalid(f"'thinking.budget_tokens' ({thinking.budget_tokens}) must be less than 'max_tokens' "
                           f"({self.max_tokens})", param="thinking.budget_tokens")
-        fields = {"max_tokens": self.max_tokens, "stream": bool(self.stream), "temperature": self.temperature,
+        fields: dict[str, Any] = {"max_tokens": self.max_tokens, "stream": bool(self.stream), "temperature": self.temperature,
                   "top_p": self.top_p, "top_k": self.top_k, "stop": self.stop_sequences, "cache_salt": self.cache_salt,
                   "user": self.metadata.user_id if self.metadata else None}
         if self.output_config is not None and self.output_config.format is not None:

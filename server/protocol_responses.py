@@ -157,7 +157,7 @@ def input_messages(items: Any) -> list[dict[str, Any]]:
             raise invalid(f"'{param}' must be an object", param=param)
         kind = item.get("type", "message")
         if kind == "message":
-            role = _ROLES.get(item.get("role"))
+            role = _ROLES.get(item.get("role", ""))
             if role is None:
                 raise invalid(f"'{param}.role' must be one of {', '.join(_ROLES)}", param=f"{param}.role")
             messages.append({"role": role, "content": _text_of(item.get("content"), param)})

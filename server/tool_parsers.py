@@ -54,6 +54,7 @@ def value_end(text: str, start: int) -> int | None:
         return None
     if text[start] not in "{[\"":
         m = re.compile(r"[^,}\]\s]*").match(text, start)
+        assert m is not None  # `*` matches the empty string too
         return m.end() if m.end() < len(text) else None
     for i in range(start, len(text)):
         ch = text[i]
@@ -117,7 +118,8 @@ def _whole_object(text: str) -> ParsedCall | None:
 def split_objects(text: str) -> tuple[list[str], bool]:
     """A run of JSON objects (in an array or separated by ';' / ',' / whitespace) -> each
     object's text (the last perhaps unfinished), and whether the run is over."""
-    objects, i = [], 0
+    objects: list[str] = []
+    i = 0
     while True:
         j = text.find("{", i)
         if j < 0:
@@ -297,7 +299,7 @@ def parser_for_template(chat_template: str | None) -> str:
 
 
 def template_renders_tools(chat_template: str | None) -> bool:
-    return bool(chat_template) and "tools" in chat_template
+    return chat_template is not None and "tools" in chat_template
 
 
 # For templates with no tools of their own: the Hermes convention (what Qwen2.5's template writes).
