@@ -115,6 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--prompt-lookup-max", type=int, default=4, help="longest n-gram looked up (tried first)")
     spec.add_argument("--speculative-max-batch-size", type=int, default=4,
                       help="no drafts while more requests than this run (where they stop paying)")
+    lora = p.add_argument_group("LoRA adapters (docs/models.md)")
+    lora.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH", type=lora_module,
+                      help="PEFT adapter directories served beside the base model; a request picks one by "
+                           "giving its NAME as 'model'")
+    lora.add_argument("--max-lora-rank", type=int, default=16, help="adapters of a higher rank are refused")
     tp = p.add_argument_group("tensor parallelism (docs/scaling.md)")
     tp.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                     help="ranks the model is split over (torch.distributed: gloo on CPU, NCCL on CUDA); "
@@ -126,6 +131,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="log verbosity")
     return p
+
+
+def lora_module(value: str) -> tuple[str, str]:
+    """--lora-modules NAME=PATH -> (name, path)."""
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {value!r}")
+    return name, path
+
+
+def check_lora_modules(args: argparse.Namespace, served: tuple[str, ...]) -> str | None:
+    """Why --lora-modules cannot be served, in one line, before any port is bound (None: they can):
+    a name given twice or taken by the base model, a directory or config the reader refuses. What
+    only the model can tell (a layer it lacks, a shape) is refused when it loads, as a ValueError."""
+    from models.layers.lora import read_peft_adapter
+
+    names = [name for name, _ in args.lora_modules]
+    for name in names:
+        if names.count(name) > 1 or name in served:
+            return f"LoRA adapter name {name!r} is given twice or names the base model"
+    for name, path in args.lora_modules:
+        try:
+            read_peft_adapter(name, path, args.max_lora_rank)
+        except ValueError as exc:
+            return str(exc)
+    return None
 
 
 def parallel_config(args: argparse.Namespace) -> tuple[ParallelConfig, int]:
@@ -204,7 +235,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
         max_waiting=None if args.max_waiting < 0 else args.max_waiting, num_threads=args.num_threads,
-        kv_cache_dtype=args.kv_cache_dtype, speculative=speculative_config(args))
+        kv_cache_dtype=args.kv_cache_dtype, speculative=speculative_config(args),
+        lora_modules=tuple(args.lora_modules), max_lora_rank=args.max_lora_rank)
 
 
 def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
@@ -266,6 +298,9 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as exc:
         parser.error(str(exc))
     problem = check_model_arg(args.model)
+    if problem is None and args.lora_modules:
+        served_as = (args.served_model_name,) if args.served_model_name else served_names(args.model)
+        problem = check_lora_modules(args, served_as)
     if problem is not None:
         parser.exit(2, f"pagedserve: error: {problem}\n")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

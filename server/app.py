@@ -133,12 +133,18 @@ def create_app(
             card["max_model_len"] = state.limits.max_model_len
         return card
 
+    def adapter_card(name: str) -> dict[str, Any]:  # a LoRA adapter: its base model is its parent, as vLLM says
+        return {**model_card(name), "parent": served_model_name}
+
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card(name) for name in (served_model_name, *served_model_aliases)]}
+        cards = [model_card(name) for name in (served_model_name, *served_model_aliases)]
+        return {"object": "list", "data": cards + [adapter_card(name) for name in state.lora_names]}
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str) -> dict[str, Any]:
+        if model in state.lora_names:
+            return adapter_card(model)
         if model != served_model_name and model not in served_model_aliases:
             raise model_not_found(model, served_model_name)
         return model_card(model)

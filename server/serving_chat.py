@@ -93,7 +93,7 @@ async def serve_chat(request: Request, state: ServerState, engine: Any, body: Ch
     keep_special = tools is not None and tools.parser.needs_special_tokens  # the parser reads its markers
     params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, structured=structured,
                              prompt_logprobs=body.prompt_logprobs,
-                             skip_special_tokens=not keep_special)
+                             skip_special_tokens=not keep_special, lora_name=state.lora_name(body.model))
     request_id = new_request_id(id_prefix)
     choices = make_choices(request_id, [prompt_ids], params)
     return await respond(request, state, choices, make_view(request_id, tools), arrival, request_id, body.user,

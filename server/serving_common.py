@@ -56,6 +56,7 @@ class ServerState:
     max_body_bytes: int
     api_key: str | None = None
     model_aliases: tuple[str, ...] = ()  # other names a request may give
+    lora_names: tuple[str, ...] = ()  # the engine's LoRA adapters: a request names one as its model
     engine: Any = None
     load_error: str | None = None
     # Filled by attach() from the engine:
@@ -85,6 +86,7 @@ class ServerState:
         else:
             logger.info("reasoning is returned apart, read with the %s parser", self.reasoning_parser)
         config = getattr(engine, "config", None)
+        self.lora_names = tuple(name for name, _ in getattr(config, "lora_modules", ()))
         self.metrics.watch_engine(engine.stats, self.served_model_name,
                                   getattr(config, "enable_prefix_caching", True))
         self.engine = engine
@@ -108,8 +110,13 @@ class ServerState:
         return self.engine
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.served_model_name and model not in self.model_aliases:
+        if (model is not None and model != self.served_model_name and model not in self.model_aliases
+                and model not in self.lora_names):
             raise model_not_found(model, self.served_model_name)
+
+    def lora_name(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names (vLLM's way of picking one); None: the base."""
+        return model if model in self.lora_names else None
 
     def admit(self, num_requests: int) -> None:
         """Reserve room for `num_requests` engine requests, or refuse with 429 (400 if they never fit).
@@ -186,7 +193,8 @@ def log_request(request_id: str, choices: list[Choice], user: str | None, stream
 
 
 def sampling_params(body: Any, *, max_tokens: int, logprobs: int | None, structured: StructuredOutput | None = None,
-                    skip_special_tokens: bool = True, prompt_logprobs: int | None = None) -> list[SamplingParams]:
+                    skip_special_tokens: bool = True, prompt_logprobs: int | None = None,
+                    lora_name: str | None = None) -> list[SamplingParams]:
     """One SamplingParams per sample (n of them): a seeded request seeds sample i with seed + i,
     so the n samples differ and the whole response is still reproducible."""
     if body.min_tokens is not None and body.min_tokens > max_tokens:
@@ -211,6 +219,7 @@ def sampling_params(body: Any, *, max_tokens: int, logprobs: int | None, structu
         structured=structured,
         skip_special_tokens=skip_special_tokens and body.skip_special_tokens is not False,
         cache_salt=body.cache_salt,
+        lora_name=lora_name,
     )
     seeds = [None] * body.num_choices
     if body.seed is not None:

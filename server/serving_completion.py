@@ -47,7 +47,7 @@ async def create_completion(request: Request) -> Response:
     if body.echo and body.logprobs is not None:
         prompt_logprobs = max(body.logprobs, prompt_logprobs or 0)
     params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs, structured=structured,
-                             prompt_logprobs=prompt_logprobs)
+                             prompt_logprobs=prompt_logprobs, lora_name=state.lora_name(body.model))
     request_id = new_request_id("cmpl")
     choices = make_choices(request_id, prompt_ids, params)
     echo = None

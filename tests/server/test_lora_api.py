@@ -1,0 +1,65 @@
+"""LoRA adapters through the API: a request picks one by `model`, as vLLM's clients do; /v1/models
+lists each with its base as `parent`; a bad adapter stops `python -m server` in one line."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import openai
+import pytest
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from models.loader import load_model
+from server.app import create_app
+from tests.models.conftest import tiny_tokenizer
+from tests.models.test_lora import make_adapter, reference
+from tests.server.conftest import ENGINE_DEFAULTS, MODEL_NAME, LiveServer
+from tests.server.test_model_refusals import REPO, assert_one_line_refusal
+
+PROMPT = [5, 17, 42, 9, 100, 33]
+
+
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory) -> str:
+    return make_adapter("llama", tmp_path_factory.mktemp("lora-api") / "tuned", seed=1)
+
+
+@pytest.fixture(scope="module")
+def lora_live(tiny_model_dir, adapter):
+    # Its own model: adapters attach to the layers of the model they are served with.
+    loaded = load_model(tiny_model_dir, dtype="float32", device="cpu")
+    engine = AsyncEngine(loaded, EngineConfig(**ENGINE_DEFAULTS, lora_modules=(("tuned", adapter),)))
+    server = LiveServer(create_app(engine, served_model_name=MODEL_NAME), engine).start()
+    yield server
+    server.stop()
+
+
+def test_models_lists_the_adapter_with_its_parent(lora_live):
+    cards = {card.id: card for card in lora_live.client().models.list().data}
+    assert set(cards) == {MODEL_NAME, "tuned"}
+    assert cards["tuned"].model_extra["parent"] == MODEL_NAME
+    assert lora_live.http.get("/v1/models/tuned").json()["parent"] == MODEL_NAME
+
+
+def test_the_model_field_picks_the_adapter(lora_live, adapter):
+    client = lora_live.client()
+
+    def complete(model: str) -> str:
+        return client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+
+    decode = tiny_tokenizer().decode
+    tuned, base = complete("tuned"), complete(MODEL_NAME)
+    assert tuned == decode(reference("llama", adapter, PROMPT)[0])
+    assert base == decode(reference("llama", None, PROMPT)[0])
+    assert tuned != base
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        complete("tuned-v2")
+
+
+def test_a_bad_adapter_stops_the_server_in_one_line(tiny_model_dir, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "server", "--model", str(tiny_model_dir), "--port", "1",
+                          "--lora-modules", f"gone={tmp_path / 'absent'}"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert_one_line_refusal(out, ["LoRA adapter 'gone'", "no such directory"])
