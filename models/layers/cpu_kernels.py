@@ -42,8 +42,8 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("paged_attention.cpp", "elementwise.cpp", "quant_linear.cpp", "decode_ops.cpp", "decoder_layer.cpp",
-                 "rows_matmul.cpp")
+    for name in ("paged_attention.cpp", "elementwise.cpp", "sampler_ops.cpp", "quant_linear.cpp", "decode_ops.cpp",
+                 "decoder_layer.cpp", "rows_matmul.cpp")
 ]
 _HEADERS = [Path(__file__).parent / "csrc" / "vec8.h"]  # not compiled alone; a build is stale when one is newer
 _OPS = ("paged_attention", "rms_norm", "silu_and_mul", "sigmoid", "softmax_rows", "argmax_rows", "draw_rows", "quant_linear",
@@ -259,9 +259,9 @@ def draw_rows(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor, 
               top_p: torch.Tensor | None = None, min_p: torch.Tensor | None = None) -> torch.Tensor:
     """logits (N, V) float32, temperature and u (N,) float32, top_k (N,) int64 (V: none), top_p
     (N,) float32 (1: none), min_p (N,) float32 (0: none) -> (N,) int64: each row's inverse-CDF draw
-    of u from softmax(logits / temperature) cut by top-k, top-p, then min-p as engine/sampler.py
+    of u from softmax(logits / temperature) cut by top-k, top-p, then min-p as engine/sampling/
     defines them, never a token whose logit is -inf; -1 for a row with no token left
-    (csrc/elementwise.cpp's draw_row: the same token on every ISA build)."""
+    (csrc/sampler_ops.cpp's draw_row: the same token on every ISA build)."""
     return torch.ops.pagedserve.draw_rows(logits, temperature, u, top_k, top_p, min_p)
 
 
