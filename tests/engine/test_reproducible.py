@@ -1,4 +1,4 @@
-"""The same seeded request gives the same text and logprobs every time (issue 16): six times in
+"""The same seeded request gives the same text and logprobs every time: six times in
 a row with prefix caching on (from the second time on, its prompt's full blocks come from the
 cache and the rest is a chunk after them), and among other requests, while the thread tuner
 switches between 2 threads and 1. Holds where every linear layer is row-invariant."""

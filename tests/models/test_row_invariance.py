@@ -1,4 +1,4 @@
-"""A token comes out the same bits however it is scheduled (issue 16): in a fresh prompt, in a
+"""A token comes out the same bits however it is scheduled: in a fresh prompt, in a
 chunk after cached tokens (what a prefix-cache hit makes of a prompt), as a decode, among other
 sequences' prompts and decodes (up to 256 rows in its step), on 1 thread or 2, with a float32 or
 float16 or bfloat16 cache. Attention is held to it directly; whole logits where every linear layer computes
