@@ -15,6 +15,7 @@ import torch
 from engine.block_manager import hash_block
 from engine.llm import LLM
 from engine.request import SamplingParams
+from models.layers.lora import LoRABatch
 from tests.models.conftest import make_hf_model, save_checkpoint
 
 peft = pytest.importorskip("peft")
@@ -95,7 +96,7 @@ def test_adapters_and_base_mixed_in_one_batch_match_peft(served):
     arch, checkpoint, adapters = served
     llm = LLM(checkpoint, dtype="float32", num_kv_blocks=256, block_size=4, lora_modules=tuple(adapters.items()))
     names = [None, *adapters]
-    jobs = [(prompt, name) for name in names for prompt in PROMPTS]
+    jobs = [(prompt, name) for prompt in PROMPTS for name in names]  # an adapter's rows apart: gathered
     results = llm.generate([p for p, _ in jobs], [greedy(name) for _, name in jobs])
     for (prompt, name), result in zip(jobs, results):
         check(result, reference(arch, None if name is None else adapters[name], prompt))
@@ -106,6 +107,14 @@ def test_an_unknown_adapter_name_is_refused(served):
     llm = LLM(checkpoint, dtype="float32", num_kv_blocks=32, lora_modules=(("qv", adapters["qv"]),))
     with pytest.raises(ValueError, match="unknown LoRA adapter 'nope'"):
         llm.generate(PROMPTS[0], greedy("nope"))
+
+
+def test_a_step_groups_rows_by_adapter():
+    batch = LoRABatch.build([3, 1, 2, 1], [1, 0, 2, 1], torch.device("cpu"))
+    (slot_a, rows_a), (slot_b, rows_b) = batch.groups
+    assert (slot_a, rows_a.tolist()) == (1, [0, 1, 2, 6])  # apart: an index to gather by
+    assert (slot_b, rows_b) == (2, slice(4, 6))  # contiguous: a slice
+    assert LoRABatch.build([2, 3], [0, 0], torch.device("cpu")) is None  # no adapter: the base path
 
 
 def test_prefix_hashes_include_the_adapter_and_leave_base_hashes_alone():
