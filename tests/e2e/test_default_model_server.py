@@ -2,6 +2,8 @@
 driven by the official openai client over a real socket."""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -12,6 +14,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
+from tests.docs.runnable_blocks import documents, runnable
 from tests.server.conftest import free_port, stop_server, wait_healthy
 
 REPO = Path(__file__).resolve().parents[2]
@@ -153,12 +156,6 @@ def test_tool_call_round_trip_on_the_real_model(client, stream):
     assert answer.message.content and not answer.message.tool_calls
 
 
-def _readme_examples(section: str) -> list[str]:
-    text = (REPO / "README.md").read_text()
-    body = text.split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
-    return [block.split("\n", 1)[1].rsplit("```", 1)[0] for block in body.split("```python")[1:]]
-
-
 def test_the_readme_structured_output_examples_run_verbatim_and_finish(server):
     """The README's `parse(City)` and tool-call blocks, as written (default temperature, no
     max_tokens), 10 and 3 times: each ends by itself, with a City and a tool call. Number,
@@ -166,9 +163,8 @@ def test_the_readme_structured_output_examples_run_verbatim_and_finish(server):
     float's digits cannot run to the end of the context as they once did. The tool block asks for
     one call (`parallel_tool_calls=False`): with up to 16, one first reply in ~120 ran to ~3.8k
     tokens of calls, and its follow-up was over this server's --max-model-len (a rightful 400)."""
-    city_block, tool_block = _readme_examples("Structured output and tool calls")[:2]
+    city_block, tool_block = (b.against(server) for b in runnable(REPO / "README.md", "Structured output and tool calls"))
     # parse() raises when a reply ends at the length limit; the tool block's answer is checked below
-    city_block = city_block.replace("http://127.0.0.1:8000/v1", f"{server}/v1")
     for block, runs in ((city_block, 10), (tool_block, 3)):
         scope: dict = {}
         for _ in range(runs):
@@ -184,3 +180,27 @@ def test_the_readme_structured_output_examples_run_verbatim_and_finish(server):
                 assert set(json.loads(scope["call"].function.arguments)) <= {"city"}
                 assert scope["answer"].choices[0].finish_reason in ("stop", "tool_calls")  # not cut by the context
             assert type(scope["city"]).__name__ == "City"
+
+
+@pytest.mark.parametrize("document", [d for d in documents() if runnable(d)], ids=lambda d: d.name)
+def test_the_docs_runnable_blocks_run_as_written(server, document):
+    """Every block marked `<!-- runnable -->` (tests/docs/runnable_blocks.py), in order, as a reader
+    pastes it against `make serve`'s server: Python in one scope per file, shell in bash with
+    errors fatal. A curl that prints JSON must print no error object."""
+    scope: dict = {}
+    for block in runnable(document):
+        code = block.against(server)
+        if block.language == "python":
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                try:
+                    exec(compile(code, block.where(), "exec"), scope)
+                except Exception as error:
+                    raise AssertionError(f"{block.where()} failed: {error!r}") from error
+        else:
+            done = subprocess.run(["bash", "-euo", "pipefail", "-c", code], capture_output=True, text=True,
+                                  timeout=300, cwd=REPO)
+            assert done.returncode == 0, f"{block.where()}: exit {done.returncode}: {done.stderr[-2000:]}"
+            if done.stdout.lstrip().startswith("{"):
+                body = json.loads(done.stdout)
+                assert "error" not in body, f"{block.where()}: {body}"
