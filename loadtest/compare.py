@@ -338,6 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start one server at a time (default: both side by side, each concurrency run on one "
                         "and then on the other; needs memory for both)")
     p.add_argument("--out", type=Path, default=None, help="write every figure as JSON here")
+    p.add_argument("--plot", type=Path, default=None,
+                   help="with several --threads: each figure against the threads, a line per server (PNG or SVG)")
     return p
 
 
@@ -369,6 +371,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.out:
         args.out.write_text(json.dumps({"cpu": cpu_description(), "kernels": kernel_target(), "results": results,
                                         "table": text}, indent=2))
+    if args.plot:
+        from loadtest.report import plot_scaling
+
+        plot_scaling(results, str(args.plot), title=f"{Path(args.model).name} on {cpu_description()}")
 
 
 if __name__ == "__main__":

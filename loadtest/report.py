@@ -213,3 +213,68 @@ def _plot_sweep(plt, sweep: dict):
     config = sweep["runs"][0]["config"]
     fig.suptitle(f"{config['model']} @ {config['url']}")
     return fig
+
+
+# loadtest.compare's figures a run: (key, panel title).
+_COMPARED = (("itl_p50_ms", "ITL p50 (ms)"), ("ttft_p50_ms", "TTFT p50 (ms)"), ("output_tok_s", "output tok/s"))
+
+
+def plot_scaling(results: list[dict], path: str, title: str = "") -> None:
+    """loadtest.compare's results over several thread counts: a panel per figure and concurrency,
+    each figure against the threads, a line per server. Its JSON (`--output`) or figures copied
+    from a table in the same shape: [{"server", "threads", "runs": {concurrency: {figure: value}}}]."""
+    plt = require_matplotlib()
+    servers = list(dict.fromkeys(r["server"] for r in results))
+    concurrencies = list(dict.fromkeys(c for r in results for c in r["runs"]))
+    panels = [
+        (c, key, label)
+        for c in concurrencies
+        for key, label in _COMPARED
+        if any(r["runs"].get(c, {}).get(key) is not None for r in results)
+    ]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6), squeeze=False)
+    for ax, (c, key, label) in zip(axes.flat, panels, strict=True):
+        for server in servers:
+            points = sorted(
+                (r["threads"], r["runs"][c][key])
+                for r in results
+                if r["server"] == server and r["runs"].get(c, {}).get(key) is not None
+            )
+            ax.plot([t for t, _ in points], [v for _, v in points], marker="o", label=server)
+        threads = sorted({r["threads"] for r in results})
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(threads, [str(t) for t in threads])
+        ax.minorticks_off()
+        ax.set_title(f"c={c}: {label}")
+        ax.set_xlabel("threads")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    svg = str(path).endswith(".svg")
+    # An SVG without its creation time and with fixed ids: the same figures make the same file.
+    with plt.rc_context({"svg.hashsalt": "loadtest"} if svg else {}):
+        fig.savefig(path, metadata={"Date": None} if svg else None)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """python -m loadtest.report COMPARE.json OUT.svg: plot_scaling of a saved `loadtest.compare --out` file."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m loadtest.report", description=main.__doc__)
+    parser.add_argument("compare_json", help="loadtest.compare --out's file: {cpu, results, ...}")
+    parser.add_argument("out", help="the plot, PNG or SVG by its suffix")
+    parser.add_argument("--title", default=None, help="default: the file's model and cpu")
+    args = parser.parse_args(argv)
+    with open(args.compare_json) as f:
+        saved = json.load(f)
+    title = (
+        args.title if args.title is not None else " on ".join(x for x in (saved.get("model"), saved.get("cpu")) if x)
+    )
+    plot_scaling(saved["results"], args.out, title=title)
+
+
+if __name__ == "__main__":
+    main()
