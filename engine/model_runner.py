@@ -27,7 +27,8 @@ from engine.threads import StepTuner, applied, candidate_settings
 from engine.verification import sample_requests
 from models.layers import cpu_kernels
 from models.layers.attention import AttentionMetadata
-from models.layers.lora import LoRABatch, add_lora_adapters
+from models.layers.lora import add_lora_adapters
+from models.layers.lora_weights import LoRABatch
 from models.layers.step_kernels import DEFAULT_KERNELS, StepKernels
 
 if TYPE_CHECKING:

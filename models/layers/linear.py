@@ -19,7 +19,7 @@ from models.layers.quantization import DENSE, LinearMethod, QuantizedWeight
 from models.layers.step_kernels import DEFAULT_KERNELS, StepKernels, onednn_takes
 
 if TYPE_CHECKING:
-    from models.layers.lora import LoRAWeights
+    from models.layers.lora_weights import LoRAWeights
 
 PARALLEL_MODES = (None, "column", "row")
 

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from models.layers.linear import Embedding, Linear, MergedLinear
+from models.layers.lora_weights import LoRAWeights
 
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # PEFT options that change what an adapter computes: refused by name unless left at their defaults.
@@ -116,54 +117,6 @@ def read_peft_adapter(name: str, path: str | Path, max_rank: int) -> LoRAAdapter
     if not weights:
         raise ValueError(f"{where}: adapter_model.safetensors holds no LoRA weights")
     return LoRAAdapter(name, str(path), rank, float(scale), weights)
-
-
-@dataclass(frozen=True)
-class LoRABatch:
-    """One step's rows by adapter slot: (slot, rows), rows a slice where they are contiguous."""
-
-    groups: tuple[tuple[int, slice | torch.Tensor], ...]
-
-    @classmethod
-    def build(cls, query_lens: list[int], slots: list[int], device: torch.device) -> LoRABatch | None:
-        """Each request's `query_lens` rows take its slot (0: no adapter); None when no row has one."""
-        rows: dict[int, list[int]] = {}
-        start = 0
-        for num, slot in zip(query_lens, slots, strict=True):
-            if slot:
-                rows.setdefault(slot, []).extend(range(start, start + num))
-            start += num
-        groups = []
-        for slot, found in rows.items():
-            if found[-1] - found[0] + 1 == len(found):
-                groups.append((slot, slice(found[0], found[-1] + 1)))
-            else:
-                groups.append((slot, torch.tensor(found, dtype=torch.int64, device=device)))
-        return cls(tuple(groups)) if groups else None
-
-
-class LoRAWeights:
-    """The adapters of one Linear: per slot, A_cat (R, in), B_cat (out, R) and the scale."""
-
-    def __init__(self):
-        self.slots: dict[int, tuple[torch.Tensor, torch.Tensor, float]] = {}
-
-    def apply(self, x: torch.Tensor, out: torch.Tensor, batch: LoRABatch | None) -> torch.Tensor:
-        """out (the base layer's x W^T + b) plus each row's adapter term, in place."""
-        if batch is None:
-            return out
-        for slot, rows in batch.groups:
-            found = self.slots.get(slot)
-            if found is None:  # this adapter leaves the layer alone
-                continue
-            a, b, scale = found
-            x_rows = x[rows].to(a.dtype)  # (num_rows, in)
-            delta = ((x_rows @ a.t()) @ b.t()) * scale  # (num_rows, out), PEFT's order: B(A x) * scale
-            if isinstance(rows, slice):
-                out[rows] += delta.to(out.dtype)
-            else:
-                out.index_add_(0, rows, delta.to(out.dtype))
-        return out
 
 
 def add_lora_adapters(model: nn.Module, modules: dict[str, str], max_rank: int,

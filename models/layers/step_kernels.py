@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 if TYPE_CHECKING:
-    from models.layers.lora import LoRABatch
+    from models.layers.lora_weights import LoRABatch
 
 
 def onednn_takes(dtype: torch.dtype) -> bool:

@@ -15,7 +15,7 @@ import torch
 from engine.block_manager import hash_block
 from engine.llm import LLM
 from engine.request import SamplingParams
-from models.layers.lora import LoRABatch
+from models.layers.lora_weights import LoRABatch
 from tests.models.conftest import make_hf_model, save_checkpoint
 
 peft = pytest.importorskip("peft")

@@ -1,0 +1,55 @@
+"""A step's rows by LoRA adapter and one Linear's adapters: what the Linear layers and the step's
+kernels hold, apart from models/layers/lora.py (which reads adapters and imports the layers)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class LoRABatch:
+    """One step's rows by adapter slot: (slot, rows), rows a slice where they are contiguous."""
+
+    groups: tuple[tuple[int, slice | torch.Tensor], ...]
+
+    @classmethod
+    def build(cls, query_lens: list[int], slots: list[int], device: torch.device) -> LoRABatch | None:
+        """Each request's `query_lens` rows take its slot (0: no adapter); None when no row has one."""
+        rows: dict[int, list[int]] = {}
+        start = 0
+        for num, slot in zip(query_lens, slots, strict=True):
+            if slot:
+                rows.setdefault(slot, []).extend(range(start, start + num))
+            start += num
+        groups = []
+        for slot, found in rows.items():
+            if found[-1] - found[0] + 1 == len(found):
+                groups.append((slot, slice(found[0], found[-1] + 1)))
+            else:
+                groups.append((slot, torch.tensor(found, dtype=torch.int64, device=device)))
+        return cls(tuple(groups)) if groups else None
+
+
+class LoRAWeights:
+    """The adapters of one Linear: per slot, A_cat (R, in), B_cat (out, R) and the scale."""
+
+    def __init__(self):
+        self.slots: dict[int, tuple[torch.Tensor, torch.Tensor, float]] = {}
+
+    def apply(self, x: torch.Tensor, out: torch.Tensor, batch: LoRABatch | None) -> torch.Tensor:
+        """out (the base layer's x W^T + b) plus each row's adapter term, in place."""
+        if batch is None:
+            return out
+        for slot, rows in batch.groups:
+            found = self.slots.get(slot)
+            if found is None:  # this adapter leaves the layer alone
+                continue
+            a, b, scale = found
+            x_rows = x[rows].to(a.dtype)  # (num_rows, in)
+            delta = ((x_rows @ a.t()) @ b.t()) * scale  # (num_rows, out), PEFT's order: B(A x) * scale
+            if isinstance(rows, slice):
+                out[rows] += delta.to(out.dtype)
+            else:
+                out.index_add_(0, rows, delta.to(out.dtype))
+        return out
