@@ -314,24 +314,24 @@ def test_logprobs_follow_each_token(loaded):
 def test_a_token_outside_the_vocabulary_ends_only_its_own_request(loaded, monkeypatch):
     """Whatever the sampler returns, an id outside [0, vocab) fails that request alone, before
     it can reach the next forward pass (where it would take the whole batch down)."""
-    import engine.model_runner as model_runner
+    import engine.verification as verification
 
-    real_sample = model_runner.sample
+    real_sample = verification.sample
 
     def sample_with_a_bad_row(logits, batch):
         out = real_sample(logits, batch)
         ids = [VOCAB + 7 if p.repetition_penalty == 0.5 else t for p, t in zip(batch_params, out.token_ids)]
         return type(out)(ids, out.logprobs)
 
-    real_from_params = model_runner.SamplingBatch.from_params
+    real_from_params = verification.SamplingBatch.from_params
     batch_params = []
 
     def from_params(params, *args, **kwargs):
         batch_params[:] = params
         return real_from_params(params, *args, **kwargs)
 
-    monkeypatch.setattr(model_runner, "sample", sample_with_a_bad_row)
-    monkeypatch.setattr(model_runner.SamplingBatch, "from_params", from_params)
+    monkeypatch.setattr(verification, "sample", sample_with_a_bad_row)
+    monkeypatch.setattr(verification.SamplingBatch, "from_params", from_params)
     core = EngineCore(loaded, EngineConfig(block_size=4, num_kv_blocks=64))
     requests = [("good", [5, 6, 7], greedy(6)), ("bad", [8, 9], greedy(6, repetition_penalty=0.5))]
     expected = solo_outputs(loaded, requests[:1], block_size=4, num_kv_blocks=64)
