@@ -1,4 +1,5 @@
-"""Fixtures every test package may use: real trained models from models/catalog.py.
+"""Fixtures every test package may use: real trained models from models/catalog.py, and both
+attention paths.
 
 Each is fetched into the machine's cache (models.fetch.cache_dir()) on first use and found
 there afterwards, so only a clean machine (as CI) downloads it, once.
@@ -30,3 +31,16 @@ def qwen05_servable(qwen05_gguf) -> Path:
         return check_model(qwen05_gguf)
     except GGUFError as exc:
         pytest.skip(f"models.gguf refuses the real {QWEN05} GGUF: {exc}")
+
+
+@pytest.fixture(params=["cpu-kernel", "pytorch"])
+def attention_path(request, monkeypatch) -> str:
+    """The test runs through our C++ kernels and again through the PyTorch paths (a module opts
+    every test in with `pytestmark = pytest.mark.usefixtures("attention_path")`)."""
+    from models.layers import cpu_kernels
+
+    if request.param == "pytorch":
+        monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    elif not cpu_kernels.available():
+        pytest.skip("CPU kernels unavailable")
+    return request.param

@@ -12,7 +12,6 @@ import torch
 from engine.config import EngineConfig, max_blocks_per_request
 from engine.core import EngineCore
 from engine.request import SamplingParams
-from models.layers import cpu_kernels
 from models.loader import load_model
 from tests.engine.test_engine import run_core
 from tests.models.conftest import make_hf_model, save_checkpoint
@@ -22,15 +21,6 @@ BLOCK_SIZE, CHUNK, NEW_TOKENS = 4, 12, 12
 # Pools too small for four requests' whole contexts at once in the global layers (the sliding ones
 # alone fit): requests are preempted and recomputed.
 NUM_BLOCKS = {"gemma2": 40, "gemma3": 56, "mistral": 14}
-
-
-@pytest.fixture(params=["cpu-kernel", "pytorch"])
-def attention_path(request, monkeypatch):
-    if request.param == "pytorch":
-        monkeypatch.setattr(cpu_kernels, "available", lambda: False)
-    elif not cpu_kernels.available():
-        pytest.skip("CPU kernels unavailable")
-    return request.param
 
 
 @pytest.fixture(scope="module")

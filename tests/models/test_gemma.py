@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.layers import cpu_kernels
 from models.loader import load_model
 from tests.models.conftest import assert_logits_close, model_cases, paged_forward
 
@@ -32,14 +31,7 @@ CASES = {
 PROMPT_LENS = [1, 9, 23, 41]  # 41 tokens: five windows
 
 
-@pytest.fixture(autouse=True, params=["cpu-kernel", "pytorch"])
-def attention_path(request, monkeypatch):
-    """Every test runs through our C++ kernels and through the PyTorch paths."""
-    if request.param == "pytorch":
-        monkeypatch.setattr(cpu_kernels, "available", lambda: False)
-    elif not cpu_kernels.available():
-        pytest.skip("CPU kernels unavailable")
-    return request.param
+pytestmark = pytest.mark.usefixtures("attention_path")  # every test: C++ kernels, then PyTorch paths
 
 
 @pytest.fixture(scope="module")

@@ -7,21 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.layers import cpu_kernels
 from models.layers.attention import AttentionMetadata, KVCacheSpec, paged_attention
 from tests.models.conftest import shuffled_block_tables
 
 HEAD_DIM = 8
 
 
-@pytest.fixture(autouse=True, params=["cpu-kernel", "pytorch"])
-def decode_path(request, monkeypatch):
-    """Every test here runs decodes through the C++ kernel and through the PyTorch path."""
-    if request.param == "pytorch":
-        monkeypatch.setattr(cpu_kernels, "available", lambda: False)
-    elif not cpu_kernels.available():
-        pytest.skip("CPU kernels unavailable")
-    return request.param
+pytestmark = pytest.mark.usefixtures("attention_path")  # every test: C++ kernel, then PyTorch path
 
 
 def dense_reference(q, k_all, v_all, scale):
@@ -183,10 +175,10 @@ def test_sliding_window_and_softcap_match_dense(block_size, window, softcap):
 
 
 @pytest.mark.parametrize("window,softcap", [(8, None), (130, 0.7)])
-def test_windowed_rows_do_not_depend_on_their_step(decode_path, window, softcap):
+def test_windowed_rows_do_not_depend_on_their_step(attention_path, window, softcap):
     """On the kernel, a token's output within its window is the same bits whether its sequence is
     prefilled at once, in chunks beside other sequences, or decoded token by token."""
-    if decode_path != "cpu-kernel":
+    if attention_path != "cpu-kernel":
         pytest.skip("the eager paths are not row-invariant")
     block_size, num_kv_heads, length = 16, 2, 300
     seqs = make_seqs([length, 200], 6, num_kv_heads, seed=11)
