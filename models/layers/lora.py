@@ -124,6 +124,33 @@ def add_lora_adapters(model: nn.Module, modules: dict[str, str], max_rank: int,
     """Read each adapter (name -> PEFT directory) and attach it to the model's Linear layers, in
     `dtype` (float32, or the model's dtype). Returns name -> slot. Everything is read and checked
     before any layer changes: a bad adapter leaves the model as it was."""
+    prepared = [prepare_lora_adapter(model, read_peft_adapter(name, path, max_rank), dtype)
+                for name, path in modules.items()]
+    slots = {}
+    for slot, adapter in enumerate(prepared, start=1):
+        adapter.install(slot)
+        slots[adapter.name] = slot
+    return slots
+
+
+@dataclass(frozen=True)
+class PreparedLoRA:
+    """An adapter checked against one model, its weights stacked per layer: installing it only
+    assigns, so a server may prepare it beside running steps and install it between two."""
+
+    name: str
+    layers: tuple[tuple[Linear, tuple[torch.Tensor, torch.Tensor, float]], ...]
+
+    def install(self, slot: int) -> None:
+        for layer, weights in self.layers:
+            if layer.lora is None:
+                layer.lora = LoRAWeights()
+            layer.lora.slots[slot] = weights
+
+
+def prepare_lora_adapter(model: nn.Module, adapter: LoRAAdapter, dtype: torch.dtype = torch.float32) -> PreparedLoRA:
+    """Check that `adapter` fits the model's layers and stack its weights (module docstring);
+    a ValueError names what does not fit. Reads the model, changes nothing."""
     linears: dict[str, tuple[Linear, str | None]] = {}  # HF module path -> (our layer, its shard)
     for path, module in model.named_modules():
         if isinstance(module, MergedLinear):
@@ -132,33 +159,35 @@ def add_lora_adapters(model: nn.Module, modules: dict[str, str], max_rank: int,
                 linears[f"{parent}.{shard}" if parent else shard] = (module, shard)
         elif isinstance(module, Linear) and not isinstance(module, Embedding):
             linears[path] = (module, None)
-    staged: list[tuple[Linear, int, tuple[torch.Tensor, torch.Tensor, float]]] = []
-    slots = {}
-    for slot, (name, path) in enumerate(modules.items(), start=1):
-        adapter = read_peft_adapter(name, path, max_rank)
-        per_layer: dict[int, tuple[Linear, list[tuple[str | None, torch.Tensor, torch.Tensor]]]] = {}
-        for module_path, (a, b) in adapter.weights.items():
-            if ".experts." in module_path:  # an expert sees some rows of the step: not the batch's rows
-                raise ValueError(f"LoRA adapter {name!r} ({path}): adapters on MoE experts ({module_path}) "
-                                 "are not supported")
-            if module_path not in linears:
-                raise ValueError(f"LoRA adapter {name!r} ({path}): the model has no layer {module_path}")
-            layer, shard = linears[module_path]
-            if layer.tp.enabled:
-                raise ValueError(f"LoRA adapter {name!r}: adapters under tensor parallelism are not supported")
-            out = layer.shard_sizes[shard] if shard is not None else layer.out_features
-            if a.shape[1] != layer.in_features or b.shape[0] != out:
-                raise ValueError(f"LoRA adapter {name!r} ({path}): {module_path}: lora_A {tuple(a.shape)} and "
-                                 f"lora_B {tuple(b.shape)} do not fit the layer ({out} x {layer.in_features})")
-            per_layer.setdefault(id(layer), (layer, []))[1].append((shard, a, b))
-        for layer, parts in per_layer.values():
-            staged.append((layer, slot, _stack(layer, parts, adapter.scale, dtype)))
-        slots[name] = slot
-    for layer, slot, weights in staged:
-        if layer.lora is None:
-            layer.lora = LoRAWeights()
-        layer.lora.slots[slot] = weights
-    return slots
+    name, path = adapter.name, adapter.path
+    per_layer: dict[int, tuple[Linear, list[tuple[str | None, torch.Tensor, torch.Tensor]]]] = {}
+    for module_path, (a, b) in adapter.weights.items():
+        if ".experts." in module_path:  # an expert sees some rows of the step: not the batch's rows
+            raise ValueError(f"LoRA adapter {name!r} ({path}): adapters on MoE experts ({module_path}) "
+                             "are not supported")
+        if module_path not in linears:
+            raise ValueError(f"LoRA adapter {name!r} ({path}): the model has no layer {module_path}")
+        layer, shard = linears[module_path]
+        if layer.tp.enabled:
+            raise ValueError(f"LoRA adapter {name!r}: adapters under tensor parallelism are not supported")
+        out = layer.shard_sizes[shard] if shard is not None else layer.out_features
+        if a.shape[1] != layer.in_features or b.shape[0] != out:
+            raise ValueError(f"LoRA adapter {name!r} ({path}): {module_path}: lora_A {tuple(a.shape)} and "
+                             f"lora_B {tuple(b.shape)} do not fit the layer ({out} x {layer.in_features})")
+        per_layer.setdefault(id(layer), (layer, []))[1].append((shard, a, b))
+    return PreparedLoRA(name, tuple((layer, _stack(layer, parts, adapter.scale, dtype))
+                                    for layer, parts in per_layer.values()))
+
+
+def remove_lora_adapter(model: nn.Module, slot: int) -> None:
+    """Drop the adapter in `slot` from every layer (its weights are freed with the last step that
+    used them); a layer left with no adapter is back on the base path (`Linear.lora` None)."""
+    for module in model.modules():
+        lora = getattr(module, "lora", None)
+        if isinstance(lora, LoRAWeights) and slot in lora.slots:
+            del lora.slots[slot]
+            if not lora.slots:
+                module.lora = None
 
 
 def _stack(layer: Linear, parts: list[tuple[str | None, torch.Tensor, torch.Tensor]], scale: float,
