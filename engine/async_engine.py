@@ -24,7 +24,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import TYPE_CHECKING, AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Sequence
 
 from engine.config import EngineConfig
 from engine.core import EngineCore, tokenize_prompt
@@ -170,6 +170,24 @@ class AsyncEngine:
         except asyncio.TimeoutError:
             raise GrammarError(f"the {spec.kind} took longer than {timeout:g} s to compile; simplify it") from None
 
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        """Load a LoRA adapter while serving: read and checked in a worker thread (ValueError naming
+        what is wrong; LoRANameTakenError for a name in use), installed by the engine thread
+        between two steps, so no step sees half an adapter and no running request changes."""
+        prepared = await asyncio.to_thread(self.core.runner.prepare_lora, name, path)
+        await self._call(self.core.load_lora_adapter, prepared)
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """Unload an adapter between two steps (EngineCore.unload_lora_adapter's refusals)."""
+        await self._call(self.core.unload_lora_adapter, name)
+
+    async def _call(self, fn: Callable[..., object], *args: object) -> None:
+        """fn(*args) on the engine thread between steps; its exception is raised here."""
+        future = asyncio.get_running_loop().create_future()
+        if not self._submit(("call", None, fn, args, future)):
+            raise RuntimeError("the engine is not running")
+        await future
+
     async def abort(self, request_id: str) -> None:
         """End a request; its stream (if still read) gets a final output with finish_reason "abort"."""
         self._submit(("abort", request_id))
@@ -207,6 +225,13 @@ class AsyncEngine:
             if command[0] == "add":
                 sink = command[4]
                 self._send(sink.loop, sink.stream, RuntimeError("the engine is shutting down"))
+            elif command[0] == "call":
+                future = command[4]
+                try:
+                    future.get_loop().call_soon_threadsafe(
+                        _settle, future, future.set_exception, RuntimeError("the engine is shutting down"))
+                except RuntimeError:  # the loop is closed
+                    pass
 
     def _loop(self) -> None:
         while True:
@@ -262,6 +287,17 @@ class AsyncEngine:
             output = self.core.abort_request(request_id)
             if output is not None:
                 return [output]
+        elif kind == "call":
+            _, _, fn, args, future = command
+            outcome: tuple[Callable[..., object], object]
+            try:
+                outcome = (future.set_result, fn(*args))
+            except Exception as e:  # noqa: BLE001 - handed to the caller
+                outcome = (future.set_exception, e)
+            try:
+                future.get_loop().call_soon_threadsafe(_settle, future, *outcome)
+            except RuntimeError:  # the caller's loop is closed
+                pass
         elif kind == "dead":  # from the tensor-parallel monitor: request_id is its message
             raise EngineDeadError(request_id)
         return []
@@ -353,6 +389,12 @@ def _error_output(request_id: str, error: str) -> RequestOutput:
     return RequestOutput(request_id=request_id, text="", token_ids=[], logprobs=None, finished=True,
                          finish_reason="error", num_prompt_tokens=0, num_output_tokens=0,
                          num_cached_tokens=0, error=error)
+
+
+def _settle(future: asyncio.Future, method: Callable[[Any], object], value: object) -> None:
+    """Runs on the event loop: complete a _call's future unless its caller already left."""
+    if not future.done():
+        method(value)
 
 
 def _put_all(batch: list[tuple[asyncio.Queue, object]]) -> None:

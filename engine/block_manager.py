@@ -147,7 +147,7 @@ class BlockManager:
         bs = self.block_size
         for i in range(len(hashes), len(tokens) // bs):
             hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs : (i + 1) * bs],
-                                     request.params.cache_salt, request.params.lora_name))
+                                     request.params.cache_salt, request.lora_cache_key))
         return hashes
 
     def get_computed_blocks(self, request: Request) -> list[list[int]]:

@@ -68,6 +68,9 @@ class EngineConfig:
     # (models/layers/lora.py); a request picks one by SamplingParams.lora_name.
     lora_modules: tuple[tuple[str, str], ...] = ()
     max_lora_rank: int = 16  # adapters of a higher rank are refused
+    # Adapters held at once, start-up ones included (a load beyond is refused); None: as many as
+    # lora_modules. 0: no LoRA at all.
+    max_loras: int | None = None
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -104,8 +107,17 @@ class EngineConfig:
         lora_names = [name for name, _ in self.lora_modules]
         if any(not name for name in lora_names) or len(set(lora_names)) != len(lora_names):
             raise ValueError(f"LoRA adapter names must be non-empty and distinct, got {lora_names}")
+        if self.max_loras is not None and self.max_loras < 0:
+            raise ValueError(f"max_loras must be >= 0, got {self.max_loras}")
+        if self.max_loras is not None and self.max_loras < len(self.lora_modules):
+            raise ValueError(f"max_loras ({self.max_loras}) must be at least the number of lora_modules "
+                             f"({len(self.lora_modules)})")
         if not self.stalled_stream_timeout > 0:
             raise ValueError(f"stalled_stream_timeout must be > 0, got {self.stalled_stream_timeout}")
+
+    @property
+    def resolved_max_loras(self) -> int:
+        return len(self.lora_modules) if self.max_loras is None else self.max_loras
 
     def limits(self, max_model_len: int, num_blocks: int, vocab_size: int,
                num_kv_cache_tokens: int | None = None) -> EngineLimits:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 from engine.config import EngineConfig, max_tokens_per_request
 from engine.detokenizer import IncrementalDetokenizer
+from engine.lora import LoRAInUseError, LoRANotFoundError
 from engine.model_runner import ModelRunner
 from engine.step import EngineDeadError
 from engine.request import Request, RequestOutput, RequestStatus, SamplingParams, TokenLogprob
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from engine.parallel import RankGroup
+    from models.layers.lora import PreparedLoRA
     from models.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -73,6 +75,7 @@ class EngineCore:
         self.num_generation_tokens = 0
         self.num_computed_tokens = 0
         self.num_finished: Counter[str] = Counter()
+        self.num_lora_requests: Counter[str] = Counter()  # adapter name -> requests added, since start
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks, if any (idempotent)."""
@@ -89,7 +92,7 @@ class EngineCore:
     ) -> None:
         """Queue a request; ValueError if it can never fit (self.limits), QueueFullError if the queue is full."""
         if params.lora_name is not None and params.lora_name not in self.runner.lora_slots:
-            raise ValueError(f"unknown LoRA adapter {params.lora_name!r}")
+            raise LoRANotFoundError(f"unknown LoRA adapter {params.lora_name!r}: none of that name is loaded")
         prompt_token_ids = tokenize_prompt(self.tokenizer, prompt)
         request = Request(
             request_id,
@@ -100,8 +103,11 @@ class EngineCore:
             generator=self.runner.make_generator(params.seed),
             token_history=self.runner.make_token_history(params),
             grammar=self.grammars.compile(params.structured).matcher() if params.structured else None,
+            lora_cache_key=self.runner.lora.cache_key(params.lora_name),
         )
         self.scheduler.add_request(request)
+        if params.lora_name is not None:
+            self.num_lora_requests[params.lora_name] += 1
         self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
         if params.prompt_logprobs is not None:
             self._prompt_logprobs[request_id] = [None] * len(prompt_token_ids)
@@ -114,6 +120,20 @@ class EngineCore:
         if request is None:
             return None
         return self._final_output(request, self._flush(request_id))
+
+    def load_lora_adapter(self, prepared: PreparedLoRA) -> None:
+        """Install an adapter the runner prepared (ModelRunner.prepare_lora): between steps, as
+        everything the core does; the requests already running are untouched."""
+        self.runner.install_lora(prepared)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Free an adapter's slot: LoRANotFoundError if none of that name is loaded, LoRAInUseError
+        while one of its requests is running or waiting (it is never taken from under them)."""
+        running, waiting = self.scheduler.lora_adapters()
+        if name in running or name in waiting:
+            raise LoRAInUseError(f"LoRA adapter {name!r} has running or waiting requests; unload it once "
+                                 "they have finished")
+        self.runner.remove_lora(name)
 
     @property
     def has_unfinished(self) -> bool:
@@ -287,4 +307,12 @@ class EngineCore:
             weight_bytes=self.runner.weight_bytes,
             kv_cache_bytes=self.runner.kv_cache_bytes,
             step_totals=self.runner.step_totals(),
+            **self._lora_stats(),
         )
+
+    def _lora_stats(self) -> dict:
+        if not self.runner.lora.max_loras:
+            return {}
+        running, waiting = self.scheduler.lora_adapters()
+        return dict(max_loras=self.runner.lora.max_loras, running_lora_adapters=running,
+                    waiting_lora_adapters=waiting, num_lora_requests=dict(self.num_lora_requests))

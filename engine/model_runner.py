@@ -27,7 +27,8 @@ from engine.threads import StepTuner, applied, candidate_settings
 from engine.verification import sample_requests
 from models.layers import cpu_kernels
 from models.layers.attention import AttentionMetadata
-from models.layers.lora import add_lora_adapters
+from engine.lora import LoRASlots
+from models.layers.lora import PreparedLoRA, add_lora_adapters, prepare_lora_adapter, read_peft_adapter, remove_lora_adapter
 from models.layers.lora_weights import LoRABatch
 from models.layers.step_kernels import DEFAULT_KERNELS, StepKernels
 
@@ -76,13 +77,17 @@ class ModelRunner:
         self.kv_caches = self.kv_cache_spec.allocate(self.num_blocks, self.block_size, self.device, self.kv_layout)
         self.kv_cache_bytes = sum(c.numel() * c.element_size() for c in {id(c): c for c in self.kv_caches}.values())
         self.weight_bytes = loaded.weight_bytes
-        # LoRA adapter name -> its slot in the layers (models/layers/lora.py); empty: none served.
-        self.lora_slots: dict[str, int] = {}
+        # LoRA adapters: name -> slot in the layers (models/layers/lora.py); empty: none served.
+        self.lora = LoRASlots(config.resolved_max_loras)
+        self.lora_slots = self.lora.slots
+        self.lora_dtype = loaded.config.dtype  # an adapter's weights, as PEFT loads them
+        self.max_lora_rank = config.max_lora_rank
         if config.lora_modules:
             if ranks is not None:
                 raise ValueError("LoRA adapters under tensor parallelism are not supported")
-            self.lora_slots = add_lora_adapters(self.model, dict(config.lora_modules), config.max_lora_rank,
-                                                loaded.config.dtype)  # in the model's dtype, as PEFT loads them
+            for name, slot in add_lora_adapters(self.model, dict(config.lora_modules), config.max_lora_rank,
+                                                self.lora_dtype).items():
+                assert self.lora.add(name) == slot  # both number them 1.. in order
         # CPU: intra-op threads (chosen by timing steps unless configured, or unless results
         # would depend on the count), set for each step in whichever thread runs it and the
         # caller's put back after, and the step's kernels (torch's own for single-token steps),
@@ -112,6 +117,22 @@ class ModelRunner:
     @property
     def num_tokens_capacity(self) -> int:
         return self.num_blocks * self.block_size
+
+    def prepare_lora(self, name: str, path: str) -> PreparedLoRA:
+        """Read an adapter and check it against the model (ValueError naming what is wrong); changes
+        nothing, so it may run in another thread while steps run."""
+        if self.ranks is not None:
+            raise ValueError("LoRA adapters under tensor parallelism are not supported")
+        self.lora.check_room(name)
+        return prepare_lora_adapter(self.model, read_peft_adapter(name, path, self.max_lora_rank), self.lora_dtype)
+
+    def install_lora(self, prepared: PreparedLoRA) -> None:
+        """Between two steps (the engine thread): the adapter takes a free slot."""
+        prepared.install(self.lora.add(prepared.name))
+
+    def remove_lora(self, name: str) -> None:
+        """Between two steps, once no request uses the adapter: its slot is free again."""
+        remove_lora_adapter(self.model, self.lora.remove(name))
 
     def make_generator(self, seed: int | None) -> torch.Generator | None:
         return make_generator(seed, self.device)

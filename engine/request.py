@@ -141,6 +141,9 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
     num_preemptions: int = 0
     block_hashes: list[int] = field(default_factory=list)  # filled by the block manager
+    # What the prefix cache keys its LoRA adapter by (engine/lora.py): the name and which load of
+    # it; None: params.lora_name.
+    lora_cache_key: str | None = None
     stop_reason: int | str | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -149,6 +152,8 @@ class Request:
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
         self.all_token_ids = list(self.prompt_token_ids)  # prompt + output, what the KV cache holds
+        if self.lora_cache_key is None:
+            self.lora_cache_key = self.params.lora_name
 
     @property
     def num_tokens(self) -> int:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, EngineLimits
@@ -317,6 +317,12 @@ class Scheduler:
             prefix_cache_hits=bm.num_prefix_hits,
             num_preemptions=self.num_preemptions,
         )
+
+    def lora_adapters(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The LoRA adapters of the running requests and of the waiting ones, each sorted."""
+        def names(requests: Iterable[Request]) -> tuple[str, ...]:
+            return tuple(sorted({r.params.lora_name for r in requests if r.params.lora_name is not None}))
+        return names(self.running), names(self.waiting)
 
     def audit(self) -> list[str]:
         """Reconcile the block pool; one line per discrepancy (empty when consistent)."""

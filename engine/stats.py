@@ -36,6 +36,12 @@ class EngineStats:
     kv_cache_bytes: int = 0  # the KV pool, allocated at start
     # CPU: thread count -> (steps, tokens, seconds) run with it, since start (engine/threads.py)
     step_totals: dict[int, tuple[int, int, float]] = field(default_factory=dict)
+    # LoRA (engine/lora.py): adapters held at most (0: LoRA off), those of the running and the
+    # waiting requests, and requests per adapter since start
+    max_loras: int = 0
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+    num_lora_requests: dict[str, int] = field(default_factory=dict)
 
     @property
     def kv_cache_usage(self) -> float:

@@ -120,6 +120,14 @@ def build_parser() -> argparse.ArgumentParser:
                       help="PEFT adapter directories served beside the base model; a request picks one by "
                            "giving its NAME as 'model'")
     lora.add_argument("--max-lora-rank", type=int, default=16, help="adapters of a higher rank are refused")
+    lora.add_argument("--max-loras", type=int, default=None,
+                      help="adapters held at once, --lora-modules included (a load beyond is refused); "
+                           "default: as many as --lora-modules, at least 1 with --enable-lora-runtime-updates")
+    lora.add_argument("--enable-lora-runtime-updates", action="store_true",
+                      help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (docs/api.md)")
+    lora.add_argument("--lora-root", default=None, metavar="DIR",
+                      help="adapters are read only from under DIR (symlinks followed): any other path, at "
+                           "start or loaded later, is refused")
     tp = p.add_argument_group("tensor parallelism (docs/scaling.md)")
     tp.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                     help="ranks the model is split over (torch.distributed: gloo on CPU, NCCL on CUDA); "
@@ -147,11 +155,16 @@ def check_lora_modules(args: argparse.Namespace, served: tuple[str, ...]) -> str
     only the model can tell (a layer it lacks, a shape) is refused when it loads, as a ValueError."""
     from models.layers.lora import read_peft_adapter
 
+    from server.serving_lora import outside_root
+
     names = [name for name, _ in args.lora_modules]
     for name in names:
         if names.count(name) > 1 or name in served:
             return f"LoRA adapter name {name!r} is given twice or names the base model"
     for name, path in args.lora_modules:
+        problem = outside_root(path, args.lora_root)
+        if problem is not None:
+            return f"LoRA adapter {name!r}: {problem}"
         try:
             read_peft_adapter(name, path, args.max_lora_rank)
         except ValueError as exc:
@@ -236,7 +249,14 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
         max_waiting=None if args.max_waiting < 0 else args.max_waiting, num_threads=args.num_threads,
         kv_cache_dtype=args.kv_cache_dtype, speculative=speculative_config(args),
-        lora_modules=tuple(args.lora_modules), max_lora_rank=args.max_lora_rank)
+        lora_modules=tuple(args.lora_modules), max_lora_rank=args.max_lora_rank, max_loras=max_loras(args))
+
+
+def max_loras(args: argparse.Namespace) -> int:
+    """--max-loras, or as many as --lora-modules (at least 1 when adapters may be loaded later)."""
+    if args.max_loras is not None:
+        return args.max_loras
+    return max(1 if args.enable_lora_runtime_updates else 0, len(args.lora_modules))
 
 
 def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
@@ -361,7 +381,8 @@ def main(argv: list[str] | None = None) -> None:
     app = create_app(engine_factory=load_engine, on_load_error=on_load_error, on_ready=on_ready,
                      served_model_name=served, served_model_aliases=names[1:],
                      api_key=api_key, read_timeout=args.read_timeout, tool_call_parser=args.tool_call_parser,
-                     reasoning_parser=args.reasoning_parser)
+                     reasoning_parser=args.reasoning_parser,
+                     enable_lora_runtime_updates=args.enable_lora_runtime_updates, lora_root=args.lora_root)
     # On SIGTERM the server ends the streams still running just before --shutdown-timeout,
     # each with an error event and [DONE] (server/http_server.py).
     server = make_server(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -33,6 +33,7 @@ from server.serving_anthropic import count_tokens, create_message
 from server.serving_chat import create_chat_completion
 from server.serving_common import ServerState
 from server.serving_completion import create_completion
+from server.serving_lora import load_lora_adapter, unload_lora_adapter
 from server.serving_responses import create_response
 from server.serving_tokenize import detokenize, tokenize
 from server.timeouts import DEFAULT_READ_TIMEOUT_S, BodyTimeoutMiddleware
@@ -54,6 +55,8 @@ def create_app(
     on_ready: Callable[[Any], None] | None = None,
     tool_call_parser: str = "auto",
     reasoning_parser: str = "auto",
+    enable_lora_runtime_updates: bool = False,
+    lora_root: str | None = None,
 ) -> FastAPI:
     """The engine's limits (engine.limits) bound the queue: at most max_num_seqs + max_waiting
     engine requests are admitted at once, and the rest get 429. A request body that has not
@@ -61,7 +64,9 @@ def create_app(
     own bound is the HTTP server's, server.http_server.make_server). `tool_call_parser`: how
     tool calls are read from the output (server/tool_parsers.py); auto = from the chat template.
     `served_model_aliases`: other names requests may use for the model (/v1/models lists them after
-    `served_model_name`, which responses carry)."""
+    `served_model_name`, which responses carry). `enable_lora_runtime_updates`: serve
+    /v1/load_lora_adapter and /v1/unload_lora_adapter, reading adapters from under `lora_root` only
+    when it is given (server/serving_lora.py)."""
     if (engine is None) == (engine_factory is None):
         raise ValueError("give exactly one of engine or engine_factory")
     if max_body_bytes < 1:
@@ -69,7 +74,8 @@ def create_app(
     state = ServerState(served_model_name=served_model_name, model_aliases=tuple(served_model_aliases),
                         metrics=ServerMetrics(),
                         max_body_bytes=max_body_bytes, api_key=api_key or None, tool_call_parser=tool_call_parser,
-                        reasoning_parser=reasoning_parser)
+                        reasoning_parser=reasoning_parser, lora_runtime_updates=enable_lora_runtime_updates,
+                        lora_root=lora_root)
     created = int(time.time())
 
     async def attach(ready_engine: Any) -> None:
@@ -160,6 +166,8 @@ def create_app(
     app.add_api_route("/v1/messages", create_message, methods=["POST"], openapi_extra=openapi_body(MessagesRequest))
     app.add_api_route("/v1/messages/count_tokens", count_tokens, methods=["POST"],
                       openapi_extra=openapi_body(MessagesInput))
+    app.add_api_route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"])
+    app.add_api_route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"])
     app.add_api_route("/tokenize", tokenize, methods=["POST"], openapi_extra=openapi_body(TokenizeRequest))
     app.add_api_route("/detokenize", detokenize, methods=["POST"], openapi_extra=openapi_body(DetokenizeRequest))
     _publish_request_schemas(app)

@@ -32,6 +32,7 @@ _ERROR_TYPES = {
     404: "invalid_request_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    409: "invalid_request_error",
     415: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
@@ -53,7 +54,7 @@ _UNSERVED = {
 }
 SERVED_ROUTES = ("POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses", "POST /v1/messages",
                  "POST /v1/messages/count_tokens", "GET /v1/models",
-                 "GET /v1/models/{model}",
+                 "GET /v1/models/{model}", "POST /v1/load_lora_adapter", "POST /v1/unload_lora_adapter",
                  "POST /tokenize",
                  "POST /detokenize", "GET /health", "GET /metrics")
 

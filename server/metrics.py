@@ -182,6 +182,18 @@ class _EngineCollector:
             cut.add_metric(["grammar"], spec.num_cut_by_grammar)
             cut.add_metric(["budget"], spec.num_cut_by_budget)
             yield cut
+        if s.max_loras:  # vLLM's: one sample, its labels the adapters in use now, its value the time
+            lora = GaugeMetricFamily("vllm:lora_requests_info", "LoRA adapters of the running and waiting requests "
+                                     "(vLLM's name); value: the time of the snapshot.",
+                                     labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+            lora.add_metric([str(s.max_loras), ",".join(s.waiting_lora_adapters), ",".join(s.running_lora_adapters)],
+                            time.time())
+            yield lora
+            requests = CounterMetricFamily("pagedserve:lora_requests", "Engine requests (one per choice) that ran "
+                                           "with a LoRA adapter, by adapter, since start.", labels=["lora_name"])
+            for name, value in sorted(s.num_lora_requests.items()):
+                requests.add_metric([name], value)
+            yield requests
         info = GaugeMetricFamily("vllm:cache_config_info", "The KV cache's configuration (vLLM's name); value 1.",
                                  labels=["block_size", "num_gpu_blocks", "enable_prefix_caching"])
         info.add_metric([str(s.kv_block_size), str(s.num_kv_blocks_total), str(self._prefix_caching)], 1.0)

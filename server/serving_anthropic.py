@@ -63,7 +63,7 @@ async def create_message(request: Request) -> Response:
     state, engine, body = await _parse(request, MessagesRequest)
 
     def view(request_id: str, tools: ToolPlan | None) -> _MessagesView:
-        return _MessagesView(request_id, state.served_model_name, body, tools, state.reasoning_parser)
+        return _MessagesView(request_id, state.response_model(body.model), body, tools, state.reasoning_parser)
 
     try:
         return await serve_chat(request, state, engine, body.to_chat(), arrival, "msg", view)

@@ -55,7 +55,7 @@ async def create_chat_completion(request: Request) -> Response:
     assert logprobs is not None  # attach()ed, as the engine is
 
     def view(request_id: str, tools: ToolPlan | None) -> _ChatView:
-        return _ChatView(request_id, int(time.time()), state.served_model_name, logprobs, body, tools,
+        return _ChatView(request_id, int(time.time()), state.response_model(body.model), logprobs, body, tools,
                          state.reasoning_parser)
 
     return await serve_chat(request, state, engine, body, arrival, "chatcmpl", view)

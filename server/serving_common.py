@@ -25,6 +25,7 @@ from fastapi import Request
 from pydantic import BaseModel
 
 from engine.config import EngineLimits
+from engine.lora import LoRANotFoundError
 from engine.request import QueueFullError, RequestOutput, SamplingParams, TokenLogprob
 from engine.structured import StructuredOutput
 from server.cpu_work import new_cpu_pool, off_loop, prompt_char_limit
@@ -57,6 +58,8 @@ class ServerState:
     api_key: str | None = None
     model_aliases: tuple[str, ...] = ()  # other names a request may give
     lora_names: tuple[str, ...] = ()  # the engine's LoRA adapters: a request names one as its model
+    lora_runtime_updates: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter answer
+    lora_root: str | None = None  # adapters are read from under this directory only (server/serving_lora.py)
     engine: Any = None
     load_error: str | None = None
     # Filled by attach() from the engine:
@@ -117,6 +120,10 @@ class ServerState:
     def lora_name(self, model: str | None) -> str | None:
         """The LoRA adapter a request's `model` names (vLLM's way of picking one); None: the base."""
         return model if model in self.lora_names else None
+
+    def response_model(self, model: str | None) -> str:
+        """What a response's `model` says: the adapter a request named, else the served name."""
+        return model if model is not None and model in self.lora_names else self.served_model_name
 
     def admit(self, num_requests: int) -> None:
         """Reserve room for `num_requests` engine requests, or refuse with 429 (400 if they never fit).
@@ -376,6 +383,8 @@ def _engine_error(exc: Exception) -> Exception:
     if isinstance(exc, QueueFullError):
         return APIError(429, f"The server's queue is full ({exc}); retry shortly.", code="queue_full",
                         headers={"Retry-After": "1"})
+    if isinstance(exc, LoRANotFoundError):  # unloaded after the request was checked
+        return APIError(404, str(exc), param="model", code="model_not_found")
     if isinstance(exc, ValueError):
         return invalid(str(exc))
     return exc

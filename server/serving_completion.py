@@ -53,7 +53,7 @@ async def create_completion(request: Request) -> Response:
     echo = None
     if body.echo:
         echo = await state.off_loop(lambda: [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts])
-    view = _CompletionView(request_id, int(time.time()), state.served_model_name, state.logprobs, body, echo)
+    view = _CompletionView(request_id, int(time.time()), state.response_model(body.model), state.logprobs, body, echo)
 
     return await respond(request, state, choices, view, arrival, request_id, body.user, bool(body.stream))
 

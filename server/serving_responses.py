@@ -53,7 +53,7 @@ async def create_response(request: Request) -> Response:
 
     def view(request_id: str, tools: ToolPlan | None) -> _ResponsesView:
         keep = store if body.store is not False else None
-        return _ResponsesView(request_id, state.served_model_name, body, tools, keep, conversation,
+        return _ResponsesView(request_id, state.response_model(body.model), body, tools, keep, conversation,
                               state.reasoning_parser, engine.tokenizer)
 
     try:

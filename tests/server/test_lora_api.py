@@ -58,8 +58,35 @@ def test_the_model_field_picks_the_adapter(lora_live, adapter):
         complete("tuned-v2")
 
 
+def test_responses_name_the_adapter_they_ran_with(lora_live):
+    client = lora_live.client()
+    chat = client.chat.completions.create(model="tuned", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert chat.model == "tuned"
+    assert client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2).model == MODEL_NAME
+    stream = client.completions.create(model="tuned", prompt=PROMPT, max_tokens=3, stream=True)
+    assert {chunk.model for chunk in stream} == {"tuned"}
+    assert client.responses.create(model="tuned", input="hi", max_output_tokens=2).model == "tuned"
+
+
+def test_runtime_updates_are_off_unless_enabled(lora_live, adapter):
+    for route, body in (("load_lora_adapter", {"lora_name": "more", "lora_path": adapter}),
+                        ("unload_lora_adapter", {"lora_name": "tuned"})):
+        response = lora_live.http.post(f"/v1/{route}", json=body)
+        assert response.status_code == 404
+        assert response.json()["error"]["code"] == "lora_updates_disabled"
+        assert "--enable-lora-runtime-updates" in response.json()["error"]["message"]
+    assert {card.id for card in lora_live.client().models.list().data} == {MODEL_NAME, "tuned"}
+
+
 def test_a_bad_adapter_stops_the_server_in_one_line(tiny_model_dir, tmp_path):
     out = subprocess.run([sys.executable, "-m", "server", "--model", str(tiny_model_dir), "--port", "1",
                           "--lora-modules", f"gone={tmp_path / 'absent'}"],
                          cwd=REPO, capture_output=True, text=True, timeout=300)
     assert_one_line_refusal(out, ["LoRA adapter 'gone'", "no such directory"])
+
+
+def test_an_adapter_outside_the_lora_root_stops_the_server(tiny_model_dir, adapter, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "server", "--model", str(tiny_model_dir), "--port", "1",
+                          "--lora-root", str(tmp_path), "--lora-modules", f"tuned={adapter}"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert_one_line_refusal(out, ["LoRA adapter 'tuned'", "outside --lora-root"])
