@@ -1,6 +1,6 @@
 """Weight-only quantized matmuls on this CPU: torch's own kernels against ours, one after the other.
 
-    python -m loadtest.bench_quant [--shape smollm2-1.7b] [--rows 1 4 16 64] [--threads 2]
+    python -m loadtest.bench_quant [--shape smollm2-1.7b] [--rows 1 4 16 64] [--threads 2] [--stat median]
 
 The linear layers of a SmolLM2 shape (loadtest/make_gguf.py's SHAPES; default 135M: qkv
 960x576, o 576x576, gate_up 3072x576, down 576x1536, x 30 layers), random weights, each row
@@ -10,11 +10,14 @@ GEMM over the weights dequantized beforehand (what steps of many rows ran before
 kernel took every step). Columns: dense float32 and bfloat16
 (F.linear), torch's int8 per-channel and int4 group-32 weight-only kernels (what torchao's CPU
 layouts call; fast only with bf16 activations), and ours (models/layers/csrc/quant_linear.cpp,
-float32 activations rounded to int16 inside) in int4 and int8, groups of 32.
+float32 activations rounded to int16 inside) in int4, int5 (GGUF Q5_K's form: float32 scale and
+min; Q5_0's: float16 scales, min = -16 x scale) and int8, groups of 32. `--shape qwen2.5-1.5b`:
+Qwen2.5-1.5B's layers (hidden 1536, intermediate 8960, 12 heads of 128, 2 KV heads, 28 layers).
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -28,32 +31,33 @@ from models.layers import quantization as Q
 
 def linear_shapes(name: str) -> tuple[list[tuple[int, int]], int]:
     """(out, in) of one decoder layer's merged linears, and the number of layers."""
-    from loadtest.make_gguf import SHAPES
+    from loadtest.make_gguf import SHAPES, Shape
 
-    s = SHAPES[name]
+    s = {**SHAPES, "qwen2.5-1.5b": Shape(1536, 8960, 28, 12, 2, 1000000.0)}[name]
     qkv = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
     shapes = [(qkv, s.hidden_size), (s.hidden_size, s.num_heads * s.head_dim),
               (2 * s.intermediate_size, s.hidden_size), (s.hidden_size, s.intermediate_size)]
     return shapes, s.num_layers
 
 
-def best_ms(fn, repeats: int) -> float:
+def best_ms(fn, repeats: int, stat: str = "best") -> float:
     fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return min(times) * 1e3
+    return (min(times) if stat == "best" else statistics.median(times)) * 1e3
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m loadtest.bench_quant", description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--shape", default="smollm2-135m", help="a loadtest.make_gguf shape")
+    p.add_argument("--shape", default="smollm2-135m", help="a loadtest.make_gguf shape, or qwen2.5-1.5b")
     p.add_argument("--layers", type=int, default=None, help="default: the shape's")
     p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--stat", choices=("best", "median"), default="best", help="of the repeats: the best or the median")
     p.add_argument("--columns", nargs="+", choices=COLUMNS, default=list(COLUMNS),
                    help="which products to time (at 1.7B, dense bf16 and torch's kernels take minutes here)")
     args = p.parse_args(argv)
@@ -69,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     del weights
     weight_count = sum(n * k for n, k in shapes) * args.layers
     print(f"CPU: {cpu_description()}; threads {args.threads}; {args.layers} layers of {args.shape}'s linear "
-          f"shapes; best of {args.repeats} runs, ms (GFLOP/s: 2 x rows x weights / time)")
+          f"shapes; {args.stat} of {args.repeats} runs, ms (GFLOP/s: 2 x rows x weights / time)")
     print("| rows | " + " | ".join(args.columns) + " |\n|---" + "|---" * len(args.columns) + "|")
     for rows in args.rows:
         x = {k: torch.randn(rows, k, generator=gen) for _, k in shapes}
@@ -77,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
         cells = []
         for name in args.columns:
             run = COLUMNS[name][1]
-            ms = best_ms(lambda: [run(w, x, xb) for ws in prepared[name] for w in ws], args.repeats)
+            ms = best_ms(lambda: [run(w, x, xb) for ws in prepared[name] for w in ws], args.repeats, args.stat)
             cells.append(f"{ms:.2f} ({2 * rows * weight_count / ms / 1e6:.1f})")
         print(f"| {rows} | " + " | ".join(cells) + " |", flush=True)
 
@@ -109,6 +113,17 @@ def _run_q4_0(w: tuple, x: dict) -> torch.Tensor:
     return cpu_kernels.quant_linear(x[qw.in_features], qweight, scales, None, None, 4, Q.BLOCK, qw.shape[0], -8.0)
 
 
+def _q5_0(w: torch.Tensor) -> tuple:
+    """GGUF Q5_0's form: float16 scales, min = -16 x scale, not stored."""
+    q = Q.quantize_int5(w)
+    return _panels(Q.QuantizedWeight(5, q.qweight, q.scales.half(), None, q.in_features))
+
+
+def _run_q5_0(w: tuple, x: dict) -> torch.Tensor:
+    qw, (qweight, scales, _) = w
+    return cpu_kernels.quant_linear(x[qw.in_features], qweight, scales, None, None, 5, Q.BLOCK, qw.shape[0], -16.0)
+
+
 # name -> (weight (N, K) float32 -> what the product keeps, (kept, x by K, bf16 x by K) -> product)
 COLUMNS = {
     "dense f32": (lambda w: w, lambda w, x, xb: F.linear(x[w.shape[1]], w)),
@@ -120,6 +135,9 @@ COLUMNS = {
     "ours int4 g32": (lambda w: _panels(Q.quantize_int4(w)), lambda w, x, xb: Q.quantized_linear(
         x[w[0].in_features], w[0], panels=w[1])),
     "ours q4_0 (f16 scales)": (_q4_0, lambda w, x, xb: _run_q4_0(w, x)),
+    "ours int5 g32": (lambda w: _panels(Q.quantize_int5(w)), lambda w, x, xb: Q.quantized_linear(
+        x[w[0].in_features], w[0], panels=w[1])),
+    "ours q5_0 (f16 scales)": (_q5_0, lambda w, x, xb: _run_q5_0(w, x)),
     "ours int8 g32": (lambda w: _panels(Q.quantize_int8(w, 32)), lambda w, x, xb: Q.quantized_linear(
         x[w[0].in_features], w[0], panels=w[1])),
 }

@@ -43,7 +43,7 @@ from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CO
 from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from models.layers.quantization import QuantizedWeight, pack_int4
+from models.layers.quantization import QuantizedWeight, pack_int4, pack_int5
 from models.registry import MODEL_REGISTRY
 
 # GGUF `general.architecture` -> the key of transformers' GGUF_CONFIG_MAPPING, and -> the
@@ -93,11 +93,14 @@ _KV_B_HALF = re.compile(r"(.+)\.(k|v)_b_proj\.weight$")
 _ROPE_FREQS = "rope_freqs.weight"
 
 # GGUF types kept as stored (models/layers/quantization.py): -> (bits, group size, scale dtype).
-# Q4_0/Q4_1/Q8_0 keep their fp16 factors; Q4_K's d * sc products need float32 to stay exact.
+# Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 keep their fp16 factors; the K-quants' d * sc products need float32 to stay exact.
 EXACT_FORMATS = {
     GGMLQuantizationType.Q4_0: (4, 32, torch.float16),
     GGMLQuantizationType.Q4_1: (4, 32, torch.float16),
     GGMLQuantizationType.Q4_K: (4, 32, torch.float32),
+    GGMLQuantizationType.Q5_0: (5, 32, torch.float16),
+    GGMLQuantizationType.Q5_1: (5, 32, torch.float16),
+    GGMLQuantizationType.Q5_K: (5, 32, torch.float32),
     GGMLQuantizationType.Q8_0: (8, 32, torch.float16),
 }
 _DENSE_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
@@ -424,8 +427,10 @@ class GGUFWeights:
         return torch.from_numpy(array)
 def serving_format(qtype: GGMLQuantizationType) -> tuple[int, int, torch.dtype] | None:
     """(bits, group size, scale dtype) that a tensor of this type is served in by `--quantization auto`
-    (None: dense). Types with no exact mapping are requantized from their dequantized values:
-    5 bits and more to int8, fewer to int4."""
+    (None: dense). Q4_0/Q4_1/Q4_K (int4), Q5_0/Q5_1/Q5_K (int5: int4 plus a plane of high bits)
+    and Q8_0 (int8) are served as stored, every weight the same number (EXACT_FORMATS). Types with no
+    exact mapping are requantized from their dequantized values: 5 bits and more (Q6_K, ...) to int8,
+    fewer (Q2_K, Q3_K, IQ*) to int4."""
     if qtype in EXACT_FORMATS:
         return EXACT_FORMATS[qtype]
     if qtype in _DENSE_TYPES:
@@ -435,7 +440,7 @@ def serving_format(qtype: GGMLQuantizationType) -> tuple[int, int, torch.dtype] 
 
 
 def quantized_weight(data: np.ndarray, qtype: GGMLQuantizationType, rows: int, cols: int) -> QuantizedWeight:
-    """Raw GGUF blocks (rows, bytes per row) uint8 of a Q4_0/Q4_1/Q4_K/Q8_0 tensor -> the same
+    """Raw GGUF blocks (rows, bytes per row) uint8 of an EXACT_FORMATS tensor -> the same
     numbers as a QuantizedWeight (scales and mins multiplied out in float32, exactly).
 
         Q8_0  [d f16 | 32 x int8]                          w = d q
@@ -443,8 +448,13 @@ def quantized_weight(data: np.ndarray, qtype: GGMLQuantizationType, rows: int, c
         Q4_1  [d f16 | m f16 | 16 bytes]                   w = d q + m
         Q4_K  [d f16 | dmin f16 | 12 bytes of 6-bit (sc, mn) x 8 | 128 bytes]
               8 sub-blocks of 32:                          w = d sc q - dmin mn
-    Q4_0/Q4_1 pack a block as we do (low nibbles: values 0-15); Q4_K packs two sub-blocks per
-    32 bytes (low nibbles: the first, high: the second) and is repacked.
+        Q5_0  [d f16 | qh 4 bytes | 16 bytes]              w = d q - 16 d    (q's bit 4: bit j of qh)
+        Q5_1  [d f16 | m f16 | qh 4 bytes | 16 bytes]      w = d q + m
+        Q5_K  [d f16 | dmin f16 | 12 bytes of (sc, mn) | qh 32 bytes | 128 bytes]
+              as Q4_K; sub-block s's bit 4 of value j: bit s of qh[j]
+    Q4_0/Q4_1 pack a block as we do (low nibbles: values 0-15), Q5_0/Q5_1 too with their qh
+    moved behind the nibbles; the K-quants pack two sub-blocks per 32 bytes (low nibbles: the
+    first, high: the second) and are repacked.
     """
     block_values, block_bytes = GGML_QUANT_SIZES[qtype]
     blocks = data.reshape(rows, cols // block_values, block_bytes)  # (rows, blocks, bytes)
@@ -472,6 +482,24 @@ def quantized_weight(data: np.ndarray, qtype: GGMLQuantizationType, rows: int, c
         values = (qs >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)) & 0x0F  # (rows, sb, 4, 2, 32)
         packed = pack_int4(torch.from_numpy(np.ascontiguousarray(values.reshape(rows, cols))))
         return QuantizedWeight(4, packed, tensor((d * sc).reshape(rows, -1)), tensor((-dmin * mn).reshape(rows, -1)), cols)
+    if qtype in (GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1):
+        d = f16(0)
+        m = (d.astype(np.float32) * -16.0).astype(np.float16) if qtype == GGMLQuantizationType.Q5_0 else f16(2)
+        body = blocks[..., 2:] if qtype == GGMLQuantizationType.Q5_0 else blocks[..., 4:]  # [qh 4 | qs 16]
+        packed = np.concatenate((body[..., 4:], body[..., :4]), axis=-1)  # [qs 16 | qh 4]: our int5 group
+        return QuantizedWeight(5, tensor(packed.reshape(rows, -1)), tensor(d), tensor(m), cols)
+    if qtype == GGMLQuantizationType.Q5_K:
+        d, dmin = f16(0).astype(np.float32)[..., None], f16(2).astype(np.float32)[..., None]  # (rows, sb, 1)
+        sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(blocks[..., 4:16]).reshape(-1, 12))
+        sc = sc.reshape(rows, -1, 8).astype(np.float32)
+        mn = mn.reshape(rows, -1, 8).astype(np.float32)
+        qh = blocks[..., 16:48].reshape(rows, -1, 1, 32)  # bit s of byte j: sub-block s, value j
+        high = (qh >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1  # (rows, sb, 8, 32)
+        qs = blocks[..., 48:].reshape(rows, -1, 4, 1, 32)
+        low = (qs >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)) & 0x0F  # (rows, sb, 4, 2, 32)
+        values = low.reshape(rows, -1, 8, 32) | (high << 4)
+        packed = pack_int5(torch.from_numpy(np.ascontiguousarray(values.reshape(rows, cols))))
+        return QuantizedWeight(5, packed, tensor((d * sc).reshape(rows, -1)), tensor((-dmin * mn).reshape(rows, -1)), cols)
     raise GGUFError(f"GGUF type {qtype.name} is not kept quantized")
 
 

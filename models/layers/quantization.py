@@ -7,26 +7,31 @@ model files never branch on it:
     int8          qweight (N, K) int8, scales (N, K/G)                    w = s q
     int4          qweight (N, K/2) uint8 (two per byte), scales and mins  w = s q + m
                   (N, K/G), q in [0, 15]
+    int5          qweight (N, K/32 * 20) uint8: int4's 16 bytes a group,  w = s q + m
+                  then its 32 high bits (4 bytes), q in [0, 31]
     (QuantMethod) scales and mins float32, or float16 where a GGUF stores them so (a sixth
                   fewer bytes to read per 4-bit weight)
 
 G is the group size along K, a multiple of 32. The layouts hold GGUF's blocks exactly
 (models/gguf.py): Q8_0 is int8 with G = 32; Q4_0 (w = d (q - 8)), Q4_1 (w = d q + m) and
-Q4_K (w = d sc q - dmin mn, 32-wide sub-blocks) are int4 with G = 32; their fp16 and 6-bit
-factors multiply exactly in float32. A dense checkpoint is quantized at load by rounding to
+Q4_K (w = d sc q - dmin mn, 32-wide sub-blocks) are int4 with G = 32; Q5_0 (w = d (q - 16)),
+Q5_1 and Q5_K are int5 the same way; their fp16 and 6-bit factors multiply exactly in float32. A dense checkpoint is quantized at load by rounding to
 nearest (`quantize_int8`, `quantize_int4`): int8 per output channel (G = K), int4 with
 G = 32 (asymmetric, the min at the group's minimum).
 
     4-bit row layout (K = 64, two groups):  byte j of group g = q[g*32 + j] | q[g*32 + j + 16] << 4
         qweight[n] = [ group 0: 16 bytes | group 1: 16 bytes ]
+    5-bit row layout: [ group 0: its 4-bit 16 bytes, then uint32 (little-endian) h | group 1: ... ],
+        bit j of h = bit 4 of q[g*32 + j] (Q5_0's qh, behind its nibbles rather than before)
 
 On CPU the products run in models/layers/csrc/quant_linear.cpp (integer dot products, the
 activations rounded to int16 per 32 values), over the weights reordered once into panels of
 8 output columns (`to_panels`; the loader does it after loading, a layer used on its own at
 its first product):
 
-    qweight (P, K/32, 128 | 256) bytes, P = ceil(N / 8): panel p's group g holds columns
-            8p .. 8p+7's 2-byte units of group g, unit-major: [unit 0 of column 0..7 | unit 1 ...]
+    qweight (P, K/32, 128 | 160 | 256) bytes, P = ceil(N / 8): panel p's group g holds columns
+            8p .. 8p+7's 2-byte units of group g, unit-major: [unit 0 of column 0..7 | unit 1 ...];
+            5 bits: the 4-bit 128 bytes, then the group's high bits in 32 bytes (`_HIGH_BIT`)
     scales, mins (P, K/G, 8)
 
 `dequantize` + F.linear is the reference that the kernel is tested against and the path
@@ -46,6 +51,9 @@ from models.layers.step_kernels import StepKernels
 BLOCK = 32  # the quantized kernels' unit along K
 PANEL = 8  # output columns per panel of the CPU kernel's weight layout
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
+BITS = (4, 5, 8)
+_GROUP_BYTES = {4: BLOCK // 2, 5: BLOCK // 2 + BLOCK // 8, 8: BLOCK}  # stored bytes per 32 values of a row
+_PANEL_GROUP_BYTES = {bits: PANEL * size for bits, size in _GROUP_BYTES.items()}  # 128, 160, 256
 
 
 @dataclass
@@ -56,10 +64,10 @@ class QuantizedWeight:
     weight: quantization groups run along K, within a row.
     """
 
-    bits: int  # 4 or 8
-    qweight: torch.Tensor  # (N, K/2) uint8 | (N, K) int8
+    bits: int  # 4, 5 or 8
+    qweight: torch.Tensor  # (N, K/2) uint8 | (N, K/32 * 20) uint8 | (N, K) int8
     scales: torch.Tensor  # (N, K/G) float32 or float16
-    mins: torch.Tensor | None  # (N, K/G) like scales, 4 bits only
+    mins: torch.Tensor | None  # (N, K/G) like scales, 4 and 5 bits only
     in_features: int
 
     @property
@@ -85,10 +93,10 @@ class QuantizedWeight:
                 f"tensor {name!r}: a tensor-parallel split of its {self.in_features} inputs at "
                 f"{part.start}..{part.stop} cuts its quantization groups of {g}; choose a tensor parallel "
                 f"size that divides {self.in_features // g} groups, or load it with --quantization none")
-        per_byte = 2 if self.bits == 4 else 1
+        size = _GROUP_BYTES[self.bits]  # a row's bytes per 32 values
         groups = slice(part.start // g, part.stop // g)
         return QuantizedWeight(
-            self.bits, self.qweight[:, part.start // per_byte : part.stop // per_byte], self.scales[:, groups],
+            self.bits, self.qweight[:, part.start // BLOCK * size : part.stop // BLOCK * size], self.scales[:, groups],
             None if self.mins is None else self.mins[:, groups], part.stop - part.start,
         )
 
@@ -110,11 +118,48 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     return (groups[..., : BLOCK // 2] | (groups[..., BLOCK // 2 :] << 4)).reshape(n, k // 2)
 
 
+_BIT = torch.tensor([1 << b for b in range(8)], dtype=torch.uint8)
+
+
+def _to_bits(t: torch.Tensor) -> torch.Tensor:
+    """uint8 (..., B) -> (..., 8 B) of 0 / 1, little-endian: byte b's bit j at 8 b + j."""
+    return (t.unsqueeze(-1) & _BIT).ne(0).to(torch.uint8).flatten(-2)
+
+
+def _from_bits(bits: torch.Tensor) -> torch.Tensor:
+    """The inverse of _to_bits: (..., 8 B) of 0 / 1 -> (..., B) uint8."""
+    return (bits.view(*bits.shape[:-1], -1, 8).to(torch.int32) << torch.arange(8)).sum(-1).to(torch.uint8)
+
+
+def unpack_int5(qweight: torch.Tensor, in_features: int) -> torch.Tensor:
+    """(N, K/32 * 20) uint8 -> (N, K) uint8 values in [0, 31]."""
+    n = qweight.shape[0]
+    groups = qweight.view(n, in_features // BLOCK, _GROUP_BYTES[5])  # (N, K/32, 20)
+    low = unpack_int4(groups[..., : BLOCK // 2].reshape(n, -1), in_features)
+    return low | (_to_bits(groups[..., BLOCK // 2 :]).view(n, in_features) << 4)
+
+
+def pack_int5(q: torch.Tensor) -> torch.Tensor:
+    """(N, K) values in [0, 31] -> (N, K/32 * 20) uint8, the inverse of unpack_int5."""
+    n, k = q.shape
+    q = q.to(torch.uint8)
+    low = pack_int4(q & 0x0F).view(n, k // BLOCK, BLOCK // 2)
+    high = _from_bits((q >> 4).view(n, k // BLOCK, BLOCK))  # (N, K/32, 4)
+    return torch.cat((low, high), dim=-1).reshape(n, -1)
+
+
+def unpack(bits: int, qweight: torch.Tensor, in_features: int) -> torch.Tensor:
+    """The stored integers (N, K): uint8 in [0, 15] or [0, 31], or int8."""
+    if bits == 4:
+        return unpack_int4(qweight, in_features)
+    return unpack_int5(qweight, in_features) if bits == 5 else qweight
+
+
 def dequantize(
     bits: int, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, in_features: int
 ) -> torch.Tensor:
     """The reference: the float32 weight (N, K) that a quantized weight stands for."""
-    q = unpack_int4(qweight, in_features) if bits == 4 else qweight
+    q = unpack(bits, qweight, in_features)
     n, groups = scales.shape
     w = q.float().view(n, groups, -1) * scales.float().unsqueeze(-1)  # (N, K/G, G)
     if mins is not None:
@@ -126,13 +171,42 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat((t, t.new_zeros(rows - t.shape[0], *t.shape[1:]))) if rows > t.shape[0] else t
 
 
+def _high_bit_order() -> torch.Tensor:
+    """A 5-bit panel group's high-bit plane: bit b of its byte 16 h + 2 i + t is the high bit of
+    value k of the panel's column i (an index i * 32 + k into the panel's (8, 32) values), where
+    chunk c = 4 h + b % 4 of the 4-bit stream holds the pair (2c + t, 16 + 2c + t) of column i in
+    its lane 2 i + t: b < 4 the low nibble's value (k = 2c + t), b >= 4 the high one's (+ 16).
+    Widened to 16 int16 lanes, half h gives each lane of chunks 4h .. 4h+3 its two bits."""
+    order = torch.empty(32, 8, dtype=torch.long)
+    for byte in range(32):
+        h, i, t = byte // 16, byte % 16 // 2, byte % 2
+        for b in range(8):
+            c = 4 * h + b % 4
+            order[byte, b] = i * BLOCK + 2 * c + t + (16 if b >= 4 else 0)
+    return order
+
+
+_HIGH_BIT = _high_bit_order()  # (32 bytes, 8 bits) -> index into a panel group's (8 columns, 32 values)
+
+
 def to_panels(qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """qweight, scales, mins in the CPU kernel's panels of 8 columns (N padded with zeros):
-    a reorder of 2-byte units, nothing more (csrc/quant_linear.cpp draws it)."""
+    a reorder of 2-byte units (and for 5 bits, of the high bits), nothing more
+    (csrc/quant_linear.cpp draws it)."""
     n, k = qw.shape
     padded = -(-n // PANEL) * PANEL
-    units = _pad_rows(qw.qweight, padded).reshape(padded // PANEL, PANEL, k // BLOCK, -1, 2)  # (P, 8, nb, u, 2)
-    qweight = units.permute(0, 2, 3, 1, 4).reshape(padded // PANEL, k // BLOCK, -1)
+    nb = k // BLOCK
+    stored = _pad_rows(qw.qweight, padded)
+    if qw.bits == 5:
+        groups = stored.view(padded, nb, _GROUP_BYTES[5])
+        stored = groups[..., : BLOCK // 2].reshape(padded, -1)
+        values = _to_bits(groups[..., BLOCK // 2 :])  # (N, nb, 32) high bits
+        values = values.view(padded // PANEL, PANEL, nb, BLOCK).transpose(1, 2).reshape(padded // PANEL, nb, -1)
+        high = _from_bits(values[..., _HIGH_BIT].flatten(-2))  # (P, nb, 32)
+    units = stored.reshape(padded // PANEL, PANEL, nb, -1, 2)  # (P, 8, nb, u, 2)
+    qweight = units.permute(0, 2, 3, 1, 4).reshape(padded // PANEL, nb, -1)
+    if qw.bits == 5:
+        qweight = torch.cat((qweight, high), dim=-1)
 
     def factors(t: torch.Tensor | None) -> torch.Tensor | None:
         if t is None:
@@ -147,7 +221,14 @@ def panel_rows(bits: int, qweight: torch.Tensor, scales: torch.Tensor, mins: tor
     """Rows `rows` (output columns) of panelled weights, back in the stored layout."""
     panels, nb, _ = qweight.shape
     panel, lane = rows // PANEL, rows % PANEL
-    q = qweight.view(panels, nb, -1, PANEL, 2)[panel, :, :, lane, :]  # (len(rows), nb, u, 2)
+    low = qweight[..., : _PANEL_GROUP_BYTES[4]] if bits == 5 else qweight
+    q = low.reshape(panels, nb, -1, PANEL, 2)[panel, :, :, lane, :].reshape(rows.numel(), nb, -1)  # (R, nb, u*2)
+    if bits == 5:
+        order = torch.empty(PANEL * BLOCK, dtype=torch.long)
+        order[_HIGH_BIT.flatten()] = torch.arange(PANEL * BLOCK)
+        values = _to_bits(qweight[panel, :, _PANEL_GROUP_BYTES[4]:])[..., order]  # (R, nb, 8 * 32)
+        high = values.view(rows.numel(), nb, PANEL, BLOCK)[torch.arange(rows.numel()), :, lane]  # (R, nb, 32)
+        q = torch.cat((q, _from_bits(high)), dim=-1)
 
     def lanes(factors: torch.Tensor | None) -> torch.Tensor | None:  # (P, S, 8) -> (len(rows), S)
         return None if factors is None else factors[panel, :, lane]
@@ -173,15 +254,20 @@ def quantize_int8(weight: torch.Tensor, group_size: int | None = None) -> Quanti
     return QuantizedWeight(8, q.to(torch.int8).view(n, k).contiguous(), scales.contiguous(), None, k)
 
 
-def quantize_int4(weight: torch.Tensor, group_size: int = BLOCK) -> QuantizedWeight:
-    """Round to nearest, asymmetric: each group maps [min, max] onto 0..15."""
+def quantize_int4(weight: torch.Tensor, group_size: int = BLOCK, bits: int = 4) -> QuantizedWeight:
+    """Round to nearest, asymmetric: each group maps [min, max] onto 0..15 (`bits` 5: 0..31)."""
     n, k = weight.shape
+    top = (1 << bits) - 1
     w = weight.detach().float().view(n, k // group_size, group_size)  # (N, K/G, G)
     lo, hi = w.amin(dim=-1), w.amax(dim=-1)  # (N, K/G)
-    scales = (hi - lo) / 15.0
+    scales = (hi - lo) / top
     q = torch.round((w - lo.unsqueeze(-1)) / scales.clamp(min=torch.finfo(torch.float32).tiny).unsqueeze(-1))
-    q = q.clamp(0, 15).view(n, k)
-    return QuantizedWeight(4, pack_int4(q), scales.contiguous(), lo.contiguous(), k)
+    q = q.clamp(0, top).view(n, k)
+    return QuantizedWeight(bits, pack_int4(q) if bits == 4 else pack_int5(q), scales.contiguous(), lo.contiguous(), k)
+
+
+def quantize_int5(weight: torch.Tensor, group_size: int = BLOCK) -> QuantizedWeight:
+    return quantize_int4(weight, group_size, bits=5)
 
 
 # ---- per-layer methods ------------------------------------------------------------------
@@ -295,13 +381,13 @@ ROWS_DENSE = RowsDenseMethod()
 
 
 class QuantMethod(LinearMethod):
-    """Int8 (`bits=8`, symmetric) or int4 (`bits=4`, scale + min) weights in groups along K."""
+    """Int8 (`bits=8`, symmetric), int4 or int5 (`bits=4`, `bits=5`: scale + min) weights in groups along K."""
 
     def __init__(
         self, bits: int, group_size: int | None, quantize_input: bool = True, scale_dtype: torch.dtype = torch.float32
     ):
-        if bits not in (4, 8):
-            raise ValueError(f"bits must be 4 or 8, got {bits}")
+        if bits not in BITS:
+            raise ValueError(f"bits must be 4, 5 or 8, got {bits}")
         if scale_dtype not in (torch.float32, torch.float16):
             raise ValueError(f"scale_dtype must be float32 or float16, got {scale_dtype}")
         self.bits = bits
@@ -317,12 +403,12 @@ class QuantMethod(LinearMethod):
         return in_features // (self.group_size or in_features)
 
     def create_weights(self, layer, out_features, in_features):
-        cols = in_features // 2 if self.bits == 4 else in_features
-        qdtype = torch.uint8 if self.bits == 4 else torch.int8
+        cols = in_features // BLOCK * _GROUP_BYTES[self.bits]
+        qdtype = torch.int8 if self.bits == 8 else torch.uint8
         layer.qweight = nn.Parameter(torch.empty(out_features, cols, dtype=qdtype), requires_grad=False)
         groups = self._groups(in_features)
         layer.scales = nn.Parameter(torch.empty(out_features, groups, dtype=self.scale_dtype), requires_grad=False)
-        if self.bits == 4:
+        if self.bits != 8:
             layer.mins = nn.Parameter(torch.empty(out_features, groups, dtype=self.scale_dtype), requires_grad=False)
 
     def _stored(self, layer, rows: torch.Tensor | None = None) -> QuantizedWeight:
@@ -340,19 +426,20 @@ class QuantMethod(LinearMethod):
         """Reorder the layer's weights into the CPU kernel's panels, once (False: they stay as
         stored, for a device or a build without the kernel). Mins that are the scales times -8
         (GGUF's Q4_0: w = d (q - 8)) are dropped and made from the scales as the kernel runs:
-        a sixth fewer bytes to read per weight, the same numbers."""
+        a sixth fewer bytes to read per weight, the same numbers; likewise -16 for 5 bits (Q5_0)."""
         if getattr(layer, "panelled", False):
             return True
         if layer.qweight.device.type != "cpu" or not cpu_kernels.available():
             return False
         stored = self._stored(layer)
-        offset = self.bits == 4 and stored.mins is not None and torch.equal(stored.mins, stored.scales * -8)
+        zero_point = -float(1 << (self.bits - 1))  # -8, -16: Q4_0's, Q5_0's
+        offset = self.bits != 8 and stored.mins is not None and torch.equal(stored.mins, stored.scales * zero_point)
         qweight, scales, mins = to_panels(stored)
         layer.qweight = nn.Parameter(qweight, requires_grad=False)
         layer.scales = nn.Parameter(scales, requires_grad=False)
         if mins is not None:
             layer.mins = None if offset else nn.Parameter(mins, requires_grad=False)
-        layer.min_per_scale = -8.0 if offset else 0.0
+        layer.min_per_scale = zero_point if offset else 0.0
         layer.panelled = True
         return True
 
@@ -362,7 +449,7 @@ class QuantMethod(LinearMethod):
             # One kernel for every row count (a decode, a batch, a prefill): its result for a
             # row depends on that row alone, never on the step's size or the thread count.
             return cpu_kernels.quant_linear(
-                x, layer.qweight, layer.scales, layer.mins if self.bits == 4 else None, bias, self.bits,
+                x, layer.qweight, layer.scales, layer.mins if self.bits != 8 else None, bias, self.bits,
                 layer.in_features // layer.scales.shape[1], layer.out_features, layer.min_per_scale,
             )
         return kernels.matmul(F.linear, x, self.dense_weight(layer).to(x.dtype), bias)
@@ -373,7 +460,7 @@ class QuantMethod(LinearMethod):
         if (x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and self.quantize_input
                 and layer.out_features % 16 == 0 and self.process_weights_after_loading(layer)):
             return cpu_kernels.quant_linear_silu_mul(
-                x, layer.qweight, layer.scales, layer.mins if self.bits == 4 else None, bias, self.bits,
+                x, layer.qweight, layer.scales, layer.mins if self.bits != 8 else None, bias, self.bits,
                 layer.in_features // layer.scales.shape[1], layer.out_features, layer.min_per_scale,
             )
         return None
@@ -383,14 +470,18 @@ class QuantMethod(LinearMethod):
             raise RuntimeError(f"tensor {name!r}: the layer's weights are already reordered for the CPU kernel")
         expected = (len(range(*rows.indices(layer.out_features))), layer.in_features)
         _check_shape_of(tuple(weight.shape), expected, name)
+        if isinstance(weight, QuantizedWeight) and weight.bits == 4 and self.bits == 5:
+            # exactly: the same numbers with the high bits 0 (a merged layer of Q4 and Q5 parts)
+            weight = QuantizedWeight(5, pack_int5(unpack_int4(weight.qweight, weight.in_features)), weight.scales,
+                                     weight.mins, weight.in_features)
         if not isinstance(weight, QuantizedWeight) or not self._compatible(weight, layer.in_features):
             weight = self.quantize(weight.dequantize() if isinstance(weight, QuantizedWeight) else weight)
         with torch.no_grad():
             layer.qweight[rows].copy_(weight.qweight)
             layer.scales[rows].copy_(weight.scales)
-            if self.bits == 4:
+            if self.bits != 8:
                 layer.mins[rows].copy_(weight.mins if weight.mins is not None else torch.zeros_like(weight.scales))
-            factors = [layer.scales[rows]] + ([layer.mins[rows]] if self.bits == 4 else [])
+            factors = [layer.scales[rows]] + ([layer.mins[rows]] if self.bits != 8 else [])
             if not all(torch.isfinite(f).all() for f in factors):
                 raise ValueError(f"tensor {name!r}: quantization scales are not finite ({self.scale_dtype})")
 
@@ -405,7 +496,7 @@ class QuantMethod(LinearMethod):
     def quantize(self, weight: torch.Tensor) -> QuantizedWeight:
         if self.bits == 8:
             return quantize_int8(weight, self.group_size)
-        return quantize_int4(weight, self.group_size or BLOCK)
+        return quantize_int4(weight, self.group_size or BLOCK, bits=self.bits)
 
     def dense_weight(self, layer):
         return self._stored(layer).dequantize()
@@ -415,7 +506,7 @@ class QuantMethod(LinearMethod):
         return rows.dequantize(layer.compute_dtype).view(*ids.shape, layer.in_features)
 
     def weight_names(self):
-        return ("qweight", "scales", "mins") if self.bits == 4 else ("qweight", "scales")
+        return ("qweight", "scales") if self.bits == 8 else ("qweight", "scales", "mins")
 
 
 def _check_shape_of(shape: tuple, expected: tuple, name: str) -> None:

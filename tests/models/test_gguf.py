@@ -62,8 +62,21 @@ def gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{kind}.{parts[-1]}"
 
 
+def random_k_blocks(array: np.ndarray, qtype: GGMLQuantizationType, seed: int = 0) -> np.ndarray:
+    """Random blocks of a K-quant (which the gguf package cannot quantize) for a tensor of `array`'s
+    shape: random 6-bit scales and values, the fp16 d and dmin small enough for a model's weights."""
+    block_values, block_bytes = GGML_QUANT_SIZES[qtype]
+    rows, cols = array.shape
+    rng = np.random.default_rng(seed + rows * cols)
+    blocks = rng.integers(0, 256, (rows, cols // block_values, block_bytes), dtype=np.uint8)
+    blocks[..., 0:2] = rng.uniform(1e-4, 3e-4, (rows, cols // block_values, 1)).astype(np.float16).view(np.uint8)
+    blocks[..., 2:4] = rng.uniform(1e-4, 3e-4, (rows, cols // block_values, 1)).astype(np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
 def write_gguf(path, model: LlamaForCausalLM, qtype=Q.F32, arch: str = "llama", rope_scaling=None,
-               extra_tensors=()) -> None:
+               extra_tensors=(), quantizer=quantize) -> None:
+    """`quantizer(array, qtype)`: the blocks of a 2-D tensor (default: the gguf package's quantizer)."""
     cfg = model.config
     writer = GGUFWriter(str(path), arch)
     writer.add_context_length(cfg.max_position_embeddings)
@@ -101,7 +114,7 @@ def write_gguf(path, model: LlamaForCausalLM, qtype=Q.F32, arch: str = "llama", 
         if array.ndim == 1:  # llama.cpp keeps norms in F32 whatever the file type
             writer.add_tensor(gguf_name(hf_name), array)
         else:
-            data = quantize(array, qtype)
+            data = quantizer(array, qtype)
             writer.add_tensor(gguf_name(hf_name), data, raw_dtype=None if qtype in (Q.F32, Q.F16) else qtype)
     for name, data, raw_dtype in extra_tensors:
         writer.add_tensor(name, data, raw_dtype=raw_dtype)

@@ -13,7 +13,7 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGMLQuantizationType, GGUFReader
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
@@ -24,7 +24,7 @@ from models.layers import quantization as Q
 from models.layers.linear import Linear
 from models.loader import load_model
 from tests.models.conftest import paged_forward
-from tests.models.test_gguf import tiny_llama, write_gguf
+from tests.models.test_gguf import random_k_blocks, tiny_llama, write_gguf
 
 EPS = torch.finfo(torch.float32).eps
 T = GGMLQuantizationType
@@ -44,7 +44,18 @@ def close_in_eps(got: torch.Tensor, want: torch.Tensor, ulps: float, k: int) -> 
 
 def random_quantized(bits: int, n: int, k: int, group: int | None, seed: int = 0) -> Q.QuantizedWeight:
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
-    return Q.quantize_int4(w, group or 32) if bits == 4 else Q.quantize_int8(w, group)
+    return Q.quantize_int8(w, group) if bits == 8 else Q.quantize_int4(w, group or 32, bits=bits)
+
+
+ZERO_POINTS = {"q4_0": (4, -8), "q5_0": (5, -16)}  # GGUF's Q4_0 / Q5_0: w = d (q + m), no mins stored
+
+
+def with_zero_point(qw: Q.QuantizedWeight, variant) -> Q.QuantizedWeight:
+    """`qw` as a Q4_0 / Q5_0 weight (mins = m x scale, which the layer drops and the kernel folds
+    into its integer sums) where `variant` names one, else as it is."""
+    if variant not in ZERO_POINTS:
+        return qw
+    return Q.QuantizedWeight(qw.bits, qw.qweight, qw.scales, qw.scales * ZERO_POINTS[variant][1], qw.in_features)
 
 
 def test_int4_packing_round_trips_in_gguf_order():
@@ -57,10 +68,21 @@ def test_int4_packing_round_trips_in_gguf_order():
     assert packed[0, 16].item() == q[0, 32].item() | (q[0, 48].item() << 4)
 
 
-@pytest.mark.parametrize("bits,group", [(8, None), (8, 32), (4, 32), (4, 64)])
+def test_int5_packing_round_trips_with_the_high_bits_behind_the_nibbles():
+    q = torch.randint(0, 32, (3, 64), dtype=torch.uint8)
+    packed = Q.pack_int5(q)
+    assert packed.shape == (3, 40)  # 20 bytes a group of 32: 5 bits a value
+    assert torch.equal(Q.unpack_int5(packed, 64), q)
+    # a group: int4's 16 bytes of low nibbles, then Q5_0's qh (bit j: bit 4 of value j), little-endian
+    assert torch.equal(packed[:, :16], Q.pack_int4(q[:, :32] & 15))
+    qh = int.from_bytes(bytes(packed[0, 16:20].tolist()), "little")
+    assert [qh >> j & 1 for j in range(32)] == (q[0, :32] >> 4).tolist()
+
+
+@pytest.mark.parametrize("bits,group", [(8, None), (8, 32), (4, 32), (4, 64), (5, 32)])
 def test_round_to_nearest_is_within_half_a_step(bits, group):
     w = torch.randn(16, 128, generator=torch.Generator().manual_seed(1)) * 3
-    qw = Q.quantize_int4(w, group) if bits == 4 else Q.quantize_int8(w, group)
+    qw = Q.quantize_int8(w, group) if bits == 8 else Q.quantize_int4(w, group, bits=bits)
     g = group or 128
     step = qw.scales.repeat_interleave(g, dim=1)  # (N, K)
     assert ((qw.dequantize() - w).abs() <= step / 2 * (1 + 1e-5) + 1e-7).all()
@@ -73,7 +95,7 @@ def half_factors(qw: Q.QuantizedWeight) -> Q.QuantizedWeight:
     return Q.QuantizedWeight(qw.bits, qw.qweight, qw.scales.half(), mins, qw.in_features)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 4, 5])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 6])
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16])
 def test_int16_activation_path_equals_its_emulation(bits, rows, scale_dtype):
@@ -98,7 +120,8 @@ def test_int16_activation_path_equals_its_emulation(bits, rows, scale_dtype):
 
 
 @pytest.mark.parametrize("bits,group,k,inter", [("q4_0", 32, 576, 104), (4, 32, 576, 8), (8, 32, 576, 104),
-                                                ("q4_0", 32, 3136, 24), (4, 64, 576, 104)])
+                                                ("q4_0", 32, 3136, 24), (4, 64, 576, 104), (5, 32, 576, 104),
+                                                ("q5_0", 32, 576, 8)])
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16])
 def test_gate_up_product_and_silu_in_one_kernel_equal_the_two_ops(bits, group, k, inter, scale_dtype):
     """quant_linear_silu_mul (a [gate | up] layer's product and silu(gate) * up in one pass, each
@@ -109,14 +132,12 @@ def test_gate_up_product_and_silu_in_one_kernel_equal_the_two_ops(bits, group, k
     rounded up to AVX-512's 6-row tiles once left the last block past the rows (an empty task,
     whose negative scratch size threw in the fused form)."""
     needs_kernel()
-    q4_0 = bits == "q4_0"
-    bits = 4 if q4_0 else bits
+    variant, bits = bits, ZERO_POINTS.get(bits, (bits,))[0]
     n = 2 * inter
     qw = random_quantized(bits, n, k, group)
     if scale_dtype == torch.float16:
         qw = half_factors(qw)
-    if q4_0:
-        qw = Q.QuantizedWeight(4, qw.qweight, qw.scales, qw.scales * -8, k)
+    qw = with_zero_point(qw, variant)
     layer = Linear(k, n, bias=True)
     layer.set_quant_method(Q.QuantMethod(bits, group, scale_dtype=scale_dtype))
     layer.load_weight(qw, "w")
@@ -152,7 +173,8 @@ def test_gate_up_product_and_silu_in_one_kernel_equal_the_two_ops(bits, group, k
 
 @pytest.mark.parametrize("bits,group,k,n", [(4, 32, 576, 37), (8, 32, 576, 37), (4, 64, 576, 37), (8, None, 576, 37),
                                             ("q4_0", 32, 576, 37), ("q4_0", 32, 576, 203), (4, 32, 3136, 37),
-                                            ("q4_0", 32, 3136, 37)])
+                                            ("q4_0", 32, 3136, 37), (5, 32, 576, 37), ("q5_0", 32, 576, 203),
+                                            (5, 32, 3136, 37)])
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16])
 def test_a_rows_product_is_bit_identical_whatever_the_step_size_and_threads(bits, group, k, n, scale_dtype):
     """A quantized layer runs one kernel for every row count (it used to dequantize and call
@@ -165,17 +187,15 @@ def test_a_rows_product_is_bit_identical_whatever_the_step_size_and_threads(bits
     use, where K = 576 takes the 4 x 3 assembly tiles) too; 203 columns give a task several whole
     tiles for each 4 rows of a step (AVX2 runs them slice by slice of K, every 4 rows in each)."""
     needs_kernel()
-    q4_0 = bits == "q4_0"
-    bits = 4 if q4_0 else bits
+    variant, bits = bits, ZERO_POINTS.get(bits, (bits,))[0]
     qw = random_quantized(bits, n, k, group)
     if scale_dtype == torch.float16:
         qw = half_factors(qw)
-    if q4_0:  # mins = -8 x scale: the layer drops them and the kernel folds -8 into its sums
-        qw = Q.QuantizedWeight(4, qw.qweight, qw.scales, qw.scales * -8, k)
+    qw = with_zero_point(qw, variant)  # mins = -8 (-16) x scale: dropped, folded into the kernel's sums
     layer = Linear(k, n, bias=True)
     layer.set_quant_method(Q.QuantMethod(bits, group, scale_dtype=scale_dtype))
     layer.load_weight(qw, "w")
-    if q4_0:
+    if variant in ZERO_POINTS:
         assert layer.quant_method.process_weights_after_loading(layer) and layer.mins is None
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(800, k, generator=gen) * 3
@@ -211,11 +231,11 @@ def test_kernel_refuses_shapes_it_cannot_take():
         cpu_kernels.quant_linear(torch.randn(2, 64), *Q.to_panels(qw), None, 4, 32, 9)
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K])
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_0, T.Q5_1, T.Q5_K])
 def test_gguf_blocks_map_exactly_onto_quantized_weights(qtype):
     rows, cols = 6, 512
     rng = np.random.default_rng(0)
-    if qtype == T.Q4_K:  # the gguf package cannot quantize Q4_K: random blocks with finite d, dmin
+    if qtype in (T.Q4_K, T.Q5_K):  # the gguf package cannot quantize K-quants: random blocks with finite d, dmin
         block_values, block_bytes = GGML_QUANT_SIZES[qtype]
         data = rng.integers(0, 256, (rows, cols // block_values * block_bytes), dtype=np.uint8)
         blocks = data.reshape(rows, -1, block_bytes)
@@ -233,8 +253,10 @@ def test_serving_formats_of_gguf_types():
     f16, f32 = torch.float16, torch.float32
     assert serving_format(T.Q4_1) == (4, 32, f16) and serving_format(T.Q8_0) == (8, 32, f16)
     assert serving_format(T.Q4_K) == (4, 32, f32)  # d * sc is exact in float32, not float16
+    assert serving_format(T.Q5_0) == (5, 32, f16) and serving_format(T.Q5_1) == (5, 32, f16)
+    assert serving_format(T.Q5_K) == (5, 32, f32)
     assert serving_format(T.F32) is None and serving_format(T.F16) is None
-    assert serving_format(T.Q6_K) == (8, 32, f32) and serving_format(T.Q5_0) == (8, 32, f32)  # requantized wider
+    assert serving_format(T.Q6_K) == (8, 32, f32)  # requantized wider
     assert serving_format(T.Q2_K) == (4, 32, f32)
 
 
@@ -257,7 +279,8 @@ PROMPT = [5, 9, 200, 17, 33, 4, 88, 120, 7, 7, 61, 250, 3, 19, 44, 100, 150, 201
           18, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 60, 61, 62]
 
 
-@pytest.mark.parametrize("qtype,bits", [(T.Q4_1, 4), (T.Q4_0, 4), (T.Q8_0, 8)], ids=["Q4_1", "Q4_0", "Q8_0"])
+@pytest.mark.parametrize("qtype,bits", [(T.Q4_1, 4), (T.Q4_0, 4), (T.Q8_0, 8), (T.Q5_0, 5), (T.Q5_1, 5)],
+                         ids=["Q4_1", "Q4_0", "Q8_0", "Q5_0", "Q5_1"])
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
 def test_gguf_is_served_as_stored_and_equals_its_dequantized_model(tmp_path, qtype, bits, tie):
     path = tmp_path / "m.gguf"
@@ -268,12 +291,49 @@ def test_gguf_is_served_as_stored_and_equals_its_dequantized_model(tmp_path, qty
     assert set(methods(dense.model).values()) == {"dense"}
     layer = stored.model.model.layers[0].mlp.down_proj
     assert layer.scales.dtype == torch.float16  # the file's own fp16 factors, kept
-    assert stored.weight_bytes < dense.weight_bytes / (2.5 if bits == 8 else 4)
+    assert stored.weight_bytes < dense.weight_bytes / {8: 2.5, 5: 5, 4: 4}[bits]
     # Same numbers: equal up to the int16 rounding of activations (decode steps, the row
     # kernel) and summation order (the 37-token prefill, dequantize + GEMM).
     got, want = prompt_logits(stored.model, PROMPT), prompt_logits(dense.model, PROMPT)
     assert (got - want).abs().max() <= 2e-4 * want.abs().max()
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.parametrize("qtype", [T.Q5_0, T.Q5_1, T.Q5_K], ids=["Q5_0", "Q5_1", "Q5_K"])
+def test_a_5_bit_gguf_is_served_as_its_own_bytes_in_5_to_7_bits_a_weight(tmp_path, qtype):
+    """Q5_0 / Q5_1 / Q5_K load as int5 with no requantization: every layer's weight, read back from
+    the kernel's panels, is the file's 5-bit values (the panels hold the file's nibble bytes and as
+    many high bits, padding aside), and a weight costs its 5 bits plus its factors (Q5_0 5.5 bits:
+    the -16 d min is made from the scale; Q5_1 6; Q5_K 7: its d * sc and dmin * mn in float32,
+    exact), not int8's 9. Its logits are the dequantized model's."""
+    k_quant = qtype == T.Q5_K
+    model = tiny_llama(**({"hidden_size": 256, "intermediate_size": 512, "head_dim": 64} if k_quant else {}))
+    path = tmp_path / "m.gguf"
+    write_gguf(path, model, qtype, quantizer=random_k_blocks if k_quant else gguf_quantize)
+    stored = load_model(str(path), dtype="float32")
+    dense = load_model(str(path), dtype="float32", quantization="none")
+    assert set(methods(stored.model).values()) == {"int5"}
+    tensor = next(t for t in GGUFReader(path).tensors if t.name == "blk.1.ffn_down.weight")
+    layer = stored.model.model.layers[1].mlp.down_proj  # no row permutation: the file's row order
+    n, k = layer.out_features, layer.in_features
+    blocks = np.asarray(tensor.data)
+    want = np.asarray(gguf_dequantize(blocks, qtype)).reshape(n, k)
+    if cpu_kernels.available():
+        assert layer.panelled and layer.qweight.shape == (-(-n // 8), k // 32, 160)
+        back = Q.panel_rows(5, layer.qweight, layer.scales, layer.mins, torch.arange(n))
+        assert torch.equal(back.qweight, quantized_weight(blocks, qtype, n, k).qweight)
+        if not k_quant:  # the file's nibble bytes, reordered: the same multiset
+            nibbles = blocks.reshape(n, k // 32, -1)[..., -16:].reshape(-1)
+            assert sorted(layer.qweight[..., :128].flatten().tolist()) == sorted(nibbles.tolist())
+        high = int((Q.unpack_int5(back.qweight, k) >> 4).sum())
+        assert sum(bin(b).count("1") for b in layer.qweight[..., 128:].flatten().tolist()) == high
+        bits_a_weight = {T.Q5_0: 5.5, T.Q5_1: 6.0, T.Q5_K: 7.0}[qtype]
+        held = sum(t.numel() * t.element_size() for t in (layer.qweight, layer.scales, layer.mins) if t is not None)
+        assert held * 8 == bits_a_weight * n * k
+    assert np.array_equal(layer.quant_method.dense_weight(layer).numpy(), want)  # the file's numbers exactly
+    got, want_logits = prompt_logits(stored.model, PROMPT), prompt_logits(dense.model, PROMPT)
+    assert (got - want_logits).abs().max() <= 2e-4 * want_logits.abs().max()
+    assert torch.equal(got.argmax(-1), want_logits.argmax(-1))
 
 
 @pytest.mark.parametrize("quantization,bits", [("int8", 8), ("int4", 4)])
@@ -370,17 +430,23 @@ def test_bench_quant_compares_like_with_like(capsys):
     assert "| 1 |" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("bits,group,n", [(4, 32, 37), (4, 64, 8), (8, 32, 19), (8, None, 16)])
+@pytest.mark.parametrize("bits,group,n", [(4, 32, 37), (4, 64, 8), (8, 32, 19), (8, None, 16), (5, 32, 37),
+                                         (5, 64, 8)])
 def test_panels_hold_the_stored_weight_and_give_back_any_rows(bits, group, n):
-    """`to_panels` only moves 2-byte units (N padded to the panel width); `panel_rows` gives
-    any rows back in the stored layout, which embedding lookups and the reference use."""
+    """`to_panels` only moves 2-byte units (N padded to the panel width), and for 5 bits the high
+    bits; `panel_rows` gives any rows back in the stored layout, which embedding lookups and the
+    reference use."""
     qw = random_quantized(bits, n, 128, group)
     qweight, scales, mins = Q.to_panels(qw)
     panels = -(-n // Q.PANEL)
-    assert qweight.shape == (panels, 4, 128 if bits == 4 else 256)
+    assert qweight.shape == (panels, 4, {4: 128, 5: 160, 8: 256}[bits])
     assert scales.shape == (panels, 128 // (group or 128), 8)
-    assert sorted(qweight.flatten().tolist()) == sorted(qw.qweight.flatten().tolist() + [0] * (qweight.numel() -
-                                                                                            qw.qweight.numel()))
+    low = qweight[..., :128] if bits == 5 else qweight  # 5 bits: the nibbles as 4 bits, then the high bits
+    stored = qw.qweight.view(n, 4, 20)[..., :16] if bits == 5 else qw.qweight
+    assert sorted(low.flatten().tolist()) == sorted(stored.flatten().tolist() + [0] * (low.numel() - stored.numel()))
+    if bits == 5:
+        high = (Q.unpack_int5(qw.qweight, 128) >> 4).sum().item()
+        assert sum(bin(b).count("1") for b in qweight[..., 128:].flatten().tolist()) == high
     rows = torch.tensor([n - 1, 0, 3 % n, n - 1])
     back = Q.panel_rows(bits, qweight, scales, mins, rows)
     assert torch.equal(back.qweight, qw.qweight[rows]) and torch.equal(back.scales, qw.scales[rows])
@@ -407,18 +473,20 @@ def test_a_layer_in_panels_looks_up_and_multiplies_as_stored():
         layer.load_weight(qw, "w")
 
 
-def test_q4_0_mins_are_made_from_the_scales_with_the_same_bits():
+@pytest.mark.parametrize("variant", ["q4_0", "q5_0"])
+def test_q4_0_mins_are_made_from_the_scales_with_the_same_bits(variant):
     """GGUF's Q4_0 (w = d (q - 8)) arrives with mins = -8 d: the layer drops them (a sixth fewer
     bytes a weight) and the kernel makes them from the scales: the same weights exactly, and the
     same product to float32 rounding (the kernel folds -8 into the integer sum, so it rounds once
-    fewer than with mins as stored); other mins stay."""
+    fewer than with mins as stored); other mins stay. Q5_0's -16 likewise."""
     needs_kernel()
-    q4_1 = half_factors(random_quantized(4, 21, 128, 32))
-    q4_0 = Q.QuantizedWeight(4, q4_1.qweight, q4_1.scales, q4_1.scales * -8, 128)
+    bits = ZERO_POINTS[variant][0]
+    q4_1 = half_factors(random_quantized(bits, 21, 128, 32))
+    q4_0 = with_zero_point(q4_1, variant)
     x = torch.randn(5, 128, generator=torch.Generator().manual_seed(2))
     for qw, dropped in ((q4_0, True), (q4_1, False)):
         layer = Linear(128, 21)
-        layer.set_quant_method(Q.QuantMethod(4, 32, scale_dtype=torch.float16))
+        layer.set_quant_method(Q.QuantMethod(bits, 32, scale_dtype=torch.float16))
         layer.load_weight(qw, "w")
         assert layer.quant_method.process_weights_after_loading(layer)
         assert (layer.mins is None) == dropped
@@ -430,4 +498,4 @@ def test_q4_0_mins_are_made_from_the_scales_with_the_same_bits():
             assert torch.equal(layer(x), stored)
         assert torch.equal(layer.quant_method.dense_weight(layer), qw.dequantize())
     with pytest.raises(RuntimeError, match="power of two"):
-        cpu_kernels.quant_linear(x, *Q.to_panels(q4_0)[:2], None, None, 4, 32, 21, -7.0)
+        cpu_kernels.quant_linear(x, *Q.to_panels(q4_0)[:2], None, None, bits, 32, 21, -7.0)

@@ -250,6 +250,22 @@ def test_logits_of_a_quantized_model_are_the_same_however_a_token_is_scheduled(m
     assert_all_equal(logits_per_schedule(loaded.model, torch.float16))
 
 
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q5_1"])
+def test_logits_of_a_5_bit_gguf_are_the_same_however_a_token_is_scheduled(tmp_path, qtype):
+    # int5 as stored (Q5_0's -16 folded into the integer sums, Q5_1's mins), every layer on `tile`
+    from gguf import GGMLQuantizationType
+
+    from models.loader import load_model
+    from tests.models.test_gguf import tiny_llama, write_gguf
+
+    path = tmp_path / "m.gguf"
+    write_gguf(path, tiny_llama(max_position_embeddings=512), GGMLQuantizationType[qtype])
+    loaded = load_model(str(path), dtype="float32")
+    assert {m.quant_method.name for m in loaded.model.modules() if isinstance(m, Linear)} == {"int5"}
+    assert loaded.model.row_invariant()
+    assert_all_equal(logits_per_schedule(loaded.model, torch.float16))
+
+
 @pytest.mark.parametrize("case", ["v2-group-limited-q-lora-yarn", "v3-q-lora"])
 def test_logits_of_a_quantized_deepseek_are_the_same_however_a_token_is_scheduled(tmp_path, case):
     # MLA's absorbed products (W_UK, W_UV) and the router (its logits, softmax or sigmoid scores, so

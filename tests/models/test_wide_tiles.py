@@ -1,7 +1,8 @@
 """The quantized kernel's 16-lane tiles (AVX-512 VNNI builds: two panels a vector, for a lone row
 and for steps of more) give every row the bits the 8-lane tiles give it alone, for 4 and 8
-bits, Q4_0's folded -8, float16 and float32 factors, groups of 32 and 64, and every edge (rows and
-panels not multiples of the tile, N not a multiple of 8, K past one group). Where the CPU has no
+bits (and 5 bits, which the planner keeps on the 8-lane tiles), Q4_0's folded -8 (Q5_0's -16),
+float16 and float32 factors, groups of 32 and 64, and every edge (rows and panels not multiples
+of the tile, N not a multiple of 8, K past one group). Where the CPU has no
 AVX-512, the same source is built with its 512-bit intrinsics emulated lane by lane
 (csrc/wide_tiles_emulated.cpp); where it has, test_quantization's row-invariance test runs them on
 the real instructions (rows alone on the 8-lane tiles, PAGEDSERVE_WIDE_TILES=0, against the wide ones)."""
@@ -37,15 +38,17 @@ CHECK = textwrap.dedent(
     for bits, q4_0, k, n, group, factors in [(4, False, 576, 37, 32, torch.float32), (4, True, 576, 37, 32, torch.float16),
                                               (8, False, 576, 37, 32, torch.float16), (4, False, 256, 64, 64, torch.float16),
                                               (4, True, 3136, 48, 32, torch.float16), (8, False, 128, 40, 32, torch.float32),
-                                              (4, False, 128, 200, 32, torch.float32)]:
+                                              (4, False, 128, 200, 32, torch.float32), (5, False, 576, 37, 32, torch.float32),
+                                              (5, True, 256, 64, 32, torch.float16)]:
         gen = torch.Generator().manual_seed(k + n)
         w = torch.randn(n, k, generator=gen)
-        qw = Q.quantize_int4(w, group) if bits == 4 else Q.quantize_int8(w, group)
+        qw = Q.quantize_int8(w, group) if bits == 8 else Q.quantize_int4(w, group, bits=bits)
         qw = Q.QuantizedWeight(qw.bits, qw.qweight, qw.scales.to(factors), None if qw.mins is None else qw.mins.to(factors), k)
+        zero_point = -float(1 << (bits - 1))  # Q4_0's -8, Q5_0's -16
         if q4_0:
-            qw = Q.QuantizedWeight(4, qw.qweight, qw.scales, qw.scales * -8, k)
+            qw = Q.QuantizedWeight(bits, qw.qweight, qw.scales, qw.scales * zero_point, k)
         qweight, scales, mins = Q.to_panels(qw)
-        mins, min_per_scale = (None, -8.0) if q4_0 else (mins, 0.0)
+        mins, min_per_scale = (None, zero_point) if q4_0 else (mins, 0.0)
         bias = torch.randn(n, generator=gen)
         x = torch.randn(300, k, generator=gen) * 3
         x[0, 5] = 70.0

@@ -1,10 +1,10 @@
-// Weight-only quantized linear layers: y = x W^T (+ bias) with W stored in 4 or 8 bits.
+// Weight-only quantized linear layers: y = x W^T (+ bias) with W stored in 4, 5 or 8 bits.
 //
-// Weights come in groups of 32 along K (a GGUF Q4_0/Q4_1/Q4_K/Q8_0 block, or what
-// models/layers/quantization.py makes from a dense checkpoint), each with a float scale and,
-// for asymmetric 4-bit, a float min:
+// Weights come in groups of 32 along K (a GGUF Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q5_K/Q8_0 block, or
+// what models/layers/quantization.py makes from a dense checkpoint), each with a float scale
+// and, for asymmetric 4 and 5 bits, a float min:
 //
-//     w[n, k] = scale[n, k / G] * q[n, k] + min[n, k / G]      q in [0, 15] (4 bits)
+//     w[n, k] = scale[n, k / G] * q[n, k] + min[n, k / G]      q in [0, 15] (4 bits), [0, 31] (5 bits)
 //     w[n, k] = scale[n, k / G] * q[n, k]                      q in [-127, 127] (8 bits)
 //
 // with G a multiple of 32.
@@ -35,7 +35,16 @@
 // so one chunk widened to 16 int16 (`pmovzxbw`, then `and 0x0F` / `>> 4` for 4 bits) is the
 // 8 columns' pair, which `madd` multiplies by the row's pair x[k], x[k + 1] broadcast to
 // every lane. A 4-bit chunk is the GGUF group's byte pair (2c, 2c + 1) of each column: the
-// reorder moves 2-byte units, nothing else (`to_panels`, `from_panels`).
+// reorder moves 2-byte units, nothing else (`to_panels`, `panel_rows`).
+//
+// 5 bits (Q5_0, Q5_1, Q5_K: q = nibble | bit << 4) are the 4-bit group's 8 chunks (the nibbles),
+// then its 32 high bits a column in two 16-byte chunks h = 0, 1, lane for lane like the 4-bit
+// chunks: byte 2i + t of chunk h holds, for the 4-bit chunks c = 4h + j (j = 0..3), the high bit
+// of q[i, 2c + t] at bit j and that of q[i, 16 + 2c + t] at bit 4 + j. A group is 160 contiguous
+// bytes (5 bits a weight). Widened once for 4 chunks, a high chunk gives each 4-bit chunk's
+// values their bit 4 by a shift, an `and 0x10` and an `or`, one shift on to the next chunk; then
+// the same madds as 4 bits, on values 0..31. `tile` runs them on every build (plain C++, AVX2,
+// AVX-512); AVX2's 4-bit assembly and the AVX-512 wide tiles are 4 and 8 bits only.
 //
 // Determinism: every output element runs the same instruction sequence, group by group in
 // order, whatever tile it falls in, however many rows the step has and whichever thread
@@ -185,6 +194,10 @@ struct Isa {
   }
   static W low_nibbles(W w) { return _mm256_and_si256(w, _mm256_set1_epi16(0x0F)); }
   static W high_nibbles(W w) { return _mm256_srli_epi16(w, 4); }
+  static W bit4(W w) { return _mm256_and_si256(w, _mm256_set1_epi16(0x10)); }
+  static W shl4(W w) { return _mm256_slli_epi16(w, 4); }
+  static W shr1(W w) { return _mm256_srli_epi16(w, 1); }
+  static W bor(W a, W b) { return _mm256_or_si256(a, b); }
   static W pair(const int16_t* x) {  // x[0], x[1] in every lane
     int32_t v;
     std::memcpy(&v, x, sizeof v);
@@ -259,6 +272,10 @@ struct Isa {  // plain C++: the same lane arithmetic, one lane at a time
   }
   static W low_nibbles(W w) { for (auto& e : w.v) e &= 0x0F; return w; }
   static W high_nibbles(W w) { for (auto& e : w.v) e = static_cast<int16_t>(e >> 4); return w; }
+  static W bit4(W w) { for (auto& e : w.v) e &= 0x10; return w; }
+  static W shl4(W w) { for (auto& e : w.v) e = static_cast<int16_t>(e << 4); return w; }
+  static W shr1(W w) { for (auto& e : w.v) e = static_cast<int16_t>(e >> 1); return w; }
+  static W bor(W a, W b) { for (int j = 0; j < 2 * kLanes; ++j) a.v[j] |= b.v[j]; return a; }
   static W pair(const int16_t* x) { W w; for (int j = 0; j < 2 * kLanes; ++j) w.v[j] = x[j % 2]; return w; }
   static W load_pair(const int32_t* p) { W w; std::memcpy(w.v, p, sizeof w.v); return w; }
   static void broadcast_pairs(int32_t* dst, const int16_t* x, int64_t n) {
@@ -406,9 +423,14 @@ inline void store_output(const Operands<S>& op, int64_t m, int64_t p, const floa
 // The micro-kernel: output rows m0 .. m0+RM, panels p0 .. p0+RP (8 columns each), over all
 // of K. Each weight chunk is widened once for the RM rows, each row's pair broadcast once
 // for the RP panels; the integer sums live in registers for a group, the float sums too.
+// A panel group's bytes: 4 bits 128, 5 bits 160 (the 4-bit 128, then 32 of high bits), 8 bits 256.
+template <int Bits>
+constexpr int kPanelGroupBytes = Bits == 4 ? kBlock / 2 * kLanes : Bits == 5 ? kBlock / 2 * kLanes + kBlock / 8 * kLanes
+                                                                             : kBlock * kLanes;
+
 template <int Bits, int RM, int RP, bool FromXb, typename S>
 __attribute__((noinline)) void tile(const Operands<S>& op, int64_t m0, int64_t p0) {
-  constexpr int kGroupBytes = Bits == 4 ? kBlock / 2 * kLanes : kBlock * kLanes;
+  constexpr int kGroupBytes = kPanelGroupBytes<Bits>;
   // The float sums, touched once a group, live in memory: in registers they crowded out the
   // integer sums, which every chunk updates (gcc spilled those instead: a 4 x 4 tile ran at
   // half the dot rate). The asm below keeps them there; the arithmetic is the same either way.
@@ -461,13 +483,22 @@ __attribute__((noinline)) void tile(const Operands<S>& op, int64_t m0, int64_t p
         ++ahead_sg, ahead_left = op.groups_per_scale;
       }
     }
-    if constexpr (Bits == 4) {
+    if constexpr (Bits == 4 || Bits == 5) {
+      // 5 bits: high[p] holds the high bits of chunk c and the rest of its half (chunks 4h .. 4h + 3), shifted so
+      // that chunk c's two are at bits 0 (the low nibble's value) and 4 (the high one's).
+      typename Isa::W high[RP];
       for (int c = 0; c < 8; ++c) {
         typename Isa::W lo[RP], hi[RP];
         for (int p = 0; p < RP; ++p) {
           const typename Isa::W both = Isa::widen_u8(chunks + p * op.panel_bytes + c * 16);
           lo[p] = Isa::low_nibbles(both);
           hi[p] = Isa::high_nibbles(both);
+          if constexpr (Bits == 5) {  // q = nibble | bit << 4: the same madds as 4 bits on values 0..31
+            if (c % 4 == 0) high[p] = Isa::widen_u8(chunks + p * op.panel_bytes + 128 + c / 4 * 16);
+            lo[p] = Isa::bor(lo[p], Isa::bit4(Isa::shl4(high[p])));
+            hi[p] = Isa::bor(hi[p], Isa::bit4(high[p]));
+            high[p] = Isa::shr1(high[p]);
+          }
         }
         for (int r = 0; r < RM; ++r) {
           const int16_t* x = op.xq + (m0 + r) * op.K + g * kBlock + 2 * c;
@@ -741,7 +772,8 @@ MinKind min_kind(const Operands<S>& op) {
 // Rows m0 .. m0+RM, panels p0 .. p0+2*RZ: `tile`'s loop with a vector for each two panels.
 template <int Bits, int RM, int RZ, MinKind Min, typename S>
 __attribute__((noinline)) void wide_tile(const Operands<S>& op, int64_t m0, int64_t p0) {
-  constexpr int kGroupBytes = Bits == 4 ? kBlock / 2 * kLanes : kBlock * kLanes;
+  static_assert(Bits == 4 || Bits == 8, "wide tiles: 4 or 8 bits (int_qlinear takes 5 bits to `tile`)");
+  constexpr int kGroupBytes = kPanelGroupBytes<Bits>;
   constexpr int RP = 2 * RZ;
   constexpr bool kFloatMin = Min == kStoredMins || Min == kScaledMins;
   alignas(64) float acc[RM][RZ][2 * kLanes];
@@ -927,7 +959,9 @@ template <int Bits, typename S>
 void int_qlinear(const Operands<S>& op, float* silu_out = nullptr) {
   // the panels the tasks divide: all of them, or the gate's (each task also takes the same up panels)
   const int64_t panels = (op.N + kLanes - 1) / kLanes / (silu_out != nullptr ? 2 : 1);
-  const bool wide_enabled = wide_tiles_enabled();  // once, on the calling thread (tasks run on others)
+  // 5 bits take `tile` on every build: the wide tiles and AVX2's assembly are 4 and 8 bits only.
+  constexpr bool kWideBits = Bits != 5;
+  const bool wide_enabled = kWideBits && wide_tiles_enabled();  // once, on the calling thread (tasks run on others)
   const bool wide = kWide && op.M > 2 && wide_enabled;
   const bool few_wide = op.M <= kFewWideRows;  // the wide tiles' shape: 6 x 3 or 8 x 2 (above)
   const int64_t tile_rows = !wide ? kTileRows : few_wide ? kFewWideRows : kWideRows;
@@ -991,7 +1025,7 @@ void int_qlinear(const Operands<S>& op, float* silu_out = nullptr) {
       // One or two rows on the 512-bit tiles (a vector for each two panels; kDecodePanels = 2 *
       // kFewWideVectors, so tasks start on whole tiles either way). One row gained only once its sums ran in
       // two chains a panel (wide_tile's kSplit); docs/benchmarks.md has the figures.
-      if (wide_enabled) {
+      if constexpr (kWideBits) if (wide_enabled) {
         const auto wide_rows = [&](auto rows) {
           constexpr int RM = decltype(rows)::value, RP = 2 * kFewWideVectors;
           for (int64_t p0 = p_begin; p0 < p_end; p0 += RP) {
@@ -1011,7 +1045,7 @@ void int_qlinear(const Operands<S>& op, float* silu_out = nullptr) {
       return;
     }
 #if defined(PAGEDSERVE_HAS_WIDE_TILES)
-    if (wide) {  // two panels a vector; a last odd panel on the 8-lane tile
+    if constexpr (kWideBits) if (wide) {  // two panels a vector; a last odd panel on the 8-lane tile
       const auto tiles = [&](auto rows, auto vectors) {  // RM x RZ wide tiles over the task
         constexpr int RM = decltype(rows)::value, RZ = decltype(vectors)::value, RP = 2 * RZ;
         for (int64_t p0 = p_begin; p0 < p_end; p0 += RP) {
@@ -1110,16 +1144,16 @@ void int_qlinear(const Operands<S>& op, float* silu_out = nullptr) {
   }
 }
 
-// x (M, K) float32 or bfloat16; qweight (P, K/32, 128) uint8 (4 bits) or (P, K/32, 256) int8
-// (8 bits), P = ceil(N / 8) panels; scales, mins (P, K/group_size, 8) float32 or float16
-// (mins only for asymmetric 4 bits; or none, and min = scale * min_per_scale, a power of two
-// such as Q4_0's -8, which reads a sixth fewer bytes a weight); bias (N,) -> (M, N) in x's dtype.
+// x (M, K) float32 or bfloat16; qweight (P, K/32, 128) uint8 (4 bits), (P, K/32, 160) uint8 (5 bits)
+// or (P, K/32, 256) int8 (8 bits), P = ceil(N / 8) panels; scales, mins (P, K/group_size, 8) float32
+// or float16 (mins only for 4 and 5 bits; or none, and min = scale * min_per_scale, a power of two
+// such as Q4_0's -8 or Q5_0's -16, which reads fewer bytes a weight); bias (N,) -> (M, N) in x's dtype.
 // With silu_mul: x float32, N = 2I a multiple of 16 ([gate | up]) -> silu(gate) * up (M, I) in float32.
 at::Tensor qlinear(
     const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
     const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias, int64_t bits,
     int64_t group_size, int64_t N, double min_per_scale, bool silu_mul) {
-  TORCH_CHECK(bits == 4 || bits == 8, "quant_linear: bits must be 4 or 8");
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "quant_linear: bits must be 4, 5 or 8");
   TORCH_CHECK(!silu_mul || (x.scalar_type() == at::kFloat && N % (2 * kLanes) == 0),
               "quant_linear_silu_mul: x float32, out_features a multiple of 16 ([gate | up])");
   TORCH_CHECK(x.dim() == 2 && qweight.dim() == 3 && scales.dim() == 3, "quant_linear: x 2-D, panelled weights 3-D");
@@ -1127,18 +1161,19 @@ at::Tensor qlinear(
   TORCH_CHECK(K % kBlock == 0 && group_size % kBlock == 0 && K % group_size == 0,
               "quant_linear: K and group_size must be multiples of 32, K of group_size");
   TORCH_CHECK(N > 0 && (N + kLanes - 1) / kLanes == P, "quant_linear: ", P, " panels do not hold ", N, " columns");
-  TORCH_CHECK(qweight.size(1) == K / kBlock && qweight.size(2) == (bits == 4 ? 128 : 256) && qweight.is_contiguous() &&
-              qweight.element_size() == 1, "quant_linear: qweight must be (panels, K/32, ", bits == 4 ? 128 : 256,
+  const int64_t group_bytes = bits == 4 ? kPanelGroupBytes<4> : bits == 5 ? kPanelGroupBytes<5> : kPanelGroupBytes<8>;
+  TORCH_CHECK(qweight.size(1) == K / kBlock && qweight.size(2) == group_bytes && qweight.is_contiguous() &&
+              qweight.element_size() == 1, "quant_linear: qweight must be (panels, K/32, ", group_bytes,
               ") bytes, K of x");
   TORCH_CHECK(scales.size(0) == P && scales.size(1) == K / group_size && scales.size(2) == kLanes &&
               scales.is_contiguous() && (scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf),
               "quant_linear: scales must be float32 or float16 (panels, K/group_size, 8)");
   int exponent = 0;
-  TORCH_CHECK(min_per_scale == 0 || (bits == 4 && !mins.has_value() && std::fabs(std::frexp(min_per_scale, &exponent)) == 0.5),
-              "quant_linear: min_per_scale must be 0, or a power of two for 4 bits without mins");
+  TORCH_CHECK(min_per_scale == 0 || (bits != 8 && !mins.has_value() && std::fabs(std::frexp(min_per_scale, &exponent)) == 0.5),
+              "quant_linear: min_per_scale must be 0, or a power of two for 4 or 5 bits without mins");
   if (mins.has_value()) {
-    TORCH_CHECK(bits == 4 && mins->sizes() == scales.sizes() && mins->scalar_type() == scales.scalar_type() &&
-                mins->is_contiguous(), "quant_linear: mins must be like scales (4 bits only)");
+    TORCH_CHECK(bits != 8 && mins->sizes() == scales.sizes() && mins->scalar_type() == scales.scalar_type() &&
+                mins->is_contiguous(), "quant_linear: mins must be like scales (4 or 5 bits only)");
   }
   at::Tensor bias_f;
   if (bias.has_value()) {
@@ -1168,7 +1203,7 @@ at::Tensor qlinear(
   }
   float* const xsum = xscale + M * nb;
   // An integral min_per_scale (Q4_0's -8): folded into the integer sums, m * (sum of a block's xq).
-  // |sum of 32 (q + m) xq| <= 32 * 32767 * max(15 + m, -m): far inside int32.
+  // |sum of 32 (q + m) xq| <= 32 * 32767 * max(31 + m, -m): far inside int32.
   const bool fold = min_per_scale != 0 && std::fabs(min_per_scale) <= 64 && min_per_scale == std::trunc(min_per_scale);
   thread_local std::vector<int32_t> xmin_scratch;
   at::Tensor xmin_t;
@@ -1191,7 +1226,9 @@ at::Tensor qlinear(
                    K / group_size};
     op.out_stride = N;
     float* const silu_out = silu_mul ? out.data_ptr<float>() : nullptr;
-    if (bits == 4) int_qlinear<4>(op, silu_out); else int_qlinear<8>(op, silu_out);
+    if (bits == 4) int_qlinear<4>(op, silu_out);
+    else if (bits == 5) int_qlinear<5>(op, silu_out);
+    else int_qlinear<8>(op, silu_out);
   };
   if (scales.scalar_type() == at::kHalf) {
     run(scales.data_ptr<c10::Half>(), mins.has_value() ? mins->data_ptr<c10::Half>() : nullptr);
