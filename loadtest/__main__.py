@@ -61,7 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--url", required=True, help="server root, e.g. http://127.0.0.1:8000")
-    p.add_argument("--model", required=True, help="model name sent in each request")
+    p.add_argument("--model", help="model name sent in each request (required unless --models is given)")
+    p.add_argument(
+        "--models",
+        type=lambda text: [m.strip() for m in text.split(",") if m.strip()],
+        help="model names the requests take in turn (round-robin), e.g. a base model and its LoRA adapters: "
+        "base,sql,chat; the run is named by --model if given, else by these",
+    )
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="default: $OPENAI_API_KEY")
 
@@ -130,9 +136,12 @@ def _run(args: argparse.Namespace) -> int:
     if args.plot:
         require_matplotlib()  # fail before the run, not after it
 
+    if not args.model and not args.models:
+        raise ValueError("give --model, or --models to spread the requests over several names")
     config = BenchmarkConfig(
         url=args.url,
-        model=args.model,
+        model=args.model or ",".join(args.models),
+        models=tuple(args.models or ()),
         endpoint=args.endpoint,
         concurrency=concurrency[0],
         request_rate=rates[0],

@@ -17,6 +17,9 @@ class BenchmarkConfig:
     url: str  # server root, e.g. http://127.0.0.1:8000 (a trailing /v1 is accepted)
     model: str
     endpoint: str = "completions"
+    # Names the requests take in turn, request i the (i mod n)-th (a base model and its LoRA
+    # adapters, say); empty: every request names `model`.
+    models: tuple[str, ...] = ()
 
     # Load shape. `concurrency` caps requests in flight (closed loop);
     # `request_rate` paces arrivals (open loop, req/s, inf = all at once);
@@ -51,6 +54,10 @@ class BenchmarkConfig:
     server_metrics: bool = True  # scrape /metrics before and after, if the server has it
     idle_timeout: float = 10.0  # seconds to wait for the server's gauges to settle
     progress: bool = False
+
+    def model_for(self, index: int) -> str:
+        """The model name request `index` sends."""
+        return self.models[index % len(self.models)] if self.models else self.model
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):

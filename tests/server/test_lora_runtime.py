@@ -2,6 +2,7 @@
 what a loaded adapter generates, what every bad load answers, and that running streams never notice."""
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import threading
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from engine.async_engine import AsyncEngine
+from loadtest import BenchmarkConfig, run_benchmark
 from engine.config import EngineConfig
 from models.loader import load_model
 from server.app import create_app
@@ -180,6 +182,16 @@ def test_streams_run_through_loads_and_unloads_unchanged(server, root):
         t.join(60)
     assert got == alone
     assert in_use.status_code == 409 and in_use.json()["error"]["code"] == "lora_in_use"
+
+
+def test_loadtest_spreads_its_requests_over_the_adapters(server):
+    before = server.metric("pagedserve:lora_requests_total", 'lora_name="resident"')
+    config = BenchmarkConfig(url=server.url, model="", models=(MODEL_NAME, "resident"), num_requests=6,
+                             concurrency=3, input_len=8, output_len=4, ignore_eos=True, api_key=KEY,
+                             idle_timeout=10.0)
+    summary = asyncio.run(run_benchmark(config))["summary"]
+    assert (summary["completed"], summary["failed"]) == (6, 0)
+    assert server.metric("pagedserve:lora_requests_total", 'lora_name="resident"') - before == 3
 
 
 def test_metrics_show_the_adapters(server):
