@@ -90,3 +90,12 @@ def test_an_adapter_outside_the_lora_root_stops_the_server(tiny_model_dir, adapt
                           "--lora-root", str(tmp_path), "--lora-modules", f"tuned={adapter}"],
                          cwd=REPO, capture_output=True, text=True, timeout=300)
     assert_one_line_refusal(out, ["LoRA adapter 'tuned'", "outside --lora-root"])
+
+
+@pytest.mark.parametrize(("flags", "max_loras"), [([], 0), (["--enable-lora-runtime-updates"], 1),
+                                                 (["--lora-modules", "a=x", "b=y"], 2),
+                                                 (["--enable-lora-runtime-updates", "--max-loras", "4"], 4)])
+def test_max_loras_defaults_to_the_adapters_given(flags, max_loras):
+    from server.__main__ import build_parser, engine_config
+
+    assert engine_config(build_parser().parse_args(["--model", "m", *flags])).max_loras == max_loras
