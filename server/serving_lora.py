@@ -37,14 +37,18 @@ class UnloadLoRAAdapterRequest(BaseModel):
     lora_int_id: int | None = None  # vLLM's clients may send it; names are what identify adapters here
 
 
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
 def outside_root(path: str, root: str | None) -> str | None:
-    """Why `path` may not be read under --lora-root `root` (None: it may): it must resolve,
-    symlinks followed, to `root` or below it."""
+    """Why `path` may not be read under --lora-root `root` (None: it may): it, and the adapter
+    files in it, must resolve (symlinks followed) to `root` or below it."""
     if root is None:
         return None
-    real, real_root = os.path.realpath(path), os.path.realpath(root)
-    if os.path.commonpath([real, real_root]) != real_root:
-        return f"lora_path {path!r} resolves outside --lora-root {root!r}"
+    real_root = os.path.realpath(root)
+    for candidate in (path, *(os.path.join(path, name) for name in ADAPTER_FILES)):
+        if os.path.commonpath([os.path.realpath(candidate), real_root]) != real_root:
+            return f"lora_path {path!r} resolves outside --lora-root {root!r}"
     return None
 
 
@@ -55,6 +59,8 @@ async def _parse(request: Request, model_cls: type[Any]) -> tuple[ServerState, A
                        "--enable-lora-runtime-updates.", code="lora_updates_disabled")
     raw = await read_body(request, state.max_body_bytes)
     engine = state.require_engine()
+    if not engine.is_running:
+        raise APIError(503, "The engine has stopped; no adapter can be loaded or unloaded.", code="engine_stopped")
     return state, engine, parse_body(raw, model_cls)
 
 
@@ -71,7 +77,9 @@ async def load_lora_adapter(request: Request) -> Response:
         raise invalid(problem, param="lora_path", code="lora_path_outside_root")
     try:
         with anyio.CancelScope(shield=True):  # a client gone mid-load must not leave the names behind the engine
-            await engine.load_lora_adapter(name, body.lora_path)
+            # Read from the path as checked: a symlink changed meanwhile does not lead elsewhere.
+            path = os.path.realpath(body.lora_path) if state.lora_root is not None else body.lora_path
+            await engine.load_lora_adapter(name, path)
             state.lora_names = (*state.lora_names, name)
     except LoRANameTakenError as exc:  # loaded by a request that came in meanwhile
         raise APIError(409, str(exc), param="lora_name", code="lora_name_taken") from None

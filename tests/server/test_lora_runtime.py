@@ -141,6 +141,11 @@ def test_a_symlink_out_of_the_root_is_refused(server, root, tmp_path):
     (root / "link").symlink_to(tmp_path / "outside")
     response = load(server, "linked", root / "link")
     assert response.status_code == 400 and "outside --lora-root" in response.json()["error"]["message"]
+    (root / "inner_link").mkdir()  # a directory inside whose files lead out
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        (root / "inner_link" / name).symlink_to(tmp_path / "outside" / name)
+    response = load(server, "linked", root / "inner_link")
+    assert response.status_code == 400 and "outside --lora-root" in response.json()["error"]["message"]
 
 
 def test_loads_beyond_max_loras_are_refused(server, root):
