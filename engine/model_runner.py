@@ -82,9 +82,7 @@ class ModelRunner:
         self.lora_slots = self.lora.slots
         self.lora_dtype = loaded.config.dtype  # an adapter's weights, as PEFT loads them
         self.max_lora_rank = config.max_lora_rank
-        if config.lora_modules:
-            if ranks is not None:
-                raise ValueError("LoRA adapters under tensor parallelism are not supported")
+        if config.lora_modules:  # under tensor parallelism every rank attaches its part of each
             for name, slot in add_lora_adapters(self.model, dict(config.lora_modules), config.max_lora_rank,
                                                 self.lora_dtype).items():
                 assert self.lora.add(name) == slot  # both number them 1.. in order

@@ -512,6 +512,83 @@ def _check_dequantizable(qtype: GGMLQuantizationType, name: str, path: Path) -> 
                         "gguf package cannot dequantize") from None
 
 
+# LoRA adapters as llama.cpp's convert_lora_to_gguf.py writes them (served by models/layers/lora.py):
+# general.type "adapter", adapter.type "lora", adapter.lora.alpha, and per adapted weight W of the
+# base (GGUF-named: blk.N.attn_q.weight) W.lora_a (r, in) and W.lora_b (out, r), in the base file's
+# row order (llama's Q/K rows permuted, as in the base model's own file).
+_LORA_TYPE_KEY, _LORA_ALPHA_KEY = "adapter.type", "adapter.lora.alpha"
+_ALORA_KEY = "adapter.alora.invocation_tokens"
+
+
+def read_lora_gguf(path: str | os.PathLike) -> tuple[str, float, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """-> (GGUF architecture, alpha, base weight name -> (lora_a, lora_b) in float32) of a LoRA GGUF;
+    GGUFError naming the file and the problem for any other GGUF (a model, another adapter type)."""
+    path = Path(path)
+    reader = _open(path)
+    file_type = _field(reader, "general.type", None)
+    if file_type != "adapter":
+        raise GGUFError(f"{path}: general.type is {file_type!r}, not 'adapter': this GGUF is not a LoRA adapter")
+    adapter_type = _field(reader, _LORA_TYPE_KEY, None)
+    if adapter_type != "lora":
+        raise GGUFError(f"{path}: {_LORA_TYPE_KEY} is {adapter_type!r}, only 'lora' adapters are supported")
+    if reader.get_field(_ALORA_KEY) is not None:
+        raise GGUFError(f"{path}: activated LoRA ({_ALORA_KEY}) is not supported")
+    arch = _field(reader, "general.architecture", None)
+    if arch not in supported_architectures():
+        raise GGUFError(f"{path}: adapter architecture {arch!r} is not supported "
+                        f"(supported: {', '.join(sorted(supported_architectures()))})")
+    alpha = _field(reader, _LORA_ALPHA_KEY, 0.0)
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+        raise GGUFError(f"{path}: {_LORA_ALPHA_KEY} must be a number, got {alpha!r}")
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for tensor in reader.tensors:
+        base, _, kind = tensor.name.rpartition(".")
+        if kind not in ("lora_a", "lora_b") or not base:
+            raise GGUFError(f"{path}: tensor {tensor.name!r} is not a LoRA weight (<weight>.lora_a / .lora_b)")
+        _check_dequantizable(tensor.tensor_type, tensor.name, path)
+        shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims fastest-first
+        array = dequantize(tensor.data, tensor.tensor_type).reshape(shape).astype(np.float32)
+        pairs.setdefault(base, {})[kind] = torch.from_numpy(np.array(array))
+    weights = {}
+    for base, pair in pairs.items():
+        if set(pair) != {"lora_a", "lora_b"}:
+            raise GGUFError(f"{path}: {base} has {next(iter(pair))} but not its pair")
+        weights[base] = (pair["lora_a"], pair["lora_b"])
+    if not weights:
+        raise GGUFError(f"{path}: the adapter holds no LoRA weights")
+    return arch, float(alpha), weights
+
+
+def gguf_architecture(config: PretrainedConfig) -> str | None:
+    """The GGUF architecture name of an HF config's model (what a LoRA GGUF for it declares); None
+    when we read no GGUF of that architecture."""
+    model_type = config.model_type
+    if model_type in ("deepseek_v2", "deepseek_v3"):
+        return "deepseek2"
+    arch = next((a for a, t in _MODEL_TYPES.items() if t == model_type), model_type)
+    return arch if arch in supported_architectures() else None
+
+
+def lora_target_names(arch: str, module_paths: list[str], num_layers: int) -> dict[str, str]:
+    """GGUF weight name (blk.N.attn_q.weight) -> HF module path, for the given module paths of a
+    model, from gguf-py's TensorNameMap (the converter's own table)."""
+    gguf_arch = next(key for key, name in MODEL_ARCH_NAMES.items() if name == arch)
+    names = get_tensor_name_map(gguf_arch, num_layers)
+    found = {}
+    for module_path in module_paths:
+        gguf_name = names.get_name(module_path)
+        if gguf_name is not None:
+            found[f"{gguf_name}.weight"] = module_path
+    return found
+
+
+def lora_b_rows(arch: str, config: PretrainedConfig, name: str, lora_b: torch.Tensor) -> torch.Tensor:
+    """lora_b (out, r) of GGUF weight `name` in the HF model's row order: the base weight's own
+    per-tensor fix (transformers' TensorProcessor: llama's Q/K rows) applied to B's rows."""
+    processed = _processor(config, arch).process(weights=lora_b.numpy(), name=name).weights
+    return torch.from_numpy(np.array(processed, dtype=np.float32))
+
+
 def load_tokenizer(path: Path, cache: Path | None = None, reader: GGUFReader | None = None) -> PreTrainedTokenizerBase:
     """transformers' tokenizer for a GGUF file, converted once and then read from the cache, where
     it is kept under a hash of the file's metadata (all that the conversion reads) and

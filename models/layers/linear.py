@@ -88,6 +88,8 @@ class Linear(nn.Module):
             out = self.quant_method.apply(self, x, self.bias, kernels)
             return out if self.lora is None else self.lora.apply(x, out, kernels.lora)
         partial = self.quant_method.apply(self, x, self.bias if self.tp.rank == 0 else None, kernels)
+        if self.lora is not None:  # this rank's columns of A: its share of B(A x), added up by the all-reduce
+            partial = self.lora.apply(x, partial, kernels.lora)
         return self.tp.all_reduce(partial) if self.reduce else partial
 
     forward = linear

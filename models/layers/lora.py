@@ -1,4 +1,5 @@
-"""LoRA adapters: PEFT directories read once, applied unmerged, a different adapter per row.
+"""LoRA adapters: PEFT directories (or llama.cpp LoRA GGUF files) read once, applied unmerged, a
+different adapter per row.
 
     y = base(x) + scale * B (A x)        A: (r, in), B: (out, r), scale = alpha / r (rsLoRA: alpha / sqrt(r))
 
@@ -19,11 +20,16 @@ output's rows, zeros where a projection is not adapted, so a merged layer is sti
     B_cat = [ B_q   0  ]   q rows      (out, r_q + r_v)
             [ 0     0  ]   k rows (not adapted)
             [ 0    B_v ]   v rows
+
+A LoRA GGUF (convert_lora_to_gguf.py's output) names its weights as the base model's GGUF does
+(blk.0.attn_q.weight.lora_a); they are renamed to the model's module paths by gguf-py's table when
+attached, and scaled as llama.cpp does: alpha / r (1 when alpha is 0).
 """
 from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,32 +39,42 @@ from torch import nn
 from models.layers.linear import Embedding, Linear, MergedLinear
 from models.layers.lora_weights import LoRAWeights
 
-TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# DeepSeek's MLA adds q_a_proj/q_b_proj (q through a low rank) and kv_a_proj_with_mqa (the latent and
+# the rope key); its kv_b_proj is never run as a layer (absorbed into the query and the output: mla.py).
+TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                  "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa")
+_REFUSED_MODULES = {"kv_b_proj": "MLA's kv_b_proj is absorbed into the query and output projections",
+                    "k_b_proj": "MLA's k_b is absorbed into the query", "v_b_proj": "MLA's v_b is absorbed into the output"}
 # PEFT options that change what an adapter computes: refused by name unless left at their defaults.
-_UNSUPPORTED_OPTIONS = ("modules_to_save", "use_dora", "fan_in_fan_out", "lora_bias", "rank_pattern", "alpha_pattern",
-                        "layers_to_transform", "layer_replication", "trainable_token_indices", "target_parameters",
-                        "megatron_config", "use_qalora", "use_bdlora", "arrow_config")
+_UNSUPPORTED_OPTIONS = ("modules_to_save", "use_dora", "fan_in_fan_out", "lora_bias", "layers_to_transform",
+                        "layer_replication", "trainable_token_indices", "megatron_config", "use_qalora", "use_bdlora",
+                        "arrow_config")
+_Pairs = dict[str, tuple[torch.Tensor, torch.Tensor]]  # module path (or GGUF weight name) -> (A, B)
 _PREFIX = "base_model.model."  # PEFT's names: base_model.model.<the HF model's module path>.lora_A.weight
 
 
 @dataclass(frozen=True)
 class LoRAAdapter:
-    """One PEFT adapter as read from its directory: per HF module path, (A, B)."""
+    """One adapter as read: per HF module path (a GGUF's: per GGUF weight name, `gguf_arch` its
+    architecture), (A, B)."""
 
     name: str
     path: str
     rank: int
     scale: float
-    weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    weights: _Pairs
+    gguf_arch: str | None = None
 
 
 def read_peft_adapter(name: str, path: str | Path, max_rank: int) -> LoRAAdapter:
-    """Read and check a PEFT LoRA directory (adapter_config.json + adapter_model.safetensors);
-    every problem is a ValueError naming the adapter and what is wrong."""
+    """Read and check a PEFT LoRA directory (adapter_config.json + adapter_model.safetensors), or a
+    LoRA GGUF file (read_gguf_adapter); every problem is a ValueError naming the adapter and what is wrong."""
     from safetensors.torch import load_file
 
     where = f"LoRA adapter {name!r} ({path})"
     directory = Path(path)
+    if directory.is_file():
+        return read_gguf_adapter(name, path, max_rank)
     config_file, tensors_file = directory / "adapter_config.json", directory / "adapter_model.safetensors"
     if not directory.is_dir():
         raise ValueError(f"{where}: no such directory")
@@ -74,6 +90,9 @@ def read_peft_adapter(name: str, path: str | Path, max_rank: int) -> LoRAAdapter
         raise ValueError(f"{where}: adapter_config.json is not a JSON object")
     if config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{where}: peft_type {config.get('peft_type')!r} is not supported (only LORA)")
+    if config.get("target_parameters"):  # what peft makes of gate/up/down_proj on fused MoE experts
+        raise ValueError(f"{where}: target_parameters={config['target_parameters']!r} is not supported "
+                         "(adapters on MoE experts' fused weights)")
     for option in _UNSUPPORTED_OPTIONS:
         if config.get(option):
             raise ValueError(f"{where}: {option}={config[option]!r} is not supported")
@@ -90,6 +109,9 @@ def read_peft_adapter(name: str, path: str | Path, max_rank: int) -> LoRAAdapter
     target_list = [targets] if isinstance(targets, str) else targets
     if not isinstance(target_list, list) or not target_list:
         raise ValueError(f"{where}: target_modules must name modules, got {targets!r}")
+    refused = [t for t in target_list if t in _REFUSED_MODULES]
+    if refused:
+        raise ValueError(f"{where}: target module {refused[0]!r} is not supported ({_REFUSED_MODULES[refused[0]]})")
     unknown = [t for t in target_list if t not in TARGET_MODULES]
     if unknown:
         raise ValueError(f"{where}: target module(s) {', '.join(map(repr, unknown))} are not supported "
@@ -116,14 +138,79 @@ def read_peft_adapter(name: str, path: str | Path, max_rank: int) -> LoRAAdapter
         weights[module] = (a, b)
     if not weights:
         raise ValueError(f"{where}: adapter_model.safetensors holds no LoRA weights")
+    for option in ("rank_pattern", "alpha_pattern"):  # peft adds patterns for layers an adapter may not have
+        patterns = config.get(option) or {}
+        if not isinstance(patterns, dict):
+            raise ValueError(f"{where}: {option} must be an object, got {patterns!r}")
+        for pattern in patterns:  # matched as peft's get_pattern_key does
+            hit = next((m for m in weights if re.match(rf"(.*\.)?({pattern})$", m)), None)
+            if hit is not None:
+                raise ValueError(f"{where}: {option} {pattern!r} (matching {hit}) is not supported: "
+                                 "one rank and alpha for every layer")
     return LoRAAdapter(name, str(path), rank, float(scale), weights)
+
+
+def read_gguf_adapter(name: str, path: str | Path, max_rank: int) -> LoRAAdapter:
+    """Read and check a llama.cpp LoRA GGUF (models/gguf.py read_lora_gguf): one rank for every
+    weight, only weights of the layers TARGET_MODULES names; ValueErrors as read_peft_adapter's."""
+    from models.gguf import read_lora_gguf
+
+    where = f"LoRA adapter {name!r} ({path})"
+    try:
+        arch, alpha, pairs = read_lora_gguf(path)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    ranks = set()
+    for weight, (a, b) in pairs.items():
+        kind = weight.rpartition(".weight")[0].partition(".")[2].partition(".")[2]  # blk.N.<kind>.weight
+        if not weight.startswith("blk.") or kind not in _GGUF_TARGETS:
+            why = _GGUF_REFUSED.get(kind, f"supported: {', '.join(sorted(_GGUF_TARGETS))} of each blk.N")
+            raise ValueError(f"{where}: tensor {weight!r}: no LoRA on this weight ({why})")
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
+            raise ValueError(f"{where}: {weight}: lora_a {tuple(a.shape)} and lora_b {tuple(b.shape)} "
+                             "do not share a rank")
+        ranks.add(a.shape[0])
+    if len(ranks) != 1:
+        raise ValueError(f"{where}: weights of different ranks {sorted(ranks)} are not supported")
+    rank = ranks.pop()
+    if rank > max_rank:
+        raise ValueError(f"{where}: rank {rank} is above --max-lora-rank {max_rank}")
+    scale = alpha / rank if alpha else 1.0  # llama.cpp's: no alpha, no scaling
+    return LoRAAdapter(name, str(path), rank, float(scale), pairs, gguf_arch=arch)
+
+
+# GGUF names (gguf-py's TENSOR_NAMES) of the layers TARGET_MODULES names, and of those refused.
+_GGUF_TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
+                 "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "attn_q_a", "attn_q_b", "attn_kv_a_mqa")
+_GGUF_REFUSED = {"attn_kv_b": _REFUSED_MODULES["kv_b_proj"], "attn_k_b": _REFUSED_MODULES["k_b_proj"],
+                 "attn_v_b": _REFUSED_MODULES["v_b_proj"], "ffn_gate_exps": "adapters on MoE experts",
+                 "ffn_up_exps": "adapters on MoE experts", "ffn_down_exps": "adapters on MoE experts"}
+
+
+def _from_gguf(adapter: LoRAAdapter, model: nn.Module, module_paths: list[str]) -> _Pairs:
+    """A GGUF adapter's weights under the model's module paths, B in the model's row order."""
+    from models.gguf import gguf_architecture, lora_b_rows, lora_target_names
+
+    where = f"LoRA adapter {adapter.name!r} ({adapter.path})"
+    config = getattr(model, "hf_config", None)
+    base_arch = None if config is None else gguf_architecture(config)
+    if adapter.gguf_arch != base_arch:
+        raise ValueError(f"{where}: the adapter is for architecture {adapter.gguf_arch!r}, "
+                         f"the model is {base_arch or getattr(config, 'model_type', None)!r}")
+    names = lora_target_names(adapter.gguf_arch, module_paths, config.num_hidden_layers)
+    weights = {}
+    for weight, (a, b) in adapter.weights.items():
+        if weight not in names:
+            raise ValueError(f"{where}: the model has no layer for tensor {weight!r}")
+        weights[names[weight]] = (a, lora_b_rows(adapter.gguf_arch, config, weight, b))
+    return weights
 
 
 def add_lora_adapters(model: nn.Module, modules: dict[str, str], max_rank: int,
                       dtype: torch.dtype = torch.float32) -> dict[str, int]:
-    """Read each adapter (name -> PEFT directory) and attach it to the model's Linear layers, in
-    `dtype` (float32, or the model's dtype). Returns name -> slot. Everything is read and checked
-    before any layer changes: a bad adapter leaves the model as it was."""
+    """Read each adapter (name -> PEFT directory or LoRA GGUF file) and attach it to the model's
+    Linear layers, in `dtype` (float32, or the model's dtype). Returns name -> slot. Everything is
+    read and checked before any layer changes: a bad adapter leaves the model as it was."""
     prepared = [prepare_lora_adapter(model, read_peft_adapter(name, path, max_rank), dtype)
                 for name, path in modules.items()]
     slots = {}
@@ -160,23 +247,34 @@ def prepare_lora_adapter(model: nn.Module, adapter: LoRAAdapter, dtype: torch.dt
         elif isinstance(module, Linear) and not isinstance(module, Embedding):
             linears[path] = (module, None)
     name, path = adapter.name, adapter.path
+    weights = adapter.weights if adapter.gguf_arch is None else _from_gguf(adapter, model, list(linears))
     per_layer: dict[int, tuple[Linear, list[tuple[str | None, torch.Tensor, torch.Tensor]]]] = {}
-    for module_path, (a, b) in adapter.weights.items():
+    for module_path, (a, b) in weights.items():
         if ".experts." in module_path:  # an expert sees some rows of the step: not the batch's rows
             raise ValueError(f"LoRA adapter {name!r} ({path}): adapters on MoE experts ({module_path}) "
                              "are not supported")
         if module_path not in linears:
             raise ValueError(f"LoRA adapter {name!r} ({path}): the model has no layer {module_path}")
         layer, shard = linears[module_path]
-        if layer.tp.enabled:
-            raise ValueError(f"LoRA adapter {name!r}: adapters under tensor parallelism are not supported")
-        out = layer.shard_sizes[shard] if shard is not None else layer.out_features
-        if a.shape[1] != layer.in_features or b.shape[0] != out:
+        out = layer.checkpoint_shard_sizes[shard] if shard is not None else layer.checkpoint_out_features
+        if a.shape[1] != layer.checkpoint_in_features or b.shape[0] != out:
             raise ValueError(f"LoRA adapter {name!r} ({path}): {module_path}: lora_A {tuple(a.shape)} and "
-                             f"lora_B {tuple(b.shape)} do not fit the layer ({out} x {layer.in_features})")
+                             f"lora_B {tuple(b.shape)} do not fit the layer ({out} x {layer.checkpoint_in_features})")
+        a, b = _rank_part(layer, shard, a, b)
         per_layer.setdefault(id(layer), (layer, []))[1].append((shard, a, b))
     return PreparedLoRA(name, tuple((layer, _stack(layer, parts, adapter.scale, dtype))
                                     for layer, parts in per_layer.values()))
+
+
+def _rank_part(layer: Linear, shard: str | None, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """This tensor-parallel rank's part of (A, B): a column-parallel layer's rows of B, as of its
+    weight; a row-parallel layer's columns of A, B whole (each rank adds its share of B(A x) to its
+    partial sum, which the all-reduce adds up). The whole of both without tensor parallelism."""
+    if layer.parallel == "row":
+        return a[:, layer.in_part], b
+    if isinstance(layer, MergedLinear) and shard is not None:
+        return a, b[layer.shard_parts[shard]]
+    return a, b[layer.out_part]
 
 
 def remove_lora_adapter(model: nn.Module, slot: int) -> None:

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from models.layers import cpu_kernels
+
 
 @dataclass(frozen=True)
 class LoRABatch:
@@ -46,8 +48,14 @@ class LoRAWeights:
             if found is None:  # this adapter leaves the layer alone
                 continue
             a, b, scale = found
-            x_rows = x[rows].to(a.dtype)  # (num_rows, in)
-            delta = ((x_rows @ a.t()) @ b.t()) * scale  # (num_rows, out), PEFT's order: B(A x) * scale
+            if x.device.type == "cpu" and cpu_kernels.available():
+                # Each row summed in an order of its own: an adapter's row is the same whatever the
+                # step's size (speculative verification, batching), as the base layers' rows are.
+                hidden = cpu_kernels.rows_matmul(x[rows], a, kn=False)  # (num_rows, R) float32
+                delta = cpu_kernels.rows_matmul(hidden, b, kn=False) * scale  # PEFT's order: B(A x) * scale
+            else:
+                x_rows = x[rows].to(a.dtype)  # (num_rows, in)
+                delta = ((x_rows @ a.t()) @ b.t()) * scale  # (num_rows, out), PEFT's order: B(A x) * scale
             if isinstance(rows, slice):
                 out[rows] += delta.to(out.dtype)
             else:

@@ -38,7 +38,7 @@ def make_adapter(arch: str, path, seed: int, targets=ALL_TARGETS, r: int = 4, al
     return str(path)
 
 
-@functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=8)
 def reference_model(arch: str, adapter: str | None):
     model = make_hf_model(arch)
     return model if adapter is None else peft.PeftModel.from_pretrained(model, adapter).eval()
@@ -69,7 +69,8 @@ def check(result, expected: tuple[list[int], list[float]]) -> None:
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
 def served(request, tmp_path_factory):
-    """A checkpoint and three adapters of one architecture: all targets; rsLoRA on a subset; q/v only."""
+    """A checkpoint and four adapters of one architecture: all targets; rsLoRA on a subset; q/v only;
+    gate/up only."""
     arch = request.param
     root = tmp_path_factory.mktemp(f"lora-{arch}")
     checkpoint = save_checkpoint(make_hf_model(arch), root / "base")
@@ -78,6 +79,7 @@ def served(request, tmp_path_factory):
         "rs": make_adapter(arch, root / "rs", seed=2, targets=["k_proj", "o_proj", "up_proj", "down_proj"], r=8,
                            alpha=4, use_rslora=True),
         "qv": make_adapter(arch, root / "qv", seed=3, targets=["q_proj", "v_proj"], r=2, alpha=16),
+        "gu": make_adapter(arch, root / "gu", seed=6, targets=["gate_proj", "up_proj"], r=4, alpha=8),
     }
     return arch, str(checkpoint), adapters
 
