@@ -8,6 +8,8 @@ import json
 import math
 import os
 import sys
+from collections.abc import Callable
+from typing import TypeVar
 
 from loadtest.benchmark import run_benchmark, run_sweep
 from loadtest.config import BenchmarkConfig
@@ -31,10 +33,13 @@ EXAMPLES = """examples:
 """
 
 
-def _number_list(kind):
+_Number = TypeVar("_Number", int, float)
+
+
+def _number_list(kind: Callable[[str], _Number]) -> Callable[[str], list[_Number]]:
     """'4' -> [4]; '1,4,16' -> [1, 4, 16] (a sweep)."""
 
-    def parse(text: str) -> list:
+    def parse(text: str) -> list[_Number]:
         try:
             return [kind(part) for part in text.split(",") if part.strip()]
         except ValueError as e:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +34,7 @@ SHAPES = {
 BLOCK_SIZE = 16
 
 
-def best_ms(fn, repeats: int, clock=time.perf_counter) -> float:
+def best_ms(fn: Callable[[], object], repeats: int, clock: Callable[[], float] = time.perf_counter) -> float:
     fn()
     times = []
     for _ in range(repeats):
@@ -44,11 +45,13 @@ def best_ms(fn, repeats: int, clock=time.perf_counter) -> float:
     return min(times) * 1e3
 
 
-def attention_case(shape, query_lens, seq_lens, gen):
+def attention_case(shape: tuple[int, ...], query_lens: list[int], seq_lens: list[int],
+                   gen: torch.Generator) -> Callable[[], torch.Tensor]:
     """A closure running one step's paged_attention: sequence i has query_lens[i] new tokens
     at the end of its seq_lens[i]; its earlier tokens sit in the cache already."""
     num_heads, num_kv_heads, head_dim = shape[:3]
-    tables, next_block = [], 0
+    tables: list[list[int]] = []
+    next_block = 0
     for n in seq_lens:
         used = -(-n // BLOCK_SIZE)
         tables.append(list(range(next_block, next_block + used)))
@@ -61,7 +64,8 @@ def attention_case(shape, query_lens, seq_lens, gen):
     return lambda: paged_attention(q, k, v, cache, meta, head_dim**-0.5)
 
 
-def linear_case(shape, tokens, gen):
+def linear_case(shape: tuple[int, int, int, int, int], tokens: int,
+                gen: torch.Generator) -> Callable[[], list[torch.Tensor]]:
     num_heads, num_kv_heads, head_dim, hidden, inter = shape
     weights = [torch.randn(n, k, generator=gen) * 0.02 for n, k in (
         ((num_heads + 2 * num_kv_heads) * head_dim, hidden), (hidden, num_heads * head_dim),

@@ -14,8 +14,17 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
 from loadtest.compare import cpu_description
+
+if TYPE_CHECKING:
+    import llguidance
+    import xgrammar
+    from transformers import PreTrainedTokenizerBase
+
+_Matcher = TypeVar("_Matcher")
 
 SCHEMAS = {
     "pattern": ({"type": "object", "properties": {
@@ -39,7 +48,8 @@ def _report(name: str, setup_s: float, rows: list[tuple[str, float, list[float],
               f"{1e6 * statistics.median(steps):.0f} us, max {1e6 * max(steps):.0f} us{'' if ok else ', REJECTED'}")
 
 
-def _rows(tokenizer, compile_schema, step) -> list[tuple[str, float, list[float], bool]]:
+def _rows(tokenizer: PreTrainedTokenizerBase, compile_schema: Callable[[str], _Matcher],
+          step: Callable[[_Matcher, int], bool]) -> list[tuple[str, float, list[float], bool]]:
     """Per schema: compile_schema(schema) -> matcher, timed; then step(matcher, token) -> accepted,
     timed for each token of the instance."""
     rows = []
@@ -47,7 +57,8 @@ def _rows(tokenizer, compile_schema, step) -> list[tuple[str, float, list[float]
         start = time.perf_counter()
         matcher = compile_schema(json.dumps(schema))
         compile_s = time.perf_counter() - start
-        steps, ok = [], True
+        steps: list[float] = []
+        ok = True
         for token in tokenizer.encode(json.dumps(instance), add_special_tokens=False):
             start = time.perf_counter()
             ok = step(matcher, token)
@@ -58,17 +69,20 @@ def _rows(tokenizer, compile_schema, step) -> list[tuple[str, float, list[float]
     return rows
 
 
-def llguidance_rows(tokenizer, vocab_size: int) -> None:
+def llguidance_rows(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> None:
     import llguidance
     import llguidance.hf
     import llguidance.torch
+    from transformers import PreTrainedTokenizerFast
 
+    if not isinstance(tokenizer, PreTrainedTokenizerFast):
+        raise TypeError(f"llguidance needs a fast tokenizer, not {type(tokenizer).__name__}")
     start = time.perf_counter()
     view = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
     setup = time.perf_counter() - start
     mask = llguidance.torch.allocate_token_bitmask(1, vocab_size)
 
-    def step(matcher, token: int) -> bool:
+    def step(matcher: llguidance.LLMatcher, token: int) -> bool:
         llguidance.torch.fill_next_token_bitmask(matcher, mask, 0)
         return matcher.consume_token(token)
 
@@ -76,7 +90,7 @@ def llguidance_rows(tokenizer, vocab_size: int) -> None:
     _report("llguidance", setup, _rows(tokenizer, compile_schema, step))
 
 
-def xgrammar_rows(tokenizer, vocab_size: int) -> None:
+def xgrammar_rows(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> None:
     import xgrammar
 
     start = time.perf_counter()
@@ -84,7 +98,7 @@ def xgrammar_rows(tokenizer, vocab_size: int) -> None:
     setup = time.perf_counter() - start
     mask = xgrammar.allocate_token_bitmask(1, vocab_size)
 
-    def step(matcher, token: int) -> bool:
+    def step(matcher: xgrammar.GrammarMatcher, token: int) -> bool:
         matcher.fill_next_token_bitmask(mask, 0)
         return matcher.accept_token(token)
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 import argparse
 import random
 import tempfile
+from typing import Any
 
-SHAPES = {
+SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     # name: (transformers arch, config): the KV-relevant shapes of the released models.
     "gemma3-1b": ("gemma3", dict(num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
                                  sliding_window=512, query_pre_attn_scalar=256,
@@ -80,6 +81,8 @@ def main(argv: list[str] | None = None) -> None:
             core.step()
             if core.scheduler.running:  # after a decode step (the window released), before it finishes
                 held = [bm.num_held_blocks(g) for g in range(len(layout.windows))]
+        if held is None:
+            raise RuntimeError(f"{num_tokens} tokens: the request finished without a decode step to measure")
         block_bytes = spec.bytes_per_entry * args.block_size
         ours = sum(held) * layout.num_slots * block_bytes
         # The same tokens (the prompt and the first token computed) in one table for every layer.

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +41,7 @@ def linear_shapes(name: str) -> tuple[list[tuple[int, int]], int]:
     return shapes, s.num_layers
 
 
-def best_ms(fn, repeats: int, stat: str = "best") -> float:
+def best_ms(fn: Callable[[], object], repeats: int, stat: str = "best") -> float:
     fn()
     times = []
     for _ in range(repeats):
@@ -86,14 +87,15 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {rows} | " + " | ".join(cells) + " |", flush=True)
 
 
-def _torch_int4(w: torch.Tensor):
+def _torch_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     q = Q.quantize_int4(w)  # w = s q + m  ->  torch's (q - 8) * s + z with z = m + 8 s
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(Q.unpack_int4(q.qweight, w.shape[1]).int(), 1)
+    assert q.mins is not None  # int4 keeps a min per group
     zeros = q.mins + 8 * q.scales
     return packed, torch.stack((q.scales, zeros), -1).transpose(0, 1).contiguous().bfloat16(), w.shape[1]
 
 
-def _torch_int8(w: torch.Tensor):
+def _torch_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s = w.abs().amax(1) / 127
     return torch.round(w / s[:, None]).to(torch.int8), s.bfloat16()
 

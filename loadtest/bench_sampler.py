@@ -11,6 +11,7 @@ call of each and their ratio.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from unittest import mock
@@ -24,11 +25,11 @@ from models.layers import cpu_kernels
 
 VOCAB = 49152
 SETTINGS = {
-    "t=0.8": dict(temperature=0.8),
-    "t=0.8 top_p=0.95": dict(temperature=0.8, top_p=0.95),
-    "t=0.8 top_k=50 top_p=0.9": dict(temperature=0.8, top_k=50, top_p=0.9),
-    "t=0.8 min_p=0.05": dict(temperature=0.8, min_p=0.05),
-    "t=0.8 logprobs=1": dict(temperature=0.8, logprobs=1),
+    "t=0.8": SamplingParams(temperature=0.8),
+    "t=0.8 top_p=0.95": SamplingParams(temperature=0.8, top_p=0.95),
+    "t=0.8 top_k=50 top_p=0.9": SamplingParams(temperature=0.8, top_k=50, top_p=0.9),
+    "t=0.8 min_p=0.05": SamplingParams(temperature=0.8, min_p=0.05),
+    "t=0.8 logprobs=1": SamplingParams(temperature=0.8, logprobs=1),
 }
 
 
@@ -48,10 +49,10 @@ def main(argv: list[str] | None = None) -> None:
     for name, knobs in SETTINGS.items():
         for rows in args.rows:
             logits = torch.randn(rows, VOCAB, generator=gen) * 3
-            params = [SamplingParams(seed=i, max_tokens=16, **knobs) for i in range(rows)]
+            params = [dataclasses.replace(knobs, seed=i, max_tokens=16) for i in range(rows)]
             generators = [torch.Generator().manual_seed(i) for i in range(rows)]
 
-            def call():
+            def call() -> sampler.SamplerOutput:
                 batch = sampler.SamplingBatch.from_params(params, [[1, 2, 3]] * rows, [[4, 5]] * rows, generators,
                                                           VOCAB, "cpu")
                 return sampler.sample(logits, batch)

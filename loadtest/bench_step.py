@@ -35,6 +35,7 @@ from typing import Callable
 
 import torch
 
+from models.causal_lm import CausalLM
 from models.layers.attention import AttentionMetadata
 from models.layers.linear import Embedding, Linear
 from models.layers.quantization import QUANTIZATIONS
@@ -60,11 +61,12 @@ def timeit(
 class Batch:
     """Decodes (or one prefill) over random contexts in a paged cache, as the runner would build them."""
 
-    def __init__(self, query_lens: list[int], seq_lens: list[int], num_blocks: int, device, seed: int = 0):
+    def __init__(self, query_lens: list[int], seq_lens: list[int], num_blocks: int,
+                 device: torch.device | str, seed: int = 0):
         rng = random.Random(seed)
         free = list(range(num_blocks))
         rng.shuffle(free)  # scattered blocks, like a cache that has been in use for a while
-        self.block_tables = []
+        self.block_tables: list[list[int]] = []
         for s in seq_lens:
             need = (s + BLOCK_SIZE - 1) // BLOCK_SIZE
             self.block_tables.append([free.pop() for _ in range(need)])
@@ -78,7 +80,7 @@ class Batch:
         return AttentionMetadata.build(self.query_lens, self.seq_lens, self.block_tables, BLOCK_SIZE, self.device)
 
 
-def linear_layers(model: torch.nn.Module) -> list[Linear]:
+def linear_layers(model: CausalLM) -> list[Linear]:
     """Every linear layer the forward runs, in order (the embedding and logits excluded)."""
     return [m for m in model.model.modules() if isinstance(m, Linear) and not isinstance(m, Embedding)]
 
@@ -94,11 +96,12 @@ def op_profile(fn: Callable[[], object], runs: int, top: int = 12) -> str:
                      f"{e.count / runs:>8.0f} calls" for e in events[:top])
 
 
-def matmul_baseline(linears: list[Linear], rows: int, repeats: int, clock, dtype, device) -> tuple[float, float]:
+def matmul_baseline(linears: list[Linear], rows: int, repeats: int, clock: Callable[[], float], dtype: torch.dtype,
+                    device: torch.device) -> tuple[float, float]:
     """Time of multiplying `rows` rows by each of `linears`, as their methods do."""
     x_by_in = {m.in_features: torch.randn(rows, m.in_features, dtype=dtype, device=device) for m in linears}
 
-    def run():
+    def run() -> None:
         for m in linears:
             m.linear(x_by_in[m.in_features])
 
@@ -143,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     logits_layer = model.model.embed_tokens if model.lm_head is None else model.lm_head
     dtype = loaded.config.dtype
 
-    def baseline(linears, rows, repeats):
+    def baseline(linears: list[Linear], rows: int, repeats: int) -> tuple[float, float]:
         return matmul_baseline(linears, rows, repeats, clock, dtype, device)
 
     print(f"model {args.model} {loaded.config.dtype} weights {loaded.quantization}, KV cache {cache_dtype}, threads {torch.get_num_threads()}, repeats {args.repeats}, "

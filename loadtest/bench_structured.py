@@ -19,6 +19,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -32,7 +33,7 @@ ITEMS = {"type": "object", "properties": {
     "required": ["name", "age", "tags"], "additionalProperties": False}
 LONG = {"type": "array", "items": ITEMS, "minItems": 50}
 # The shapes the tests use: flat, nested, enums, patterns, bounded numbers.
-SCHEMAS = {
+SCHEMAS: dict[str, dict[str, Any]] = {
     "flat (3 fields)": ITEMS,
     "nested + pattern": {"type": "object", "properties": {
         "user": {"type": "object", "properties": {"id": {"type": "integer"}, "email": {
@@ -52,7 +53,8 @@ def compile_times(model: str, repeats: int) -> dict:
     compiler = GrammarCompiler(loaded.tokenizer, loaded.config.vocab_size, loaded.config.eos_token_ids)
     start = time.perf_counter()
     compiler._tokenizer()
-    result = {"tokenizer_init_ms": 1000 * (time.perf_counter() - start), "compile_ms_p50": {}}
+    compile_ms_p50: dict[str, float] = {}
+    result = {"tokenizer_init_ms": 1000 * (time.perf_counter() - start), "compile_ms_p50": compile_ms_p50}
     for name, schema in SCHEMAS.items():
         times = []
         for _ in range(repeats):  # a fresh description each time: never a cache hit
@@ -60,7 +62,7 @@ def compile_times(model: str, repeats: int) -> dict:
             start = time.perf_counter()
             compiler.compile(spec)
             times.append(1000 * (time.perf_counter() - start))
-        result["compile_ms_p50"][name] = statistics.median(times)
+        compile_ms_p50[name] = statistics.median(times)
     return result
 
 
@@ -77,7 +79,7 @@ def ttft_ms(url: str, schema: dict | None) -> float:
     raise RuntimeError("no token came back")
 
 
-def throughput(url: str, args, tokenizer_dir: str, extra_body: dict | None) -> dict:
+def throughput(url: str, args: argparse.Namespace, tokenizer_dir: str, extra_body: dict | None) -> dict:
     """One run of the load (the same prompts every run, so both arms do the same work), its prompts
     computed afresh: a `cache_salt` of the run's own keeps the previous runs' prefix-cache blocks
     from serving them (without it every run after the first skipped prefill)."""

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="auto")
     args = p.parse_args(argv)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     results = {}
     for size in (1, args.tensor_parallel_size):
         with LLM(args.model, dtype=args.dtype, tensor_parallel_size=size, num_threads=max(1, cores // size),

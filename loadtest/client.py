@@ -12,6 +12,7 @@ import contextlib
 import enum
 import itertools
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import httpx
@@ -150,7 +151,9 @@ STALE_CONNECTION_RETRIES = 2
 
 
 @contextlib.asynccontextmanager
-async def _stream(client: httpx.AsyncClient, url: str, payload: dict, record: RequestRecord):
+async def _stream(
+    client: httpx.AsyncClient, url: str, payload: dict, record: RequestRecord
+) -> AsyncIterator[httpx.Response]:
     for attempt in range(STALE_CONNECTION_RETRIES + 1):
         async with contextlib.AsyncExitStack() as stack:
             try:

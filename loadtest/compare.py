@@ -39,6 +39,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -122,7 +123,7 @@ def stop_server(process: subprocess.Popen, timeout: float = 60.0) -> None:
         process.wait()
 
 
-def server_commands(args, port: int, threads: int | None = None) -> dict[str, list[str]]:
+def server_commands(args: argparse.Namespace, port: int, threads: int | None = None) -> dict[str, list[str]]:
     """Each server's command line, both with `threads` threads (None: all cores)."""
     commands = {
         "pagedserve": [
@@ -179,7 +180,8 @@ def merge_rounds(rounds: list[dict]) -> dict:
     return merged
 
 
-def measure(commands: dict[str, list[str]], args, tokenizer_dir: str, threads: int | None = None) -> list[dict]:
+def measure(commands: dict[str, list[str]], args: argparse.Namespace, tokenizer_dir: str,
+            threads: int | None = None) -> list[dict]:
     """Run each concurrency on one server and at once on the other (side_by_side), alternating which
     goes first: the two figures of a row come minutes closer than whole runs one after the other,
     and a shared machine's speed drifts over minutes (by a third between runs minutes apart). With --rounds N, all of that N times on servers started afresh each round (a
@@ -188,8 +190,9 @@ def measure(commands: dict[str, list[str]], args, tokenizer_dir: str, threads: i
     which server goes first alternating from round to round too, each round its own prompts (the
     same for both servers: a prompt of an earlier round would come from a prefix cache), and each
     figure the median of its N. One result per server, in the order given."""
-    results = {name: {"server": name, "threads": threads or os.cpu_count(), "command": command, "runs": {}}
-               for name, command in commands.items()}
+    results: dict[str, dict[str, Any]] = {
+        name: {"server": name, "threads": threads or os.cpu_count(), "command": command, "runs": {}}
+        for name, command in commands.items()}
     names = list(commands)
     rounds: dict[tuple[str, int], list[dict]] = collections.defaultdict(list)
     for round_index in range(args.rounds):
@@ -232,7 +235,7 @@ def measure(commands: dict[str, list[str]], args, tokenizer_dir: str, threads: i
     return list(results.values())
 
 
-def report(results: list[dict], args) -> str:
+def report(results: list[dict], args: argparse.Namespace) -> str:
     """One table per thread count (each server's figures side by side, ours / theirs), and with
     several counts and two servers, how each figure scales with the threads."""
     lines = [f"CPU: {cpu_description()}"

@@ -107,7 +107,8 @@ def tensor_plan(shape: Shape, qtype: GGMLQuantizationType) -> list[tuple[str, tu
     """(GGUF name, (rows, cols) or (n,), type) of every tensor, in llama.cpp's converter's names."""
     h, kv = shape.hidden_size, shape.num_kv_heads * shape.head_dim
     q = shape.num_heads * shape.head_dim
-    plan = [("token_embd.weight", (shape.vocab_size, h), EMBEDDING_TYPE)]
+    plan: list[tuple[str, tuple[int, ...], GGMLQuantizationType]] = [
+        ("token_embd.weight", (shape.vocab_size, h), EMBEDDING_TYPE)]
     for i in range(shape.num_layers):
         plan += [
             (f"blk.{i}.attn_norm.weight", (h,), Q.F32),
@@ -172,7 +173,9 @@ def write_gguf(out: Path, shape_name: str, qtype_name: str, seed: int = 0, token
 
         tokenizer = tokenizer_fields(default_model_path())
     shape, qtype = SHAPES[shape_name], TYPES[qtype_name]
-    vocab = len(next(value for key, value, *_ in tokenizer if key == "tokenizer.ggml.tokens"))
+    tokens = next(value for key, value, *_ in tokenizer if key == "tokenizer.ggml.tokens")
+    assert isinstance(tokens, list)  # GGUFReader's contents() of a string array
+    vocab = len(tokens)
     if vocab != shape.vocab_size:
         raise ValueError(f"the tokenizer has {vocab} tokens; shape {shape_name} needs {shape.vocab_size}")
 
@@ -201,10 +204,10 @@ def write_gguf(out: Path, shape_name: str, qtype_name: str, seed: int = 0, token
         plan = tensor_plan(shape, qtype)
         for name, dims, ttype in plan:  # the header lists every tensor before any data is written
             if ttype == Q.F32:
-                writer.add_tensor_info(name, dims, np.float32, 4 * int(np.prod(dims)))
+                writer.add_tensor_info(name, dims, np.dtype(np.float32), 4 * int(np.prod(dims)))
             else:
                 byte_shape = quant_shape_to_byte_shape(dims, ttype)
-                writer.add_tensor_info(name, byte_shape, np.uint8, int(np.prod(byte_shape)), raw_dtype=ttype)
+                writer.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw_dtype=ttype)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()

@@ -19,6 +19,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,6 +27,9 @@ from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.request import SamplingParams
 from models.fetch import DEFAULT_MODEL
+
+if TYPE_CHECKING:
+    from transformers import GenerationMixin, PretrainedConfig
 
 
 def random_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -43,7 +47,7 @@ def run_ours(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[float
     return elapsed, sum(len(r.token_ids) for r in results), sum(r.num_cached_tokens for r in results)
 
 
-def load_hf_model(model: str, hf_config, dtype: torch.dtype):
+def load_hf_model(model: str, hf_config: PretrainedConfig, dtype: torch.dtype) -> GenerationMixin:
     """The same weights as ours, as transformers' own model class in the same dtype."""
     from transformers import AutoModelForCausalLM
 
@@ -58,7 +62,10 @@ def load_hf_model(model: str, hf_config, dtype: torch.dtype):
     _, weights, _, _ = load_gguf(resolve_model_path(model))
     # Built for real, not on meta: its rotary buffers are computed in __init__.
     hf_model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-    state = {name: tensor.to(dtype) for name, tensor in weights}
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in weights:
+        assert isinstance(tensor, torch.Tensor)  # without keep_quantized every tensor comes dequantized
+        state[name] = tensor.to(dtype)
     if "lm_head.weight" not in state:  # tied embeddings
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     missing, unexpected = hf_model.load_state_dict(state, strict=False)
@@ -67,7 +74,7 @@ def load_hf_model(model: str, hf_config, dtype: torch.dtype):
     return hf_model.eval()
 
 
-def run_hf(hf_model, prompts: list[list[int]], output_len: int) -> tuple[float, int]:
+def run_hf(hf_model: GenerationMixin, prompts: list[list[int]], output_len: int) -> tuple[float, int]:
     from transformers import GenerationConfig
 
     config = GenerationConfig(

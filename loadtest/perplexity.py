@@ -18,11 +18,15 @@ import json
 import math
 import subprocess
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from models.layers.attention import AttentionMetadata
 from models.layers.quantization import QUANTIZATIONS
+
+if TYPE_CHECKING:
+    from models.loader import LoadedModel
 
 DEFAULT_TEXT = Path(__file__).parent / "data" / "perplexity.txt"
 
@@ -46,7 +50,7 @@ print(json.dumps({"perplexity": float(np.exp(nll.mean()))}))
 
 
 @torch.inference_mode()
-def next_token_logits(loaded, ids: list[int], block_size: int = 16) -> torch.Tensor:
+def next_token_logits(loaded: LoadedModel, ids: list[int], block_size: int = 16) -> torch.Tensor:
     """ids (n tokens, at most max_model_len) in one prefill through the paged model -> (n, vocab):
     row i the logits of the token after ids[i]."""
     n = len(ids)
@@ -57,13 +61,13 @@ def next_token_logits(loaded, ids: list[int], block_size: int = 16) -> torch.Ten
     return loaded.model.compute_logits(hidden)
 
 
-def token_ids(loaded, text: str) -> list[int]:
+def token_ids(loaded: LoadedModel, text: str) -> list[int]:
     """The ids scored: `text` as our tokenizer encodes it (no BOS added unless it adds one), cut to
     max_model_len; every one but the first is predicted from those before it."""
     return loaded.tokenizer(text).input_ids[: loaded.config.max_model_len]
 
 
-def perplexity(loaded, text: str, block_size: int = 16) -> tuple[float, int]:
+def perplexity(loaded: LoadedModel, text: str, block_size: int = 16) -> tuple[float, int]:
     """-> (perplexity, tokens scored) of `text` under `loaded` (a models.loader.LoadedModel)."""
     ids = token_ids(loaded, text)
     logits = next_token_logits(loaded, ids[:-1], block_size)  # (n - 1, vocab): each position predicts the next

@@ -8,7 +8,11 @@ import json
 import math
 import sys
 import time
-from typing import TextIO
+from types import ModuleType
+from typing import TYPE_CHECKING, TextIO
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 _WIDTH = 56
 _LATENCIES = (
@@ -140,7 +144,7 @@ def write_json(result: dict, path: str) -> None:
         f.write("\n")
 
 
-def require_matplotlib():
+def require_matplotlib() -> ModuleType:
     try:
         import matplotlib
 
@@ -161,7 +165,7 @@ def plot(result: dict, path: str) -> None:
     plt.close(fig)
 
 
-def _plot_distributions(plt, result: dict):
+def _plot_distributions(plt: ModuleType, result: dict) -> Figure:
     done = [r for r in result["requests"] if r["outcome"] == "completed"]
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
     for ax, (key, title) in zip(axes.flat, _LATENCIES, strict=True):
@@ -183,11 +187,11 @@ def _plot_distributions(plt, result: dict):
     return fig
 
 
-def _plot_sweep(plt, sweep: dict):
+def _plot_sweep(plt: ModuleType, sweep: dict) -> Figure:
     xs = sweep["values"]
     summaries = [run["summary"] for run in sweep["runs"]]
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
-    panels = [
+    panels: list[tuple[str, list[tuple[str, str | None]]]] = [
         ("Throughput (tok/s)", [("output_token_throughput", None), ("total_token_throughput", None)]),
         ("TTFT (ms)", [("ttft_ms", "p50"), ("ttft_ms", "p99")]),
         ("TPOT / ITL (ms)", [("tpot_ms", "p50"), ("itl_ms", "p99")]),

@@ -42,6 +42,7 @@ import os
 import statistics
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -49,6 +50,10 @@ from loadtest.bench_step import BLOCK_SIZE, Batch
 from loadtest.compare import cpu_description, resolve_model
 from loadtest.perplexity import next_token_logits
 from loadtest.speculative import workloads
+
+if TYPE_CHECKING:
+    from engine.llm import LLM
+    from models.loader import LoadedModel
 
 
 def oracle_steps(hits: list[bool], k: int) -> list[int]:
@@ -91,7 +96,7 @@ def ngram_steps(prompt: list[int], output: list[int], k: int, ngram_min: int = 1
 
 
 @torch.inference_mode()
-def row_costs(loaded, max_rows: int, context: int, rounds: int) -> dict[int, float]:
+def row_costs(loaded: LoadedModel, max_rows: int, context: int, rounds: int) -> dict[int, float]:
     """rows -> median seconds of one request's forward and logits with that many rows after
     `context` tokens, the row counts alternated in each round (this machine's speed drifts)."""
     model = loaded.model
@@ -115,7 +120,7 @@ def row_costs(loaded, max_rows: int, context: int, rounds: int) -> dict[int, flo
     return {r: statistics.median(t) for r, t in times.items()}
 
 
-def analyse(loaded, llm, bodies: list[dict], temperature: float, max_tokens: int) -> list[dict]:
+def analyse(loaded: LoadedModel, llm: LLM, bodies: list[dict], temperature: float, max_tokens: int) -> list[dict]:
     """Per request: its tokens, times, max p and hits (steps 1 and 2 of the docstring)."""
     from engine.request import SamplingParams
 
@@ -142,7 +147,7 @@ def analyse(loaded, llm, bodies: list[dict], temperature: float, max_tokens: int
     return requests
 
 
-def measured(off, on, requests: list[dict], rounds: int, control=None) -> dict:
+def measured(off: LLM, on: LLM, requests: list[dict], rounds: int, control: LLM | None = None) -> dict:
     """The engine's own on / off: the requests one at a time (c=1) through an engine without drafts
     and one with them (`--speculative ngram`'s policy), the order rotating by round; output tok/s of
     each, the median of the rounds' ratios, and whether both gave every request the tokens the first
@@ -207,7 +212,7 @@ def engine(m: dict | None) -> str:
     return f"{m['ratio']:.2f}x ({rounds}{control})" + ("" if m["same_tokens"] else " TOKENS DIFFER")
 
 
-def report(results: dict, costs: dict[int, float], args) -> str:
+def report(results: dict, costs: dict[int, float], args: argparse.Namespace) -> str:
     best = lambda table: max(table.items(), key=lambda kv: kv[1]["ratio"])  # noqa: E731
     lines = [f"CPU: {cpu_description()}; threads {torch.get_num_threads()}; model {args.model.name}; "
              f"{args.requests} requests per workload, max_tokens {args.max_tokens}",
@@ -255,7 +260,7 @@ def main(argv: list[str] | None = None) -> None:
     from models.loader import load_model
 
     args.model = resolve_model(args.model)
-    torch.set_num_threads(args.threads or os.cpu_count())
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
     loaded = load_model(str(args.model), dtype="auto", max_model_len=2048)
     llm = LLM.from_loaded(loaded, enable_prefix_caching=False, max_model_len=2048)
     spec = LLM.from_loaded(loaded, enable_prefix_caching=False, max_model_len=2048,
@@ -274,12 +279,13 @@ def main(argv: list[str] | None = None) -> None:
                   + (f", engine on/off {engine(runs[(workload, temperature)])}" if args.engine_rounds else ""), flush=True)
     context = int(statistics.mean(len(r["prompt"]) + len(r["output"]) // 2 for rs in results.values() for r in rs))
     costs = row_costs(loaded, args.k + 1, context, args.rounds)
-    results = {key: {**bounds(requests, costs, args.k), "measured": runs.get(key)} for key, requests in results.items()}
-    table = report(results, costs, args)
+    summaries = {key: {**bounds(requests, costs, args.k), "measured": runs.get(key)}
+                 for key, requests in results.items()}
+    table = report(summaries, costs, args)
     print(table)
     if args.out:
         args.out.write_text(json.dumps({"cpu": cpu_description(), "row_costs": costs, "table": table,
-                                        "results": {f"{w} t={t:g}": b for (w, t), b in results.items()}}, indent=1))
+                                        "results": {f"{w} t={t:g}": b for (w, t), b in summaries.items()}}, indent=1))
 
 
 if __name__ == "__main__":

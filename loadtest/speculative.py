@@ -32,7 +32,9 @@ import statistics
 import sys
 import textwrap
 import time
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -58,10 +60,12 @@ PERSON_SCHEMA = {
 def functions(path: Path, count: int) -> list[tuple[str, str]]:
     """(source, a variable it uses) of the first `count` methods of `path` that use one of RENAMES."""
     text = path.read_text()
-    found = []
+    found: list[tuple[str, str]] = []
     for node in ast.walk(ast.parse(text)):
         if isinstance(node, ast.FunctionDef) and len(found) < count:
-            source = textwrap.dedent(" " * node.col_offset + ast.get_source_segment(text, node))
+            segment = ast.get_source_segment(text, node)
+            assert segment is not None  # the node was parsed from `text`
+            source = textwrap.dedent(" " * node.col_offset + segment)
             names = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} | {a.arg for a in node.args.args}
             old = next((o for o, _ in RENAMES if o in names), None)
             if old is not None and 8 <= source.count("\n") <= 30:
@@ -74,7 +78,7 @@ def workloads(num: int) -> dict[str, list[dict]]:
     paragraphs = [p.strip() for p in (DATA / "perplexity.txt").read_text().split("\n\n") if p.strip()]
     rename = dict(RENAMES)
 
-    def chat(text: str, **extra) -> dict:
+    def chat(text: str, **extra: object) -> dict:
         return {"messages": [{"role": "user", "content": text}], **extra}
 
     return {
@@ -146,7 +150,7 @@ async def run_concurrent(url: str, bodies: list[dict], concurrency: int) -> tupl
         queue = list(bodies)
         tokens = cached = 0
 
-        async def worker():
+        async def worker() -> None:
             nonlocal tokens, cached
             while queue:
                 done, hit = await one(client, url, queue.pop())
@@ -158,7 +162,7 @@ async def run_concurrent(url: str, bodies: list[dict], concurrency: int) -> tupl
         return tokens, time.perf_counter() - start, cached
 
 
-def commands(args) -> dict[str, list[str]]:
+def commands(args: argparse.Namespace) -> dict[str, list[str]]:
     """Each server's command line, each on a port of its own (a pair runs side by side)."""
     ours = [sys.executable, "-m", "server", "--model", str(args.model), "--port", "{port}",
             "--served-model-name", "model", "--log-level", "warning", "--max-num-seqs", str(max(16, args.concurrency)),
@@ -175,7 +179,8 @@ def commands(args) -> dict[str, list[str]]:
     return {name: [str(free_port()) if part == "{port}" else part for part in command] for name, command in out.items()}
 
 
-def counted_run(url: str, run, label: str, figures: list[float], counts: list[float]) -> int:
+def counted_run(url: str, run: Coroutine[Any, Any, tuple[int, float, int]], label: str, figures: list[float],
+                counts: list[float]) -> int:
     """Await `run` (a run_serial or run_concurrent against `url`): its output tok/s appended to
     `figures`, its draft tokens, accepted tokens and cached prompt tokens added to `counts`, a line
     printed; returns its completion tokens."""
@@ -200,7 +205,7 @@ def row_result(figures: list[float], counts: list[float], tokens: int) -> dict:
             "draft_tokens": drafted}
 
 
-def measure(servers: dict[str, list[str]], args, loads: dict[str, list[dict]]) -> dict[str, dict]:
+def measure(servers: dict[str, list[str]], args: argparse.Namespace, loads: dict[str, list[dict]]) -> dict[str, dict]:
     """Run each row on one server of a pair (with and without speculation, side by side) and at once
     on the other, alternating which goes first, so that the two figures of a row are minutes closer
     than whole runs one after the other (this machine's speed drifts by 10-30% over minutes: such
@@ -245,7 +250,7 @@ def measure(servers: dict[str, list[str]], args, loads: dict[str, list[dict]]) -
     return results
 
 
-def report(results: dict[str, dict], args) -> str:
+def report(results: dict[str, dict], args: argparse.Namespace) -> str:
     names = list(results)
     rows = list(next(iter(results.values())))
     lines = [f"CPU: {cpu_description()}; threads {args.threads or os.cpu_count()}; model {args.model.name}; "

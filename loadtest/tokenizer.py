@@ -56,7 +56,7 @@ class LocalTokenizer:
         return list(self._tokenizer.encode(text))
 
     async def decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids)
+        return self._tokenizer.decode(ids)  # type: ignore[return-value]  # one sequence: a str
 
 
 async def probe_server_tokenizer(client: httpx.AsyncClient, base_url: str) -> ServerTokenizer | None:

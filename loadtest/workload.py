@@ -175,10 +175,10 @@ async def synthetic_workload(
     if tokenizer is None:
         # Token-id prompts: exact by construction, though the server may add a BOS.
         low, high = TOKEN_ID_RANGE
-        prefixes = [[rng.randrange(low, high) for _ in range(prefix_len)] for _ in range(num_prefixes)]
+        id_prefixes = [[rng.randrange(low, high) for _ in range(prefix_len)] for _ in range(num_prefixes)]
         specs = []
         for i, p in enumerate(assignment):
-            ids = (prefixes[p] if p is not None else []) + [
+            ids = (id_prefixes[p] if p is not None else []) + [
                 rng.randrange(low, high) for _ in range(input_len - (prefix_len if p is not None else 0))
             ]
             specs.append(RequestSpec(i, ids, input_len, output_len, p))

@@ -15,7 +15,7 @@ import logging
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator, NoReturn
 
 import torch
 from safetensors import safe_open
@@ -23,6 +23,7 @@ from torch import nn
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from models.catalog import DEFAULT_MODEL
+from models.causal_lm import CausalLM
 from models.config import ModelConfig, build_model_config, load_hf_config, read_architecture, read_eos_token_ids
 from models.fetch import resolve_model_path
 from models.layers.linear import (
@@ -30,7 +31,9 @@ from models.layers.linear import (
 )
 from models.layers import cpu_kernels, hugepages
 from models.layers import parallel as tp_state
-from models.layers.quantization import DENSE, QUANTIZATIONS, ROWS_DENSE, DenseMethod, LinearMethod, method_for
+from models.layers.quantization import (
+    DENSE, QUANTIZATIONS, ROWS_DENSE, DenseMethod, LinearMethod, QuantizedWeight, method_for,
+)
 from models.registry import MODEL_REGISTRY, get_model_class
 
 logger = logging.getLogger(__name__)
@@ -44,7 +47,7 @@ KEEP_PLAIN_WEIGHTS_MAX_BYTES = 1 << 30
 
 @dataclass
 class LoadedModel:
-    model: nn.Module  # eval mode, on the device, in config.dtype
+    model: CausalLM  # eval mode, on the device, in config.dtype
     config: ModelConfig
     tokenizer: PreTrainedTokenizerBase
 
@@ -52,7 +55,8 @@ class LoadedModel:
     def weight_bytes(self) -> int:
         """Bytes of every parameter and buffer resident (quantized weights as stored)."""
         tensors = [*self.model.parameters(), *self.model.buffers()]
-        tensors += [m.packed_weight for m in self.model.modules() if getattr(m, "packed_weight", None) is not None]
+        tensors += [m.packed_weight for m in self.model.modules()
+                    if isinstance(m, Linear) and m.packed_weight is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     @property
@@ -86,8 +90,9 @@ def choose_methods(
             return method_for(4, 32, in_features)
         if quantization == "none" or stored is None:
             return DENSE
-        formats = [stored(name) for name in names]
-        if any(f is None for f in formats):
+        found = [stored(name) for name in names]
+        formats = [f for f in found if f is not None]
+        if len(formats) < len(found):
             return DENSE  # a merged layer with a dense part stays dense
         bits = max(f[0] for f in formats)  # a Q4 + Q6 merged layer: int8 for all
         scale_dtypes = {f[2] for f in formats if f[0] == bits}
@@ -140,7 +145,8 @@ def load_model(
         return _load_model(model, dtype, device, max_model_len, quantization, batch_invariant)
 
 
-def _load_model(model, dtype, device, max_model_len, quantization, batch_invariant=False) -> LoadedModel:
+def _load_model(model: str | Path, dtype: str | torch.dtype, device: str | torch.device, max_model_len: int | None,
+                quantization: str, batch_invariant: bool = False) -> LoadedModel:
     path = resolve_model_path(model)
     if path.suffix == ".gguf":
         if not path.is_file():
@@ -201,7 +207,7 @@ def _check_gguf(path: Path) -> None:
                             "cannot dequantize") from None
 
 
-def _refuse_pickle(path: Path):
+def _refuse_pickle(path: Path) -> NoReturn:
     raise ValueError(
         f"{path}: refusing to load a pickle checkpoint (.bin/.pt): unpickling can execute code from the "
         "file. Convert it to safetensors first (e.g. transformers save_pretrained in a trusted environment)."
@@ -234,11 +240,11 @@ def _safetensors_files(checkpoint_dir: Path) -> list[Path]:
 class _SafetensorsStream:
     """(name, tensor) pairs, one tensor in memory at a time; remembers the file being read."""
 
-    def __init__(self, files: list[Path]):
+    def __init__(self, files: list[Path]) -> None:
         self.files = files
         self.current_file = files[0]
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for file in self.files:
             self.current_file = file
             with safe_open(str(file), framework="pt", device="cpu") as f:
@@ -248,12 +254,12 @@ class _SafetensorsStream:
 
 def build_model(
     config: ModelConfig,
-    weights: Iterable[tuple[str, torch.Tensor]],
+    weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]],
     device: str | torch.device,
     source: Callable[[], Path | str],
     choose: MethodChoice | None = None,
     batch_invariant: bool = False,
-) -> nn.Module:
+) -> CausalLM:
     """Instantiate the registered class and fill it from `weights`; `source()` names the file for errors.
     `choose` picks each linear layer's method (default: dense); `batch_invariant`: the dense ones on
     RowsDenseMethod."""
@@ -295,8 +301,8 @@ def _load_tokenizer(checkpoint_dir: Path) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def _load_checkpoint_dir(checkpoint_dir: Path, dtype, device, max_model_len, quantization,
-                         batch_invariant=False) -> LoadedModel:
+def _load_checkpoint_dir(checkpoint_dir: Path, dtype: str | torch.dtype, device: str | torch.device,
+                         max_model_len: int | None, quantization: str, batch_invariant: bool = False) -> LoadedModel:
     hf_config, architecture = load_hf_config(checkpoint_dir)
     files = _safetensors_files(checkpoint_dir)
     tokenizer = _load_tokenizer(checkpoint_dir)
@@ -311,7 +317,7 @@ def _load_checkpoint_dir(checkpoint_dir: Path, dtype, device, max_model_len, qua
     return _loaded(model, config, tokenizer)
 
 
-def _activation_dtype(dtype, device, quantized: bool):
+def _activation_dtype(dtype: str | torch.dtype, device: str | torch.device, quantized: bool) -> str | torch.dtype:
     """`--dtype auto` with quantized weights on CPU: float32 activations. The integer kernel
     rounds activations to int16 from float32 and a Llama layer runs as one op in float32;
     bfloat16 (auto's choice for dense weights on CPUs with AVX512-BF16/AMX) would only round
@@ -321,13 +327,14 @@ def _activation_dtype(dtype, device, quantized: bool):
     return dtype
 
 
-def _loaded(model: nn.Module, config: ModelConfig, tokenizer) -> LoadedModel:
+def _loaded(model: CausalLM, config: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> LoadedModel:
     loaded = LoadedModel(model=model, config=config, tokenizer=tokenizer)
     logger.info("weights: %s; %.1f MiB resident (%s)", loaded.quantization, loaded.weight_bytes / 2**20, config.dtype)
     return loaded
 
 
-def _load_gguf(path: Path, dtype, device, max_model_len, quantization, batch_invariant=False) -> LoadedModel:
+def _load_gguf(path: Path, dtype: str | torch.dtype, device: str | torch.device, max_model_len: int | None,
+               quantization: str, batch_invariant: bool = False) -> LoadedModel:
     from models.gguf import EXACT_FORMATS, load_gguf, serving_format  # lazy: only GGUF users pay for the reader
 
     hf_config, weights, tokenizer, eos = load_gguf(path, keep_quantized=quantization != "none")

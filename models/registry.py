@@ -7,6 +7,17 @@ imports is not loaded by a server that never serves it.
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from transformers import PretrainedConfig
+
+    from models.causal_lm import CausalLM
+
+    # A model class, as the loader builds it: cls(hf_config, max_model_len).
+    ModelClass = Callable[[PretrainedConfig, int], CausalLM]
 
 MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("models.llama", "LlamaForCausalLM"),
@@ -23,7 +34,7 @@ MODEL_REGISTRY: dict[str, tuple[str, str]] = {
 }
 
 
-def get_model_class(architecture: str) -> type:
+def get_model_class(architecture: str) -> ModelClass:
     if architecture not in MODEL_REGISTRY:
         raise ValueError(
             f"unsupported architecture {architecture!r}; supported: {', '.join(sorted(MODEL_REGISTRY))}"
