@@ -143,7 +143,10 @@ def read_peft_adapter(name: str, path: str | Path, max_rank: int) -> LoRAAdapter
         if not isinstance(patterns, dict):
             raise ValueError(f"{where}: {option} must be an object, got {patterns!r}")
         for pattern in patterns:  # matched as peft's get_pattern_key does
-            hit = next((m for m in weights if re.match(rf"(.*\.)?({pattern})$", m)), None)
+            try:
+                hit = next((m for m in weights if re.match(rf"(.*\.)?({pattern})$", m)), None)
+            except re.error as e:
+                raise ValueError(f"{where}: {option} {pattern!r} is not a regular expression: {e}") from None
             if hit is not None:
                 raise ValueError(f"{where}: {option} {pattern!r} (matching {hit}) is not supported: "
                                  "one rank and alpha for every layer")
@@ -153,13 +156,15 @@ def read_peft_adapter(name: str, path: str | Path, max_rank: int) -> LoRAAdapter
 def read_gguf_adapter(name: str, path: str | Path, max_rank: int) -> LoRAAdapter:
     """Read and check a llama.cpp LoRA GGUF (models/gguf.py read_lora_gguf): one rank for every
     weight, only weights of the layers TARGET_MODULES names; ValueErrors as read_peft_adapter's."""
-    from models.gguf import read_lora_gguf
+    from models.gguf import GGUFError, read_lora_gguf
 
     where = f"LoRA adapter {name!r} ({path})"
     try:
         arch, alpha, pairs = read_lora_gguf(path)
-    except ValueError as e:
+    except GGUFError as e:
         raise ValueError(f"{where}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - a damaged file fails inside gguf-py or numpy in many ways
+        raise ValueError(f"{where}: not a readable GGUF file ({type(e).__name__}: {e})") from None
     ranks = set()
     for weight, (a, b) in pairs.items():
         kind = weight.rpartition(".weight")[0].partition(".")[2].partition(".")[2]  # blk.N.<kind>.weight

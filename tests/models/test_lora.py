@@ -148,6 +148,8 @@ def _edit_config(path: str, **changes) -> str:
     ("target", "target module\\(s\\) 'lm_head' are not supported"),
     ("modules_to_save", "modules_to_save=\\['lm_head'\\] is not supported"),
     ("dora", "use_dora=True is not supported"),
+    ("rank_pattern", "rank_pattern 'q_proj' \\(matching model.layers.0.self_attn.q_proj\\) is not supported"),
+    ("regex", "alpha_pattern '\\(' is not a regular expression"),
     ("shape", "do not fit the layer"),
 ])
 def test_a_bad_adapter_is_refused_by_name(llama, case, message):
@@ -161,6 +163,10 @@ def test_a_bad_adapter_is_refused_by_name(llama, case, message):
         _edit_config(make_adapter("llama", path, seed=4), modules_to_save=["lm_head"])
     elif case == "dora":
         _edit_config(make_adapter("llama", path, seed=4), use_dora=True)
+    elif case == "rank_pattern":
+        _edit_config(make_adapter("llama", path, seed=4), rank_pattern={"q_proj": 2, "nowhere_proj": 2})
+    elif case == "regex":
+        _edit_config(make_adapter("llama", path, seed=4), alpha_pattern={"(": 2})
     elif case == "shape":  # an adapter trained on another model's shapes
         make_adapter("llama", path, seed=4, targets=["q_proj"])
         from safetensors.torch import load_file, save_file
@@ -170,3 +176,21 @@ def test_a_bad_adapter_is_refused_by_name(llama, case, message):
                   f"{path}/adapter_model.safetensors")
     with pytest.raises(ValueError, match=message):
         LLM(checkpoint, dtype="float32", num_kv_blocks=32, max_lora_rank=4, lora_modules=(("bad", path),))
+
+
+def test_patterns_that_match_no_layer_of_the_adapter_are_accepted(llama):
+    """peft writes rank/alpha patterns for layers it then does not adapt (DeepSeek's fused experts)."""
+    root, checkpoint = llama
+    path = _edit_config(make_adapter("llama", str(root / "patterns"), seed=4, targets=["q_proj"]),
+                        rank_pattern={".*\\.gate_up_proj": 8}, alpha_pattern={"v_proj": 16})
+    LLM(checkpoint, dtype="float32", num_kv_blocks=32, lora_modules=(("ok", path),))
+
+
+@pytest.mark.parametrize("data", [b"", b"GGUF\x03\x00\x00\x00" + bytes(range(40)), bytes(range(200))])
+def test_a_damaged_gguf_adapter_is_a_value_error(tmp_path, data):
+    from models.layers.lora import read_peft_adapter
+
+    path = tmp_path / "adapter.gguf"
+    path.write_bytes(data)
+    with pytest.raises(ValueError, match="LoRA adapter 'x' .*not a readable GGUF file"):
+        read_peft_adapter("x", path, 16)
