@@ -34,7 +34,7 @@ serve: setup
 
 test: setup
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy   # engine/ and server/, every function typed (pyproject.toml [tool.mypy])
+	$(VENV)/bin/mypy   # engine/, server/, loadtest/, models/: every function typed (pyproject.toml [tool.mypy])
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir $$(mktemp -d)   # a broken link or page fails
 	$(PY) -m pytest -q $(ARGS)
 

@@ -26,17 +26,29 @@ embedding and logits run through the same per-layer method as every other projec
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Protocol, cast
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 
 from models.layers.attention import AttentionMetadata, KVCacheSpec
 from models.layers.linear import Embedding, Linear, load_hf_weights
 from models.layers.norm import RMSNorm
-from models.layers.quantization import DenseMethod
+from models.layers.quantization import DenseMethod, QuantizedWeight
 from models.layers.rope import RotaryEmbedding
 from models.layers.step_kernels import DEFAULT_KERNELS, StepKernels
+
+
+class LayerAttention(Protocol):
+    """A decoder layer's attention module (`self_attn`), as the layer and the model use it."""
+
+    @property
+    def kv_entry_shape(self) -> tuple[int, ...]: ...
+
+    def __call__(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, kv_cache: torch.Tensor,
+                 attn_metadata: AttentionMetadata) -> torch.Tensor: ...
 
 
 class DecoderLayer(nn.Module):
@@ -48,9 +60,11 @@ class DecoderLayer(nn.Module):
     x += post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)))."""
 
     input_layernorm: nn.Module
-    self_attn: nn.Module
+    self_attn: LayerAttention
     post_attention_layernorm: nn.Module
     mlp: nn.Module
+    pre_feedforward_layernorm: nn.Module  # with sandwich_norms only
+    post_feedforward_layernorm: nn.Module
     sandwich_norms: bool = False
     layer_type: str | None = None  # the key of its RoPE table when the model keeps one per layer type
 
@@ -93,16 +107,21 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """The stack under HF's `model.` prefix: embedding, decoder layers, final norm."""
 
-    def __init__(self, hf_config, rotary_emb: RotaryEmbedding | nn.ModuleDict,
-                 make_layer: Callable[[int], DecoderLayer]):
+    def __init__(self, hf_config: PretrainedConfig, rotary_emb: RotaryEmbedding | nn.ModuleDict,
+                 make_layer: Callable[[int], DecoderLayer]) -> None:
         super().__init__()
         self.embed_tokens = Embedding(hf_config.vocab_size, hf_config.hidden_size, parallel="column")
         # One cos/sin table (the layers' attention holds it too), or one per layer type.
         self.rotary_emb = rotary_emb
         self.layers = nn.ModuleList(make_layer(i) for i in range(hf_config.num_hidden_layers))
-        self.norm = RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
+        self.norm: nn.Module = RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)  # Gemma's: GemmaRMSNorm
         self.embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size)
         self._one_op_stack: list[tuple] | None = None  # every layer's one-op arguments, once gathered
+
+    @property
+    def decoder_layers(self) -> Sequence[DecoderLayer]:
+        """`layers`, typed: the DecoderLayers make_layer built (an nn.ModuleList's items are nn.Module)."""
+        return cast("Sequence[DecoderLayer]", self.layers)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -112,20 +131,23 @@ class DecoderModel(nn.Module):
         if self.embed_scale is not None:  # transformers keeps it a float32 tensor, cast to the weights' dtype
             x = x * torch.tensor(self.embed_scale, dtype=torch.float32).to(x.dtype)
         # Each layer's metadata: its KV cache group's block tables (one group: the same for all).
-        metas = attn_metadata.by_layer or [attn_metadata] * len(self.layers)
+        layers = self.decoder_layers
+        metas = attn_metadata.by_layer or [attn_metadata] * len(layers)
         if isinstance(self.rotary_emb, nn.ModuleDict):
-            ropes = {kind: emb.cos_sin(positions, x.dtype) for kind, emb in self.rotary_emb.items()}
-            for layer, kv_cache, meta in zip(self.layers, kv_caches, metas, strict=True):
+            tables = cast("Mapping[str, RotaryEmbedding]", self.rotary_emb)  # an nn.ModuleDict's items are nn.Module
+            ropes: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {
+                kind: emb.cos_sin(positions, x.dtype) for kind, emb in tables.items()}
+            for layer, kv_cache, meta in zip(layers, kv_caches, metas, strict=True):
                 x = layer(ropes[layer.layer_type], x, kv_cache, meta)
             return self.norm(x)
         rope = self.rotary_emb.cos_sin(positions, x.dtype)  # once per step, not once per layer
         stack = None if attn_metadata.kernels.lora is not None else self._one_ops(x, kv_caches)
         if stack is not None:  # every layer one kernel call, without the modules' Python between them
-            call = type(self.layers[0]).call_one_op
+            call = type(layers[0]).call_one_op
             for args, kv_cache, meta in zip(stack, kv_caches, metas, strict=True):
                 x = call(x, args, rope, kv_cache, meta)
             return self.norm(x)
-        for layer, kv_cache, meta in zip(self.layers, kv_caches, metas, strict=True):
+        for layer, kv_cache, meta in zip(layers, kv_caches, metas, strict=True):
             x = layer(rope, x, kv_cache, meta)
         return self.norm(x)
 
@@ -136,12 +158,14 @@ class DecoderModel(nn.Module):
         change, are gathered once. Calling the op in this loop rather than through each module
         saves ~8 us a layer: 360M's decode forward and logits 7.26 -> 7.00 ms, 135M's 3.72 -> 3.49
         (medians, the two forms interleaved in one process; Zen 5, 2 threads; the same bits)."""
-        if not self.layers or self.layers[0].one_op_args(x, kv_caches[0]) is None:
+        layers = self.decoder_layers
+        if not layers or layers[0].one_op_args(x, kv_caches[0]) is None:
             return None
         if self._one_op_stack is None:
-            stack = [layer.one_op_args(x, kv_cache) for layer, kv_cache in zip(self.layers, kv_caches, strict=True)]
-            same_kind = len({type(layer) for layer in self.layers}) == 1
-            self._one_op_stack = stack if same_kind and all(args is not None for args in stack) else []
+            stack = [layer.one_op_args(x, kv_cache) for layer, kv_cache in zip(layers, kv_caches, strict=True)]
+            same_kind = len({type(layer) for layer in layers}) == 1
+            complete = [args for args in stack if args is not None]
+            self._one_op_stack = complete if same_kind and len(complete) == len(stack) else []
         return self._one_op_stack or None
 
 
@@ -152,7 +176,8 @@ class CausalLM(nn.Module):
     # past the window; otherwise max_model_len is capped to it).
     serves_sliding_window: bool = False
 
-    def __init__(self, hf_config, rotary_emb: RotaryEmbedding, make_layer: Callable[[int], DecoderLayer]):
+    def __init__(self, hf_config: PretrainedConfig, rotary_emb: RotaryEmbedding | nn.ModuleDict,
+                 make_layer: Callable[[int], DecoderLayer]) -> None:
         super().__init__()
         self.hf_config = hf_config
         self.model = DecoderModel(hf_config, rotary_emb, make_layer)
@@ -200,11 +225,12 @@ class CausalLM(nn.Module):
 
     def kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec:
         """What one token stores per layer, as the layers' attention declares it."""
-        windows = tuple(getattr(layer.self_attn, "window", None) for layer in self.model.layers)
-        return KVCacheSpec(len(self.model.layers), self.model.layers[0].self_attn.kv_entry_shape, dtype,
+        layers = self.model.decoder_layers
+        windows = tuple(getattr(layer.self_attn, "window", None) for layer in layers)
+        return KVCacheSpec(len(layers), layers[0].self_attn.kv_entry_shape, dtype,
                            windows if any(w is not None for w in windows) else ())
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]) -> set[str]:
         """Copy HF-named tensors in; returns the parameter names fully loaded."""
         return load_hf_weights(self, weights, self.skips_weight)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,7 +102,7 @@ def load_hf_config(checkpoint_dir: Path) -> tuple[PretrainedConfig, str]:
     return hf_config, architecture
 
 
-def _as_ids(value) -> tuple[int, ...]:
+def _as_ids(value: int | Iterable[int] | None) -> tuple[int, ...]:
     if value is None:
         return ()
     if isinstance(value, int):
@@ -167,9 +168,12 @@ def resolve_max_model_len(hf_config: PretrainedConfig, requested: int | None, se
     trained = getattr(hf_config, "max_position_embeddings", None)
     if requested is not None and requested < 1:
         raise ValueError(f"max_model_len must be >= 1, got {requested}")
-    if trained is None and requested is None:
+    if requested is not None:
+        max_len = requested
+    elif trained is not None:
+        max_len = trained
+    else:
         raise ValueError("config has no max_position_embeddings; pass max_model_len")
-    max_len = requested if requested is not None else trained
     if trained is not None and max_len > trained:
         rope_type = ", ".join(sorted(_rope_types(hf_config) - {"default"})) or "default"
         if rope_type == "default":

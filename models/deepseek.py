@@ -17,6 +17,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 
 from models.causal_lm import CausalLM, DecoderLayer
 from models.layers.linear import load_hf_weights
@@ -24,18 +25,20 @@ from models.layers.mla import MLAttention
 from models.layers.mlp import GatedMLP
 from models.layers.moe import MoE, RouterConfig, load_expert_weight
 from models.layers.norm import RMSNorm
+from models.layers.quantization import QuantizedWeight
 from models.layers.rope import RotaryEmbedding
 
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-def is_moe_layer(hf_config, layer_idx: int) -> bool:
+def is_moe_layer(hf_config: PretrainedConfig, layer_idx: int) -> bool:
     freq = getattr(hf_config, "moe_layer_freq", 1) or 1
     return bool(hf_config.n_routed_experts) and layer_idx >= hf_config.first_k_dense_replace and layer_idx % freq == 0
 
 
 class DeepseekDecoderLayer(DecoderLayer):
-    def __init__(self, hf_config, layer_idx: int, rotary_emb: RotaryEmbedding, router_config: RouterConfig | None):
+    def __init__(self, hf_config: PretrainedConfig, layer_idx: int, rotary_emb: RotaryEmbedding,
+                 router_config: RouterConfig | None) -> None:
         super().__init__()
         c = hf_config
         self.self_attn = MLAttention(c, rotary_emb)
@@ -53,7 +56,7 @@ class _DeepseekForCausalLM(CausalLM):
     # (scoring, topk_method) when config.json does not name them; see moe.py.
     router_defaults: tuple[str, str]
 
-    def __init__(self, hf_config, max_model_len: int):
+    def __init__(self, hf_config: PretrainedConfig, max_model_len: int):
         c = hf_config
         if c.q_lora_rank is not None and c.q_lora_rank < 1:
             raise ValueError(f"q_lora_rank must be None or >= 1, got {c.q_lora_rank}")
@@ -66,10 +69,10 @@ class _DeepseekForCausalLM(CausalLM):
         )
 
     @staticmethod
-    def rope_interleaved(hf_config) -> bool:
+    def rope_interleaved(hf_config: PretrainedConfig) -> bool:
         raise NotImplementedError
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]) -> set[str]:
         """Copy HF-named tensors in; returns the parameter names fully loaded.
 
         Routed experts come per expert (`experts.N.gate_proj.weight`: what save_pretrained
@@ -79,13 +82,16 @@ class _DeepseekForCausalLM(CausalLM):
         """
         loaded: set[str] = set()
 
-        def load_special(name: str, tensor: torch.Tensor) -> bool:
+        def load_special(name: str, tensor: torch.Tensor | QuantizedWeight) -> bool:
             if (done := load_expert_weight(self, name, tensor)) is not None:
                 loaded.update(done)
                 return True
             if name.endswith(".kv_b_proj.weight"):
                 prefix = name.removesuffix(".kv_b_proj.weight")
-                self._submodule(prefix, name).load_kv_b_proj(tensor)
+                attention = self._submodule(prefix, name)
+                if not isinstance(attention, MLAttention) or isinstance(tensor, QuantizedWeight):
+                    raise ValueError(f"tensor {name!r}: expected a dense kv_b_proj of an MLA attention")
+                attention.load_kv_b_proj(tensor)
                 loaded.update((f"{prefix}.w_uk", f"{prefix}.w_uv"))
                 return True
             return False
@@ -112,7 +118,7 @@ class DeepseekV2ForCausalLM(_DeepseekForCausalLM):
     router_defaults = ("softmax", "greedy")
 
     @staticmethod
-    def rope_interleaved(hf_config) -> bool:
+    def rope_interleaved(hf_config: PretrainedConfig) -> bool:
         return True  # transformers rotates V2's rope dims as complex pairs (x0 + i x1), ...
 
 
@@ -120,5 +126,5 @@ class DeepseekV3ForCausalLM(_DeepseekForCausalLM):
     router_defaults = ("sigmoid", "noaux_tc")
 
     @staticmethod
-    def rope_interleaved(hf_config) -> bool:
+    def rope_interleaved(hf_config: PretrainedConfig) -> bool:
         return bool(getattr(hf_config, "rope_interleave", True))

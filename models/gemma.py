@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 
 from torch import nn
+from transformers import PretrainedConfig
 
 from models.causal_lm import CausalLM, DecoderLayer
 from models.config import layer_windows
@@ -35,7 +36,8 @@ from models.llama import LlamaAttention
 class GemmaAttention(LlamaAttention):
     """Llama's attention with Gemma's scale, score soft-capping and (Gemma 3) q/k norms."""
 
-    def __init__(self, config, rotary_emb: RotaryEmbedding, window: int | None, qk_norm: bool):
+    def __init__(self, config: PretrainedConfig, rotary_emb: RotaryEmbedding, window: int | None,
+                 qk_norm: bool) -> None:
         super().__init__(config, rotary_emb, window)
         self.scale = config.query_pre_attn_scalar**-0.5
         self.softcap = getattr(config, "attn_logit_softcapping", None) or None
@@ -51,7 +53,8 @@ class GemmaDecoderLayer(DecoderLayer):
 
     sandwich_norms = True
 
-    def __init__(self, config, layer_idx: int, rotary_embs: nn.ModuleDict, window: int | None, qk_norm: bool):
+    def __init__(self, config: PretrainedConfig, layer_idx: int, rotary_embs: dict[str, RotaryEmbedding],
+                 window: int | None, qk_norm: bool) -> None:
         super().__init__()
         self.layer_type = config.layer_types[layer_idx]  # which RoPE table this layer reads
         size, eps = config.hidden_size, config.rms_norm_eps
@@ -64,7 +67,7 @@ class GemmaDecoderLayer(DecoderLayer):
         self.mlp = GatedMLP(size, config.intermediate_size, act)
 
 
-def _rope_config(hf_config, layer_type: str):
+def _rope_config(hf_config: PretrainedConfig, layer_type: str) -> PretrainedConfig:
     """hf_config as RotaryEmbedding reads it for one layer type: Gemma 3's rope_parameters are
     nested by layer type in transformers 5; a shallow copy carries that type's entry alone."""
     params = getattr(hf_config, "rope_parameters", None) or {}
@@ -79,16 +82,15 @@ class GemmaForCausalLM(CausalLM):
     serves_sliding_window = True
     qk_norm = False  # Gemma 3 norms q and k per head
 
-    def __init__(self, hf_config, max_model_len: int):
+    def __init__(self, hf_config: PretrainedConfig, max_model_len: int) -> None:
         if getattr(hf_config, "use_bidirectional_attention", False):
             raise ValueError("use_bidirectional_attention (Gemma embedding models) is not supported")
         layer_types = list(hf_config.layer_types)
-        rotary_embs = nn.ModuleDict(
-            {kind: RotaryEmbedding(_rope_config(hf_config, kind), max_model_len) for kind in sorted(set(layer_types))}
-        )
+        tables = {kind: RotaryEmbedding(_rope_config(hf_config, kind), max_model_len)
+                  for kind in sorted(set(layer_types))}
         windows = layer_windows(hf_config)
-        super().__init__(hf_config, rotary_embs, lambda i: GemmaDecoderLayer(hf_config, i, rotary_embs, windows[i],
-                                                                              self.qk_norm))
+        super().__init__(hf_config, nn.ModuleDict(tables), lambda i: GemmaDecoderLayer(hf_config, i, tables, windows[i],
+                                                                                        self.qk_norm))
         self.model.norm = GemmaRMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
         self.model.embed_scale = hf_config.hidden_size**0.5
 

@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import sys
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,6 +22,9 @@ from models.layers.parallel import TensorParallel
 from models.layers.quantization import QUANTIZATIONS
 from models.fetch import FetchError
 from models.loader import DEFAULT_MODEL, LoadedModel, check_model, load_model
+
+if TYPE_CHECKING:
+    from multiprocessing.queues import Queue
 
 
 @torch.inference_mode()
@@ -38,7 +42,8 @@ def generate_greedy(
         if len(p) + max_tokens > config.max_model_len:
             raise ValueError(f"prompt of {len(p)} tokens + {max_tokens} new > max_model_len {config.max_model_len}")
     # Each prompt owns enough consecutive blocks for its prompt and all new tokens.
-    block_tables, num_blocks = [], 0
+    block_tables: list[list[int]] = []
+    num_blocks = 0
     for p in prompts:
         n = -(-(len(p) + max_tokens) // block_size)
         block_tables.append(list(range(num_blocks, num_blocks + n)))
@@ -59,11 +64,10 @@ def generate_greedy(
         hidden = model(input_ids, positions, kv_caches, meta)  # (num_tokens, hidden_size)
         last = torch.tensor(query_lens, device=device).cumsum(0) - 1  # each sequence's last token row
         next_ids = model.compute_logits(hidden[last]).argmax(dim=-1)  # rank 0's: the whole vocabulary
-        if tp is not None and tp.size > 1:
+        if tp is not None and tp.size > 1 and tp.comm is not None:
             next_ids = tp.comm.broadcast(next_ids)
-        next_ids = next_ids.tolist()
         still = []
-        for i, t in zip(active, next_ids):
+        for i, t in zip(active, next_ids.tolist()):
             outputs[i].append(t)
             tokens[i].append(t)
             new_ids[i] = [t]
@@ -83,7 +87,7 @@ def _encode(loaded: LoadedModel, prompt: str, chat: bool) -> list[int]:
     return tok(text, add_special_tokens=False).input_ids  # the template already holds the special tokens
 
 
-def _rank_main(rank: int, args: argparse.Namespace, port: int, out) -> None:
+def _rank_main(rank: int, args: argparse.Namespace, port: int, out: Queue[list]) -> None:
     """One tensor-parallel rank: its part of the model, the same greedy loop as every rank (rank 0
     chooses each token and sends it), rank 0's outputs into `out` (a queue)."""
     import torch.distributed as dist
@@ -133,7 +137,7 @@ def _generate_parallel(args: argparse.Namespace) -> tuple[list[str], list[list[i
     try:
         # The outputs before the joins: a rank that put them waits at exit until its queue's
         # feeder has written them to the pipe, which a parent blocked in join() would never read.
-        results = []
+        results: list[Any] = []  # the texts, then the token ids
         while len(results) < 2:
             try:
                 results.append(out.get(timeout=0.5))
@@ -185,7 +189,8 @@ def main(argv: list[str] | None = None) -> None:
     else:
         outputs = generate_greedy(loaded, [_encode(loaded, p, args.chat) for p in args.prompt], args.max_tokens,
                                   args.ignore_eos)
-        texts = [loaded.tokenizer.decode(ids, skip_special_tokens=True) for ids in outputs]
+        # decode() of one sequence is a str (its stub also allows a list of them, for batches)
+        texts = [loaded.tokenizer.decode(ids, skip_special_tokens=True) for ids in outputs]  # type: ignore[misc]
     for prompt, text, ids in zip(args.prompt, texts, outputs):
         print(json.dumps({"prompt": prompt, "text": text, "token_ids": ids}, ensure_ascii=False))
     sys.stdout.flush()

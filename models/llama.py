@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 
 from models.causal_lm import CausalLM, DecoderLayer
 from models.config import layer_windows
@@ -29,7 +30,7 @@ from models.layers.quantization import QuantMethod
 from models.layers.rope import RotaryEmbedding
 
 
-def _head_dim(config) -> int:
+def _head_dim(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
@@ -38,7 +39,7 @@ class LlamaAttention(nn.Module):
     their KV heads (replicated when N exceeds them), q/k/v column-parallel, o_proj row-parallel;
     num_heads and num_kv_heads are then this rank's. window: the layer's sliding window (None: full)."""
 
-    def __init__(self, config, rotary_emb: RotaryEmbedding, window: int | None = None):
+    def __init__(self, config: PretrainedConfig, rotary_emb: RotaryEmbedding, window: int | None = None) -> None:
         super().__init__()
         self.window = window
         self.softcap: float | None = None  # scores soft-capped before the softmax (Gemma 2)
@@ -66,8 +67,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(num_heads * d, config.hidden_size, bias=o_bias, parallel="row")
         self.qk_norm = config.model_type in ("qwen3", "qwen3_moe")
         if self.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.q_norm: nn.Module = RMSNorm(self.head_dim, eps=config.rms_norm_eps)  # Gemma's: GemmaRMSNorm
+            self.k_norm: nn.Module = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         if rotary_emb.rotary_dim != self.head_dim:
             raise ValueError(
                 f"partial rotary embeddings are not supported (rotary dim {rotary_emb.rotary_dim}, "
@@ -100,8 +101,19 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(num_tokens, H * self.head_dim), kernels)  # (num_tokens, H * head_dim)
 
 
+# csrc/decoder_layer.cpp's per-layer arguments: input and post-attention norm weights, eps, the
+# projections' [qweight, scales, mins, bias] x 4 and [bits, group size, out features, min per scale] x 4,
+# and (heads, KV heads, head dim).
+_OneOpLayer = tuple[torch.Tensor, torch.Tensor, float, list[torch.Tensor | None], list[int], tuple[int, int, int]]
+
+
 class LlamaDecoderLayer(DecoderLayer):
-    def __init__(self, config, rotary_emb: RotaryEmbedding, window: int | None = None):
+    input_layernorm: RMSNorm
+    self_attn: LlamaAttention
+    post_attention_layernorm: RMSNorm
+    mlp: GatedMLP
+
+    def __init__(self, config: PretrainedConfig, rotary_emb: RotaryEmbedding, window: int | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, rotary_emb, window)
@@ -115,6 +127,7 @@ class LlamaDecoderLayer(DecoderLayer):
                     attn_metadata: AttentionMetadata) -> torch.Tensor:
         # The same kernels in the same order as the modules below, in one call: bit-identical
         # results without ~14 ops' worth of Python and dispatch (csrc/decoder_layer.cpp).
+        layer: _OneOpLayer
         layer, scale, window = args
         meta = attn_metadata
         return cpu_kernels.llama_decoder_layer(x, *layer, *rope, kv_cache, meta.slot_mapping, meta.block_table,
@@ -152,22 +165,25 @@ class LlamaDecoderLayer(DecoderLayer):
                                                                                             "llama_decoder_layer")
                 or self.input_layernorm.weight.dtype != torch.float32):
             return None
-        weights, info = [], []
+        weights: list[torch.Tensor | None] = []
+        info: list[int] = []
         for linear in linears:
             method = linear.quant_method
             if not (isinstance(method, QuantMethod) and method.quantize_input
                     and method.process_weights_after_loading(linear)):
                 return None
-            weights += [linear.qweight, linear.scales, getattr(linear, "mins", None), linear.bias]
-            info += [method.bits, linear.in_features // linear.scales.shape[1], linear.out_features,
-                     int(linear.min_per_scale)]
+            # The method's parameters and attributes, which it sets on the layer (quantization.py).
+            scales = linear.get_parameter("scales")
+            weights += [linear.get_parameter("qweight"), scales, getattr(linear, "mins", None), linear.bias]
+            info += [method.bits, linear.in_features // scales.shape[1], linear.out_features,
+                     int(getattr(linear, "min_per_scale"))]
         return weights, info
 
 
 class LlamaForCausalLM(CausalLM):
     serves_sliding_window = True  # every sliding layer attends within its window: no cap on max_model_len
 
-    def __init__(self, hf_config, max_model_len: int):
+    def __init__(self, hf_config: PretrainedConfig, max_model_len: int) -> None:
         rotary_emb = RotaryEmbedding(hf_config, max_model_len)
         windows = layer_windows(hf_config)
         super().__init__(hf_config, rotary_emb, lambda layer_idx: LlamaDecoderLayer(hf_config, rotary_emb,

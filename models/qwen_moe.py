@@ -15,6 +15,7 @@ import re
 from collections.abc import Iterable
 
 import torch
+from transformers import PretrainedConfig
 
 from models.causal_lm import CausalLM, DecoderLayer
 from models.config import layer_windows
@@ -22,13 +23,14 @@ from models.layers.linear import load_hf_weights
 from models.layers.mlp import GatedMLP
 from models.layers.moe import MoE, RouterConfig, load_expert_weight
 from models.layers.norm import RMSNorm
+from models.layers.quantization import QuantizedWeight
 from models.layers.rope import RotaryEmbedding
 from models.llama import LlamaAttention
 
 _SHARED_EXPERT = re.compile(r"\.mlp\.shared_expert\.")
 
 
-def is_moe_layer(hf_config, layer_idx: int) -> bool:
+def is_moe_layer(hf_config: PretrainedConfig, layer_idx: int) -> bool:
     """transformers' rule (Qwen2MoeDecoderLayer, Qwen3MoeDecoderLayer)."""
     step = hf_config.decoder_sparse_step or 1
     return (hf_config.num_experts > 0 and (layer_idx + 1) % step == 0
@@ -36,7 +38,7 @@ def is_moe_layer(hf_config, layer_idx: int) -> bool:
 
 
 class QwenMoeDecoderLayer(DecoderLayer):
-    def __init__(self, hf_config, layer_idx: int, rotary_emb: RotaryEmbedding, window: int | None,
+    def __init__(self, hf_config: PretrainedConfig, layer_idx: int, rotary_emb: RotaryEmbedding, window: int | None,
                  router_config: RouterConfig):
         super().__init__()
         c = hf_config
@@ -54,7 +56,7 @@ class QwenMoeDecoderLayer(DecoderLayer):
 class QwenMoeForCausalLM(CausalLM):
     serves_sliding_window = True  # LlamaAttention attends within each layer's window
 
-    def __init__(self, hf_config, max_model_len: int):
+    def __init__(self, hf_config: PretrainedConfig, max_model_len: int):
         c = hf_config
         router_config = RouterConfig.softmax_top_k(c.num_experts, c.num_experts_per_tok, bool(c.norm_topk_prob))
         rotary_emb = RotaryEmbedding(c, max_model_len)
@@ -62,12 +64,12 @@ class QwenMoeForCausalLM(CausalLM):
         super().__init__(c, rotary_emb, lambda layer_idx: QwenMoeDecoderLayer(c, layer_idx, rotary_emb,
                                                                               windows[layer_idx], router_config))
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]) -> set[str]:
         """Routed experts per expert or fused (models/layers/moe.py's load_expert_weight); the rest as
         plain or merged parameters (models/layers/linear.py)."""
         loaded: set[str] = set()
 
-        def load_expert(name: str, tensor: torch.Tensor) -> bool:
+        def load_expert(name: str, tensor: torch.Tensor | QuantizedWeight) -> bool:
             done = load_expert_weight(self, name, tensor)
             loaded.update(done or ())
             return done is not None

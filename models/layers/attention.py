@@ -154,10 +154,10 @@ class AttentionGroup:
     seq_lens: torch.Tensor  # (num_seqs,) int64 tokens of each sequence, this step's included
     query_pos: torch.Tensor  # (num_seqs, max_query_len) int64 position of each padded query
     # `mask` and `bias` narrowed to a sliding window, one pair a window size (see `windowed`).
-    window_masks: dict = field(default_factory=dict, repr=False)
+    window_masks: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict, repr=False)
     # The eager gathers' outputs, one buffer a (shape, dtype), reused by every layer of the step
     # (see `buffer`).
-    workspace: dict = field(default_factory=dict, repr=False)
+    workspace: dict[tuple, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def windowed(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(mask, bias) of the group for a layer whose queries see only keys at positions > p - window."""
@@ -225,7 +225,9 @@ class AttentionMetadata:
         # would otherwise spend longer in a dozen torch ops' dispatch than in the loops.
         used = [(s + block_size - 1) // block_size for s in seq_lens]
         width = max(used, default=0)
-        rows, slots, query_start = [], [], [0]
+        rows: list[list[int]] = []
+        slots: list[int] = []
+        query_start = [0]
         for table, q, s, n in zip(block_tables, query_lens, seq_lens, used):
             if len(table) < n:
                 raise ValueError(f"block table of {len(table)} blocks is too short for {n * block_size} tokens")
@@ -267,7 +269,9 @@ class AttentionMetadata:
         ]
 
 
-def _build_group(idx, token_in_group, seq, query_no, q_lens, s_lens, tables, block_size, device):
+def _build_group(idx: torch.Tensor, token_in_group: torch.Tensor, seq: torch.Tensor, query_no: torch.Tensor,
+                 q_lens: torch.Tensor, s_lens: torch.Tensor, tables: torch.Tensor, block_size: int,
+                 device: torch.device | str) -> AttentionGroup:
     """idx: (n,) sequences of the group; token_in_group: (num_tokens,) bool."""
     n = idx.numel()
     q_lens, s_lens = q_lens[idx], s_lens[idx]
@@ -411,8 +415,8 @@ def _gather_blocks(kv_cache: torch.Tensor, group: AttentionGroup, dtype: torch.d
     return _as_dtype(kv, group, dtype).view(2, num_kv_heads, group.num_seqs, -1, head_dim)
 
 
-def _attend(q, k, v, kv_cache, group: AttentionGroup, scale: float, window: int | None = None,
-            softcap: float | None = None) -> torch.Tensor:
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup,
+            scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """-> (num_seqs, max_query_len, num_heads, head_dim) for the group's padded queries."""
     if group.max_query_len == 1:
         return _decode(pad_queries(q, group), kv_cache, group, scale, window, softcap)
@@ -437,7 +441,8 @@ def _attend(q, k, v, kv_cache, group: AttentionGroup, scale: float, window: int 
     return out.transpose(1, 2)
 
 
-def _softcapped(queries, keys, values, mask, scale: float, softcap: float) -> torch.Tensor:
+def _softcapped(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
+                softcap: float) -> torch.Tensor:
     """Masked attention with soft-capped scores, in transformers' order (scale, / cap, tanh, * cap,
     softmax in float32): queries (n, H, max_q, D), keys and values (n, Hk, max_kv, D), mask
     (n, 1, max_q, max_kv) -> (n, H, max_q, D)."""
@@ -468,6 +473,7 @@ def _decode(queries: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup
     # matmul over (Hk, n) batch dims that cannot be merged is ~1.5x slower than copying the rows.
     scores = torch.matmul(rows.contiguous(), kv[0].transpose(-1, -2))  # (Hk, n, G, max_kv)
     bias = group.windowed(window)[1]
+    assert bias is not None  # a decode group (max_query_len 1) has its mask as a bias too
     if softcap is not None:  # transformers' order: scale, / cap, tanh, * cap, then the mask
         scores = torch.tanh(scores * scale / softcap) * softcap
         probs = torch.add(bias, scores).softmax(dim=-1).to(queries.dtype)

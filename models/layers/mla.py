@@ -26,6 +26,7 @@ import math
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 
 from models.layers import cpu_kernels
 from models.layers import parallel as tp_state
@@ -43,7 +44,7 @@ def yarn_mscale(scale: float, mscale: float) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def mla_softmax_scale(hf_config) -> float:
+def mla_softmax_scale(hf_config: PretrainedConfig) -> float:
     """1/sqrt(qk_head_dim), times mscale(factor, mscale_all_dim)^2 under YaRN-style scaling.
 
     RoPE's own attention factor (mscale / mscale_all_dim) already scales q_pe and k_pe;
@@ -69,7 +70,7 @@ def head_products(x: torch.Tensor, w: torch.Tensor, kn: bool, kernels: StepKerne
 
 
 class MLAttention(nn.Module):
-    def __init__(self, hf_config, rotary_emb: RotaryEmbedding):
+    def __init__(self, hf_config: PretrainedConfig, rotary_emb: RotaryEmbedding):
         """Tensor parallel (models/layers/parallel.py): the latent projections (q_a, kv_a) and the
         cache entry are replicated; a rank holds num_heads / N heads of q, W_UK, W_UV and o_proj."""
         super().__init__()

@@ -6,6 +6,8 @@ all-reduce (none with `reduce=False`: the caller adds several first) ends it."""
 from __future__ import annotations
 
 import torch
+from collections.abc import Callable
+
 from torch import nn
 from transformers.activations import ACT2FN
 
@@ -33,7 +35,8 @@ class GatedMLP(nn.Module):
         return gated(self.gate_up_proj, self.down_proj, self.act_fn, self.is_silu, x, kernels)
 
 
-def gated(gate_up_proj: MergedLinear, down_proj: Linear, act_fn, is_silu: bool, x: torch.Tensor,
+def gated(gate_up_proj: MergedLinear, down_proj: Linear, act_fn: Callable[[torch.Tensor], torch.Tensor],
+          is_silu: bool, x: torch.Tensor,
           kernels: StepKernels) -> torch.Tensor:
     """down(act(gate(x)) * up(x)): GatedMLP's forward, and each routed expert's (models/layers/moe.py).
     On CPU, silu's on our kernels (each element the same bits wherever it falls in the step)."""

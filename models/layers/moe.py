@@ -19,16 +19,21 @@ per token by sigmoid(shared_expert_gate(x)).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
 from models.layers import cpu_kernels
 from models.layers.linear import Linear, MergedLinear
 from models.layers.mlp import GatedMLP, gated
+from models.layers.parallel import TensorParallel
+from models.layers.quantization import QuantizedWeight
 from models.layers.step_kernels import StepKernels
 
 _TOPK_METHODS = {"softmax": ("greedy", "group_limited_greedy"), "sigmoid": ("noaux_tc",)}
@@ -50,7 +55,7 @@ class RouterConfig:
     norm_topk_prob: bool
     routed_scaling_factor: float
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.scoring not in _TOPK_METHODS:
             raise ValueError(f"unsupported scoring function {self.scoring!r}")
         if self.topk_method not in _TOPK_METHODS[self.scoring]:
@@ -67,7 +72,7 @@ class RouterConfig:
         return self.topk_method != "greedy"
 
     @classmethod
-    def from_hf(cls, hf_config, scoring: str, topk_method: str) -> "RouterConfig":
+    def from_hf(cls, hf_config: PretrainedConfig, scoring: str, topk_method: str) -> "RouterConfig":
         """scoring/topk_method: the architecture's defaults, overridden by the config when it names them."""
         method = getattr(hf_config, "topk_method", None) or topk_method
         grouped = method != "greedy"
@@ -90,7 +95,7 @@ class RouterConfig:
 
 
 class Router(nn.Module):
-    def __init__(self, config: RouterConfig, hidden_size: int):
+    def __init__(self, config: RouterConfig, hidden_size: int) -> None:
         super().__init__()
         self.config = config
         self.weight = nn.Parameter(torch.empty(config.num_experts, hidden_size))
@@ -102,7 +107,7 @@ class Router(nn.Module):
             else None
         )
 
-    def _apply(self, fn, recurse=True):
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Router:
         # The correction bias stays float32 whatever dtype the model is cast to (HF keeps
         # it in fp32 too): bf16 cannot resolve the small bias differences between experts
         # near the sigmoid scores they are added to, and rounding them changes which
@@ -130,7 +135,8 @@ class Router(nn.Module):
         else:
             logits = F.linear(x.float(), self.weight.float())
             scores = logits.softmax(dim=-1) if cfg.scoring == "softmax" else logits.sigmoid()
-        choice = scores if cfg.scoring == "softmax" else scores + self.e_score_correction_bias
+        bias = self.e_score_correction_bias  # sigmoid scoring's; None for softmax
+        choice = scores if bias is None else scores + bias
         if cfg.group_limited:
             choice = self._mask_groups(choice)
         expert_ids = torch.topk(choice, k=cfg.top_k, dim=-1, sorted=False)[1]  # (T, top_k)
@@ -163,7 +169,7 @@ class Experts(nn.Module):
     down[e]     (hidden, inter)
     """
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, hidden_act: str):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, hidden_act: str) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
         # Tensor parallel: every rank holds every expert, split along its intermediate size;
@@ -180,15 +186,24 @@ class Experts(nn.Module):
         self.is_silu = hidden_act == "silu"
         self._pieces: dict[int, set[str]] = {}  # expert -> gate/up pieces loaded so far
 
-    def load_expert(self, expert: int, proj: str, weight: torch.Tensor, name: str) -> list[str]:
+    @property
+    def gate_up_layers(self) -> Sequence[MergedLinear]:
+        return cast("Sequence[MergedLinear]", self.gate_up)  # an nn.ModuleList's items are typed nn.Module
+
+    @property
+    def down_layers(self) -> Sequence[Linear]:
+        return cast("Sequence[Linear]", self.down)
+
+    def load_expert(self, expert: int, proj: str, weight: torch.Tensor | QuantizedWeight, name: str) -> list[str]:
         """One expert's weight from a per-expert checkpoint (`experts.N.{gate,up,down}_proj.weight`);
         returns the parameter names (relative to this module) now fully loaded."""
         if proj == "down_proj":
-            self.down[expert].load_weight(weight, name)
-            return [f"down.{expert}.{n}" for n in self.down[expert].weight_param_names()]
+            down = self.down_layers[expert]
+            down.load_weight(weight, name)
+            return [f"down.{expert}.{n}" for n in down.weight_param_names()]
         if proj not in ("gate_proj", "up_proj"):
             raise ValueError(f"unknown expert projection {proj!r}")
-        layer = self.gate_up[expert]
+        layer = self.gate_up_layers[expert]
         layer.load_shard(proj, weight, name)
         pieces = self._pieces.setdefault(expert, set())
         pieces.add(proj)
@@ -197,10 +212,10 @@ class Experts(nn.Module):
     def load_fused(self, proj: str, weight: torch.Tensor, name: str) -> list[str]:
         """HF's in-memory layout: `experts.gate_up_proj` (E, 2 * inter, hidden) or `experts.down_proj`
         (E, hidden, inter); returns the parameter names now fully loaded."""
-        layers = self.gate_up if proj == "gate_up_proj" else self.down
+        layers = self.gate_up_layers if proj == "gate_up_proj" else self.down_layers
         if weight.shape[0] != len(layers):
             raise ValueError(f"tensor {name!r}: {weight.shape[0]} experts, the model has {len(layers)}")
-        loaded = []
+        loaded: list[str] = []
         for expert, layer in enumerate(layers):
             if isinstance(layer, MergedLinear):  # (2 * inter, hidden): gate rows, then up rows
                 gate, up = weight[expert].chunk(2)
@@ -226,7 +241,8 @@ class Experts(nn.Module):
         flat_ids = expert_ids.flatten()  # (T * top_k,)
         order = flat_ids.argsort(stable=True)  # pair index, grouped by expert
         token_of_pair = order // top_k  # (T * top_k,)
-        counts = torch.bincount(flat_ids, minlength=len(self.gate_up)).tolist()
+        gate_up, down = self.gate_up_layers, self.down_layers
+        counts = torch.bincount(flat_ids, minlength=len(gate_up)).tolist()
         pairs_in = x[token_of_pair]  # (T * top_k, hidden)
         pairs_out = torch.empty_like(pairs_in)
         start = 0
@@ -234,8 +250,7 @@ class Experts(nn.Module):
             if count == 0:
                 continue
             rows = slice(start, start + count)
-            pairs_out[rows] = gated(self.gate_up[expert], self.down[expert], self.act_fn, self.is_silu, pairs_in[rows],
-                                    kernels)
+            pairs_out[rows] = gated(gate_up[expert], down[expert], self.act_fn, self.is_silu, pairs_in[rows], kernels)
             start += count
         pairs_out *= weights.flatten()[order, None].to(pairs_out.dtype)
         return torch.zeros_like(x).index_add_(0, token_of_pair, pairs_out)
@@ -247,7 +262,7 @@ class MoE(nn.Module):
     with `shared_gate` (Qwen2-MoE) its output is scaled per token by sigmoid(shared_expert_gate(x))."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, router_config: RouterConfig,
-                 shared_intermediate_size: int = 0, shared_gate: bool = False, mlp_bias: bool = False):
+                 shared_intermediate_size: int = 0, shared_gate: bool = False, mlp_bias: bool = False) -> None:
         super().__init__()
         self.gate = Router(router_config, hidden_size)
         self.experts = Experts(router_config.num_experts, hidden_size, intermediate_size, hidden_act)
@@ -258,7 +273,7 @@ class MoE(nn.Module):
         )
         # Replicated under tensor parallel: each rank scales its partial sum by the same gate.
         self.shared_expert_gate = Linear(hidden_size, 1, bias=False) if shared_gate else None
-        self.tp = self.experts.down[0].tp if router_config.num_experts else None
+        self.tp: TensorParallel | None = self.experts.down_layers[0].tp if router_config.num_experts else None
 
     def forward(self, x: torch.Tensor, kernels: StepKernels) -> torch.Tensor:
         weights, expert_ids = self.gate(x)  # float32 logits: no reduced-precision matmul to choose for
@@ -268,10 +283,11 @@ class MoE(nn.Module):
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(x, kernels)) * shared  # (T, 1) * (T, hidden)
             out = out + shared
-        return self.tp.all_reduce(out)  # tensor parallel: the ranks' partial sums, added once
+        # Tensor parallel: the ranks' partial sums, added once.
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
-def load_expert_weight(model: nn.Module, name: str, tensor: torch.Tensor) -> list[str] | None:
+def load_expert_weight(model: nn.Module, name: str, tensor: torch.Tensor | QuantizedWeight) -> list[str] | None:
     """Copy `name` in if it is a routed expert's weight, per expert (`experts.N.gate_proj.weight`: what
     save_pretrained and DeepSeek's releases write) or fused (`experts.gate_up_proj`, `experts.down_proj`:
     HF's in-memory layout); returns the parameter names now fully loaded, None for any other tensor."""
@@ -286,6 +302,8 @@ def load_expert_weight(model: nn.Module, name: str, tensor: torch.Tensor) -> lis
     if not isinstance(experts, Experts):
         raise ValueError(f"tensor {name!r} does not belong to this model")
     if m.re is _FUSED_EXPERTS:
+        if isinstance(tensor, QuantizedWeight):
+            raise ValueError(f"tensor {name!r}: fused experts are read dense, not quantized")
         return [f"{prefix}.{n}" for n in experts.load_fused(m[2], tensor, name)]
     expert, proj = int(m[2]), m[3]
     if not 0 <= expert < len(experts.gate_up):

@@ -51,21 +51,21 @@ class Communicator:
 class DistCommunicator(Communicator):
     """torch.distributed collectives over `group` (None: the default group)."""
 
-    def __init__(self, group=None):
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
         self.root = dist.get_global_rank(group, 0) if group is not None else 0
 
-    def all_reduce(self, x):
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(x, group=self.group)
         return x
 
-    def gather(self, x):
+    def gather(self, x: torch.Tensor) -> list[torch.Tensor] | None:
         parts = [torch.empty_like(x) for _ in range(dist.get_world_size(self.group))] if self.rank == 0 else None
         dist.gather(x, parts, dst=self.root, group=self.group)
         return parts
 
-    def broadcast(self, x):
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         dist.broadcast(x, src=self.root, group=self.group)
         return x
 
@@ -139,7 +139,7 @@ class ShmCommunicator(Communicator):
         self._seen[self.rank] = g
         return slots
 
-    def all_reduce(self, x):
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Added in float32 (bf16/fp16 values widen exactly), in rank order, rounded back to x's dtype."""
         if not x.is_floating_point():
             raise ValueError(f"the shared-memory all-reduce adds floating-point tensors, got {x.dtype}")
@@ -161,7 +161,7 @@ class ShmCommunicator(Communicator):
             x.copy_(flat.view_as(x))
         return x
 
-    def gather(self, x):
+    def gather(self, x: torch.Tensor) -> list[torch.Tensor] | None:
         """Through float32 slots: exact for float32, bf16 and fp16 values."""
         x = x.contiguous()
         if not x.is_floating_point():
@@ -170,7 +170,7 @@ class ShmCommunicator(Communicator):
         for start in range(0, flat.numel(), self.capacity):
             piece = flat[start : start + self.capacity]
             slots = self._post(piece)
-            if self.rank == 0:
+            if parts is not None:  # rank 0
                 self._wait_all(self._generation)
                 for r in range(self.size):
                     parts[r].view(-1)[start : start + piece.numel()].copy_(slots[r])
@@ -183,7 +183,7 @@ class TensorParallel:
     size: int = 1
     comm: Communicator | None = None  # None: size 1
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
             raise ValueError(f"tensor parallel rank {self.rank} of size {self.size}")
         if self.size > 1 and self.comm is None:
@@ -202,15 +202,15 @@ class TensorParallel:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of `x` over the ranks, in place (every rank gets the same bits)."""
-        return self.comm.all_reduce(x) if self.size > 1 else x
+        return self.comm.all_reduce(x) if self.size > 1 and self.comm is not None else x
 
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0: every rank's `x` concatenated along the last dim, in rank order; other
         ranks get their own `x` back (only rank 0 samples)."""
-        if self.size == 1:
+        if self.size == 1 or self.comm is None:
             return x
-        parts = self.comm.gather(x.contiguous())
-        return torch.cat(parts, dim=-1) if self.rank == 0 else x
+        parts = self.comm.gather(x.contiguous())  # None on every rank but 0
+        return torch.cat(parts, dim=-1) if parts is not None else x
 
 
 SINGLE = TensorParallel()

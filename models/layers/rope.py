@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from models.layers import cpu_kernels
 
 
-def _default_inv_freq(config) -> tuple[torch.Tensor, float]:
+def _default_inv_freq(config: PretrainedConfig) -> tuple[torch.Tensor, float]:
     params = config.rope_parameters
     dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     dim = int(dim * params.get("partial_rotary_factor", 1.0))
@@ -27,7 +28,7 @@ def _default_inv_freq(config) -> tuple[torch.Tensor, float]:
     return inv_freq, 1.0
 
 
-def rope_frequencies(config, max_positions: int) -> tuple[torch.Tensor, float]:
+def rope_frequencies(config: PretrainedConfig, max_positions: int) -> tuple[torch.Tensor, float]:
     """(inv_freq (rotary_dim // 2,), attention_scaling) for an HF config. `rope_freq_factors`
     (GGUF's rope_freqs, how Llama 3.x files store their scaling): divisors of each frequency."""
     inv_freq, scaling = _rope_frequencies(config, max_positions)
@@ -40,7 +41,7 @@ def rope_frequencies(config, max_positions: int) -> tuple[torch.Tensor, float]:
     return inv_freq, scaling
 
 
-def _rope_frequencies(config, max_positions: int) -> tuple[torch.Tensor, float]:
+def _rope_frequencies(config: PretrainedConfig, max_positions: int) -> tuple[torch.Tensor, float]:
     config.standardize_rope_params()
     rope_type = config.rope_parameters.get("rope_type", "default")
     if rope_type == "default":
@@ -62,7 +63,7 @@ class RotaryEmbedding(nn.Module):
     layer calls `rotate`, instead of indexing the table 2 * num_layers times.
     """
 
-    def __init__(self, config, max_positions: int, interleaved: bool = False):
+    def __init__(self, config: PretrainedConfig, max_positions: int, interleaved: bool = False):
         super().__init__()
         # Real CPU tensors even when the model is being built on the meta device.
         with torch.device("cpu"):

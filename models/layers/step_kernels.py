@@ -38,7 +38,7 @@ class StepKernels:
     onednn: bool = True  # False: torch's own kernels for reduced-precision matmuls
     lora: LoRABatch | None = field(default=None, compare=False)
 
-    def matmul(self, op: Callable[..., torch.Tensor], *args) -> torch.Tensor:
+    def matmul(self, op: Callable[..., torch.Tensor], *args: object) -> torch.Tensor:
         """op(*args), a matmul (F.linear, torch.bmm, torch.einsum), on the kernels this step chose.
 
         torch has no per-call way to its own reduced-precision kernels while oneDNN is
