@@ -404,8 +404,9 @@ struct Operands {
 };
 
 // Row m, panel p of the output: its float sums plus the bias.
+// Always inlined: with the 5-bit tiles in the file gcc stopped inlining it into the 4/8-bit ones.
 template <typename S>
-inline void store_output(const Operands<S>& op, int64_t m, int64_t p, const float* sums) {
+__attribute__((always_inline)) inline void store_output(const Operands<S>& op, int64_t m, int64_t p, const float* sums) {
   const int64_t n0 = p * kLanes;
   float* dst = op.at(m, n0);
   typename Isa::F y = Isa::load(sums);
@@ -483,22 +484,13 @@ __attribute__((noinline)) void tile(const Operands<S>& op, int64_t m0, int64_t p
         ++ahead_sg, ahead_left = op.groups_per_scale;
       }
     }
-    if constexpr (Bits == 4 || Bits == 5) {
-      // 5 bits: high[p] holds the high bits of chunk c and the rest of its half (chunks 4h .. 4h + 3), shifted so
-      // that chunk c's two are at bits 0 (the low nibble's value) and 4 (the high one's).
-      typename Isa::W high[RP];
+    if constexpr (Bits == 4) {
       for (int c = 0; c < 8; ++c) {
         typename Isa::W lo[RP], hi[RP];
         for (int p = 0; p < RP; ++p) {
           const typename Isa::W both = Isa::widen_u8(chunks + p * op.panel_bytes + c * 16);
           lo[p] = Isa::low_nibbles(both);
           hi[p] = Isa::high_nibbles(both);
-          if constexpr (Bits == 5) {  // q = nibble | bit << 4: the same madds as 4 bits on values 0..31
-            if (c % 4 == 0) high[p] = Isa::widen_u8(chunks + p * op.panel_bytes + 128 + c / 4 * 16);
-            lo[p] = Isa::bor(lo[p], Isa::bit4(Isa::shl4(high[p])));
-            hi[p] = Isa::bor(hi[p], Isa::bit4(high[p]));
-            high[p] = Isa::shr1(high[p]);
-          }
         }
         for (int r = 0; r < RM; ++r) {
           const int16_t* x = op.xq + (m0 + r) * op.K + g * kBlock + 2 * c;
@@ -511,6 +503,36 @@ __attribute__((noinline)) void tile(const Operands<S>& op, int64_t m0, int64_t p
               dots[r][p] = Isa::dot(Isa::dot(dots[r][p], lo[p], xa), hi[p], xb);
             }
             if constexpr (!Isa::kFusedDot || (RM > 1 && Isa::kRegisters < 32)) Isa::order(dots[r][p]);
+          }
+        }
+      }
+    } else if constexpr (Bits == 5) {
+      // The 4-bit loop with q = nibble | bit << 4 (values 0..31), the same madds. Half h's high chunk
+      // (chunks 4h .. 4h + 3) widened once; chunk c's two bits at 0 and 4 after j = c - 4h shifts.
+      for (int h = 0; h < 2; ++h) {
+        typename Isa::W high[RP];
+        for (int p = 0; p < RP; ++p) high[p] = Isa::widen_u8(chunks + p * op.panel_bytes + 128 + h * 16);
+        for (int j = 0; j < 4; ++j) {
+          const int c = 4 * h + j;
+          typename Isa::W lo[RP], hi[RP];
+          for (int p = 0; p < RP; ++p) {
+            const typename Isa::W both = Isa::widen_u8(chunks + p * op.panel_bytes + c * 16);
+            lo[p] = Isa::bor(Isa::low_nibbles(both), Isa::bit4(Isa::shl4(high[p])));
+            hi[p] = Isa::bor(Isa::high_nibbles(both), Isa::bit4(high[p]));
+            high[p] = Isa::shr1(high[p]);
+          }
+          for (int r = 0; r < RM; ++r) {
+            const int16_t* x = op.xq + (m0 + r) * op.K + g * kBlock + 2 * c;
+            const typename Isa::W xa = pair(r, x, g * kBlock / 2 + c), xb = pair(r, x + 16, g * kBlock / 2 + c + 8);
+            for (int p = 0; p < RP; ++p) {
+              if constexpr (kSplit) {
+                dots[r][p] = Isa::dot(dots[r][p], lo[p], xa);
+                dots2[p] = Isa::dot(dots2[p], hi[p], xb);
+              } else {
+                dots[r][p] = Isa::dot(Isa::dot(dots[r][p], lo[p], xa), hi[p], xb);
+              }
+              if constexpr (!Isa::kFusedDot || (RM > 1 && Isa::kRegisters < 32)) Isa::order(dots[r][p]);
+            }
           }
         }
       }
