@@ -38,6 +38,7 @@ from torch import nn
 
 from models.layers.linear import Embedding, Linear, MergedLinear
 from models.layers.lora_weights import LoRAWeights
+from models.layers.quantization import DenseMethod
 
 # DeepSeek's MLA adds q_a_proj/q_b_proj (q through a low rank) and kv_a_proj_with_mqa (the latent and
 # the rope key); its kv_b_proj is never run as a layer (absorbed into the query and the output: mla.py).
@@ -236,7 +237,8 @@ class PreparedLoRA:
     def install(self, slot: int) -> None:
         for layer, weights in self.layers:
             if layer.lora is None:
-                layer.lora = LoRAWeights()
+                method = layer.quant_method  # rows alone where the base layer's are (CausalLM.row_invariant)
+                layer.lora = LoRAWeights(getattr(method, "row_invariant", not isinstance(method, DenseMethod)))
             layer.lora.slots[slot] = weights
 
 

@@ -36,8 +36,11 @@ class LoRABatch:
 class LoRAWeights:
     """The adapters of one Linear: per slot, A_cat (R, in), B_cat (out, R) and the scale."""
 
-    def __init__(self):
+    def __init__(self, row_invariant: bool = False):
         self.slots: dict[int, tuple[torch.Tensor, torch.Tensor, float]] = {}
+        # The base layer computes each row alone (quantized kernels, --batch-invariant): so do the
+        # adapter's products, on CPU (rows_matmul); else torch's GEMMs, faster from tens of rows.
+        self.row_invariant = row_invariant
 
     def apply(self, x: torch.Tensor, out: torch.Tensor, batch: LoRABatch | None) -> torch.Tensor:
         """out (the base layer's x W^T + b) plus each row's adapter term, in place."""
@@ -48,9 +51,9 @@ class LoRAWeights:
             if found is None:  # this adapter leaves the layer alone
                 continue
             a, b, scale = found
-            if x.device.type == "cpu" and cpu_kernels.available():
+            if self.row_invariant and x.device.type == "cpu" and cpu_kernels.available():
                 # Each row summed in an order of its own: an adapter's row is the same whatever the
-                # step's size (speculative verification, batching), as the base layers' rows are.
+                # step's size (speculative verification, batching), as the base layer's rows are.
                 hidden = cpu_kernels.rows_matmul(x[rows], a, kn=False)  # (num_rows, R) float32
                 delta = cpu_kernels.rows_matmul(hidden, b, kn=False) * scale  # PEFT's order: B(A x) * scale
             else:
