@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from engine.speculative import SpeculativeConfig
 
 DEFAULT_KV_CACHE_MEMORY_GIB = 1.0
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
 
 
 def max_blocks_per_request(windows: tuple[int | None, ...], block_size: int, num_tokens: int, max_chunk: int) -> int:
@@ -56,7 +56,9 @@ class EngineConfig:
     # fewer, whichever runs steps faster now (engine/threads.py).
     num_threads: int | None = None
     # The KV cache's dtype. auto: the model's, except float16 under float32 activations with
-    # quantized weights (what llama.cpp keeps: half the memory of float32).
+    # quantized weights (what llama.cpp keeps: half the memory of float32). int8: each token's key
+    # and value rows quantized with a float32 scale a row (models/layers/attention.py's
+    # quantize_rows): ~3.8x the tokens of float32 in the same memory, ~1.9x those of 16 bits.
     kv_cache_dtype: str = "auto"
     # A stream holds at most this many unread outputs; later ones wait in the engine, merged
     # into one, and a stream that stays full this many seconds (its reader stopped) is aborted.

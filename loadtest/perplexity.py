@@ -50,12 +50,14 @@ print(json.dumps({"perplexity": float(np.exp(nll.mean()))}))
 
 
 @torch.inference_mode()
-def next_token_logits(loaded: LoadedModel, ids: list[int], block_size: int = 16) -> torch.Tensor:
+def next_token_logits(loaded: LoadedModel, ids: list[int], block_size: int = 16,
+                      kv_cache_dtype: torch.dtype | None = None) -> torch.Tensor:
     """ids (n tokens, at most max_model_len) in one prefill through the paged model -> (n, vocab):
-    row i the logits of the token after ids[i]."""
+    row i the logits of the token after ids[i]. kv_cache_dtype: the cache's (default the model's)."""
     n = len(ids)
     num_blocks = -(-n // block_size)
-    kv_caches = loaded.model.kv_cache_spec(loaded.config.dtype).allocate(num_blocks, block_size, "cpu")
+    spec = loaded.model.kv_cache_spec(kv_cache_dtype or loaded.config.dtype)
+    kv_caches = spec.allocate(num_blocks, block_size, "cpu")
     meta = AttentionMetadata.build([n], [n], [list(range(num_blocks))], block_size)
     hidden = loaded.model(torch.tensor(ids), torch.arange(n), kv_caches, meta)
     return loaded.model.compute_logits(hidden)
@@ -67,10 +69,11 @@ def token_ids(loaded: LoadedModel, text: str) -> list[int]:
     return loaded.tokenizer(text).input_ids[: loaded.config.max_model_len]
 
 
-def perplexity(loaded: LoadedModel, text: str, block_size: int = 16) -> tuple[float, int]:
+def perplexity(loaded: LoadedModel, text: str, block_size: int = 16,
+               kv_cache_dtype: torch.dtype | None = None) -> tuple[float, int]:
     """-> (perplexity, tokens scored) of `text` under `loaded` (a models.loader.LoadedModel)."""
     ids = token_ids(loaded, text)
-    logits = next_token_logits(loaded, ids[:-1], block_size)  # (n - 1, vocab): each position predicts the next
+    logits = next_token_logits(loaded, ids[:-1], block_size, kv_cache_dtype)  # (n - 1, vocab): each position predicts the next
     nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="mean")
     return math.exp(nll.item()), len(ids) - 1
 
@@ -91,14 +94,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quantization", default="auto", choices=QUANTIZATIONS)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--text", type=Path, default=DEFAULT_TEXT)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "int8"],
+                   help="the KV cache's dtype (auto: the model's); every query of the prefill reads its keys "
+                        "and values from the cache (int8: quantized, as the server's --kv-cache-dtype int8)")
     p.add_argument("--llama-cpp-python", metavar="PYTHON",
                    help="an interpreter with llama-cpp-python installed: score the same GGUF there too")
     args = p.parse_args(argv)
     loaded = load_model(args.model, dtype=args.dtype, quantization=args.quantization)
     text = args.text.read_text()
-    ppl, count = perplexity(loaded, text)
+    cache_dtype = None if args.kv_cache_dtype == "auto" else getattr(torch, args.kv_cache_dtype)
+    ppl, count = perplexity(loaded, text, kv_cache_dtype=cache_dtype)
     print(f"{args.model} --quantization {args.quantization} ({loaded.quantization}; "
-          f"{loaded.weight_bytes / 2**20:.1f} MiB of weights): perplexity {ppl:.4f} over {count} tokens")
+          f"{loaded.weight_bytes / 2**20:.1f} MiB of weights) --kv-cache-dtype {args.kv_cache_dtype}: "
+          f"perplexity {ppl:.4f} over {count} tokens")
     if args.llama_cpp_python:
         if not loaded.config.path.endswith(".gguf"):
             p.error(f"--llama-cpp-python needs a GGUF model, not {loaded.config.path}")

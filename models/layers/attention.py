@@ -97,7 +97,7 @@ class KVCacheSpec:
 
     num_layers: int
     entry_shape: tuple[int, ...]  # GQA: (2, num_kv_heads, head_dim); MLA: (kv_lora_rank + qk_rope_head_dim,)
-    dtype: torch.dtype
+    dtype: torch.dtype  # torch.int8: quantized rows, see `stored_shape`
     layer_windows: tuple[int | None, ...] = ()  # each layer's sliding window (None: full); empty: all full
 
     @property
@@ -106,9 +106,16 @@ class KVCacheSpec:
         return self.num_layers * self.bytes_per_entry
 
     @property
+    def stored_shape(self) -> tuple[int, ...]:
+        """entry_shape as the cache tensor holds it: an int8 cache's rows carry their scale (quantize_rows)."""
+        if self.dtype == torch.int8:
+            return (*self.entry_shape[:-1], self.entry_shape[-1] + KV_SCALE_BYTES)
+        return self.entry_shape
+
+    @property
     def bytes_per_entry(self) -> int:
         numel = 1
-        for dim in self.entry_shape:
+        for dim in self.stored_shape:
             numel *= dim
         return numel * torch.empty((), dtype=self.dtype).element_size()
 
@@ -121,7 +128,7 @@ class KVCacheSpec:
                  layout: KVCacheLayout | None = None) -> list[torch.Tensor]:
         """One cache tensor per layer (layers of different groups share theirs under a layout;
         without one every layer has its own, and uses one block table)."""
-        shape = (num_blocks, block_size, *self.entry_shape)
+        shape = (num_blocks, block_size, *self.stored_shape)
         num_tensors = self.num_layers if layout is None else layout.num_slots
         if torch.device(device).type == "cpu":  # one huge-page arena: decodes stream their rows
             tensors = hugepages.zeros([shape] * num_tensors, self.dtype)
@@ -309,18 +316,53 @@ def _build_group(idx: torch.Tensor, token_in_group: torch.Tensor, seq: torch.Ten
     )
 
 
+# An int8 cache (--kv-cache-dtype int8) stores each row (a token's key or value of one KV head, or
+# an MLA latent) as D int8 numbers round(x * 127 / absmax) followed by the 4 bytes of its float32
+# scale absmax / 127: symmetric, one scale per token per KV head, so a row's error is at most
+# absmax / 254 whatever else is in its block. The scale sits in the row itself rather than in a
+# parallel tensor: a layer's cache stays one tensor (every model, the block-major layout, the
+# huge-page arena and the fused decoder layer keep their signatures), and the kernel finds a row's
+# scale where it reads the row. A row of 64 numbers is 68 bytes: 3.8x fewer than float32's 256,
+# 1.9x fewer than bfloat16's 128.
+KV_SCALE_BYTES = 4
+
+
+def quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    """x (..., D) floating -> (..., D + 4) int8 rows with their scales (see KV_SCALE_BYTES); the same
+    arithmetic as csrc/decode_ops.cpp's write_kv_blocks, so both write the same bytes."""
+    x = x.float()
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    # Divisions of whole tensors: `127.0 / amax` is amax.reciprocal() * 127, another rounding.
+    full = torch.full_like(amax, 127.0)
+    inv = torch.where(amax > 0, full / amax, torch.zeros_like(amax))
+    q = torch.round(x * inv).clamp_(-127, 127).to(torch.int8)
+    return torch.cat([q, (amax / full).view(torch.int8)], dim=-1)
+
+
+def dequantize_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(..., D + 4) int8 rows of quantize_rows -> (..., D) in `dtype` (computed in float32)."""
+    width = rows.shape[-1] - KV_SCALE_BYTES
+    scale = rows[..., width:].contiguous().view(torch.float32)  # (..., 1)
+    return (rows[..., :width].to(torch.float32) * scale).to(dtype)
+
+
 def write_kv(kv_cache: torch.Tensor, entries: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store each new token's cache entry (num_tokens, *entry_shape) at its slot."""
-    flat = kv_cache.view(-1, *kv_cache.shape[2:])  # (num_slots, *entry_shape)
-    flat.index_copy_(0, slot_mapping, entries.to(kv_cache.dtype))
+    """Store each new token's cache entry (num_tokens, *entry_shape) at its slot (quantized in an int8 cache)."""
+    flat = kv_cache.view(-1, *kv_cache.shape[2:])  # (num_slots, *stored entry shape)
+    rows = quantize_rows(entries) if kv_cache.dtype == torch.int8 else entries.to(kv_cache.dtype)
+    flat.index_copy_(0, slot_mapping, rows)
 
 
 def gather_kv(kv_cache: torch.Tensor, group: AttentionGroup, dtype: torch.dtype | None = None) -> torch.Tensor:
     """(num_seqs, max_kv_len, *entry_shape) entries of the group's sequences, in position order,
-    in `dtype` (default the cache's), into the group's buffers."""
+    in `dtype` (default the cache's; an int8 cache's are dequantized, by default to float32), into
+    the group's buffers."""
     index = group.block_table.view(-1)
     blocks = group.buffer((index.numel(), *kv_cache.shape[1:]), kv_cache.dtype, kv_cache.device)
     torch.index_select(kv_cache, 0, index, out=blocks)  # (n * num_blocks, block_size, *entry_shape)
+    if kv_cache.dtype == torch.int8:
+        entries = dequantize_rows(blocks, dtype or torch.float32)
+        return entries.view(group.num_seqs, -1, *entries.shape[2:])
     return _as_dtype(blocks, group, dtype).view(group.num_seqs, -1, *kv_cache.shape[2:])
 
 
@@ -350,18 +392,21 @@ def unpad_into(out: torch.Tensor, padded: torch.Tensor, group: AttentionGroup) -
 
 
 def kv_blocks(kv_cache: torch.Tensor) -> torch.Tensor:
-    """The block-major view of a GQA cache (num_blocks, block_size, 2, Hk, D): (num_blocks, 2, Hk, block_size, D)."""
+    """The block-major view of a GQA cache (num_blocks, block_size, 2, Hk, D): (num_blocks, 2, Hk, block_size, D)
+    (an int8 cache's D is its rows' stored width, scale included)."""
     num_blocks, block_size, _, num_kv_heads, head_dim = kv_cache.shape
     return kv_cache.view(num_blocks, 2, num_kv_heads, block_size, head_dim)
 
 
 def store_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """k, v (num_tokens, Hk, D) into a GQA cache at their slots (block slot // block_size, offset
-    slot % block_size), in PyTorch: what cpu_kernels.write_kv_blocks does in one pass."""
+    slot % block_size), in PyTorch: what cpu_kernels.write_kv_blocks does in one pass. An int8
+    cache gets each row quantized (quantize_rows)."""
     block_size = kv_cache.shape[1]
     tokens = kv_blocks(kv_cache).permute(0, 3, 1, 2, 4)  # (num_blocks, block_size, 2, Hk, D), strided
     new = torch.stack((k, v), dim=1)  # (num_tokens, 2, Hk, D)
-    tokens.index_put_((slot_mapping // block_size, slot_mapping % block_size), new.to(kv_cache.dtype))
+    new = quantize_rows(new) if kv_cache.dtype == torch.int8 else new.to(kv_cache.dtype)
+    tokens.index_put_((slot_mapping // block_size, slot_mapping % block_size), new)
 
 
 def paged_attention(
@@ -397,8 +442,9 @@ def paged_attention(
 
 def kernel_serves(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether our C++ kernel attends these queries over this cache: on CPU, when built, for one
-    16/32-bit dtype or a 16-bit cache under float32 queries."""
-    reads = q.dtype == kv_cache.dtype or (q.dtype == torch.float32 and kv_cache.dtype in (torch.float16, torch.bfloat16))
+    16/32-bit dtype, a 16-bit cache under float32 queries, or an int8 cache under any."""
+    reads = (q.dtype == kv_cache.dtype or kv_cache.dtype == torch.int8
+             or (q.dtype == torch.float32 and kv_cache.dtype in (torch.float16, torch.bfloat16)))
     return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16) and reads
             and q.stride(-1) == 1 and cpu_kernels.available())
 
@@ -406,12 +452,14 @@ def kernel_serves(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
 def _gather_blocks(kv_cache: torch.Tensor, group: AttentionGroup, dtype: torch.dtype) -> torch.Tensor:
     """(2, Hk, n, max_kv, D) in `dtype`: the group's keys and values, one copy out of the blocks
     (an `index_select` of whole blocks along the block dim of a view that puts it third), into the
-    group's buffers."""
+    group's buffers; an int8 cache's gathered blocks are dequantized."""
     num_blocks, _, num_kv_heads, block_size, head_dim = kv_blocks(kv_cache).shape
     runs = kv_cache.view(num_blocks, 2, num_kv_heads, block_size * head_dim).permute(1, 2, 0, 3)
     index = group.block_table.view(-1)
     kv = group.buffer((2, num_kv_heads, index.numel(), block_size * head_dim), kv_cache.dtype, kv_cache.device)
     torch.index_select(runs, 2, index, out=kv)  # (2, Hk, n * blocks per seq, block_size * D)
+    if kv_cache.dtype == torch.int8:
+        return dequantize_rows(kv.view(2, num_kv_heads, group.num_seqs, -1, head_dim), dtype)
     return _as_dtype(kv, group, dtype).view(2, num_kv_heads, group.num_seqs, -1, head_dim)
 
 
@@ -428,7 +476,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.T
             out = F.scaled_dot_product_attention(queries, kv[0], kv[1], attn_mask=mask, scale=scale, enable_gqa=True)
         else:
             out = _softcapped(queries, kv[0], kv[1], mask, scale, softcap)
-    elif group.is_fresh:
+    elif group.is_fresh and kv_cache.dtype != torch.int8:  # int8: the cache's keys, as the kernel reads
         keys = pad_queries(k, group).transpose(1, 2)  # (n, num_kv_heads, max_q, head_dim)
         values = pad_queries(v, group).transpose(1, 2)
         # Padding keys sit after every real query of their sequence: causal hides them.

@@ -199,3 +199,120 @@ def test_windowed_rows_do_not_depend_on_their_step(attention_path, window, softc
         outputs.append(torch.cat(parts))
     for other in outputs[1:]:
         assert torch.equal(other, outputs[0])
+
+
+def int8_step_outputs(seqs, plan, tables, num_blocks, block_size, scale, num_kv_heads, head_dim, window=None):
+    """Two steps over an int8 cache (the contexts, then the plan's mixed batch in shuffled order) ->
+    {(seq, start): output} of every chunk."""
+    cache = KVCacheSpec(1, (2, num_kv_heads, head_dim), torch.int8).allocate(num_blocks, block_size, "cpu")[0]
+    first = [(i, 0, c) for i, (c, _) in enumerate(plan) if c > 0]
+    second = [(i, c, n) for i, (c, n) in enumerate(plan)]
+    random.Random(block_size).shuffle(second)
+    got = {}
+    for chunks in (first, second):
+        meta = AttentionMetadata.build([n for _, _, n in chunks], [s + n for _, s, n in chunks],
+                                       [tables[i] for i, _, _ in chunks], block_size)
+        q = torch.cat([seqs[i]["q"][s : s + n] for i, s, n in chunks])
+        k = torch.cat([seqs[i]["k"][s : s + n] for i, s, n in chunks])
+        v = torch.cat([seqs[i]["v"][s : s + n] for i, s, n in chunks])
+        out = paged_attention(q, k, v, cache, meta, scale, window=window)
+        got.update({(i, s): o for (i, s, _), o in zip(chunks, out.split([n for _, _, n in chunks]))})
+    return got
+
+
+@pytest.mark.parametrize("head_dim", [8, 64])
+@pytest.mark.parametrize("block_size,window", [(16, None), (5, None), (16, 9)])
+def test_int8_cache_is_attention_over_its_dequantized_rows(block_size, window, head_dim):
+    """An int8 cache (--kv-cache-dtype int8) holds each key and value row as round(x * 127 / absmax)
+    and its scale absmax / 127; every path attends exactly (to float32 rounding) what dense
+    attention gives over those dequantized rows, and within the quantization's own bound of dense
+    attention over the float rows: each number moves by at most absmax / 254 of its row, so an output
+    (a convex mix of values) by at most max absmax / 254 through the values, plus what the keys'
+    error does to the weights (below 1e-2 here)."""
+    from models.layers.attention import dequantize_rows, quantize_rows
+
+    num_heads, num_kv_heads = 6, 2
+    plan = [(0, 21), (40, 1), (300, 1), (13, 9), (0, 1), (150, 40)]
+    lengths = [c + n for c, n in plan]
+    gen = torch.Generator().manual_seed(head_dim)
+    seqs = [{"q": torch.randn(n, num_heads, head_dim, generator=gen),
+             "k": torch.randn(n, num_kv_heads, head_dim, generator=gen),
+             "v": torch.randn(n, num_kv_heads, head_dim, generator=gen)} for n in lengths]
+    tables, num_blocks = shuffled_block_tables(lengths, block_size, seed=3)
+    scale = head_dim**-0.5
+    got = int8_step_outputs(seqs, plan, tables, num_blocks, block_size, scale, num_kv_heads, head_dim, window)
+    worst = 0.0
+    for (i, start), out in got.items():
+        s, end = seqs[i], start + out.shape[0]
+        k8, v8 = (dequantize_rows(quantize_rows(s[x][:end]), torch.float32) for x in ("k", "v"))
+        ref8 = windowed_reference(s["q"][start:end], k8, v8, scale, window, None)
+        torch.testing.assert_close(out, ref8, rtol=1e-5, atol=1e-5)
+        ref = windowed_reference(s["q"][start:end], s["k"][:end], s["v"][:end], scale, window, None)
+        step = s["v"][:end].abs().amax().item() / 254  # the values' bound
+        assert (out - ref).abs().max().item() <= step + 1e-2
+        worst = max(worst, ((out - ref).norm() / ref.norm()).item())
+    assert worst < 2e-2  # relative (Frobenius) error of a chunk's output against float K/V
+
+
+def test_int8_rows_are_written_alike_by_both_paths():
+    """csrc's write_kv_blocks and attention.py's store_kv write the same bytes (values and scales),
+    so the two attention paths read the same cache."""
+    from models.layers import cpu_kernels
+    from models.layers.attention import store_kv
+
+    if not cpu_kernels.available():
+        pytest.skip("CPU kernels unavailable")
+    gen = torch.Generator().manual_seed(0)
+    k, v = torch.randn(2, 37, 3, 64, generator=gen) * torch.rand(2, 37, 3, 1, generator=gen) * 10
+    k[5, 1] = 0  # an all-zero row: scale 0, numbers 0
+    spec = KVCacheSpec(1, (2, 3, 64), torch.int8)
+    a, b = (spec.allocate(6, 8, "cpu")[0] for _ in range(2))
+    slots = torch.randperm(48, generator=gen)[:37]
+    cpu_kernels.write_kv_blocks(a, k, v, slots)
+    store_kv(b, k, v, slots)
+    assert torch.equal(a, b)
+    for dtype in (torch.bfloat16, torch.float16):  # 16-bit activations quantize alike too
+        cpu_kernels.write_kv_blocks(a, k.to(dtype), v.to(dtype), slots)
+        store_kv(b, k.to(dtype), v.to(dtype), slots)
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int8_rows_do_not_depend_on_their_step(attention_path, threads):
+    """On the kernel, a token's output over an int8 cache is the same bits whether its sequence is
+    prefilled at once, in chunks beside another sequence, or decoded token by token, on any thread count."""
+    if attention_path != "cpu-kernel":
+        pytest.skip("the eager paths are not row-invariant")
+    block_size, num_kv_heads, length, head_dim = 16, 2, 200, 64
+    gen = torch.Generator().manual_seed(4)
+    seqs = [{x: torch.randn(n, 6 if x == "q" else num_kv_heads, head_dim, generator=gen) for x in "qkv"}
+            for n in (length, 150)]
+    tables, num_blocks = shuffled_block_tables([length, 150], block_size, seed=5)
+    outputs = []
+    previous = torch.get_num_threads()
+    try:
+        for schedule in ([length], [37, 1, 1, 100, 61], [1] * 20 + [180]):
+            torch.set_num_threads(threads if len(outputs) else 2)
+            cache = KVCacheSpec(1, (2, num_kv_heads, head_dim), torch.int8).allocate(num_blocks, block_size, "cpu")[0]
+            done, parts = 0, []
+            for n in schedule:
+                other = min(done, 149)
+                chunks = [(1, other, 1), (0, done, n)]
+                meta = AttentionMetadata.build([1, n], [other + 1, done + n], [tables[1], tables[0]], block_size)
+                q, k, v = (torch.cat([seqs[i][x][s : s + m] for i, s, m in chunks]) for x in "qkv")
+                parts.append(paged_attention(q, k, v, cache, meta, head_dim**-0.5)[1:])
+                done += n
+            outputs.append(torch.cat(parts))
+    finally:
+        torch.set_num_threads(previous)
+    for other in outputs[1:]:
+        assert torch.equal(other, outputs[0])
+
+
+def test_int8_cache_sizes():
+    """An int8 entry is its numbers and a float32 scale a row: (D + 4) / (4 D) of float32's bytes."""
+    f32 = KVCacheSpec(2, (2, 5, 64), torch.float32)
+    i8 = KVCacheSpec(2, (2, 5, 64), torch.int8)
+    assert i8.stored_shape == (2, 5, 68) and i8.bytes_per_entry == 2 * 5 * 68
+    assert f32.bytes_per_entry / i8.bytes_per_entry == pytest.approx(256 / 68)
+    assert i8.allocate(3, 16, "cpu")[0].shape == (3, 16, 2, 5, 68)

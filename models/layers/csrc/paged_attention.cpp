@@ -34,6 +34,12 @@
 //        a block's keys and values for every KV head are one run of memory
 //   MLA  (num_blocks, block_size, E): one latent per token for all heads (Hk = 1); keys are the
 //        whole entry, values its first `value_dim` numbers (the absorbed form)
+// An int8 cache (attention.py's quantize_rows) has rows of D int8 numbers and their float32 scale
+// (D + 4 bytes, the last dim of its shape). Its rows are read as they lie, the integers widened
+// exactly as a 16-bit cache's are, and the scales applied on the fly: a key's to its score
+// (s_t = k_scale_t * (scale q . k_t)), a value's to its weight once the softmax has summed the
+// weights (acc = fma(p_t * v_scale_t, v_t, acc)). Each is one more rounding in an order fixed by
+// the row, so an int8 row is as independent of its step as any.
 //
 // Built at run time by models/layers/cpu_kernels.py; the eager paths are the reference.
 #include <ATen/ATen.h>
@@ -48,6 +54,18 @@
 #include <vector>
 
 #include "vec8.h"
+
+namespace pagedserve_vec {
+// 8 numbers of an int8 cache row as floats (exact); the row's scale is applied apart (see above).
+inline float widen(int8_t x) { return static_cast<float>(x); }
+inline f32x8 load8(const int8_t* p) {
+#if defined(__AVX2__)
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  return f32x8{widen(p[0]), widen(p[1]), widen(p[2]), widen(p[3]), widen(p[4]), widen(p[5]), widen(p[6]), widen(p[7])};
+#endif
+}
+}  // namespace pagedserve_vec
 
 namespace {
 
@@ -109,6 +127,9 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline __m512 load16(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
 // accumulate's arithmetic on 16 lanes: 64 numbers of each of kRows rows (4 vectors a row) from d on,
@@ -205,6 +226,17 @@ inline const float* row_as_float(const cache_t* row, int64_t n, float* buf) {
     return buf;
   }
 }
+
+// An int8 cache row's scale: the float32 after its `n` numbers.
+inline float row_scale(const int8_t* row, int64_t n) {
+  float scale;
+  std::memcpy(&scale, row + n, sizeof(scale));
+  return scale;
+}
+
+// Numbers of a cache row past its values that are read with it: an int8 row's scale.
+template <typename cache_t>
+constexpr int64_t kRowExtra = std::is_same_v<cache_t, int8_t> ? 4 : 0;
 
 // Where key / value rows lie: the key row of KV head h, token o of block b is
 // base + h * head_stride + b * block_stride + o * slot_stride; its value row v_offset further on.
@@ -349,20 +381,20 @@ struct Attention {
       // themselves, with no arithmetic to overlap.)
       // Keys widened into a buffer are all read now: those are asked for here.
       if (widen) {
-        for (int64_t t = t0; t < nk; ++t) prefetch_row<2>(kbase + slots[t], Dk);
+        for (int64_t t = t0; t < nk; ++t) prefetch_row<2>(kbase + slots[t], Dk + kRowExtra<cache_t>);
       } else if (b0 == b_first && !asked) {
-        for (int64_t t = t0; t < std::min(nk, t0 + kAhead); ++t) prefetch_row(kbase + slots[t], Dk);
+        for (int64_t t = t0; t < std::min(nk, t0 + kAhead); ++t) prefetch_row(kbase + slots[t], Dk + kRowExtra<cache_t>);
       }
       // Scores, 4 keys at a time for every row that needs them (the keys stay in L1), two rows at
       // a time sharing the loads of the keys; a row left over goes alone.
       auto scores = [&](const auto* const* rows) {
         for (int64_t t = ts; t < nk; t += 4) {
           for (int64_t u = std::max(t, t0); u < std::min(t + 4, nk) && !lay.values_in_keys; ++u) {
-            prefetch_row(vbase + slots[u], Dv);
+            prefetch_row(vbase + slots[u], Dv + kRowExtra<cache_t>);
           }
           for (int64_t u = b0 + t + kAhead; u < b0 + t + kAhead + 4; ++u) {
             const cache_t* row = ahead.step(lay);  // key u of this task, or of the next past its end
-            if (row != nullptr && !(widen && u < b0 + nk)) prefetch_row(row, Dk);  // a widened block's: above
+            if (row != nullptr && !(widen && u < b0 + nk)) prefetch_row(row, Dk + kRowExtra<cache_t>);  // a widened block's: above
           }
           for (int64_t r = r0; r < r1;) {
             const int64_t together = std::min<int64_t>(kShareRows, r1 - r);
@@ -385,11 +417,24 @@ struct Attention {
             r += together;
           }
         }
+        if constexpr (std::is_same_v<cache_t, int8_t>) {  // the keys' scales, on the scores
+          for (int64_t r = r0; r < r1; ++r) {
+            for (int64_t t = first[r]; t < n[r]; ++t) s[r * kKeys + t] *= row_scale(kbase + slots[t], Dk);
+          }
+        }
         for (int64_t r = r0; r < r1; ++r) {
           softmax_block(s + r * kKeys, ts, first[r], n[r], lo[r] >= b0, softcap, m[r], l[r], acc + r * Dv, Dv);
         }
       };
       auto values = [&](const auto* const* rows) {
+        if constexpr (std::is_same_v<cache_t, int8_t>) {  // the values' scales, on the summed weights
+          float vs[kKeys];
+          for (int64_t t = ts; t < t0; ++t) vs[t] = 0.f;  // before every window: weight 0 already
+          for (int64_t t = t0; t < nk; ++t) vs[t] = row_scale(lay.values_in_keys ? kbase + slots[t] : vbase + slots[t], Dk);
+          for (int64_t r = r0; r < r1; ++r) {
+            for (int64_t t = ts; t < n[r]; ++t) s[r * kKeys + t] *= vs[t];
+          }
+        }
         if (r1 - r0 == 1) {  // one row (a decode without GQA): its output in registers across the keys
           float* acc_r = acc + r0 * Dv;
           const float* p = s + r0 * kKeys;
@@ -619,8 +664,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
   TORCH_CHECK(kv_cache.is_contiguous() && (kv_cache.dim() == 5 || kv_cache.dim() == 3), "bad kv_cache");
   const bool mixed = q.scalar_type() == at::kFloat &&
                      (kv_cache.scalar_type() == at::kHalf || kv_cache.scalar_type() == at::kBFloat16);
-  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() || mixed,
-              "kv_cache must have q's dtype, or be float16/bfloat16 under float32 q");
+  const bool int8 = kv_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() || mixed || int8,
+              "kv_cache must have q's dtype, be float16/bfloat16 under float32 q, or int8");
+  const int64_t extra = int8 ? 4 : 0;  // an int8 row's scale, after its numbers
   TORCH_CHECK(block_table.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
               query_start.scalar_type() == at::kLong, "int64 tables");
   const int64_t n = seq_lens.numel(), T = q.size(0), H = q.size(1);
@@ -633,13 +680,14 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
   if (kv_cache.dim() == 5) {  // GQA, block-major (num_blocks, 2, Hk, block_size, D)
     TORCH_CHECK(kv_cache.size(2) == 2, "GQA kv_cache must be (num_blocks, block_size, 2, Hk, D)");
     Hk = kv_cache.size(3);
-    const int64_t D = kv_cache.size(4), run = block_size * D;
+    const int64_t W = kv_cache.size(4), D = W - extra, run = block_size * W;
+    TORCH_CHECK(D >= 1, "bad kv_cache head dim");
     TORCH_CHECK(value_dim == D || value_dim == 0, "value_dim of a GQA cache is its head dim");
-    lay = Layout{run, 2 * Hk * run, D, Hk * run, block_size, D, D, false};
+    lay = Layout{run, 2 * Hk * run, W, Hk * run, block_size, D, D, false};
   } else {  // MLA latents, token-major
-    const int64_t E = kv_cache.size(2);
+    const int64_t W = kv_cache.size(2), E = W - extra;
     TORCH_CHECK(value_dim >= 1 && value_dim <= E, "value_dim must be in [1, entry size]");
-    lay = Layout{0, block_size * E, E, 0, block_size, E, value_dim, true};
+    lay = Layout{0, block_size * W, W, 0, block_size, E, value_dim, true};
   }
   TORCH_CHECK(q.size(2) == lay.Dk && H % Hk == 0, "q's head dim / head count do not match the cache");
   auto tables = block_table.contiguous(), lens = seq_lens.contiguous(), starts = query_start.contiguous();
@@ -657,7 +705,15 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
   }
   auto out = at::empty({T, H, lay.Dv}, q.options());
   if (T == 0) return out;
-  if (mixed && kv_cache.scalar_type() == at::kHalf) {
+  if (int8 && q.scalar_type() == at::kFloat) {
+    dispatch<float, int8_t>(q, kv_cache, tables, lens, starts, out, lay, Hk, scale, window, softcap);
+  } else if (int8 && q.scalar_type() == at::kBFloat16) {
+    dispatch<c10::BFloat16, int8_t>(q, kv_cache, tables, lens, starts, out, lay, Hk, scale, window, softcap);
+  } else if (int8 && q.scalar_type() == at::kHalf) {
+    dispatch<c10::Half, int8_t>(q, kv_cache, tables, lens, starts, out, lay, Hk, scale, window, softcap);
+  } else if (int8) {
+    TORCH_CHECK(false, "paged_attention takes float32, bfloat16 or float16 queries");
+  } else if (mixed && kv_cache.scalar_type() == at::kHalf) {
     dispatch<float, c10::Half>(q, kv_cache, tables, lens, starts, out, lay, Hk, scale, window, softcap);
   } else if (mixed) {
     dispatch<float, c10::BFloat16>(q, kv_cache, tables, lens, starts, out, lay, Hk, scale, window, softcap);
