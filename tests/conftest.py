@@ -6,11 +6,22 @@ there afterwards, so only a clean machine (as CI) downloads it, once.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 QWEN05 = "qwen2.5-coder-0.5b-instruct"
+
+
+def pytest_configure(config) -> None:
+    """Under pytest-xdist, each worker's torch team gets its share of the cores: two workers of
+    two OpenMP threads each on two cores spin against each other at every op's barrier."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
 
 
 @pytest.fixture(scope="session")
