@@ -110,6 +110,20 @@ def greedy(logits_of, prompt, steps=8):
     return ids[len(prompt):]
 
 
+def paged_greedy(model, prompt, steps=8, block_size=5):
+    """Greedy tokens as the engine makes them: the prompt in one step, then a decode step a token
+    through the same paged cache."""
+    tables, num_blocks = shuffled_block_tables([len(prompt) + steps], block_size)
+    caches = model.kv_cache_spec(torch.float32).allocate(num_blocks, block_size, "cpu")
+    ids = list(prompt)
+    logits = paged_forward(model, caches, [(0, 0, ids)], tables, block_size)[0]
+    ids.append(int(logits[-1].argmax()))
+    while len(ids) < len(prompt) + steps:
+        logits = paged_forward(model, caches, [(0, len(ids) - 1, ids[-1:])], tables, block_size)[0]
+        ids.append(int(logits[-1].argmax()))
+    return ids[len(prompt):]
+
+
 @pytest.mark.parametrize("name", CASES)
 def test_f32_file_serves_transformers_logits(converted, name):
     hf_model, path = converted(name)
@@ -122,14 +136,11 @@ def test_f32_file_serves_transformers_logits(converted, name):
     for ours, ref in zip(run_steps(loaded.model, prompts), refs):
         assert_logits_close(ours, ref)
 
-    def ours_logits(ids):
-        return run_steps(loaded.model, [ids])[0]
-
     def hf_logits(ids):
         with torch.no_grad():
             return hf_model(input_ids=torch.tensor([ids])).logits[0]
 
-    assert greedy(ours_logits, prompts[2]) == greedy(hf_logits, prompts[2])
+    assert paged_greedy(loaded.model, prompts[2]) == greedy(hf_logits, prompts[2])
 
 
 @pytest.mark.parametrize("name", CASES)
