@@ -6,6 +6,7 @@ cannot drift from `python -m server --help`.
 
 tests/server/test_flags_doc.py runs the check in `make test`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,11 @@ def _row(action: argparse.Action) -> str:
     if action.nargs == 0:
         value = ""
     else:
-        value = f"`{action.metavar or action.dest.upper()}`" if not action.choices else \
-            " \\| ".join(f"`{c}`" for c in action.choices)
+        value = (
+            f"`{action.metavar or action.dest.upper()}`"
+            if not action.choices
+            else " \\| ".join(f"`{c}`" for c in action.choices)
+        )
     default = "" if action.default in (None, False, argparse.SUPPRESS) else f"`{action.default}`"
     return f"| {names} | {value} | {default} | {_cell(action.help or '')} |"
 

@@ -15,6 +15,7 @@ loop), it closes the inbox, refuses every "add" still in it and ends every open
 stream, with an "error" output unless it was a clean stop: no generate() waits on
 a thread that is gone, and is_running (what /health reads) turns False.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -64,8 +65,13 @@ class _Sink:
 
 
 class AsyncEngine:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None, start: bool = True,
-                 ranks: RankGroup | None = None):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        config: EngineConfig | None = None,
+        start: bool = True,
+        ranks: RankGroup | None = None,
+    ):
         """`ranks`: rank 0's engine.parallel.RankGroup (tensor parallel); shutdown stops them."""
         self.core = EngineCore(loaded, config, ranks=ranks)
         self.config = self.core.config
@@ -229,7 +235,8 @@ class AsyncEngine:
                 future = command[4]
                 try:
                     future.get_loop().call_soon_threadsafe(
-                        _settle, future, future.set_exception, RuntimeError("the engine is shutting down"))
+                        _settle, future, future.set_exception, RuntimeError("the engine is shutting down")
+                    )
                 except RuntimeError:  # the loop is closed
                     pass
 
@@ -246,7 +253,7 @@ class AsyncEngine:
             routed: list[tuple[_Sink, RequestOutput]] = []
             for i, command in enumerate(commands):
                 if command is _STOP:
-                    self._refuse(commands[i + 1:])  # then _close refuses what is still in the inbox
+                    self._refuse(commands[i + 1 :])  # then _close refuses what is still in the inbox
                     routed += self._route(self.core.abort_all())
                     self._publish(routed)
                     return
@@ -344,8 +351,12 @@ class AsyncEngine:
             elif now - sink.stalled_since < self.config.stalled_stream_timeout:
                 continue
             elif self._sinks.get(sink.request_id) is sink and (aborted := self.core.abort_request(sink.request_id)):
-                logger.warning("request %s: its reader left %d outputs unread for %g s; aborted",
-                               sink.request_id, limit, self.config.stalled_stream_timeout)
+                logger.warning(
+                    "request %s: its reader left %d outputs unread for %g s; aborted",
+                    sink.request_id,
+                    limit,
+                    self.config.stalled_stream_timeout,
+                )
                 self._num_stalled_aborts += 1
                 del self._sinks[sink.request_id]
                 self._hold(sink, aborted, now)
@@ -379,16 +390,32 @@ class AsyncEngine:
 
 def _merge(first: RequestOutput, then: RequestOutput) -> RequestOutput:
     """Two consecutive outputs of one request as one (text and tokens are increments)."""
-    logprobs = None if first.logprobs is None and then.logprobs is None else (first.logprobs or []) + (then.logprobs or [])
-    return replace(then, text=first.text + then.text, token_ids=first.token_ids + then.token_ids, logprobs=logprobs,
-                   prompt_logprobs=first.prompt_logprobs or then.prompt_logprobs)
+    logprobs = (
+        None if first.logprobs is None and then.logprobs is None else (first.logprobs or []) + (then.logprobs or [])
+    )
+    return replace(
+        then,
+        text=first.text + then.text,
+        token_ids=first.token_ids + then.token_ids,
+        logprobs=logprobs,
+        prompt_logprobs=first.prompt_logprobs or then.prompt_logprobs,
+    )
 
 
 def _error_output(request_id: str, error: str) -> RequestOutput:
     """A final output for a stream the engine can no longer serve (its core may be broken)."""
-    return RequestOutput(request_id=request_id, text="", token_ids=[], logprobs=None, finished=True,
-                         finish_reason="error", num_prompt_tokens=0, num_output_tokens=0,
-                         num_cached_tokens=0, error=error)
+    return RequestOutput(
+        request_id=request_id,
+        text="",
+        token_ids=[],
+        logprobs=None,
+        finished=True,
+        finish_reason="error",
+        num_prompt_tokens=0,
+        num_output_tokens=0,
+        num_cached_tokens=0,
+        error=error,
+    )
 
 
 def _settle(future: asyncio.Future, method: Callable[[Any], object], value: object) -> None:

@@ -35,6 +35,7 @@ pool. A sliding group's table drops the blocks that have left the window of the 
 so a sliding layer holds about window / block_size blocks a request however long its context. A
 prefix hit must then find, in a sliding group, only the blocks of the window before its end.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -49,8 +50,9 @@ _LORA_TAG = b"pagedserve-lora-adapter"
 NULL_BLOCK = 0  # a sliding group's table entry for a block left behind by the window
 
 
-def hash_block(parent: int | None, token_ids: Iterable[int], salt: str | None = None,
-               lora_name: str | None = None) -> int:
+def hash_block(
+    parent: int | None, token_ids: Iterable[int], salt: str | None = None, lora_name: str | None = None
+) -> int:
     """128-bit blake2b of the parent block's hash (or the root, salted and with the LoRA adapter's
     name for a first block) and this block's token ids."""
     h = hashlib.blake2b(digest_size=16)
@@ -72,8 +74,13 @@ class BlockManager:
     """windows: one entry per KV cache group, None for layers that see the whole context, else
     the sliding window (a query at position p sees keys at positions > p - window)."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 windows: tuple[int | None, ...] = (None,)):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        windows: tuple[int | None, ...] = (None,),
+    ):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one token, got {num_blocks} x {block_size}")
         if not windows or any(w is not None and w < 1 for w in windows):
@@ -146,8 +153,14 @@ class BlockManager:
         tokens = request.all_token_ids
         bs = self.block_size
         for i in range(len(hashes), len(tokens) // bs):
-            hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs : (i + 1) * bs],
-                                     request.params.cache_salt, request.lora_cache_key))
+            hashes.append(
+                hash_block(
+                    hashes[-1] if hashes else None,
+                    tokens[i * bs : (i + 1) * bs],
+                    request.params.cache_salt,
+                    request.lora_cache_key,
+                )
+            )
         return hashes
 
     def get_computed_blocks(self, request: Request) -> list[list[int]]:
@@ -175,8 +188,13 @@ class BlockManager:
         length = max(n for n, ok in enumerate(valid) if ok)
         if length == 0:
             return none
-        return [[self._cached[(g, h)] if i >= self._first_needed(g, length * self.block_size) else NULL_BLOCK
-                 for i, h in enumerate(hashes[:length])] for g in range(len(self.windows))]
+        return [
+            [
+                self._cached[(g, h)] if i >= self._first_needed(g, length * self.block_size) else NULL_BLOCK
+                for i, h in enumerate(hashes[:length])
+            ]
+            for g in range(len(self.windows))
+        ]
 
     def _window_hits(self, group: int, hashes: list[int], max_length: int) -> list[bool]:
         """For each prefix length n (in blocks, 0..max_length), whether this sliding group has
@@ -230,7 +248,9 @@ class BlockManager:
         """Whether the request's tables can grow to hold num_tokens tokens."""
         tables = self._tables.get(request.request_id) or computed_blocks or [[] for _ in self.windows]
         # Hits sitting in the evictable pool stop being allocatable once we hold them.
-        reused_evictable = sum(1 for t in computed_blocks for b in t if b != self.null_block and self.ref_counts[b] == 0)
+        reused_evictable = sum(
+            1 for t in computed_blocks for b in t if b != self.null_block and self.ref_counts[b] == 0
+        )
         return self._num_new_blocks(tables, num_tokens) <= self.num_free_blocks - reused_evictable
 
     def allocate(self, request: Request, computed_blocks: list[list[int]], num_tokens: int) -> list[list[int]] | None:
@@ -332,8 +352,9 @@ class BlockManager:
             issues.append(
                 f"free {len(free)} + cached {len(evictable)} + held {len(held)} != total {self.num_usable_blocks}"
             )
-        if self.null_block is not None and (self.null_block in free | evictable | held
-                                            or self.block_hashes[self.null_block] is not None):
+        if self.null_block is not None and (
+            self.null_block in free | evictable | held or self.block_hashes[self.null_block] is not None
+        ):
             issues.append(f"the null block {self.null_block} is in the pool")
         holders = Counter(b for tables in self._tables.values() for t in tables for b in t if b != self.null_block)
         for block_id in range(self.num_blocks):

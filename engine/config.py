@@ -5,6 +5,7 @@ The KV pool size is derived here (pure arithmetic, no torch) from the memory
 budget and the model's bytes per token, so an MLA model, which stores one small
 latent per token, gets many more blocks from the same budget than a GQA model.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -24,8 +25,9 @@ def max_blocks_per_request(windows: tuple[int | None, ...], block_size: int, num
     return sum(full if w is None else min(full, -(-(w - 1 + max_chunk) // block_size) + 1) for w in windows)
 
 
-def max_tokens_per_request(windows: tuple[int | None, ...], block_size: int, num_blocks: int, max_chunk: int,
-                           limit: int) -> int:
+def max_tokens_per_request(
+    windows: tuple[int | None, ...], block_size: int, num_blocks: int, max_chunk: int, limit: int
+) -> int:
     """The longest request, up to `limit` tokens, whose blocks fit on their own in a pool of
     num_blocks (one of them the null block when a group slides)."""
     usable = num_blocks - any(w is not None for w in windows)
@@ -112,8 +114,9 @@ class EngineConfig:
         if self.max_loras is not None and self.max_loras < 0:
             raise ValueError(f"max_loras must be >= 0, got {self.max_loras}")
         if self.max_loras is not None and self.max_loras < len(self.lora_modules):
-            raise ValueError(f"max_loras ({self.max_loras}) must be at least the number of lora_modules "
-                             f"({len(self.lora_modules)})")
+            raise ValueError(
+                f"max_loras ({self.max_loras}) must be at least the number of lora_modules ({len(self.lora_modules)})"
+            )
         if not self.stalled_stream_timeout > 0:
             raise ValueError(f"stalled_stream_timeout must be > 0, got {self.stalled_stream_timeout}")
 
@@ -121,23 +124,27 @@ class EngineConfig:
     def resolved_max_loras(self) -> int:
         return len(self.lora_modules) if self.max_loras is None else self.max_loras
 
-    def limits(self, max_model_len: int, num_blocks: int, vocab_size: int,
-               num_kv_cache_tokens: int | None = None) -> EngineLimits:
+    def limits(
+        self, max_model_len: int, num_blocks: int, vocab_size: int, num_kv_cache_tokens: int | None = None
+    ) -> EngineLimits:
         """The limits of an engine serving max_model_len tokens from a pool of num_blocks blocks
         (num_kv_cache_tokens: the longest request the pool holds, if not num_blocks' tokens)."""
         if num_kv_cache_tokens is None:
             num_kv_cache_tokens = num_blocks * self.block_size
-        return EngineLimits(max_model_len=max_model_len, num_kv_cache_tokens=num_kv_cache_tokens,
-                            vocab_size=vocab_size, max_num_seqs=self.max_num_seqs, max_waiting=self.max_waiting)
+        return EngineLimits(
+            max_model_len=max_model_len,
+            num_kv_cache_tokens=num_kv_cache_tokens,
+            vocab_size=vocab_size,
+            max_num_seqs=self.max_num_seqs,
+            max_waiting=self.max_waiting,
+        )
 
     def resolve_max_model_len(self, model_max_len: int) -> int:
         """The context length the engine serves: ours if set (never above the model's)."""
         if self.max_model_len is None:
             return model_max_len
         if self.max_model_len > model_max_len:
-            raise ValueError(
-                f"max_model_len {self.max_model_len} exceeds the model's context length {model_max_len}"
-            )
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's context length {model_max_len}")
         return self.max_model_len
 
     def resolve_num_blocks(self, bytes_per_token: int, max_model_len: int, blocks_per_seq: int | None = None) -> int:

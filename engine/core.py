@@ -7,6 +7,7 @@ offline LLM class from the caller's. Failures are contained per request where
 possible: a sampling or detokenizing error ends that request with "error"; a
 forward pass that raises ends the requests of that batch; the engine serves on.
 """
+
 from __future__ import annotations
 
 import logging
@@ -44,8 +45,13 @@ def tokenize_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | Sequence[i
 
 
 class EngineCore:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None,
-                 clock: Callable[[], float] = time.monotonic, ranks: RankGroup | None = None):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        config: EngineConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        ranks: RankGroup | None = None,
+    ):
         """`ranks`: rank 0's engine.parallel.RankGroup when the model is split over several."""
         self.config = config or EngineConfig()
         self.tokenizer = loaded.tokenizer
@@ -56,10 +62,16 @@ class EngineCore:
         windows = self.runner.kv_layout.windows
         capacity = None  # a pool without sliding groups: its tokens
         if any(w is not None for w in windows):
-            capacity = max_tokens_per_request(windows, self.config.block_size, self.runner.num_blocks,
-                                              self.config.max_num_batched_tokens, self.runner.max_model_len)
-        self.limits = self.config.limits(self.runner.max_model_len, self.runner.num_blocks, loaded.config.vocab_size,
-                                         capacity)
+            capacity = max_tokens_per_request(
+                windows,
+                self.config.block_size,
+                self.runner.num_blocks,
+                self.config.max_num_batched_tokens,
+                self.runner.max_model_len,
+            )
+        self.limits = self.config.limits(
+            self.runner.max_model_len, self.runner.num_blocks, loaded.config.vocab_size, capacity
+        )
         self.scheduler = Scheduler(self.config, self.runner.num_blocks, self.limits, clock, windows)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         # request id -> its prompt logprobs so far, by prompt position (chunks fill them in; a
@@ -131,8 +143,9 @@ class EngineCore:
         while one of its requests is running or waiting (it is never taken from under them)."""
         running, waiting = self.scheduler.lora_adapters()
         if name in running or name in waiting:
-            raise LoRAInUseError(f"LoRA adapter {name!r} has running or waiting requests; unload it once "
-                                 "they have finished")
+            raise LoRAInUseError(
+                f"LoRA adapter {name!r} has running or waiting requests; unload it once they have finished"
+            )
         self.runner.remove_lora(name)
 
     @property
@@ -155,7 +168,9 @@ class EngineCore:
             raise  # the ranks cannot go on: the engine stops (AsyncEngine ends every stream)
         except Exception as e:
             self.num_failed_steps += 1
-            logger.exception("forward pass failed; ending the %d requests of this batch", len(scheduler_output.scheduled))
+            logger.exception(
+                "forward pass failed; ending the %d requests of this batch", len(scheduler_output.scheduled)
+            )
             message = f"model forward failed: {type(e).__name__}: {e}"
             outputs = []
             for s in scheduler_output.scheduled:
@@ -165,7 +180,9 @@ class EngineCore:
         seconds = time.perf_counter() - start
         self.num_computed_tokens += scheduler_output.num_batched_tokens
         speculator = self.scheduler.speculator
-        if speculator is not None and all(len(s.token_ids) == 1 + len(s.draft_token_ids) for s in scheduler_output.scheduled):
+        if speculator is not None and all(
+            len(s.token_ids) == 1 + len(s.draft_token_ids) for s in scheduler_output.scheduled
+        ):
             speculator.observe_step(len(scheduler_output.scheduled), scheduler_output.num_batched_tokens, seconds)
         for request_id, (start, logprobs) in result.prompt_logprobs.items():
             collected = self._prompt_logprobs.get(request_id)
@@ -205,8 +222,11 @@ class EngineCore:
         text = ""
         for i, token_id in enumerate(token_ids):
             last = i == len(token_ids) - 1
-            if last and request.status is RequestStatus.FINISHED_STOPPED and (
-                    token_id in request.eos_token_ids or token_id == request.stop_reason):
+            if (
+                last
+                and request.status is RequestStatus.FINISHED_STOPPED
+                and (token_id in request.eos_token_ids or token_id == request.stop_reason)
+            ):
                 # Ended by EOS or a stop token id: that token's text stays out of the output.
                 text += self._flush(request.request_id)
                 break
@@ -240,15 +260,27 @@ class EngineCore:
         detokenizer = self._detokenizers.pop(request_id, None)
         return detokenizer.flush() if detokenizer is not None else ""
 
-    def _final_output(self, request: Request, text: str, token_ids: Sequence[int] = (),
-                      logprobs: list[TokenLogprob] | None = None, error: str | None = None) -> RequestOutput:
+    def _final_output(
+        self,
+        request: Request,
+        text: str,
+        token_ids: Sequence[int] = (),
+        logprobs: list[TokenLogprob] | None = None,
+        error: str | None = None,
+    ) -> RequestOutput:
         reason = request.status.finish_reason
         assert reason is not None  # the request has finished
         self.num_finished[reason] += 1
         return self._output(request, text, list(token_ids), logprobs, error)
 
-    def _output(self, request: Request, text: str, token_ids: list[int], logprobs: list[TokenLogprob] | None,
-                error: str | None = None) -> RequestOutput:
+    def _output(
+        self,
+        request: Request,
+        text: str,
+        token_ids: list[int],
+        logprobs: list[TokenLogprob] | None,
+        error: str | None = None,
+    ) -> RequestOutput:
         first_scheduled, first_token = request.first_scheduled_time, request.first_token_time
         prompt_logprobs = None
         if request.num_output_tokens or request.status.is_finished:
@@ -267,9 +299,12 @@ class EngineCore:
             num_cached_tokens=request.num_cached_tokens,
             error=error,
             queue_time=(first_scheduled - request.arrival_time) if first_scheduled is not None else 0.0,
-            prefill_time=(first_token - first_scheduled) if first_token is not None and first_scheduled is not None else 0.0,
+            prefill_time=(first_token - first_scheduled)
+            if first_token is not None and first_scheduled is not None
+            else 0.0,
             decode_time=(request.last_token_time - first_token)
-            if first_token is not None and request.last_token_time is not None else 0.0,
+            if first_token is not None and request.last_token_time is not None
+            else 0.0,
             stop_reason=request.stop_reason,
             prompt_logprobs=prompt_logprobs,
         )
@@ -314,5 +349,9 @@ class EngineCore:
         if not self.runner.lora.max_loras:
             return {}
         running, waiting = self.scheduler.lora_adapters()
-        return dict(max_loras=self.runner.lora.max_loras, running_lora_adapters=running,
-                    waiting_lora_adapters=waiting, num_lora_requests=dict(self.num_lora_requests))
+        return dict(
+            max_loras=self.runner.lora.max_loras,
+            running_lora_adapters=running,
+            waiting_lora_adapters=waiting,
+            num_lora_requests=dict(self.num_lora_requests),
+        )

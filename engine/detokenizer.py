@@ -30,6 +30,7 @@ back; everything before it streams at once. When several stop strings could
 match, the one that is complete first in the text wins (on a tie, the longer one),
 which is also what a client reading the stream character by character would see.
 """
+
 from __future__ import annotations
 
 import functools
@@ -112,8 +113,8 @@ class IncrementalDetokenizer:
     def _decode_new(self, final: bool) -> str:
         """Text of the tokens since the last call that is final (see the module map)."""
         ids = self.token_ids
-        prefix_text = self._decode(ids[self._prefix_offset:self._read_offset])
-        window_text = self._decode(ids[self._prefix_offset:])
+        prefix_text = self._decode(ids[self._prefix_offset : self._read_offset])
+        window_text = self._decode(ids[self._prefix_offset :])
         start = len(prefix_text) + self._num_streamed_past_read
         stable = len(window_text) if final else len(window_text.rstrip(_REPLACEMENT_CHAR))
         if stable == len(window_text):
@@ -144,11 +145,11 @@ class IncrementalDetokenizer:
             end, stop = match
             # The match began inside the held-back text at the earliest: what came before
             # it was released because it could not start a stop string.
-            released, self._pending = text[:len(self._pending) + end - len(stop)], ""
+            released, self._pending = text[: len(self._pending) + end - len(stop)], ""
             self.stop_matched, self.finished = stop, True
         else:
             num_held = self._stops.num_partial
-            released, self._pending = text[:len(text) - num_held], text[len(text) - num_held:]
+            released, self._pending = text[: len(text) - num_held], text[len(text) - num_held :]
         self._parts.append(released)
         return released, match[1] if match is not None else None
 
@@ -163,12 +164,19 @@ def _decoder(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool) -> C
     except ImportError:  # another transformers: its decode, as documented
         TokenizersBackend = None  # type: ignore[misc, assignment]
     backend: Any = getattr(tokenizer, "backend_tokenizer", None)
-    if (TokenizersBackend is not None and isinstance(tokenizer, TokenizersBackend)
-            and type(tokenizer)._decode is TokenizersBackend._decode and hasattr(backend, "decode")):
+    if (
+        TokenizersBackend is not None
+        and isinstance(tokenizer, TokenizersBackend)
+        and type(tokenizer)._decode is TokenizersBackend._decode
+        and hasattr(backend, "decode")
+    ):
         return functools.partial(backend.decode, skip_special_tokens=skip_special_tokens)
     # decode() of a list of ids is a str (its stub also allows a list of them, for batches)
-    return functools.partial(tokenizer.decode, skip_special_tokens=skip_special_tokens,  # type: ignore[return-value]
-                             clean_up_tokenization_spaces=False)
+    return functools.partial(
+        tokenizer.decode,
+        skip_special_tokens=skip_special_tokens,  # type: ignore[return-value]
+        clean_up_tokenization_spaces=False,
+    )
 
 
 def _special_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:

@@ -15,6 +15,7 @@ with the imports' heap out of the count, the load's own objects set off full col
 Only for a process that holds its model for its whole life: a frozen object is never collected,
 so a process that loads and drops models (tests, a notebook) must not call it.
 """
+
 from __future__ import annotations
 
 import gc

@@ -1,11 +1,12 @@
 """Offline batch generation: the EngineCore stepped in the caller's thread, no server.
 
-    llm = LLM("path/to/checkpoint", dtype="float32", num_kv_blocks=256)
-    results = llm.generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0, max_tokens=8))
+llm = LLM("path/to/checkpoint", dtype="float32", num_kv_blocks=256)
+results = llm.generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0, max_tokens=8))
 
-    with LLM("path", tensor_parallel_size=2) as llm:   # ranks 1..N-1 stop on close()
-        ...
+with LLM("path", tensor_parallel_size=2) as llm:   # ranks 1..N-1 stop on close()
+    ...
 """
+
 from __future__ import annotations
 
 import itertools
@@ -54,14 +55,26 @@ class CompletionResult:
 
 class LLM:
     def __init__(
-        self, model: str, dtype: str = "auto", device: str = "cpu", quantization: str = "auto",
-        tensor_parallel_size: int = 1, batch_invariant: bool = False, **engine_kwargs: Any
+        self,
+        model: str,
+        dtype: str = "auto",
+        device: str = "cpu",
+        quantization: str = "auto",
+        tensor_parallel_size: int = 1,
+        batch_invariant: bool = False,
+        **engine_kwargs: Any,
     ):
         from models.loader import load_model  # lazy: the engine package does not need the loader
 
         config = EngineConfig(**engine_kwargs)
-        load_kwargs: dict[str, Any] = dict(model=model, dtype=dtype, device=device, max_model_len=config.max_model_len,
-                           quantization=quantization, batch_invariant=batch_invariant)
+        load_kwargs: dict[str, Any] = dict(
+            model=model,
+            dtype=dtype,
+            device=device,
+            max_model_len=config.max_model_len,
+            quantization=quantization,
+            batch_invariant=batch_invariant,
+        )
         ranks = None
         if tensor_parallel_size > 1:
             from engine.parallel import ParallelConfig, load_parallel

@@ -11,6 +11,7 @@ the blocks its namesake left in the cache.
 Plain data, no torch: the runner installs and removes the weights, the engine core asks the
 scheduler who still uses an adapter.
 """
+
 from __future__ import annotations
 
 
@@ -38,8 +39,10 @@ class LoRASlots:
         if name in self.slots:
             raise LoRANameTakenError(f"a LoRA adapter named {name!r} is already loaded")
         if len(self.slots) >= self.max_loras:
-            raise ValueError(f"{len(self.slots)} LoRA adapters are loaded, the most this server holds "
-                             f"(--max-loras {self.max_loras}): unload one first")
+            raise ValueError(
+                f"{len(self.slots)} LoRA adapters are loaded, the most this server holds "
+                f"(--max-loras {self.max_loras}): unload one first"
+            )
 
     def add(self, name: str) -> int:
         """Take the lowest free slot for `name`."""

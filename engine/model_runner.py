@@ -11,6 +11,7 @@ decodes alike, laid out flat, request after request:
 A request that asks for prompt logprobs adds its chunk's prompt rows (ScheduledRequest.
 prompt_logprob_rows) to the rows whose logits are computed; nobody asking, nothing is added.
 """
+
 from __future__ import annotations
 
 import logging
@@ -28,7 +29,13 @@ from engine.verification import sample_requests
 from models.layers import cpu_kernels
 from models.layers.attention import AttentionMetadata
 from engine.lora import LoRASlots
-from models.layers.lora import PreparedLoRA, add_lora_adapters, prepare_lora_adapter, read_peft_adapter, remove_lora_adapter
+from models.layers.lora import (
+    PreparedLoRA,
+    add_lora_adapters,
+    prepare_lora_adapter,
+    read_peft_adapter,
+    remove_lora_adapter,
+)
 from models.layers.lora_weights import LoRABatch
 from models.layers.step_kernels import DEFAULT_KERNELS, StepKernels
 
@@ -69,8 +76,9 @@ class ModelRunner:
         # Layers grouped by how they attend: a sliding group's tables drop what leaves its window.
         self.kv_layout = self.kv_cache_spec.layout(self.max_model_len)
         bytes_per_token = self.kv_cache_spec.bytes_per_entry * self.kv_layout.num_slots  # in one block id
-        blocks_per_seq = max_blocks_per_request(self.kv_layout.windows, self.block_size, self.max_model_len,
-                                                config.max_num_batched_tokens)
+        blocks_per_seq = max_blocks_per_request(
+            self.kv_layout.windows, self.block_size, self.max_model_len, config.max_num_batched_tokens
+        )
         self.num_blocks = config.resolve_num_blocks(bytes_per_token, self.max_model_len, blocks_per_seq)
         if any(w is not None for w in self.kv_layout.windows) and config.num_kv_blocks is None:
             self.num_blocks += 1  # the null block (engine/block_manager.py)
@@ -83,8 +91,9 @@ class ModelRunner:
         self.lora_dtype = loaded.config.dtype  # an adapter's weights, as PEFT loads them
         self.max_lora_rank = config.max_lora_rank
         if config.lora_modules:  # under tensor parallelism every rank attaches its part of each
-            for name, slot in add_lora_adapters(self.model, dict(config.lora_modules), config.max_lora_rank,
-                                                self.lora_dtype).items():
+            for name, slot in add_lora_adapters(
+                self.model, dict(config.lora_modules), config.max_lora_rank, self.lora_dtype
+            ).items():
                 assert self.lora.add(name) == slot  # both number them 1.. in order
         # CPU: intra-op threads (chosen by timing steps unless configured, or unless results
         # would depend on the count), set for each step in whichever thread runs it and the
@@ -99,13 +108,21 @@ class ModelRunner:
             self.step_tuner = StepTuner(candidates)
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens, %d bytes per token, %.3f GiB (%s, %s)",
-            self.num_blocks, self.block_size, self.num_tokens_capacity, bytes_per_token,
-            self.num_tokens_capacity * bytes_per_token / 2**30, self.kv_cache_spec.dtype, self.device,
+            self.num_blocks,
+            self.block_size,
+            self.num_tokens_capacity,
+            bytes_per_token,
+            self.num_tokens_capacity * bytes_per_token / 2**30,
+            self.kv_cache_spec.dtype,
+            self.device,
         )
         if len(self.kv_layout.windows) > 1 or self.kv_layout.windows[0] is not None:
-            logger.info("KV cache groups of %d layers, windows %s (None: the whole context); a block is one "
-                        "group's %d layers", self.kv_layout.num_slots, list(self.kv_layout.windows),
-                        self.kv_layout.num_slots)
+            logger.info(
+                "KV cache groups of %d layers, windows %s (None: the whole context); a block is one group's %d layers",
+                self.kv_layout.num_slots,
+                list(self.kv_layout.windows),
+                self.kv_layout.num_slots,
+            )
 
     def step_totals(self) -> dict:
         """Steps, tokens and seconds by intra-op thread count since start (engine/threads.py); empty
@@ -180,7 +197,8 @@ class ModelRunner:
             query_lens=[len(s.token_ids) for s in scheduled],
             seq_lens=[s.start_position + len(s.token_ids) for s in scheduled],
             block_tables=[[s.block_tables[g] for s in scheduled] for g in range(len(self.kv_layout.windows))],
-            logit_rows=rows, onednn=kernels.onednn,
+            logit_rows=rows,
+            onednn=kernels.onednn,
         )
         if self.lora_slots:
             slots = [self.lora_slots[s.params.lora_name] if s.params.lora_name else 0 for s in scheduled]
@@ -199,8 +217,9 @@ class ModelRunner:
             return self._sample(logits, samplers)
         return self._with_prompt_logprobs(logits, samplers, prompt_rows)
 
-    def _with_prompt_logprobs(self, logits: torch.Tensor, samplers: list[ScheduledRequest],
-                              prompt_rows: list[tuple[ScheduledRequest, int]]) -> RunnerOutput:
+    def _with_prompt_logprobs(
+        self, logits: torch.Tensor, samplers: list[ScheduledRequest], prompt_rows: list[tuple[ScheduledRequest, int]]
+    ) -> RunnerOutput:
         """Prompt logprobs from their rows, then sampling on the rest. The logits hold each
         request's prompt rows just before its sampling rows:
 
@@ -213,8 +232,10 @@ class ModelRunner:
             is_prompt_row[first : first + num] = True
             start = s.start_position + s.prompt_logprob_rows[0] + 1  # the first prompt token given
             targets = s.prompt_token_ids[start : start + num]
-            found[s.request_id] = (start, prompt_logprobs(logits[first : first + num], targets,
-                                                          s.params.prompt_logprobs or 0))
+            found[s.request_id] = (
+                start,
+                prompt_logprobs(logits[first : first + num], targets, s.params.prompt_logprobs or 0),
+            )
         result = RunnerOutput()
         if samplers:
             keep = (~is_prompt_row).nonzero().squeeze(1).to(logits.device)
@@ -231,8 +252,10 @@ class ModelRunner:
             kernels = replace(kernels, lora=LoRABatch.build(inputs.query_lens, inputs.lora_slots, self.device))
         # One host tensor for both inputs: a step of decodes is small, so per-call overhead counts.
         ids = torch.tensor([inputs.token_ids, inputs.positions], dtype=torch.int64, device=self.device)
-        metas = [AttentionMetadata.build(inputs.query_lens, inputs.seq_lens, tables, self.block_size, self.device,
-                                         kernels) for tables in inputs.block_tables]
+        metas = [
+            AttentionMetadata.build(inputs.query_lens, inputs.seq_lens, tables, self.block_size, self.device, kernels)
+            for tables in inputs.block_tables
+        ]
         meta = metas[0]
         if len(metas) > 1:
             meta.by_layer = [metas[g] for g in self.kv_layout.layer_groups]

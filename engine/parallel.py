@@ -19,6 +19,7 @@ than one batch: the ranks can no longer agree. A monitor thread reports a worker
 while the engine idles. A worker exits when rank 0's process does (parent watchdog), and on
 the stop message that `shutdown` sends before it joins them.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -93,8 +94,13 @@ class ParallelConfig:
         world = int(env["WORLD_SIZE"])
         if world != tensor_parallel_size:
             raise ValueError(f"torchrun started {world} ranks; --tensor-parallel-size is {tensor_parallel_size}")
-        config = cls(tensor_parallel_size, master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
-                     master_port=int(env.get("MASTER_PORT", 29500)), spawn_local_ranks=False, **kwargs)
+        config = cls(
+            tensor_parallel_size,
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", 29500)),
+            spawn_local_ranks=False,
+            **kwargs,
+        )
         return config, int(env["RANK"])
 
 
@@ -132,12 +138,18 @@ class RankGroup:
         """`device`: the model's; CUDA ranks run the model's collectives on NCCL."""
         self.rank, self.config = rank, config
         timeout = datetime.timedelta(seconds=config.init_timeout)
-        dist.init_process_group("gloo", init_method=f"tcp://{config.master_addr}:{config.master_port}",
-                                rank=rank, world_size=config.tensor_parallel_size, timeout=timeout)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://{config.master_addr}:{config.master_port}",
+            rank=rank,
+            world_size=config.tensor_parallel_size,
+            timeout=timeout,
+        )
         ranks = list(range(config.tensor_parallel_size))
         backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
-        self.model_group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=config.collective_timeout),
-                                          backend=backend)
+        self.model_group = dist.new_group(
+            ranks, timeout=datetime.timedelta(seconds=config.collective_timeout), backend=backend
+        )
         self.control_group = dist.new_group(ranks, timeout=IDLE_TIMEOUT, backend="gloo")
         self.tp = TensorParallel(rank, config.tensor_parallel_size, self._communicator(backend))
         self.processes: Sequence[multiprocessing.process.BaseProcess] = []
@@ -274,8 +286,9 @@ def _join_watching(processes: list, join: Callable[[], RankGroup]) -> RankGroup:
         if dead and thread.is_alive():
             raise RuntimeError(
                 f"tensor-parallel rank {dead[0].name} exited during start-up (code {dead[0].exitcode}); its "
-                "log says why. A script that starts ranks needs the `if __name__ == \"__main__\":` guard "
-                "(they are spawned processes, which import it again)")
+                'log says why. A script that starts ranks needs the `if __name__ == "__main__":` guard '
+                "(they are spawned processes, which import it again)"
+            )
     if "error" in result:
         raise result["error"]
     return result["group"]
@@ -330,8 +343,9 @@ def _exit_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="pagedserve-parent-watch", daemon=True).start()
 
 
-def load_parallel(load_kwargs: dict[str, Any], engine_config: EngineConfig, parallel: ParallelConfig,
-                  rank: int = 0) -> tuple[LoadedModel, EngineConfig, RankGroup]:
+def load_parallel(
+    load_kwargs: dict[str, Any], engine_config: EngineConfig, parallel: ParallelConfig, rank: int = 0
+) -> tuple[LoadedModel, EngineConfig, RankGroup]:
     """Rank 0 of a tensor-parallel engine: start this node's other ranks, then load rank 0's
     part of the model. Returns (LoadedModel, engine config with this rank's threads, RankGroup);
     the caller hands the group to EngineCore / AsyncEngine, whose close / shutdown stops it."""
@@ -358,8 +372,12 @@ def run_node(load_kwargs: dict[str, Any], engine_config: EngineConfig, parallel:
     from dataclasses import replace
 
     threads = engine_config.num_threads or threads_per_rank(parallel.ranks_per_node)
-    spec = WorkerSpec(load_kwargs=load_kwargs, engine_config=replace(engine_config, num_threads=threads),
-                      parallel=parallel, num_threads=threads)
+    spec = WorkerSpec(
+        load_kwargs=load_kwargs,
+        engine_config=replace(engine_config, num_threads=threads),
+        parallel=parallel,
+        num_threads=threads,
+    )
     torch.set_num_threads(threads)
     group = start_ranks(spec, rank)
     try:

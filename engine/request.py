@@ -3,6 +3,7 @@
 Plain data: imports nothing of the engine. The scheduler is the only writer of a
 Request's status and blocks; the others read it.
 """
+
 from __future__ import annotations
 
 import enum

@@ -29,6 +29,7 @@ logits and generator, whatever else is in the batch and whatever the thread coun
 every reduction over the vocabulary is one row's (softmax, log_softmax, cumsum, topk, max),
 none a torch `.sum()` over a row, which torch splits across threads when the row is alone.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -43,9 +44,22 @@ from engine.sampling.processors import process_logits
 from engine.sampling.top_k_top_p import sampling_logits, sampling_probs, softmax
 from models.layers import cpu_kernels
 
-__all__ = ["SamplerOutput", "SamplingBatch", "TokenHistory", "TopKTopP", "cpu_kernels", "draw_knobs", "greedy_argmax",
-           "make_generator", "process_logits", "prompt_logprobs", "sample", "sampling_logits", "sampling_probs",
-           "softmax"]
+__all__ = [
+    "SamplerOutput",
+    "SamplingBatch",
+    "TokenHistory",
+    "TopKTopP",
+    "cpu_kernels",
+    "draw_knobs",
+    "greedy_argmax",
+    "make_generator",
+    "process_logits",
+    "prompt_logprobs",
+    "sample",
+    "sampling_logits",
+    "sampling_probs",
+    "softmax",
+]
 
 
 @dataclass(frozen=True)
@@ -57,8 +71,9 @@ class SamplerOutput:
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     """Pick one token per row of `logits` (N, vocab); the caller's tensor is left untouched."""
     if logits.shape != (batch.num_rows, batch.vocab_size):
-        raise ValueError(f"logits have shape {tuple(logits.shape)}, batch expects "
-                         f"({batch.num_rows}, {batch.vocab_size})")
+        raise ValueError(
+            f"logits have shape {tuple(logits.shape)}, batch expects ({batch.num_rows}, {batch.vocab_size})"
+        )
     logits = process_logits(logits, batch)
     logprobs = softmax(logits, log=True) if batch.max_logprobs is not None else None
     if batch.all_greedy:

@@ -11,6 +11,7 @@ tokens generated so far); a step gives it some of the budget:
 A prefill chunk, a prefix hit and a recompute after preemption are the same
 thing seen from here: tokens not computed yet.
 """
+
 from __future__ import annotations
 
 import time
@@ -32,8 +33,14 @@ MAX_PROMPT_LOGPROB_ROWS = 256
 class Scheduler:
     """The only writer of a request's status, timings and blocks: the engine core asks it."""
 
-    def __init__(self, config: EngineConfig, num_blocks: int, limits: EngineLimits,
-                 clock: Callable[[], float] = time.monotonic, windows: tuple[int | None, ...] = (None,)):
+    def __init__(
+        self,
+        config: EngineConfig,
+        num_blocks: int,
+        limits: EngineLimits,
+        clock: Callable[[], float] = time.monotonic,
+        windows: tuple[int | None, ...] = (None,),
+    ):
         """windows: the model's KV cache groups (see engine/block_manager.py)."""
         self.config = config
         self.limits = limits
@@ -205,13 +212,17 @@ class Scheduler:
         (drafts plus one token) stays within max_tokens and the context."""
         if self.speculator is None:
             return []
-        limit = min(budget - 1, request.params.max_tokens - request.num_output_tokens - 1,
-                    self.limits.max_model_len - request.num_tokens - 1,
-                    self.speculator.config.num_speculative_tokens)
+        limit = min(
+            budget - 1,
+            request.params.max_tokens - request.num_output_tokens - 1,
+            self.limits.max_model_len - request.num_tokens - 1,
+            self.speculator.config.num_speculative_tokens,
+        )
         return self.speculator.propose(request, limit)[:limit] if limit > 0 else []
 
-    def _scheduled(self, request: Request, num_new: int, tables: list[list[int]],
-                   drafts: Sequence[int] = ()) -> ScheduledRequest:
+    def _scheduled(
+        self, request: Request, num_new: int, tables: list[list[int]], drafts: Sequence[int] = ()
+    ) -> ScheduledRequest:
         start = request.num_computed_tokens
         prompt_logprob_rows = range(0)
         if _wants_prompt_logprobs(request):
@@ -320,8 +331,10 @@ class Scheduler:
 
     def lora_adapters(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """The LoRA adapters of the running requests and of the waiting ones, each sorted."""
+
         def names(requests: Iterable[Request]) -> tuple[str, ...]:
             return tuple(sorted({r.params.lora_name for r in requests if r.params.lora_name is not None}))
+
         return names(self.running), names(self.waiting)
 
     def audit(self) -> list[str]:

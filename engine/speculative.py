@@ -25,6 +25,7 @@ tokens (llguidance's fast-forward) and a cut of any draft at the first token the
 refuses. A draft model, EAGLE or an MTP layer would add draft probabilities and a rejection
 sampler; the interface leaves room for that.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -186,14 +187,21 @@ class Speculator:
         # (greedy, source) -> the engine's rate, a request's until it has its own: greedy requests
         # and sampled ones apart (sampling at t=0.8 follows a draft less often; a run of greedy
         # requests that accepted ~90% left sampled ones on a random-weight model drafting for nothing).
-        self.acceptance = {(greedy, source): prior_acceptance(source)
-                           for greedy in (False, True) for source in range(FORCED, config.ngram_max + 1)}
+        self.acceptance = {
+            (greedy, source): prior_acceptance(source)
+            for greedy in (False, True)
+            for source in range(FORCED, config.ngram_max + 1)
+        }
         # (requests, rows) -> the median time of the last STEP_WINDOW decode steps of that shape. A
         # median: one step held up (the event loop, a collection) took a running mean of a rarely seen
         # shape to 1.7x its time for dozens of steps.
         self._recent_steps: dict[tuple[int, int], deque[float]] = {}
         self._step_seconds: dict[tuple[int, int], float] = {}
-        self._step: tuple[int, int, float] = (1, 1, 1.0)  # the step being scheduled (begin_step): requests, rows so far, expected tokens
+        self._step: tuple[int, int, float] = (
+            1,
+            1,
+            1.0,
+        )  # the step being scheduled (begin_step): requests, rows so far, expected tokens
 
     def state(self, request: Request) -> DraftState:
         if request.draft_state is None:
@@ -209,8 +217,14 @@ class Speculator:
             return more / base
         return 1.0 + UNTIMED_ROW_COST * extra_rows
 
-    def choose_k(self, acceptance: float, limit: int | None = None, num_requests: int = 1, rows: int | None = None,
-                 tokens: float | None = None) -> int:
+    def choose_k(
+        self,
+        acceptance: float,
+        limit: int | None = None,
+        num_requests: int = 1,
+        rows: int | None = None,
+        tokens: float | None = None,
+    ) -> int:
         """Drafts for one request of a step of `num_requests` decodes that has `rows` rows so far
         (the decodes and the drafts given to those before it) and `tokens` expected tokens."""
         limit = self.config.num_speculative_tokens if limit is None else limit
@@ -293,8 +307,14 @@ class Speculator:
 
     def snapshot(self) -> SpecStats:
         stats = self.stats
-        return SpecStats(stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
-                         list(stats.accepted_per_position), stats.num_cut_by_grammar, stats.num_cut_by_budget)
+        return SpecStats(
+            stats.num_drafts,
+            stats.num_draft_tokens,
+            stats.num_accepted_tokens,
+            list(stats.accepted_per_position),
+            stats.num_cut_by_grammar,
+            stats.num_cut_by_budget,
+        )
 
     def observe_step(self, num_requests: int, num_rows: int, seconds: float) -> None:
         """The time of a step of `num_requests` decodes and nothing else, `num_rows` rows with their

@@ -4,6 +4,7 @@ Per-request latencies travel with the outputs themselves (RequestOutput.queue_ti
 prefill_time, decode_time; time to first token = queue_time + prefill_time, known
 from the first output on), so the server builds its histograms from the stream.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -6,6 +6,7 @@
 No torch and nothing of the engine but the request's own types: the scheduler, the
 block manager and the runner import this module, never each other.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

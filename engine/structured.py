@@ -15,6 +15,7 @@ docs/structured-output.md says why it and not xgrammar). Here is what the engine
 Preemption recomputes a request's KV cache but keeps its tokens, so its matcher
 stays where it is; nothing is rolled back (see engine/scheduler.py).
 """
+
 from __future__ import annotations
 
 import json
@@ -195,8 +196,9 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def allowed_tokens(matchers: Sequence[GrammarMatcher], vocab_size: int,
-                   drafts: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+def allowed_tokens(
+    matchers: Sequence[GrammarMatcher], vocab_size: int, drafts: Sequence[Sequence[int]] | None = None
+) -> torch.Tensor:
     """(len(matchers), vocab_size) bool: which tokens each matcher allows next. Several rows are
     computed in one llguidance call, on its own threads (the model is idle while it runs).
 
@@ -211,15 +213,19 @@ def allowed_tokens(matchers: Sequence[GrammarMatcher], vocab_size: int,
             offsets.append(offsets[-1] + 1 + len(d))
         bitmask = torch.empty((offsets[-1], bitmask_words(vocab_size)), dtype=torch.int32)
         _executor().unsafe_compute_mask_ptr_with_draft_token(
-            [(m._m, row, list(d)) for m, row, d in zip(matchers, offsets, drafts)], bitmask.data_ptr(),
-            bitmask.shape[1] * 4, bitmask.shape[0])
+            [(m._m, row, list(d)) for m, row, d in zip(matchers, offsets, drafts)],
+            bitmask.data_ptr(),
+            bitmask.shape[1] * 4,
+            bitmask.shape[0],
+        )
         return unpack_bitmask(bitmask, vocab_size)
     bitmask = torch.empty((len(matchers), bitmask_words(vocab_size)), dtype=torch.int32)
     if len(matchers) == 1:
         matchers[0].fill(bitmask, 0)
     else:
-        _executor().unsafe_compute_mask_ptr([(m._m, row) for row, m in enumerate(matchers)], bitmask.data_ptr(),
-                                            bitmask.shape[1] * 4, bitmask.shape[0])
+        _executor().unsafe_compute_mask_ptr(
+            [(m._m, row) for row, m in enumerate(matchers)], bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0]
+        )
     return unpack_bitmask(bitmask, vocab_size)
 
 
@@ -306,7 +312,8 @@ class GrammarCompiler:
                 import llguidance.hf
 
                 self._ll_tokenizer = llguidance.hf.from_tokenizer(
-                    self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids or None)
+                    self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids or None
+                )
             return self._ll_tokenizer
 
 

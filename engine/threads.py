@@ -46,6 +46,7 @@ The tuner:
                     1 thread of 2 takes about twice as long, and a run of 16 streams lost a
                     quarter of its throughput to such tries
 """
+
 from __future__ import annotations
 
 import statistics
@@ -145,8 +146,11 @@ class StepTuner:
         untimed = [s for s in candidates if (bucket, s) not in self._seconds_per_token]
         if untimed and (untimed[0] == best or self._may_try(bucket, num_tokens, untimed[0])):
             return untimed[0]
-        if (len(candidates) == 1 or not self._full(bucket, best)
-                or step < self._next_check.setdefault(bucket, step + self.recheck_every)):
+        if (
+            len(candidates) == 1
+            or not self._full(bucket, best)
+            or step < self._next_check.setdefault(bucket, step + self.recheck_every)
+        ):
             return best
         others = [s for s in candidates if s != best]
         other = others[step % len(others)]

@@ -13,6 +13,7 @@ from the row's generator (engine/sampling/draw.py), and none for greedy rows. So
 request's generator, rewound after the step and advanced once per kept token, stands where
 decoding without drafts would have left it, and its later tokens do not depend on drafts.
 """
+
 from __future__ import annotations
 
 import torch
@@ -24,8 +25,9 @@ from engine.step import RunnerOutput, ScheduledRequest
 from engine.structured import allowed_tokens
 
 
-def sample_requests(logits: torch.Tensor, requests: list[ScheduledRequest],
-                    eos_token_ids: Sequence[int] | Sequence[Sequence[int]] = ()) -> RunnerOutput:
+def sample_requests(
+    logits: torch.Tensor, requests: list[ScheduledRequest], eos_token_ids: Sequence[int] | Sequence[Sequence[int]] = ()
+) -> RunnerOutput:
     """Sample every row, then verify drafts (engine/speculative.py): a request with k drafts
     has k + 1 rows, row j sampled as if drafts 0..j-1 had been emitted (its output, penalties,
     min_tokens and grammar mask include them; its generator draws in row order), and keeps
@@ -48,11 +50,15 @@ def sample_requests(logits: torch.Tensor, requests: list[ScheduledRequest],
             if s.grammar is not None:
                 constrained_rows += range(row, row + 1 + len(s.draft_token_ids))
             row += 1 + len(s.draft_token_ids)
-        masks = allowed_tokens([s.grammar for s in requests if s.grammar is not None], vocab_size,
-                               [s.draft_token_ids for s in constrained])
+        masks = allowed_tokens(
+            [s.grammar for s in requests if s.grammar is not None], vocab_size, [s.draft_token_ids for s in constrained]
+        )
         allowed = (torch.tensor(constrained_rows, dtype=torch.int64, device=logits.device), masks.to(logits.device))
     batch = SamplingBatch.from_params(
-        params, prompts, outputs, generators,
+        params,
+        prompts,
+        outputs,
+        generators,
         vocab_size=vocab_size,
         device=logits.device,
         eos_token_ids=eos_token_ids,
@@ -77,7 +83,9 @@ def sample_requests(logits: torch.Tensor, requests: list[ScheduledRequest],
         result.sampled[s.request_id] = run
         result.logprobs[s.request_id] = out.logprobs[row : row + len(run)]
         row += 1 + len(drafts)
-        if s.request_id in states and s.generator is not None:  # the generator drew for every row: as if it drew for the run only
+        if (
+            s.request_id in states and s.generator is not None
+        ):  # the generator drew for every row: as if it drew for the run only
             s.generator.set_state(states[s.request_id])
             for _ in run:
                 torch.rand((1,), device=logits.device, generator=s.generator)

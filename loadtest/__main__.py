@@ -109,8 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
     work.add_argument("--dataset", help='JSONL of {"prompt": ...} or {"messages": [...]}, optional "output_len"')
     work.add_argument("--tokenizer", help="HF tokenizer name or path, used if the server has no /tokenize")
     work.add_argument("--ignore-eos", action="store_true", help="generate exactly --output-len tokens (vLLM/SGLang)")
-    work.add_argument("--extra-body", type=json_object, default=None, metavar="JSON",
-                      help='fields merged into every request, e.g. \'{"response_format": {"type": "json_object"}}\'')
+    work.add_argument(
+        "--extra-body",
+        type=json_object,
+        default=None,
+        metavar="JSON",
+        help='fields merged into every request, e.g. \'{"response_format": {"type": "json_object"}}\'',
+    )
     work.add_argument("--disconnect-fraction", type=float, default=0.0, help="close this fraction of streams mid-way")
 
     out = p.add_argument_group("results")

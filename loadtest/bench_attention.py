@@ -12,6 +12,7 @@ the eager paths (what serves without our kernels) instead of the C++ kernel. On 
 `--threads 1 --clock cpu` measures this process's CPU time, which other processes' load inflates
 far less than wall time.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,8 +46,9 @@ def best_ms(fn: Callable[[], object], repeats: int, clock: Callable[[], float] =
     return min(times) * 1e3
 
 
-def attention_case(shape: tuple[int, ...], query_lens: list[int], seq_lens: list[int],
-                   gen: torch.Generator) -> Callable[[], torch.Tensor]:
+def attention_case(
+    shape: tuple[int, ...], query_lens: list[int], seq_lens: list[int], gen: torch.Generator
+) -> Callable[[], torch.Tensor]:
     """A closure running one step's paged_attention: sequence i has query_lens[i] new tokens
     at the end of its seq_lens[i]; its earlier tokens sit in the cache already."""
     num_heads, num_kv_heads, head_dim = shape[:3]
@@ -64,12 +66,19 @@ def attention_case(shape: tuple[int, ...], query_lens: list[int], seq_lens: list
     return lambda: paged_attention(q, k, v, cache, meta, head_dim**-0.5)
 
 
-def linear_case(shape: tuple[int, int, int, int, int], tokens: int,
-                gen: torch.Generator) -> Callable[[], list[torch.Tensor]]:
+def linear_case(
+    shape: tuple[int, int, int, int, int], tokens: int, gen: torch.Generator
+) -> Callable[[], list[torch.Tensor]]:
     num_heads, num_kv_heads, head_dim, hidden, inter = shape
-    weights = [torch.randn(n, k, generator=gen) * 0.02 for n, k in (
-        ((num_heads + 2 * num_kv_heads) * head_dim, hidden), (hidden, num_heads * head_dim),
-        (2 * inter, hidden), (hidden, inter))]
+    weights = [
+        torch.randn(n, k, generator=gen) * 0.02
+        for n, k in (
+            ((num_heads + 2 * num_kv_heads) * head_dim, hidden),
+            (hidden, num_heads * head_dim),
+            (2 * inter, hidden),
+            (hidden, inter),
+        )
+    ]
     xs = [torch.randn(tokens, w.shape[1], generator=gen) for w in weights]
     return lambda: [F.linear(x, w) for x, w in zip(xs, weights)]
 
@@ -90,8 +99,10 @@ def main(argv: list[str] | None = None) -> None:
     gen = torch.Generator().manual_seed(0)
     n, half = args.tokens, args.tokens // 2
     decode_lens = torch.randint(128, 257, (64,), generator=gen).tolist()
-    print(f"{cpu_description()}, {args.threads} threads, {'eager PyTorch' if args.pytorch else 'C++ kernel'}; "
-          f"ms per layer, best of {args.repeats} ({args.clock} clock)")
+    print(
+        f"{cpu_description()}, {args.threads} threads, {'eager PyTorch' if args.pytorch else 'C++ kernel'}; "
+        f"ms per layer, best of {args.repeats} ({args.clock} clock)"
+    )
     print(f"| shape | prompt {n} | chunk {n - half} after {half} | 64 decodes | linear, {n} rows |")
     print("|---|---|---|---|---|")
     with torch.inference_mode():

@@ -7,6 +7,7 @@ mask, then accepting the token) along the tokens of a valid instance, median and
 a dependency (on Linux x86-64 it requires triton); to include it, install it by hand first:
 `pip install --no-deps xgrammar apache-tvm-ffi`. A library that is not installed is skipped.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,16 +28,37 @@ if TYPE_CHECKING:
 _Matcher = TypeVar("_Matcher")
 
 SCHEMAS = {
-    "pattern": ({"type": "object", "properties": {
-        "name": {"type": "string"}, "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        "email": {"type": "string", "pattern": "^[a-z]+@[a-z]+\\.com$"}}, "required": ["name", "age"]},
-        {"name": "Alice Smith", "age": 31, "email": "alice@example.com"}),
-    "nested": ({"type": "object", "properties": {
-        "user": {"type": "object", "properties": {"id": {"type": "integer"}, "tags": {
-            "type": "array", "items": {"type": "string"}, "maxItems": 5}}, "required": ["id", "tags"]},
-        "status": {"enum": ["active", "inactive", "banned"]}, "score": {"type": "number", "minimum": 0, "maximum": 1}},
-        "required": ["user", "status", "score"]},
-        {"user": {"id": 12345, "tags": ["alpha", "beta", "gamma"]}, "status": "active", "score": 0.75}),
+    "pattern": (
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string"},
+                "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                "email": {"type": "string", "pattern": "^[a-z]+@[a-z]+\\.com$"},
+            },
+            "required": ["name", "age"],
+        },
+        {"name": "Alice Smith", "age": 31, "email": "alice@example.com"},
+    ),
+    "nested": (
+        {
+            "type": "object",
+            "properties": {
+                "user": {
+                    "type": "object",
+                    "properties": {
+                        "id": {"type": "integer"},
+                        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 5},
+                    },
+                    "required": ["id", "tags"],
+                },
+                "status": {"enum": ["active", "inactive", "banned"]},
+                "score": {"type": "number", "minimum": 0, "maximum": 1},
+            },
+            "required": ["user", "status", "score"],
+        },
+        {"user": {"id": 12345, "tags": ["alpha", "beta", "gamma"]}, "status": "active", "score": 0.75},
+    ),
     "any object": ({"type": "object"}, {"a": [1, 2, {"b": "hello world"}], "c": None}),
 }
 
@@ -44,12 +66,15 @@ SCHEMAS = {
 def _report(name: str, setup_s: float, rows: list[tuple[str, float, list[float], bool]]) -> None:
     print(f"{name}: tokenizer view {1000 * setup_s:.0f} ms")
     for schema, compile_s, steps, ok in rows:
-        print(f"  {schema}: compile {1000 * compile_s:.2f} ms, {len(steps)} steps, mask + accept median "
-              f"{1e6 * statistics.median(steps):.0f} us, max {1e6 * max(steps):.0f} us{'' if ok else ', REJECTED'}")
+        print(
+            f"  {schema}: compile {1000 * compile_s:.2f} ms, {len(steps)} steps, mask + accept median "
+            f"{1e6 * statistics.median(steps):.0f} us, max {1e6 * max(steps):.0f} us{'' if ok else ', REJECTED'}"
+        )
 
 
-def _rows(tokenizer: PreTrainedTokenizerBase, compile_schema: Callable[[str], _Matcher],
-          step: Callable[[_Matcher, int], bool]) -> list[tuple[str, float, list[float], bool]]:
+def _rows(
+    tokenizer: PreTrainedTokenizerBase, compile_schema: Callable[[str], _Matcher], step: Callable[[_Matcher, int], bool]
+) -> list[tuple[str, float, list[float], bool]]:
     """Per schema: compile_schema(schema) -> matcher, timed; then step(matcher, token) -> accepted,
     timed for each token of the instance."""
     rows = []
@@ -111,7 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     from models.loader import load_model
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None, help="GGUF or checkpoint whose tokenizer is used (default: the default model)")
+    p.add_argument(
+        "--model", default=None, help="GGUF or checkpoint whose tokenizer is used (default: the default model)"
+    )
     args = p.parse_args(argv)
     loaded = load_model(args.model or str(default_model_path()), dtype="float32")
     print(f"CPU: {cpu_description()}; vocabulary {loaded.config.vocab_size}")

@@ -8,6 +8,7 @@ block table for every layer (what a cache without groups holds).
 The bytes are the blocks' bytes as allocated (a block id is one group's layers); the ratio is
 held / one table.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,19 +18,41 @@ from typing import Any
 
 SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     # name: (transformers arch, config): the KV-relevant shapes of the released models.
-    "gemma3-1b": ("gemma3", dict(num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
-                                 sliding_window=512, query_pre_attn_scalar=256,
-                                 layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
-                                              for i in range(26)])),
-    "gemma2-2b": ("gemma2", dict(num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
-                                 sliding_window=4096, query_pre_attn_scalar=256)),
-    "mistral-7b": ("mistral", dict(num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                                   head_dim=128, sliding_window=4096)),
+    "gemma3-1b": (
+        "gemma3",
+        dict(
+            num_hidden_layers=26,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=256,
+            sliding_window=512,
+            query_pre_attn_scalar=256,
+            layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(26)],
+        ),
+    ),
+    "gemma2-2b": (
+        "gemma2",
+        dict(
+            num_hidden_layers=26,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=256,
+            sliding_window=4096,
+            query_pre_attn_scalar=256,
+        ),
+    ),
+    "mistral-7b": (
+        "mistral",
+        dict(num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128, sliding_window=4096),
+    ),
 }
 
 
-ARCHS = {"gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"), "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
-         "mistral": ("MistralConfig", "MistralForCausalLM")}
+ARCHS = {
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+}
 VOCAB = 512
 
 
@@ -41,8 +64,9 @@ def build(shape: str, path: str, max_len: int) -> None:
 
     arch, config = SHAPES[shape]
     config_cls, model_cls = (getattr(transformers, name) for name in ARCHS[arch])
-    hf_config = config_cls(hidden_size=64, intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=max_len,
-                           **config)
+    hf_config = config_cls(
+        hidden_size=64, intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=max_len, **config
+    )
     torch.manual_seed(0)
     model_cls(hf_config).float().eval().save_pretrained(path)
     words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
@@ -65,13 +89,18 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as path:
         build(args.shape, path, max_len)
         loaded = load_model(path, dtype="float32")
-    print(f"{args.shape}: KV held by one request once its prompt is computed (block size {args.block_size}, "
-          f"float32 KV)")
+    print(
+        f"{args.shape}: KV held by one request once its prompt is computed (block size {args.block_size}, float32 KV)"
+    )
     print("| prompt tokens | groups (window: blocks) | KV held | one table for every layer | ratio |")
     print("|---|---|---|---|---|")
     for num_tokens in args.tokens:
-        core = EngineCore(loaded, EngineConfig(block_size=args.block_size, max_model_len=max_len,
-                                               kv_cache_memory_gib=4.0, enable_prefix_caching=False))
+        core = EngineCore(
+            loaded,
+            EngineConfig(
+                block_size=args.block_size, max_model_len=max_len, kv_cache_memory_gib=4.0, enable_prefix_caching=False
+            ),
+        )
         layout, spec = core.runner.kv_layout, core.runner.kv_cache_spec
         bm = core.scheduler.block_manager
         prompt = [random.Random(num_tokens).randrange(VOCAB) for _ in range(num_tokens)]

@@ -19,6 +19,7 @@ round's ratio compares two runs seconds apart, and the report is the median over
     b16 lora      median ms, tok/s
     b16 ratio     tok/s lora / base  (and per-token latency lora / base)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,7 +56,7 @@ def random_adapter(model: nn.Module, name: str, rank: int, targets: set[str], se
             continue
         for module_path, out in shards:
             if module_path.rpartition(".")[2] in targets and ".experts." not in module_path:
-                a = torch.randn(rank, module.checkpoint_in_features, generator=gen) / module.checkpoint_in_features ** 0.5
+                a = torch.randn(rank, module.checkpoint_in_features, generator=gen) / module.checkpoint_in_features**0.5
                 weights[module_path] = (a, torch.randn(out, rank, generator=gen) * 0.01)
     if not weights:
         raise SystemExit(f"the model has no layer among --targets {sorted(targets)}")
@@ -63,10 +64,14 @@ def random_adapter(model: nn.Module, name: str, rank: int, targets: set[str], se
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.bench_lora", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m:q4_0",
-                        help="a path, a model name, or a loadtest.make_gguf shape:type (written on first use)")
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest.bench_lora", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--model",
+        default="smollm2-135m:q4_0",
+        help="a path, a model name, or a loadtest.make_gguf shape:type (written on first use)",
+    )
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--quantization", default="auto", choices=QUANTIZATIONS)
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 16], help="decode rows per step")
@@ -86,21 +91,25 @@ def main(argv: list[str] | None = None) -> None:
     from models.loader import load_model  # after set_num_threads: loading spins up the thread pool
 
     shortcut = parse_shortcut(args.model)
-    loaded = load_model(str(ensure_gguf(*shortcut)) if shortcut else args.model, dtype=args.dtype,
-                        quantization=args.quantization)
+    loaded = load_model(
+        str(ensure_gguf(*shortcut)) if shortcut else args.model, dtype=args.dtype, quantization=args.quantization
+    )
     model, device = loaded.model, next(loaded.model.parameters()).device
     targets = set(args.targets.split(","))
     for n in range(args.adapters):  # the server's dtype for adapters: the model's (engine/model_runner.py)
-        prepare_lora_adapter(model, random_adapter(model, f"a{n}", args.rank, targets, seed=n),
-                             loaded.config.dtype).install(n + 1)
+        prepare_lora_adapter(
+            model, random_adapter(model, f"a{n}", args.rank, targets, seed=n), loaded.config.dtype
+        ).install(n + 1)
     max_seqs, max_len = max(args.streams), 257
     num_blocks = max_seqs * ((max_len + BLOCK_SIZE - 1) // BLOCK_SIZE) + 1
     kv_caches = model.kv_cache_spec(resolve_kv_cache_dtype("auto", loaded)).allocate(num_blocks, BLOCK_SIZE, device)
     for cache in kv_caches:
         cache.normal_()
-    print(f"model {args.model} {loaded.config.dtype} weights {loaded.quantization}, threads {torch.get_num_threads()}, "
-          f"{args.adapters} adapters rank {args.rank} on {args.targets}, {args.rounds} rounds x {args.repeats} steps, "
-          f"{args.clock} clock")
+    print(
+        f"model {args.model} {loaded.config.dtype} weights {loaded.quantization}, threads {torch.get_num_threads()}, "
+        f"{args.adapters} adapters rank {args.rank} on {args.targets}, {args.rounds} rounds x {args.repeats} steps, "
+        f"{args.clock} clock"
+    )
     print(f"{'step':<14}{'median ms':>10}{'tok/s':>9}{'lora/base tok/s':>17}{'lora/base ms':>14}")
     rng = random.Random(0)
     with torch.inference_mode():
@@ -111,8 +120,9 @@ def main(argv: list[str] | None = None) -> None:
             def step(lora: bool) -> torch.Tensor:
                 meta = batch.build()
                 if lora:
-                    meta = replace(meta, kernels=replace(meta.kernels, lora=LoRABatch.build(batch.query_lens, slots,
-                                                                                            device)))
+                    meta = replace(
+                        meta, kernels=replace(meta.kernels, lora=LoRABatch.build(batch.query_lens, slots, device))
+                    )
                 return model.compute_logits(model(batch.input_ids, batch.positions, kv_caches, meta), meta.kernels)
 
             base_ms, lora_ms, ratios = [], [], []

@@ -14,6 +14,7 @@ float32 activations rounded to int16 inside) in int4, int5 (GGUF Q5_K's form: fl
 min; Q5_0's: float16 scales, min = -16 x scale) and int8, groups of 32. `--shape qwen2.5-1.5b`:
 Qwen2.5-1.5B's layers (hidden 1536, intermediate 8960, 12 heads of 128, 2 KV heads, 28 layers).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,15 +30,18 @@ from models.layers import cpu_kernels
 from models.layers import quantization as Q
 
 
-
 def linear_shapes(name: str) -> tuple[list[tuple[int, int]], int]:
     """(out, in) of one decoder layer's merged linears, and the number of layers."""
     from loadtest.make_gguf import SHAPES, Shape
 
     s = {**SHAPES, "qwen2.5-1.5b": Shape(1536, 8960, 28, 12, 2, 1000000.0)}[name]
     qkv = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
-    shapes = [(qkv, s.hidden_size), (s.hidden_size, s.num_heads * s.head_dim),
-              (2 * s.intermediate_size, s.hidden_size), (s.hidden_size, s.intermediate_size)]
+    shapes = [
+        (qkv, s.hidden_size),
+        (s.hidden_size, s.num_heads * s.head_dim),
+        (2 * s.intermediate_size, s.hidden_size),
+        (s.hidden_size, s.intermediate_size),
+    ]
     return shapes, s.num_layers
 
 
@@ -59,8 +63,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--layers", type=int, default=None, help="default: the shape's")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--stat", choices=("best", "median"), default="best", help="of the repeats: the best or the median")
-    p.add_argument("--columns", nargs="+", choices=COLUMNS, default=list(COLUMNS),
-                   help="which products to time (at 1.7B, dense bf16 and torch's kernels take minutes here)")
+    p.add_argument(
+        "--columns",
+        nargs="+",
+        choices=COLUMNS,
+        default=list(COLUMNS),
+        help="which products to time (at 1.7B, dense bf16 and torch's kernels take minutes here)",
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     shapes, num_layers = linear_shapes(args.shape)
@@ -73,8 +82,10 @@ def main(argv: list[str] | None = None) -> None:
     prepared = {name: [[COLUMNS[name][0](w) for w in ws] for ws in weights] for name in args.columns}
     del weights
     weight_count = sum(n * k for n, k in shapes) * args.layers
-    print(f"CPU: {cpu_description()}; threads {args.threads}; {args.layers} layers of {args.shape}'s linear "
-          f"shapes; {args.stat} of {args.repeats} runs, ms (GFLOP/s: 2 x rows x weights / time)")
+    print(
+        f"CPU: {cpu_description()}; threads {args.threads}; {args.layers} layers of {args.shape}'s linear "
+        f"shapes; {args.stat} of {args.repeats} runs, ms (GFLOP/s: 2 x rows x weights / time)"
+    )
     print("| rows | " + " | ".join(args.columns) + " |\n|---" + "|---" * len(args.columns) + "|")
     for rows in args.rows:
         x = {k: torch.randn(rows, k, generator=gen) for _, k in shapes}
@@ -131,17 +142,28 @@ COLUMNS = {
     "dense f32": (lambda w: w, lambda w, x, xb: F.linear(x[w.shape[1]], w)),
     "dense bf16": (lambda w: w.bfloat16(), lambda w, x, xb: F.linear(xb[w.shape[1]], w)),
     "torch int8 (bf16 act)": (_torch_int8, lambda w, x, xb: torch.ops.aten._weight_int8pack_mm(xb[w[0].shape[1]], *w)),
-    "torch int4 g32 (bf16 act)": (_torch_int4, lambda w, x, xb: torch.ops.aten._weight_int4pack_mm_for_cpu(
-        xb[w[2]], w[0], 32, w[1])),
-    "f32 GEMM, int4 dequantized": (lambda w: Q.quantize_int4(w).dequantize(), lambda w, x, xb: F.linear(x[w.shape[1]], w)),
-    "ours int4 g32": (lambda w: _panels(Q.quantize_int4(w)), lambda w, x, xb: Q.quantized_linear(
-        x[w[0].in_features], w[0], panels=w[1])),
+    "torch int4 g32 (bf16 act)": (
+        _torch_int4,
+        lambda w, x, xb: torch.ops.aten._weight_int4pack_mm_for_cpu(xb[w[2]], w[0], 32, w[1]),
+    ),
+    "f32 GEMM, int4 dequantized": (
+        lambda w: Q.quantize_int4(w).dequantize(),
+        lambda w, x, xb: F.linear(x[w.shape[1]], w),
+    ),
+    "ours int4 g32": (
+        lambda w: _panels(Q.quantize_int4(w)),
+        lambda w, x, xb: Q.quantized_linear(x[w[0].in_features], w[0], panels=w[1]),
+    ),
     "ours q4_0 (f16 scales)": (_q4_0, lambda w, x, xb: _run_q4_0(w, x)),
-    "ours int5 g32": (lambda w: _panels(Q.quantize_int5(w)), lambda w, x, xb: Q.quantized_linear(
-        x[w[0].in_features], w[0], panels=w[1])),
+    "ours int5 g32": (
+        lambda w: _panels(Q.quantize_int5(w)),
+        lambda w, x, xb: Q.quantized_linear(x[w[0].in_features], w[0], panels=w[1]),
+    ),
     "ours q5_0 (f16 scales)": (_q5_0, lambda w, x, xb: _run_q5_0(w, x)),
-    "ours int8 g32": (lambda w: _panels(Q.quantize_int8(w, 32)), lambda w, x, xb: Q.quantized_linear(
-        x[w[0].in_features], w[0], panels=w[1])),
+    "ours int8 g32": (
+        lambda w: _panels(Q.quantize_int8(w, 32)),
+        lambda w, x, xb: Q.quantized_linear(x[w[0].in_features], w[0], panels=w[1]),
+    ),
 }
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ top-k, top-p and min-p in one op; softmax_rows for logprobs) and with torch's op
 devices, or a machine without a compiler, run), the two alternated call by call; the median us per
 call of each and their ratio.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,15 +54,17 @@ def main(argv: list[str] | None = None) -> None:
             generators = [torch.Generator().manual_seed(i) for i in range(rows)]
 
             def call() -> sampler.SamplerOutput:
-                batch = sampler.SamplingBatch.from_params(params, [[1, 2, 3]] * rows, [[4, 5]] * rows, generators,
-                                                          VOCAB, "cpu")
+                batch = sampler.SamplingBatch.from_params(
+                    params, [[1, 2, 3]] * rows, [[4, 5]] * rows, generators, VOCAB, "cpu"
+                )
                 return sampler.sample(logits, batch)
 
             times: dict[str, list[float]] = {"ours": [], "torch": []}
             for i in range(args.repeats + 10):
                 for path in ("ours", "torch") if i % 2 == 0 else ("torch", "ours"):
-                    with mock.patch.object(sampler.cpu_kernels, "usable",
-                                           cpu_kernels.usable if path == "ours" else (lambda x: False)):
+                    with mock.patch.object(
+                        sampler.cpu_kernels, "usable", cpu_kernels.usable if path == "ours" else (lambda x: False)
+                    ):
                         start = time.perf_counter()
                         call()
                         if i >= 10:  # the first calls warm up

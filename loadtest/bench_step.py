@@ -25,6 +25,7 @@ calls): run at 1 and at N threads, an op whose time does not fall with the
 threads is what keeps a step from scaling (Amdahl). The profiler adds ~1-2 us a
 call, so small ops read high.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,8 +62,9 @@ def timeit(
 class Batch:
     """Decodes (or one prefill) over random contexts in a paged cache, as the runner would build them."""
 
-    def __init__(self, query_lens: list[int], seq_lens: list[int], num_blocks: int,
-                 device: torch.device | str, seed: int = 0):
+    def __init__(
+        self, query_lens: list[int], seq_lens: list[int], num_blocks: int, device: torch.device | str, seed: int = 0
+    ):
         rng = random.Random(seed)
         free = list(range(num_blocks))
         rng.shuffle(free)  # scattered blocks, like a cache that has been in use for a while
@@ -92,12 +94,16 @@ def op_profile(fn: Callable[[], object], runs: int, top: int = 12) -> str:
             fn()
     events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     total = sum(e.self_cpu_time_total for e in events) or 1.0
-    return "\n".join(f"    {e.key:<40}{e.self_cpu_time_total / 1e3 / runs:>10.3f} ms{100 * e.self_cpu_time_total / total:>7.1f}%"
-                     f"{e.count / runs:>8.0f} calls" for e in events[:top])
+    return "\n".join(
+        f"    {e.key:<40}{e.self_cpu_time_total / 1e3 / runs:>10.3f} ms{100 * e.self_cpu_time_total / total:>7.1f}%"
+        f"{e.count / runs:>8.0f} calls"
+        for e in events[:top]
+    )
 
 
-def matmul_baseline(linears: list[Linear], rows: int, repeats: int, clock: Callable[[], float], dtype: torch.dtype,
-                    device: torch.device) -> tuple[float, float]:
+def matmul_baseline(
+    linears: list[Linear], rows: int, repeats: int, clock: Callable[[], float], dtype: torch.dtype, device: torch.device
+) -> tuple[float, float]:
     """Time of multiplying `rows` rows by each of `linears`, as their methods do."""
     x_by_in = {m.in_features: torch.randn(rows, m.in_features, dtype=dtype, device=device) for m in linears}
 
@@ -115,13 +121,18 @@ def main(argv: list[str] | None = None) -> None:
     # used to be the default, which timed a path the server does not take for them.
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--quantization", default="auto", choices=QUANTIZATIONS)
-    parser.add_argument("--batch-invariant", action="store_true", help="dense layers on RowsDenseMethod (the server's flag)")
+    parser.add_argument(
+        "--batch-invariant", action="store_true", help="dense layers on RowsDenseMethod (the server's flag)"
+    )
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (0 = leave as is)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="cpu: process CPU time")
     parser.add_argument("--phases", default="all", help="comma list of: build,decode,verify,prefill,mixed,logits")
-    parser.add_argument("--profile", action="store_true",
-                        help="under each forward phase, its ops by time (torch.profiler, a few more forwards)")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="under each forward phase, its ops by time (torch.profiler, a few more forwards)",
+    )
     parser.add_argument("--top", type=int, default=12, help="with --profile: how many ops a phase lists")
     args = parser.parse_args(argv)
     if args.threads:
@@ -129,10 +140,15 @@ def main(argv: list[str] | None = None) -> None:
     clock = time.perf_counter if args.clock == "wall" else time.process_time
     from models.loader import load_model  # after set_num_threads: loading spins up the thread pool
 
-    loaded = load_model(args.model, dtype=args.dtype, quantization=args.quantization, batch_invariant=args.batch_invariant)
+    loaded = load_model(
+        args.model, dtype=args.dtype, quantization=args.quantization, batch_invariant=args.batch_invariant
+    )
     model, device = loaded.model, next(loaded.model.parameters()).device
-    phases = set(args.phases.split(",")) if args.phases != "all" else {"build", "decode", "verify", "prefill", "mixed",
-                                                                        "logits"}
+    phases = (
+        set(args.phases.split(","))
+        if args.phases != "all"
+        else {"build", "decode", "verify", "prefill", "mixed", "logits"}
+    )
     rng = random.Random(0)
     max_seqs, max_len = 64, 257
     num_blocks = max_seqs * ((max_len + BLOCK_SIZE - 1) // BLOCK_SIZE) + 1
@@ -149,12 +165,19 @@ def main(argv: list[str] | None = None) -> None:
     def baseline(linears: list[Linear], rows: int, repeats: int) -> tuple[float, float]:
         return matmul_baseline(linears, rows, repeats, clock, dtype, device)
 
-    print(f"model {args.model} {loaded.config.dtype} weights {loaded.quantization}, KV cache {cache_dtype}, threads {torch.get_num_threads()}, repeats {args.repeats}, "
-          f"{args.clock} clock")
+    print(
+        f"model {args.model} {loaded.config.dtype} weights {loaded.quantization}, KV cache {cache_dtype}, threads {torch.get_num_threads()}, repeats {args.repeats}, "
+        f"{args.clock} clock"
+    )
     print(f"{'phase':<34}{'median ms':>10}{'p10 ms':>9}{'base ms':>9}{'x base':>8}")
 
-    def report(name: str, timing: tuple[float, float], base: tuple[float, float] | None = None,
-               forward: Callable[[], object] | None = None, runs: int = 3) -> None:
+    def report(
+        name: str,
+        timing: tuple[float, float],
+        base: tuple[float, float] | None = None,
+        forward: Callable[[], object] | None = None,
+        runs: int = 3,
+    ) -> None:
         med, p10 = timing
         cols = f"{name:<34}{med * 1e3:>10.2f}{p10 * 1e3:>9.2f}"
         if base is not None:
@@ -184,7 +207,9 @@ def main(argv: list[str] | None = None) -> None:
                 meta = batch.build()
                 forward = lambda: model(batch.input_ids, batch.positions, kv_caches, meta)  # noqa: E731
                 fwd = timeit(forward, args.repeats, 3, clock)
-                report(f"forward 1 request, {rows} rows ctx200", fwd, baseline(weights, rows, args.repeats), forward, 10)
+                report(
+                    f"forward 1 request, {rows} rows ctx200", fwd, baseline(weights, rows, args.repeats), forward, 10
+                )
         if "prefill" in phases:
             batch = Batch([128], [128], num_blocks, device)
             meta = batch.build()
@@ -200,8 +225,13 @@ def main(argv: list[str] | None = None) -> None:
             repeats = max(3, args.repeats // 5)
             forward = lambda: model(batch.input_ids, batch.positions, kv_caches, meta)  # noqa: E731
             fwd = timeit(forward, repeats, 1, clock)
-            report(f"forward mixed step {sum(query_lens)} tokens", fwd,
-                   baseline(weights, sum(query_lens), repeats), forward, 1)
+            report(
+                f"forward mixed step {sum(query_lens)} tokens",
+                fwd,
+                baseline(weights, sum(query_lens), repeats),
+                forward,
+                1,
+            )
         if "logits" in phases:
             for n in (1, 4, 64):
                 hidden = torch.randn(n, logits_layer.in_features, dtype=dtype, device=device)

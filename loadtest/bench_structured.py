@@ -7,6 +7,7 @@ The schema run asks for an array of at least 50 objects, which the output never 
 within --output-len tokens: both runs generate exactly that many tokens per request
 (ignore_eos), so the difference is the grammar's per-step cost alone.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,21 +28,40 @@ from loadtest.benchmark import run_benchmark
 from loadtest.compare import cpu_description, free_port, stop_server, wait_healthy
 from loadtest.config import BenchmarkConfig
 
-ITEMS = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3}},
-    "required": ["name", "age", "tags"], "additionalProperties": False}
+ITEMS = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
 LONG = {"type": "array", "items": ITEMS, "minItems": 50}
 # The shapes the tests use: flat, nested, enums, patterns, bounded numbers.
 SCHEMAS: dict[str, dict[str, Any]] = {
     "flat (3 fields)": ITEMS,
-    "nested + pattern": {"type": "object", "properties": {
-        "user": {"type": "object", "properties": {"id": {"type": "integer"}, "email": {
-            "type": "string", "pattern": "^[a-z]+@[a-z]+\\.com$"}}, "required": ["id", "email"]},
-        "score": {"type": "number", "minimum": 0, "maximum": 1}}, "required": ["user", "score"]},
+    "nested + pattern": {
+        "type": "object",
+        "properties": {
+            "user": {
+                "type": "object",
+                "properties": {
+                    "id": {"type": "integer"},
+                    "email": {"type": "string", "pattern": "^[a-z]+@[a-z]+\\.com$"},
+                },
+                "required": ["id", "email"],
+            },
+            "score": {"type": "number", "minimum": 0, "maximum": 1},
+        },
+        "required": ["user", "score"],
+    },
     "array of objects": LONG,
-    "20 properties": {"type": "object", "properties": {f"field_{i}": {"type": ["string", "integer", "null"]}
-                                                       for i in range(20)}},
+    "20 properties": {
+        "type": "object",
+        "properties": {f"field_{i}": {"type": ["string", "integer", "null"]} for i in range(20)},
+    },
 }
 
 
@@ -84,12 +104,28 @@ def throughput(url: str, args: argparse.Namespace, tokenizer_dir: str, extra_bod
     computed afresh: a `cache_salt` of the run's own keeps the previous runs' prefix-cache blocks
     from serving them (without it every run after the first skipped prefill)."""
     extra_body = {**(extra_body or {}), "cache_salt": uuid.uuid4().hex}
-    config = BenchmarkConfig(url=url, model="model", concurrency=args.concurrency, num_requests=args.num_requests,
-                             warmup=4, input_len=args.input_len, output_len=args.output_len, ignore_eos=True,
-                             tokenizer=tokenizer_dir, server_metrics=False, seed=1, extra_body=extra_body)
+    config = BenchmarkConfig(
+        url=url,
+        model="model",
+        concurrency=args.concurrency,
+        num_requests=args.num_requests,
+        warmup=4,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        ignore_eos=True,
+        tokenizer=tokenizer_dir,
+        server_metrics=False,
+        seed=1,
+        extra_body=extra_body,
+    )
     summary = asyncio.run(run_benchmark(config))["summary"]
-    return {"output_tok_s": summary["output_token_throughput"], "itl_p50_ms": summary["itl_ms"]["p50"],
-            "ttft_p50_ms": summary["ttft_ms"]["p50"], "completed": summary["completed"], "failed": summary["failed"]}
+    return {
+        "output_tok_s": summary["output_token_throughput"],
+        "itl_p50_ms": summary["itl_ms"]["p50"],
+        "ttft_p50_ms": summary["ttft_ms"]["p50"],
+        "completed": summary["completed"],
+        "failed": summary["failed"],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,8 +145,21 @@ def main(argv: list[str] | None = None) -> int:
     result = {"cpu": cpu_description(), "model": Path(model).name, **compile_times(model, repeats=5)}
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    command = [sys.executable, "-m", "server", "--model", model, "--port", str(port), "--served-model-name", "model",
-               "--max-num-seqs", str(max(args.concurrency, 16)), "--log-level", "warning"]
+    command = [
+        sys.executable,
+        "-m",
+        "server",
+        "--model",
+        model,
+        "--port",
+        str(port),
+        "--served-model-name",
+        "model",
+        "--max-num-seqs",
+        str(max(args.concurrency, 16)),
+        "--log-level",
+        "warning",
+    ]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         wait_healthy(url, process)
@@ -126,10 +175,15 @@ def main(argv: list[str] | None = None) -> int:
                 cold.append(ttft_ms(url, schema))
                 cached.append(ttft_ms(url, schema))
                 plain.append(ttft_ms(url, None))
-            result["ttft_ms_p50"] = {"no schema": statistics.median(plain), "cold grammar": statistics.median(cold),
-                                     "cached grammar": statistics.median(cached)}
+            result["ttft_ms_p50"] = {
+                "no schema": statistics.median(plain),
+                "cold grammar": statistics.median(cold),
+                "cached grammar": statistics.median(cached),
+            }
             runs: dict[str, list[dict]] = {"none": [], "json_schema": []}
-            schema_body = {"response_format": {"type": "json_schema", "json_schema": {"name": "people", "schema": LONG}}}
+            schema_body = {
+                "response_format": {"type": "json_schema", "json_schema": {"name": "people", "schema": LONG}}
+            }
             throughput(url, args, tokenizer_dir, None)  # unmeasured: the step tuner's first timings
             for _ in range(args.rounds):
                 runs["none"].append(throughput(url, args, tokenizer_dir, None))
@@ -141,19 +195,31 @@ def main(argv: list[str] | None = None) -> int:
 
     tok_s = {k: statistics.median(r["output_tok_s"] for r in v) for k, v in runs.items()}
     itl = {k: statistics.median(r["itl_p50_ms"] for r in v) for k, v in runs.items()}
-    lines = [f"CPU: {result['cpu']}", f"model: {result['model']}; c={args.concurrency}, prompts {args.input_len} "
-             f"tokens, {args.output_len} generated (ignore_eos), {args.rounds} rounds, medians", "",
-             "| figure | no schema | JSON schema | schema / none |", "|---|---|---|---|",
-             f"| output tok/s | {tok_s['none']:.1f} | {tok_s['json_schema']:.1f} | {tok_s['json_schema'] / tok_s['none']:.2f} |",
-             f"| ITL p50 ms | {itl['none']:.1f} | {itl['json_schema']:.1f} | {itl['json_schema'] / itl['none']:.2f} |",
-             "", f"llguidance tokenizer view, built once: {result['tokenizer_init_ms']:.0f} ms",
-             "| schema | compile ms (p50) |", "|---|---|"]
+    lines = [
+        f"CPU: {result['cpu']}",
+        f"model: {result['model']}; c={args.concurrency}, prompts {args.input_len} "
+        f"tokens, {args.output_len} generated (ignore_eos), {args.rounds} rounds, medians",
+        "",
+        "| figure | no schema | JSON schema | schema / none |",
+        "|---|---|---|---|",
+        f"| output tok/s | {tok_s['none']:.1f} | {tok_s['json_schema']:.1f} | {tok_s['json_schema'] / tok_s['none']:.2f} |",
+        f"| ITL p50 ms | {itl['none']:.1f} | {itl['json_schema']:.1f} | {itl['json_schema'] / itl['none']:.2f} |",
+        "",
+        f"llguidance tokenizer view, built once: {result['tokenizer_init_ms']:.0f} ms",
+        "| schema | compile ms (p50) |",
+        "|---|---|",
+    ]
     lines += [f"| {name} | {ms:.2f} |" for name, ms in result["compile_ms_p50"].items()]
     t = result["ttft_ms_p50"]
-    lines += ["", "| TTFT p50 (1 request alone) | ms |", "|---|---|",
-              f"| no schema | {t['no schema']:.1f} |", f"| cold grammar | {t['cold grammar']:.1f} |",
-              f"| cached grammar | {t['cached grammar']:.1f} |",
-              f"| first structured request after start | {result['first_structured_request_ttft_ms']:.1f} |"]
+    lines += [
+        "",
+        "| TTFT p50 (1 request alone) | ms |",
+        "|---|---|",
+        f"| no schema | {t['no schema']:.1f} |",
+        f"| cold grammar | {t['cold grammar']:.1f} |",
+        f"| cached grammar | {t['cached grammar']:.1f} |",
+        f"| first structured request after start | {result['first_structured_request_ttft_ms']:.1f} |",
+    ]
     print("\n".join(lines))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))

@@ -11,6 +11,7 @@ tensor parallelism adds all-reduces (two per layer) and per-rank fixed costs to 
 bandwidth and FLOPs that is the same; it pays where each rank brings its own memory
 bandwidth (NUMA nodes, GPUs) or where the model does not fit one rank.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,15 +54,23 @@ def main(argv: list[str] | None = None) -> None:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     results = {}
     for size in (1, args.tensor_parallel_size):
-        with LLM(args.model, dtype=args.dtype, tensor_parallel_size=size, num_threads=max(1, cores // size),
-                 max_num_seqs=max(args.concurrency)) as llm:
+        with LLM(
+            args.model,
+            dtype=args.dtype,
+            tensor_parallel_size=size,
+            num_threads=max(1, cores // size),
+            max_num_seqs=max(args.concurrency),
+        ) as llm:
             run(llm, 1, 16, 4, 1)  # warm-up
-            results[size] = {c: run(llm, c, args.prompt_tokens, args.max_tokens, args.repeats)
-                             for c in args.concurrency}
+            results[size] = {
+                c: run(llm, c, args.prompt_tokens, args.max_tokens, args.repeats) for c in args.concurrency
+            }
     n = args.tensor_parallel_size
     print(f"{args.model}: {cores} cores; TP=1 {cores} threads, TP={n} {max(1, cores // n)} threads per rank")
-    print(f"{'streams':>8} {'decode step TP=1':>17} {f'TP={n}':>8} {'ratio':>6} {'prefill TP=1':>13} "
-          f"{f'TP={n}':>8} {'ratio':>6}")
+    print(
+        f"{'streams':>8} {'decode step TP=1':>17} {f'TP={n}':>8} {'ratio':>6} {'prefill TP=1':>13} "
+        f"{f'TP={n}':>8} {'ratio':>6}"
+    )
     for c in args.concurrency:
         (s1, p1), (sn, pn) = results[1][c], results[n][c]
         print(f"{c:>8} {s1:>14.1f} ms {sn:>5.1f} ms {sn / s1:>5.2f}x {p1:>10.0f} ms {pn:>5.0f} ms {pn / p1:>5.2f}x")

@@ -129,7 +129,9 @@ async def _send_all(
 
     async def one(spec: RequestSpec) -> RequestRecord:
         try:
-            payload = build_payload(spec, config.model_for(spec.index), config.endpoint, config.ignore_eos, config.extra_body)
+            payload = build_payload(
+                spec, config.model_for(spec.index), config.endpoint, config.ignore_eos, config.extra_body
+            )
             record = await send_request(
                 client, config.api_url, payload, spec, config.endpoint, disconnect_after.get(spec.index)
             )

@@ -56,7 +56,9 @@ class RequestRecord:
         return (self.e2e - self.ttft) / (self.output_tokens - 1)
 
 
-def build_payload(spec: RequestSpec, model: str, endpoint: str, ignore_eos: bool, extra_body: dict | None = None) -> dict:
+def build_payload(
+    spec: RequestSpec, model: str, endpoint: str, ignore_eos: bool, extra_body: dict | None = None
+) -> dict:
     payload: dict = {
         "model": model,
         "max_tokens": spec.output_len,

@@ -22,6 +22,7 @@ at once; `--sequential` starts one at a time), and the servers are stopped by th
 handles. Prints one table with the CPU model and ISA flags, and writes every figure as JSON
 with --out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -71,7 +72,9 @@ def kernel_target() -> str:
     choice = cpu_isa.choose(cpu_isa.read_cpu_flags(), requested)
     if not requested:
         return f"{choice.target.name} (the CPU's best)"
-    return f"{choice.target.name} (PAGEDSERVE_CPU_ISA={requested}{' refused: the CPU lacks it' if choice.refused else ''})"
+    return (
+        f"{choice.target.name} (PAGEDSERVE_CPU_ISA={requested}{' refused: the CPU lacks it' if choice.refused else ''})"
+    )
 
 
 def free_port() -> int:
@@ -127,17 +130,46 @@ def server_commands(args: argparse.Namespace, port: int, threads: int | None = N
     """Each server's command line, both with `threads` threads (None: all cores)."""
     commands = {
         "pagedserve": [
-            sys.executable, "-m", "server", "--model", str(args.model), "--port", str(port),
-            "--served-model-name", "model", "--num-kv-blocks", str(args.ctx // 16), "--max-num-seqs", str(args.slots),
-            "--quantization", args.quantization, "--log-level", "warning", "--device", args.device,
+            sys.executable,
+            "-m",
+            "server",
+            "--model",
+            str(args.model),
+            "--port",
+            str(port),
+            "--served-model-name",
+            "model",
+            "--num-kv-blocks",
+            str(args.ctx // 16),
+            "--max-num-seqs",
+            str(args.slots),
+            "--quantization",
+            args.quantization,
+            "--log-level",
+            "warning",
+            "--device",
+            args.device,
             *(["--num-threads", str(threads)] if threads else []),
         ],
     }
     if args.llama_server:
         commands["llama-server"] = [
-            str(args.llama_server), "-m", str(args.model), "--host", "127.0.0.1", "--port", str(port),
-            "-c", str(args.ctx), "-np", str(args.slots), "-t", str(threads or os.cpu_count()),
-            "-a", "model", "--log-disable",
+            str(args.llama_server),
+            "-m",
+            str(args.model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "-c",
+            str(args.ctx),
+            "-np",
+            str(args.slots),
+            "-t",
+            str(threads or os.cpu_count()),
+            "-a",
+            "model",
+            "--log-disable",
         ]
     return commands
 
@@ -169,19 +201,28 @@ FIGURES = ("output_tok_s", "ttft_p50_ms", "itl_p50_ms")
 def merge_rounds(rounds: list[dict]) -> dict:
     """One concurrency's rounds on one server -> each figure's median over the rounds (the others
     summed), with the rounds themselves under "rounds"."""
-    merged = {key: statistics.median(r[key] for r in rounds) if all(r[key] is not None for r in rounds) else None
-              for key in FIGURES}
+    merged = {
+        key: statistics.median(r[key] for r in rounds) if all(r[key] is not None for r in rounds) else None
+        for key in FIGURES
+    }
     for key in ("completed", "failed", "stale_connection_retries"):
         merged[key] = sum(r[key] for r in rounds)
     merged["failures"] = dict(sum((collections.Counter(r["failures"]) for r in rounds), collections.Counter()))
     merged["first_error_by_kind"] = next((r["first_error_by_kind"] for r in rounds if r["first_error_by_kind"]), {})
-    merged["rounds"] = [{**{key: r[key] for key in FIGURES}, "steps_by_threads": r.get("steps_by_threads", {}),
-                         "huge_pages_mb": r.get("huge_pages_mb")} for r in rounds]
+    merged["rounds"] = [
+        {
+            **{key: r[key] for key in FIGURES},
+            "steps_by_threads": r.get("steps_by_threads", {}),
+            "huge_pages_mb": r.get("huge_pages_mb"),
+        }
+        for r in rounds
+    ]
     return merged
 
 
-def measure(commands: dict[str, list[str]], args: argparse.Namespace, tokenizer_dir: str,
-            threads: int | None = None) -> list[dict]:
+def measure(
+    commands: dict[str, list[str]], args: argparse.Namespace, tokenizer_dir: str, threads: int | None = None
+) -> list[dict]:
     """Run each concurrency on one server and at once on the other (side_by_side), alternating which
     goes first: the two figures of a row come minutes closer than whole runs one after the other,
     and a shared machine's speed drifts over minutes (by a third between runs minutes apart). With --rounds N, all of that N times on servers started afresh each round (a
@@ -192,7 +233,8 @@ def measure(commands: dict[str, list[str]], args: argparse.Namespace, tokenizer_
     figure the median of its N. One result per server, in the order given."""
     results: dict[str, dict[str, Any]] = {
         name: {"server": name, "threads": threads or os.cpu_count(), "command": command, "runs": {}}
-        for name, command in commands.items()}
+        for name, command in commands.items()
+    }
     names = list(commands)
     rounds: dict[tuple[str, int], list[dict]] = collections.defaultdict(list)
     for round_index in range(args.rounds):
@@ -203,10 +245,17 @@ def measure(commands: dict[str, list[str]], args: argparse.Namespace, tokenizer_
             for i, concurrency in enumerate(args.concurrency):
                 for name in names if (i + round_index) % 2 == 0 else names[::-1]:
                     config = BenchmarkConfig(
-                        url=urls[name], model="model", concurrency=concurrency,
-                        num_requests=max(args.requests_per_stream * concurrency, 8), warmup=min(concurrency, 4),
-                        input_len=args.input_len, output_len=args.output_len, ignore_eos=True, tokenizer=tokenizer_dir,
-                        server_metrics=False, seed=concurrency + 1009 * round_index,
+                        url=urls[name],
+                        model="model",
+                        concurrency=concurrency,
+                        num_requests=max(args.requests_per_stream * concurrency, 8),
+                        warmup=min(concurrency, 4),
+                        input_len=args.input_len,
+                        output_len=args.output_len,
+                        ignore_eos=True,
+                        tokenizer=tokenizer_dir,
+                        server_metrics=False,
+                        seed=concurrency + 1009 * round_index,
                     )
                     before = step_totals(urls[name])
                     summary = asyncio.run(run_benchmark(config))["summary"]
@@ -238,13 +287,17 @@ def measure(commands: dict[str, list[str]], args: argparse.Namespace, tokenizer_
 def report(results: list[dict], args: argparse.Namespace) -> str:
     """One table per thread count (each server's figures side by side, ours / theirs), and with
     several counts and two servers, how each figure scales with the threads."""
-    lines = [f"CPU: {cpu_description()}"
-             + (f"; pagedserve kernels: {kernel_target()}" if args.device == "cpu" else ""),
-             f"model: {Path(args.model).name}; prompts {args.input_len} tokens, {args.output_len} generated, "
-             f"streaming /v1/completions, ignore_eos; KV capacity {args.ctx} tokens, {args.slots} slots"]
+    lines = [
+        f"CPU: {cpu_description()}" + (f"; pagedserve kernels: {kernel_target()}" if args.device == "cpu" else ""),
+        f"model: {Path(args.model).name}; prompts {args.input_len} tokens, {args.output_len} generated, "
+        f"streaming /v1/completions, ignore_eos; KV capacity {args.ctx} tokens, {args.slots} slots",
+    ]
     counts = list(dict.fromkeys(r["threads"] for r in results))
-    figures = [("output tok/s", "output_tok_s", ".1f", True), ("ITL p50 ms", "itl_p50_ms", ".1f", False),
-               ("TTFT p50 ms", "ttft_p50_ms", ".1f", False)]
+    figures = [
+        ("output tok/s", "output_tok_s", ".1f", True),
+        ("ITL p50 ms", "itl_p50_ms", ".1f", False),
+        ("TTFT p50 ms", "ttft_p50_ms", ".1f", False),
+    ]
 
     def ratio(values: list[float], higher_is_better: bool) -> str:
         return f"{values[0] / values[1]:.2f}" + (" (higher is better)" if higher_is_better else "")
@@ -269,17 +322,23 @@ def report(results: list[dict], args: argparse.Namespace) -> str:
 
     names = list(dict.fromkeys(r["server"] for r in results))
     if len(counts) > 1 and len(names) == 2:
-        lines += ["", f"scaling: each cell {names[0]} / {names[1]} (ratio)", "",
-                  "| threads | " + " | ".join(f"c={c}: {label}" for c in args.concurrency for label, *_ in figures) + " |",
-                  "|---" * (1 + len(args.concurrency) * len(figures)) + "|"]
+        lines += [
+            "",
+            f"scaling: each cell {names[0]} / {names[1]} (ratio)",
+            "",
+            "| threads | " + " | ".join(f"c={c}: {label}" for c in args.concurrency for label, *_ in figures) + " |",
+            "|---" * (1 + len(args.concurrency) * len(figures)) + "|",
+        ]
         for threads in counts:
             ours, theirs = (next(r for r in results if r["threads"] == threads and r["server"] == n) for n in names)
             cells = []
             for c in args.concurrency:
                 for _, key, fmt, higher in figures:
                     pair = [ours["runs"][c][key], theirs["runs"][c][key]]
-                    cells.append(f"{format(pair[0], fmt)} / {format(pair[1], fmt)}"
-                                 + (f" ({pair[0] / pair[1]:.2f}x)" if all(pair) else ""))
+                    cells.append(
+                        f"{format(pair[0], fmt)} / {format(pair[1], fmt)}"
+                        + (f" ({pair[0] / pair[1]:.2f}x)" if all(pair) else "")
+                    )
             lines.append(f"| {threads} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -297,8 +356,10 @@ def resolve_model(text: str | None) -> Path:
     try:
         path = resolve_model_path(text)
     except FileNotFoundError as exc:
-        raise ValueError(f"--model {text!r}: {exc}; nor SHAPE:TYPE with a shape of {', '.join(sorted(SHAPES))} "
-                         f"and a type of {', '.join(sorted(TYPES))}") from None
+        raise ValueError(
+            f"--model {text!r}: {exc}; nor SHAPE:TYPE with a shape of {', '.join(sorted(SHAPES))} "
+            f"and a type of {', '.join(sorted(TYPES))}"
+        ) from None
     if not path.is_file():
         raise ValueError(f"--model {text!r}: {path} is not a .gguf file (llama-server serves GGUF files)")
     return path
@@ -309,40 +370,64 @@ def check_executable(text: str) -> Path:
     a bare 'Permission denied' (or '.': 'Is a directory') from Popen."""
     path = Path(text).expanduser()
     if not text.strip() or not path.is_file() or not os.access(path, os.X_OK):
-        raise ValueError(f"--llama-server {text!r}: no executable file there; build llama.cpp's llama-server "
-                         "(cmake -DLLAMA_BUILD_SERVER=ON) and pass the binary's path")
+        raise ValueError(
+            f"--llama-server {text!r}: no executable file there; build llama.cpp's llama-server "
+            "(cmake -DLLAMA_BUILD_SERVER=ON) and pass the binary's path"
+        )
     return path
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m loadtest.compare", description=__doc__.split("\n\n")[0])
     p.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary (else ours alone)")
-    p.add_argument("--model", default=None,
-                   help="a .gguf file, a model's name (python -m models.fetch --list), or SHAPE:TYPE (e.g. "
-                        "smollm2-360m:q4_0) for loadtest.make_gguf's random-weight file "
-                        "(default: SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="a .gguf file, a model's name (python -m models.fetch --list), or SHAPE:TYPE (e.g. "
+        "smollm2-360m:q4_0) for loadtest.make_gguf's random-weight file "
+        "(default: SmolLM2-135M-Instruct Q4_1)",
+    )
     p.add_argument("--quantization", default="auto", help="ours: --quantization")
-    p.add_argument("--threads", type=int, nargs="+", default=None,
-                   help="both servers' threads (default: all cores); several counts run one after the other, "
-                        "and the report adds how each figure scales")
-    p.add_argument("--device", default="cpu",
-                   help="ours: --device (default cpu, where llama-server runs; ours would take a GPU if one is there)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        nargs="+",
+        default=None,
+        help="both servers' threads (default: all cores); several counts run one after the other, "
+        "and the report adds how each figure scales",
+    )
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="ours: --device (default cpu, where llama-server runs; ours would take a GPU if one is there)",
+    )
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--requests-per-stream", type=int, default=2, help="requests = this x concurrency (at least 8)")
-    p.add_argument("--rounds", type=int, default=1,
-                   help="run every concurrency on both servers this many times, on servers started afresh each "
-                        "round, alternating, and report each figure's median (this machine's speed drifts by tens of "
-                        "percent over minutes: use 3 or more for a ratio to quote)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every concurrency on both servers this many times, on servers started afresh each "
+        "round, alternating, and report each figure's median (this machine's speed drifts by tens of "
+        "percent over minutes: use 3 or more for a ratio to quote)",
+    )
     p.add_argument("--ctx", type=int, default=16384, help="KV capacity in tokens, both servers")
     p.add_argument("--slots", type=int, default=64, help="parallel sequences, both servers")
-    p.add_argument("--sequential", action="store_true",
-                   help="start one server at a time (default: both side by side, each concurrency run on one "
-                        "and then on the other; needs memory for both)")
+    p.add_argument(
+        "--sequential",
+        action="store_true",
+        help="start one server at a time (default: both side by side, each concurrency run on one "
+        "and then on the other; needs memory for both)",
+    )
     p.add_argument("--out", type=Path, default=None, help="write every figure as JSON here")
-    p.add_argument("--plot", type=Path, default=None,
-                   help="with several --threads: each figure against the threads, a line per server (PNG or SVG)")
+    p.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        help="with several --threads: each figure against the threads, a line per server (PNG or SVG)",
+    )
     return p
 
 
@@ -362,8 +447,9 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tokenizer_dir:
         load_tokenizer(args.model).save_pretrained(tokenizer_dir)  # one client-side tokenizer for both
         for threads in args.threads or [None]:
-            commands = {name: server_commands(args, free_port(), threads)[name]
-                        for name in server_commands(args, 0, threads)}
+            commands = {
+                name: server_commands(args, free_port(), threads)[name] for name in server_commands(args, 0, threads)
+            }
             if args.sequential:  # one server at a time (where memory holds only one)
                 for name, command in commands.items():
                     results += measure({name: command}, args, tokenizer_dir, threads)
@@ -372,8 +458,11 @@ def main(argv: list[str] | None = None) -> None:
     text = report(results, args)
     print("\n" + text)
     if args.out:
-        args.out.write_text(json.dumps({"cpu": cpu_description(), "kernels": kernel_target(), "results": results,
-                                        "table": text}, indent=2))
+        args.out.write_text(
+            json.dumps(
+                {"cpu": cpu_description(), "kernels": kernel_target(), "results": results, "table": text}, indent=2
+            )
+        )
     if args.plot:
         from loadtest.report import plot_scaling
 

@@ -26,6 +26,7 @@ made by `--jobs` processes (default one per core; each holds one quantized tenso
 float32 chunk of rows), each from its own seeded generator, so the bytes do not depend on
 the count: the 1.7B file took 7.7 s on 16 cores.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -108,7 +109,8 @@ def tensor_plan(shape: Shape, qtype: GGMLQuantizationType) -> list[tuple[str, tu
     h, kv = shape.hidden_size, shape.num_kv_heads * shape.head_dim
     q = shape.num_heads * shape.head_dim
     plan: list[tuple[str, tuple[int, ...], GGMLQuantizationType]] = [
-        ("token_embd.weight", (shape.vocab_size, h), EMBEDDING_TYPE)]
+        ("token_embd.weight", (shape.vocab_size, h), EMBEDDING_TYPE)
+    ]
     for i in range(shape.num_layers):
         plan += [
             (f"blk.{i}.attn_norm.weight", (h,), Q.F32),
@@ -163,8 +165,14 @@ def tokenizer_fields(source: Path) -> list[Field]:
     return fields
 
 
-def write_gguf(out: Path, shape_name: str, qtype_name: str, seed: int = 0, tokenizer: list[Field] | None = None,
-               jobs: int | None = 1) -> Path:
+def write_gguf(
+    out: Path,
+    shape_name: str,
+    qtype_name: str,
+    seed: int = 0,
+    tokenizer: list[Field] | None = None,
+    jobs: int | None = 1,
+) -> Path:
     """Write a random-weight GGUF of SHAPES[shape_name] in TYPES[qtype_name] to `out`.
     `tokenizer`: from tokenizer_fields (default: the real SmolLM2-135M-Instruct file's).
     `jobs`: processes making tensors (None: one per core); the file's bytes do not depend on it."""
@@ -239,8 +247,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--type", default="q4_0", choices=sorted(TYPES), help="linear weights' GGUF type")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="default: <pagedserve cache>/synthetic/<shape>-<type>.gguf")
-    p.add_argument("--tokenizer-from", type=Path, default=None,
-                   help="GGUF whose tokenizer.* keys are copied (default: the real SmolLM2-135M-Instruct file)")
+    p.add_argument(
+        "--tokenizer-from",
+        type=Path,
+        default=None,
+        help="GGUF whose tokenizer.* keys are copied (default: the real SmolLM2-135M-Instruct file)",
+    )
     p.add_argument("--force", action="store_true", help="write even if the file exists")
     p.add_argument("--jobs", type=int, default=None, help="processes making tensors (default: one per core)")
     args = p.parse_args(argv)

@@ -140,8 +140,11 @@ def parse_prometheus(text: str) -> dict[str, float]:
     return samples
 
 
-_STEP_TOTALS = {"pagedserve:engine_steps": "steps", "pagedserve:engine_step_tokens": "tokens",
-                "pagedserve:engine_step_seconds": "seconds"}
+_STEP_TOTALS = {
+    "pagedserve:engine_steps": "steps",
+    "pagedserve:engine_step_tokens": "tokens",
+    "pagedserve:engine_step_seconds": "seconds",
+}
 
 
 def step_totals(base_url: str) -> dict[str, dict[str, float]]:

@@ -112,8 +112,10 @@ def main(argv: list[str] | None = None) -> int:
     config = llm.engine.model_config
     # the warm-up's 2 prompts, then each timed run's num_prompts (the same for both engines)
     drawn = random_prompts(2 + args.repeats * args.num_prompts, args.input_len, config.vocab_size, args.seed)
-    warm_up, runs = drawn[:2], [drawn[2 + i * args.num_prompts:2 + (i + 1) * args.num_prompts]
-                                for i in range(args.repeats)]
+    warm_up, runs = (
+        drawn[:2],
+        [drawn[2 + i * args.num_prompts : 2 + (i + 1) * args.num_prompts] for i in range(args.repeats)],
+    )
     figures: dict = {
         "model": str(args.model),
         "dtype": str(config.dtype).removeprefix("torch."),

@@ -11,6 +11,7 @@ a science paragraph and a short Python function) is ~600 tokens. --llama-cpp-pyt
 same GGUF file and the same token ids at the same positions in llama.cpp too (llama-cpp-python,
 run by that interpreter, so our venv never imports it) and prints both perplexities and their ratio.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,8 +51,9 @@ print(json.dumps({"perplexity": float(np.exp(nll.mean()))}))
 
 
 @torch.inference_mode()
-def next_token_logits(loaded: LoadedModel, ids: list[int], block_size: int = 16,
-                      kv_cache_dtype: torch.dtype | None = None) -> torch.Tensor:
+def next_token_logits(
+    loaded: LoadedModel, ids: list[int], block_size: int = 16, kv_cache_dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """ids (n tokens, at most max_model_len) in one prefill through the paged model -> (n, vocab):
     row i the logits of the token after ids[i]. kv_cache_dtype: the cache's (default the model's)."""
     n = len(ids)
@@ -69,19 +71,27 @@ def token_ids(loaded: LoadedModel, text: str) -> list[int]:
     return loaded.tokenizer(text).input_ids[: loaded.config.max_model_len]
 
 
-def perplexity(loaded: LoadedModel, text: str, block_size: int = 16,
-               kv_cache_dtype: torch.dtype | None = None) -> tuple[float, int]:
+def perplexity(
+    loaded: LoadedModel, text: str, block_size: int = 16, kv_cache_dtype: torch.dtype | None = None
+) -> tuple[float, int]:
     """-> (perplexity, tokens scored) of `text` under `loaded` (a models.loader.LoadedModel)."""
     ids = token_ids(loaded, text)
-    logits = next_token_logits(loaded, ids[:-1], block_size, kv_cache_dtype)  # (n - 1, vocab): each position predicts the next
+    logits = next_token_logits(
+        loaded, ids[:-1], block_size, kv_cache_dtype
+    )  # (n - 1, vocab): each position predicts the next
     nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="mean")
     return math.exp(nll.item()), len(ids) - 1
 
 
 def llama_cpp_perplexity(python: str, gguf: str, ids: list[int]) -> float:
     """Perplexity of `ids` (scored as `perplexity` scores them) under llama.cpp, run by `python`."""
-    result = subprocess.run([python, "-c", _LLAMA_CPP, gguf, str(torch.get_num_threads())],
-                            input=json.dumps(ids), stdout=subprocess.PIPE, text=True, check=True)
+    result = subprocess.run(
+        [python, "-c", _LLAMA_CPP, gguf, str(torch.get_num_threads())],
+        input=json.dumps(ids),
+        stdout=subprocess.PIPE,
+        text=True,
+        check=True,
+    )
     return json.loads(result.stdout)["perplexity"]
 
 
@@ -89,30 +99,44 @@ def main(argv: list[str] | None = None) -> None:
     from models.loader import DEFAULT_MODEL, load_model
 
     p = argparse.ArgumentParser(prog="python -m loadtest.perplexity", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help="checkpoint dir, .gguf file, hub id, or a model's name (python -m models.fetch --list)")
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="checkpoint dir, .gguf file, hub id, or a model's name (python -m models.fetch --list)",
+    )
     p.add_argument("--quantization", default="auto", choices=QUANTIZATIONS)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--text", type=Path, default=DEFAULT_TEXT)
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "int8"],
-                   help="the KV cache's dtype (auto: the model's); every query of the prefill reads its keys "
-                        "and values from the cache (int8: quantized, as the server's --kv-cache-dtype int8)")
-    p.add_argument("--llama-cpp-python", metavar="PYTHON",
-                   help="an interpreter with llama-cpp-python installed: score the same GGUF there too")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16", "int8"],
+        help="the KV cache's dtype (auto: the model's); every query of the prefill reads its keys "
+        "and values from the cache (int8: quantized, as the server's --kv-cache-dtype int8)",
+    )
+    p.add_argument(
+        "--llama-cpp-python",
+        metavar="PYTHON",
+        help="an interpreter with llama-cpp-python installed: score the same GGUF there too",
+    )
     args = p.parse_args(argv)
     loaded = load_model(args.model, dtype=args.dtype, quantization=args.quantization)
     text = args.text.read_text()
     cache_dtype = None if args.kv_cache_dtype == "auto" else getattr(torch, args.kv_cache_dtype)
     ppl, count = perplexity(loaded, text, kv_cache_dtype=cache_dtype)
-    print(f"{args.model} --quantization {args.quantization} ({loaded.quantization}; "
-          f"{loaded.weight_bytes / 2**20:.1f} MiB of weights) --kv-cache-dtype {args.kv_cache_dtype}: "
-          f"perplexity {ppl:.4f} over {count} tokens")
+    print(
+        f"{args.model} --quantization {args.quantization} ({loaded.quantization}; "
+        f"{loaded.weight_bytes / 2**20:.1f} MiB of weights) --kv-cache-dtype {args.kv_cache_dtype}: "
+        f"perplexity {ppl:.4f} over {count} tokens"
+    )
     if args.llama_cpp_python:
         if not loaded.config.path.endswith(".gguf"):
             p.error(f"--llama-cpp-python needs a GGUF model, not {loaded.config.path}")
         reference = llama_cpp_perplexity(args.llama_cpp_python, loaded.config.path, token_ids(loaded, text))
-        print(f"llama.cpp (llama-cpp-python, {Path(loaded.config.path).name}): perplexity {reference:.4f} "
-              f"over the same {count} tokens; ours / llama.cpp {ppl / reference:.4f}")
+        print(
+            f"llama.cpp (llama-cpp-python, {Path(loaded.config.path).name}): perplexity {reference:.4f} "
+            f"over the same {count} tokens; ours / llama.cpp {ppl / reference:.4f}"
+        )
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ The bound on output tok/s with drafts / without, per k:
 where the drafter costs nothing and a step's extra rows add only their forward and logits, so it
 is an upper bound for that drafter. "Ceiling" is decoding in no time at all: the prefill alone.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,7 +75,9 @@ def oracle_steps(hits: list[bool], k: int) -> list[int]:
     return rows
 
 
-def ngram_steps(prompt: list[int], output: list[int], k: int, ngram_min: int = 1, ngram_max: int = 4) -> tuple[list[int], int]:
+def ngram_steps(
+    prompt: list[int], output: list[int], k: int, ngram_min: int = 1, ngram_max: int = 4
+) -> tuple[list[int], int]:
     """(rows of each decode step, draft tokens accepted) with the n-gram proposer drafting up to k
     tokens a step over prompt + output, as the engine's NgramIndex does (no policy: k wherever a
     match is found; the engine's policy drafts fewer where they pay less, so it can do better)."""
@@ -115,7 +118,7 @@ def row_costs(loaded: LoadedModel, max_rows: int, context: int, rounds: int) -> 
         step(r)
     times: dict[int, list[float]] = {r: [] for r in batches}
     for i in range(rounds):
-        for r in (list(batches) if i % 2 == 0 else list(batches)[::-1]):
+        for r in list(batches) if i % 2 == 0 else list(batches)[::-1]:
             times[r].append(step(r))
     return {r: statistics.median(t) for r, t in times.items()}
 
@@ -131,8 +134,9 @@ def analyse(loaded: LoadedModel, llm: LLM, bodies: list[dict], temperature: floa
         # writes any BOS it wants, so no special tokens are added again.
         text = tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=False)
         prompt_ids = tokenizer.encode(text, add_special_tokens=False)
-        params = SamplingParams(temperature=temperature, max_tokens=max_tokens,
-                                seed=1000 + j if temperature > 0 else None)
+        params = SamplingParams(
+            temperature=temperature, max_tokens=max_tokens, seed=1000 + j if temperature > 0 else None
+        )
         result = llm.generate([prompt_ids], params)[0]
         output = result.token_ids
         logits = next_token_logits(loaded, prompt_ids + output[:-1])[len(prompt_ids) - 1 :]
@@ -141,9 +145,17 @@ def analyse(loaded: LoadedModel, llm: LLM, bodies: list[dict], temperature: floa
         else:
             max_p = torch.ones(len(output))
         argmax = logits.argmax(dim=-1).tolist()
-        requests.append({"prompt": prompt_ids, "params": params, "output": output, "prefill_s": result.prefill_time,
-                         "decode_s": result.decode_time, "max_p": max_p.tolist(),
-                         "hits": [t == a for t, a in zip(output, argmax)]})
+        requests.append(
+            {
+                "prompt": prompt_ids,
+                "params": params,
+                "output": output,
+                "prefill_s": result.prefill_time,
+                "decode_s": result.decode_time,
+                "max_p": max_p.tolist(),
+                "hits": [t == a for t, a in zip(output, argmax)],
+            }
+        )
     return requests
 
 
@@ -159,7 +171,7 @@ def measured(off: LLM, on: LLM, requests: list[dict], rounds: int, control: LLM 
     same = True
     for i in range(rounds):
         tok_s = {}
-        for name, llm in engines[i % len(engines):] + engines[: i % len(engines)]:
+        for name, llm in engines[i % len(engines) :] + engines[: i % len(engines)]:
             start, tokens = time.perf_counter(), 0
             for r in requests:
                 out = llm.generate([r["prompt"]], r["params"])[0].token_ids
@@ -188,20 +200,32 @@ def bounds(requests: list[dict], costs: dict[int, float], max_k: int) -> dict:
     oracle, ngram = {}, {}
     for k in range(max_k + 1):  # k = 0: no drafts, the time without them (1.0x)
         rows = [s for r in requests for s in oracle_steps(r["hits"][1:], k)]
-        oracle[k] = {"tokens_per_step": steps_off / len(rows) if rows else 1.0,
-                     "ratio": (prefill + decode) / on_time(rows)}
+        oracle[k] = {
+            "tokens_per_step": steps_off / len(rows) if rows else 1.0,
+            "ratio": (prefill + decode) / on_time(rows),
+        }
         replay = [ngram_steps(r["prompt"], r["output"], k) for r in requests]
         rows = [s for steps, _ in replay for s in steps]
-        ngram[k] = {"tokens_per_step": steps_off / len(rows) if rows else 1.0,
-                    "ratio": (prefill + decode) / on_time(rows),
-                    "accepted": sum(a for _, a in replay), "drafted": sum(s - 1 for s in rows)}
+        ngram[k] = {
+            "tokens_per_step": steps_off / len(rows) if rows else 1.0,
+            "ratio": (prefill + decode) / on_time(rows),
+            "accepted": sum(a for _, a in replay),
+            "drafted": sum(s - 1 for s in rows),
+        }
     positions = [p for r in requests for p in r["max_p"][1:]]
     hits = [h for r in requests for h in r["hits"][1:]]
-    return {"requests": len(requests), "prompt_tokens": statistics.mean(len(r["prompt"]) for r in requests),
-            "output_tokens": sum(len(r["output"]) for r in requests), "prefill_share": prefill / (prefill + decode),
-            "decode_step_ms": per_step * 1e3, "mean_max_p": statistics.mean(positions) if positions else 1.0,
-            "argmax_share": sum(hits) / len(hits) if hits else 1.0, "ceiling": (prefill + decode) / prefill,
-            "oracle": oracle, "ngram": ngram}
+    return {
+        "requests": len(requests),
+        "prompt_tokens": statistics.mean(len(r["prompt"]) for r in requests),
+        "output_tokens": sum(len(r["output"]) for r in requests),
+        "prefill_share": prefill / (prefill + decode),
+        "decode_step_ms": per_step * 1e3,
+        "mean_max_p": statistics.mean(positions) if positions else 1.0,
+        "argmax_share": sum(hits) / len(hits) if hits else 1.0,
+        "ceiling": (prefill + decode) / prefill,
+        "oracle": oracle,
+        "ngram": ngram,
+    }
 
 
 def engine(m: dict | None) -> str:
@@ -214,43 +238,62 @@ def engine(m: dict | None) -> str:
 
 def report(results: dict, costs: dict[int, float], args: argparse.Namespace) -> str:
     best = lambda table: max(table.items(), key=lambda kv: kv[1]["ratio"])  # noqa: E731
-    lines = [f"CPU: {cpu_description()}; threads {torch.get_num_threads()}; model {args.model.name}; "
-             f"{args.requests} requests per workload, max_tokens {args.max_tokens}",
-             "One request's step with r rows (forward + logits, medians) / 1 row: "
-             + ", ".join(f"{r}: {costs[r] / costs[1]:.2f}" for r in sorted(costs)),
-             "| workload | temp | prompt tok | prefill share | mean max p | argmax share | oracle: best k, tok/step, "
-             "bound on/off | n-gram replay: best k, tok/step, on/off | engine on/off (rounds; a second engine without "
-             "drafts / the first) | ceiling |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"CPU: {cpu_description()}; threads {torch.get_num_threads()}; model {args.model.name}; "
+        f"{args.requests} requests per workload, max_tokens {args.max_tokens}",
+        "One request's step with r rows (forward + logits, medians) / 1 row: "
+        + ", ".join(f"{r}: {costs[r] / costs[1]:.2f}" for r in sorted(costs)),
+        "| workload | temp | prompt tok | prefill share | mean max p | argmax share | oracle: best k, tok/step, "
+        "bound on/off | n-gram replay: best k, tok/step, on/off | engine on/off (rounds; a second engine without "
+        "drafts / the first) | ceiling |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for (workload, temperature), b in results.items():
         ok, o = best(b["oracle"])
         nk, n = best(b["ngram"])
-        lines.append(f"| {workload} | {temperature:g} | {b['prompt_tokens']:.0f} | {b['prefill_share']:.0%} | "
-                     f"{b['mean_max_p']:.2f} | {b['argmax_share']:.0%} | k={ok}: {o['tokens_per_step']:.2f}, "
-                     f"**{o['ratio']:.2f}x** | k={nk}: {n['tokens_per_step']:.2f}, {n['ratio']:.2f}x | "
-                     f"{engine(b.get('measured'))} | {b['ceiling']:.2f}x |")
+        lines.append(
+            f"| {workload} | {temperature:g} | {b['prompt_tokens']:.0f} | {b['prefill_share']:.0%} | "
+            f"{b['mean_max_p']:.2f} | {b['argmax_share']:.0%} | k={ok}: {o['tokens_per_step']:.2f}, "
+            f"**{o['ratio']:.2f}x** | k={nk}: {n['tokens_per_step']:.2f}, {n['ratio']:.2f}x | "
+            f"{engine(b.get('measured'))} | {b['ceiling']:.2f}x |"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m loadtest.spec_bound", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None, help="a GGUF file, or SHAPE:TYPE (loadtest.make_gguf); default SmolLM2-135M")
+    p.add_argument(
+        "--model", default=None, help="a GGUF file, or SHAPE:TYPE (loadtest.make_gguf); default SmolLM2-135M"
+    )
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--requests", type=int, default=4, help="requests per workload and temperature")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--k", type=int, default=8, help="drafts a step: each k up to this is tried, the best reported")
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.8])
-    p.add_argument("--workloads", nargs="+", default=["code-edit", "quote", "chat"],
-                   help="a subset of code-edit quote summary chat (json's grammar is not replayed here)")
+    p.add_argument(
+        "--workloads",
+        nargs="+",
+        default=["code-edit", "quote", "chat"],
+        help="a subset of code-edit quote summary chat (json's grammar is not replayed here)",
+    )
     p.add_argument("--rounds", type=int, default=15, help="rounds of the row-count timing")
-    p.add_argument("--engine-rounds", type=int, default=3,
-                   help="rounds of the engine's own on / off, the order rotating (0: none)")
+    p.add_argument(
+        "--engine-rounds", type=int, default=3, help="rounds of the engine's own on / off, the order rotating (0: none)"
+    )
     p.add_argument("--engine-k", type=int, default=5, help="the engine's drafts a step at most (the server's default)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
-    if (not 1 <= args.k <= 16 or not 1 <= args.engine_k <= 16 or args.requests < 1 or args.max_tokens < 2
-            or args.rounds < 1 or args.engine_rounds < 0):
-        p.error("need 1 <= --k, --engine-k <= 16, --requests >= 1, --max-tokens >= 2, --rounds >= 1, --engine-rounds >= 0")
+    if (
+        not 1 <= args.k <= 16
+        or not 1 <= args.engine_k <= 16
+        or args.requests < 1
+        or args.max_tokens < 2
+        or args.rounds < 1
+        or args.engine_rounds < 0
+    ):
+        p.error(
+            "need 1 <= --k, --engine-k <= 16, --requests >= 1, --max-tokens >= 2, --rounds >= 1, --engine-rounds >= 0"
+        )
     loads = workloads(args.requests)
     unknown = [w for w in args.workloads if w not in loads or w == "json"]
     if unknown:
@@ -263,8 +306,12 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     loaded = load_model(str(args.model), dtype="auto", max_model_len=2048)
     llm = LLM.from_loaded(loaded, enable_prefix_caching=False, max_model_len=2048)
-    spec = LLM.from_loaded(loaded, enable_prefix_caching=False, max_model_len=2048,
-                           speculative=SpeculativeConfig(num_speculative_tokens=args.engine_k))
+    spec = LLM.from_loaded(
+        loaded,
+        enable_prefix_caching=False,
+        max_model_len=2048,
+        speculative=SpeculativeConfig(num_speculative_tokens=args.engine_k),
+    )
     control = LLM.from_loaded(loaded, enable_prefix_caching=False, max_model_len=2048)
     for warm in (llm, spec, control):
         warm.generate([[1, 2, 3]], None)  # warm the path
@@ -275,17 +322,30 @@ def main(argv: list[str] | None = None) -> None:
             results[(workload, temperature)] = requests
             if args.engine_rounds:
                 runs[(workload, temperature)] = measured(llm, spec, requests, args.engine_rounds, control)
-            print(f"  {workload} t={temperature:g}: {sum(len(r['output']) for r in requests)} tokens"
-                  + (f", engine on/off {engine(runs[(workload, temperature)])}" if args.engine_rounds else ""), flush=True)
+            print(
+                f"  {workload} t={temperature:g}: {sum(len(r['output']) for r in requests)} tokens"
+                + (f", engine on/off {engine(runs[(workload, temperature)])}" if args.engine_rounds else ""),
+                flush=True,
+            )
     context = int(statistics.mean(len(r["prompt"]) + len(r["output"]) // 2 for rs in results.values() for r in rs))
     costs = row_costs(loaded, args.k + 1, context, args.rounds)
-    summaries = {key: {**bounds(requests, costs, args.k), "measured": runs.get(key)}
-                 for key, requests in results.items()}
+    summaries = {
+        key: {**bounds(requests, costs, args.k), "measured": runs.get(key)} for key, requests in results.items()
+    }
     table = report(summaries, costs, args)
     print(table)
     if args.out:
-        args.out.write_text(json.dumps({"cpu": cpu_description(), "row_costs": costs, "table": table,
-                                        "results": {f"{w} t={t:g}": b for (w, t), b in summaries.items()}}, indent=1))
+        args.out.write_text(
+            json.dumps(
+                {
+                    "cpu": cpu_description(),
+                    "row_costs": costs,
+                    "table": table,
+                    "results": {f"{w} t={t:g}": b for (w, t), b in summaries.items()},
+                },
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

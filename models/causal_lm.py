@@ -24,6 +24,7 @@ The embedding and lm_head are Linear layers underneath, so a quantized checkpoin
 embedding and logits run through the same per-layer method as every other projection
 (models/layers/quantization.py).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -47,8 +48,13 @@ class LayerAttention(Protocol):
     @property
     def kv_entry_shape(self) -> tuple[int, ...]: ...
 
-    def __call__(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, kv_cache: torch.Tensor,
-                 attn_metadata: AttentionMetadata) -> torch.Tensor: ...
+    def __call__(
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        x: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor: ...
 
 
 class DecoderLayer(nn.Module):
@@ -69,21 +75,29 @@ class DecoderLayer(nn.Module):
     layer_type: str | None = None  # the key of its RoPE table when the model keeps one per layer type
 
     def forward(
-        self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, kv_cache: torch.Tensor,
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        x: torch.Tensor,
+        kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         whole = self.as_one_op(rope, x, kv_cache, attn_metadata)
         if whole is not None:
             return whole
         if self.sandwich_norms:
-            x = x + self.post_attention_layernorm(self.self_attn(rope, self.input_layernorm(x), kv_cache, attn_metadata))
+            x = x + self.post_attention_layernorm(
+                self.self_attn(rope, self.input_layernorm(x), kv_cache, attn_metadata)
+            )
             h = self.mlp(self.pre_feedforward_layernorm(x), attn_metadata.kernels)
             return x + self.post_feedforward_layernorm(h)
         x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, attn_metadata)
         return x + self.mlp(self.post_attention_layernorm(x), attn_metadata.kernels)
 
     def as_one_op(
-        self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, kv_cache: torch.Tensor,
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        x: torch.Tensor,
+        kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor | None:
         """The layer's output from one kernel call, where a model class has one for this step and
@@ -99,16 +113,25 @@ class DecoderLayer(nn.Module):
         return None
 
     @staticmethod
-    def call_one_op(x: torch.Tensor, args: tuple, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
-                    attn_metadata: AttentionMetadata) -> torch.Tensor:
+    def call_one_op(
+        x: torch.Tensor,
+        args: tuple,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
         raise NotImplementedError
 
 
 class DecoderModel(nn.Module):
     """The stack under HF's `model.` prefix: embedding, decoder layers, final norm."""
 
-    def __init__(self, hf_config: PretrainedConfig, rotary_emb: RotaryEmbedding | nn.ModuleDict,
-                 make_layer: Callable[[int], DecoderLayer]) -> None:
+    def __init__(
+        self,
+        hf_config: PretrainedConfig,
+        rotary_emb: RotaryEmbedding | nn.ModuleDict,
+        make_layer: Callable[[int], DecoderLayer],
+    ) -> None:
         super().__init__()
         self.embed_tokens = Embedding(hf_config.vocab_size, hf_config.hidden_size, parallel="column")
         # One cos/sin table (the layers' attention holds it too), or one per layer type.
@@ -124,7 +147,10 @@ class DecoderModel(nn.Module):
         return cast("Sequence[DecoderLayer]", self.layers)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # (num_tokens, hidden_size)
@@ -136,7 +162,8 @@ class DecoderModel(nn.Module):
         if isinstance(self.rotary_emb, nn.ModuleDict):
             tables = cast("Mapping[str, RotaryEmbedding]", self.rotary_emb)  # an nn.ModuleDict's items are nn.Module
             ropes: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {
-                kind: emb.cos_sin(positions, x.dtype) for kind, emb in tables.items()}
+                kind: emb.cos_sin(positions, x.dtype) for kind, emb in tables.items()
+            }
             for layer, kv_cache, meta in zip(layers, kv_caches, metas, strict=True):
                 x = layer(ropes[layer.layer_type], x, kv_cache, meta)
             return self.norm(x)
@@ -176,20 +203,28 @@ class CausalLM(nn.Module):
     # past the window; otherwise max_model_len is capped to it).
     serves_sliding_window: bool = False
 
-    def __init__(self, hf_config: PretrainedConfig, rotary_emb: RotaryEmbedding | nn.ModuleDict,
-                 make_layer: Callable[[int], DecoderLayer]) -> None:
+    def __init__(
+        self,
+        hf_config: PretrainedConfig,
+        rotary_emb: RotaryEmbedding | nn.ModuleDict,
+        make_layer: Callable[[int], DecoderLayer],
+    ) -> None:
         super().__init__()
         self.hf_config = hf_config
         self.model = DecoderModel(hf_config, rotary_emb, make_layer)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         # Tied: logits reuse the embedding's storage; a second Parameter sharing it would
         # come apart when the loader moves the model off the meta device.
-        self.lm_head = (None if self.tie_word_embeddings
-                        else Linear(hf_config.hidden_size, hf_config.vocab_size, parallel="column"))
+        self.lm_head = (
+            None if self.tie_word_embeddings else Linear(hf_config.hidden_size, hf_config.vocab_size, parallel="column")
+        )
         self.final_logit_softcapping = getattr(hf_config, "final_logit_softcapping", None) or None  # Gemma
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """input_ids, positions: (num_tokens,) -> hidden states (num_tokens, hidden_size)."""
@@ -220,15 +255,20 @@ class CausalLM(nn.Module):
         if self.lm_head is None:  # tied: the embedding multiplies too
             products.append(self.model.embed_tokens)
         methods = {m.quant_method for m in products}
-        return (all(getattr(m, "row_invariant", not isinstance(m, DenseMethod)) for m in methods)
-                and not any(getattr(m, "dense_products", False) for m in self.modules()))
+        return all(getattr(m, "row_invariant", not isinstance(m, DenseMethod)) for m in methods) and not any(
+            getattr(m, "dense_products", False) for m in self.modules()
+        )
 
     def kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec:
         """What one token stores per layer, as the layers' attention declares it."""
         layers = self.model.decoder_layers
         windows = tuple(getattr(layer.self_attn, "window", None) for layer in layers)
-        return KVCacheSpec(len(layers), layers[0].self_attn.kv_entry_shape, dtype,
-                           windows if any(w is not None for w in windows) else ())
+        return KVCacheSpec(
+            len(layers),
+            layers[0].self_attn.kv_entry_shape,
+            dtype,
+            windows if any(w is not None for w in windows) else (),
+        )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]) -> set[str]:
         """Copy HF-named tensors in; returns the parameter names fully loaded."""

@@ -4,6 +4,7 @@ Model classes read their hyper-parameters from `hf_config` (like vLLM); this fil
 only decides the few things the engine needs to agree on: architecture, serving
 dtype, `max_model_len` and the EOS ids.
 """
+
 from __future__ import annotations
 
 import json
@@ -180,12 +181,17 @@ def resolve_max_model_len(hf_config: PretrainedConfig, requested: int | None, se
             raise ValueError(
                 f"max_model_len {max_len} > max_position_embeddings {trained} and the config has no RoPE scaling"
             )
-        logger.warning("max_model_len %d exceeds max_position_embeddings %d (rope_type %s)", max_len, trained, rope_type)
+        logger.warning(
+            "max_model_len %d exceeds max_position_embeddings %d (rope_type %s)", max_len, trained, rope_type
+        )
     window = sliding_window(hf_config)
     if window is not None and window < max_len and not serves_windows:
         logger.warning(
             "sliding_window %d < max_model_len %d: capping max_model_len to %d (attention here is full, "
-            "which equals sliding-window attention only up to the window)", window, max_len, window
+            "which equals sliding-window attention only up to the window)",
+            window,
+            max_len,
+            window,
         )
         max_len = window
     return max_len

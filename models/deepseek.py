@@ -10,6 +10,7 @@ in V3's `rope_interleave` switch; V2 checkpoints always store rope dims in inter
 pairs. Unlike transformers 5.23's V2 router, which ignores `norm_topk_prob`, both
 renormalise when it is set (as V3 does); released V2 checkpoints leave it False.
 """
+
 from __future__ import annotations
 
 import re
@@ -37,15 +38,25 @@ def is_moe_layer(hf_config: PretrainedConfig, layer_idx: int) -> bool:
 
 
 class DeepseekDecoderLayer(DecoderLayer):
-    def __init__(self, hf_config: PretrainedConfig, layer_idx: int, rotary_emb: RotaryEmbedding,
-                 router_config: RouterConfig | None) -> None:
+    def __init__(
+        self,
+        hf_config: PretrainedConfig,
+        layer_idx: int,
+        rotary_emb: RotaryEmbedding,
+        router_config: RouterConfig | None,
+    ) -> None:
         super().__init__()
         c = hf_config
         self.self_attn = MLAttention(c, rotary_emb)
         if router_config is not None and is_moe_layer(c, layer_idx):
-            self.mlp = MoE(c.hidden_size, c.moe_intermediate_size, c.hidden_act, router_config,
-                           shared_intermediate_size=c.moe_intermediate_size * (c.n_shared_experts or 0),
-                           mlp_bias=getattr(c, "mlp_bias", False))
+            self.mlp = MoE(
+                c.hidden_size,
+                c.moe_intermediate_size,
+                c.hidden_act,
+                router_config,
+                shared_intermediate_size=c.moe_intermediate_size * (c.n_shared_experts or 0),
+                mlp_bias=getattr(c, "mlp_bias", False),
+            )
         else:
             self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, bias=getattr(c, "mlp_bias", False))
         self.input_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
@@ -64,9 +75,7 @@ class _DeepseekForCausalLM(CausalLM):
             raise ValueError("kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim and v_head_dim must be >= 1")
         router_config = RouterConfig.from_hf(c, *self.router_defaults) if c.n_routed_experts else None
         rotary_emb = RotaryEmbedding(c, max_model_len, interleaved=self.rope_interleaved(c))
-        super().__init__(
-            c, rotary_emb, lambda layer_idx: DeepseekDecoderLayer(c, layer_idx, rotary_emb, router_config)
-        )
+        super().__init__(c, rotary_emb, lambda layer_idx: DeepseekDecoderLayer(c, layer_idx, rotary_emb, router_config))
 
     @staticmethod
     def rope_interleaved(hf_config: PretrainedConfig) -> bool:

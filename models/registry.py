@@ -4,6 +4,7 @@ Entries are (module, class name) and imported only when a checkpoint asks for
 them, so listing an architecture costs nothing and a model file with heavy
 imports is not loaded by a server that never serves it.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -36,8 +37,6 @@ MODEL_REGISTRY: dict[str, tuple[str, str]] = {
 
 def get_model_class(architecture: str) -> ModelClass:
     if architecture not in MODEL_REGISTRY:
-        raise ValueError(
-            f"unsupported architecture {architecture!r}; supported: {', '.join(sorted(MODEL_REGISTRY))}"
-        )
+        raise ValueError(f"unsupported architecture {architecture!r}; supported: {', '.join(sorted(MODEL_REGISTRY))}")
     module_name, class_name = MODEL_REGISTRY[architecture]
     return getattr(importlib.import_module(module_name), class_name)

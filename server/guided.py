@@ -1,10 +1,11 @@
 """Structured output and tools, from the request's fields to what the engine and the view need.
 
-    response_format / guided_* / structured_outputs  ->  StructuredOutput (at most one ask)
-    tools + tool_choice                                ->  ToolPlan: how the prompt shows the
-        tools, the parser that reads calls back, and for "required" or a named function
-        the grammar that makes the call valid JSON matching its parameters (as vLLM does)
+response_format / guided_* / structured_outputs  ->  StructuredOutput (at most one ask)
+tools + tool_choice                                ->  ToolPlan: how the prompt shows the
+    tools, the parser that reads calls back, and for "required" or a named function
+    the grammar that makes the call valid JSON matching its parameters (as vLLM does)
 """
+
 from __future__ import annotations
 
 import json
@@ -26,15 +27,25 @@ def structured_output(body: Any) -> tuple[StructuredOutput | None, str | None]:
             asks.append(("response_format", StructuredOutput.json_object()))
         elif rf is not None and rf.type == "json_schema":
             if rf.json_schema is None or rf.json_schema.schema_ is None:
-                raise invalid("'response_format.json_schema.schema' is required when 'type' is 'json_schema'",
-                              param="response_format.json_schema")
+                raise invalid(
+                    "'response_format.json_schema.schema' is required when 'type' is 'json_schema'",
+                    param="response_format.json_schema",
+                )
             asks.append(("response_format", StructuredOutput.json_schema(rf.json_schema.schema_)))
         so = body.structured_outputs
-        fields = [("guided_json", body.guided_json), ("guided_regex", body.guided_regex),
-                  ("guided_choice", body.guided_choice), ("guided_grammar", body.guided_grammar)]
+        fields = [
+            ("guided_json", body.guided_json),
+            ("guided_regex", body.guided_regex),
+            ("guided_choice", body.guided_choice),
+            ("guided_grammar", body.guided_grammar),
+        ]
         if so is not None:
-            fields += [("structured_outputs.json", so.json_), ("structured_outputs.regex", so.regex),
-                       ("structured_outputs.choice", so.choice), ("structured_outputs.grammar", so.grammar)]
+            fields += [
+                ("structured_outputs.json", so.json_),
+                ("structured_outputs.regex", so.regex),
+                ("structured_outputs.choice", so.choice),
+                ("structured_outputs.grammar", so.grammar),
+            ]
             if so.json_object:
                 asks.append(("structured_outputs.json_object", StructuredOutput.json_object()))
         for param, value in fields:
@@ -48,8 +59,9 @@ def structured_output(body: Any) -> tuple[StructuredOutput | None, str | None]:
     except GrammarError as exc:
         raise invalid(f"Invalid '{param}': {exc}", param=param) from None
     if len(asks) > 1:
-        raise invalid(f"Only one structured output may be asked for, got {', '.join(p for p, _ in asks)}",
-                      param=asks[1][0])
+        raise invalid(
+            f"Only one structured output may be asked for, got {', '.join(p for p, _ in asks)}", param=asks[1][0]
+        )
     return asks[0][1] if asks else None, asks[0][0] if asks else None
 
 
@@ -99,11 +111,21 @@ def plan_tools(body: Any, parser_name: str) -> ToolPlan | None:
     if choice is None or choice == "auto":
         return ToolPlan(PARSERS[parser_name](), None, max_calls)
     if choice == "required":
-        calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": _parameters(f)},
-                  "required": ["name", "parameters"], "additionalProperties": False}
-                 for name, f in by_name.items()]
-        schema = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls}, "minItems": 1,
-                  "maxItems": max_calls or MAX_FORCED_CALLS}
+        calls = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, "parameters": _parameters(f)},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+            for name, f in by_name.items()
+        ]
+        schema = {
+            "type": "array",
+            "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
+            "minItems": 1,
+            "maxItems": max_calls or MAX_FORCED_CALLS,
+        }
         return ToolPlan(JsonParser(), _spec(schema), max_calls)
     name = choice.function.name
     if name not in by_name:

@@ -9,6 +9,7 @@ request a 503, and uvicorn then finds nothing left to cancel.
     SIGTERM ──► stop accepting ──► ... ──► end_streams() ──► (margin) ──► uvicorn cancels the rest
                t = 0                       t = timeout - margin          t = timeout
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -67,14 +68,28 @@ class PagedServer(uvicorn.Server):
         self._loop.call_later(max(0.0, timeout - margin), self.end_streams)
 
 
-def make_server(app: FastAPI, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
-                shutdown_timeout: float = 30.0, read_timeout: float = 30.0) -> PagedServer:
+def make_server(
+    app: FastAPI,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    log_level: str = "info",
+    shutdown_timeout: float = 30.0,
+    read_timeout: float = 30.0,
+) -> PagedServer:
     """The app's server (create_app's). `read_timeout`: a request's headers must arrive within
     it of the connection opening (or of the previous response), else the connection gets a 408
     and is closed; the body's bound is the app's own (create_app(read_timeout=...)). Idle
     keep-alive connections close after 5 s (uvicorn's default)."""
     protocol = type("PagedH11Protocol", (HeaderTimeoutH11Protocol,), {"header_timeout": read_timeout})
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol,
-                            # uvicorn's stub says int; it waits any number of seconds
-                            timeout_keep_alive=5, timeout_graceful_shutdown=shutdown_timeout)  # type: ignore[arg-type]
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        http=protocol,
+        timeout_keep_alive=5,
+        # uvicorn's stub says int; it waits any number of seconds
+        timeout_graceful_shutdown=shutdown_timeout,  # type: ignore[arg-type]
+    )
     return PagedServer(config, app.state.server.end_streams)

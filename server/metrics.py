@@ -7,6 +7,7 @@ Two kinds of numbers:
   hits, preemptions), read from `engine.stats()` at scrape time by a collector,
   so a scrape always shows the engine's state now, never a stale copy.
 """
+
 from __future__ import annotations
 
 import time
@@ -20,10 +21,29 @@ from engine.stats import EngineStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
-                    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4,
-                0.5, 0.75, 1.0, 2.5, 5.0)
+_LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
 
 
@@ -32,26 +52,47 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.request_success = Counter(
-            "pagedserve:request_success", "Finished engine requests (one per choice) by finish reason.",
-            ["finish_reason"], registry=r)
+            "pagedserve:request_success",
+            "Finished engine requests (one per choice) by finish reason.",
+            ["finish_reason"],
+            registry=r,
+        )
         self.requests_rejected = Counter(
-            "pagedserve:requests_rejected", "HTTP requests refused before reaching the engine, by reason.",
-            ["reason"], registry=r)
+            "pagedserve:requests_rejected",
+            "HTTP requests refused before reaching the engine, by reason.",
+            ["reason"],
+            registry=r,
+        )
         self.prompt_tokens = Counter("pagedserve:prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.generation_tokens = Counter("pagedserve:generation_tokens", "Generated tokens.", registry=r)
-        self.ttft = Histogram("pagedserve:time_to_first_token_seconds",
-                              "Arrival at the server to the first generated token.",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("pagedserve:inter_token_latency_seconds",
-                             "Time between consecutive generated tokens of a request.",
-                             buckets=_ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("pagedserve:e2e_request_latency_seconds",
-                             "Arrival at the server to the request's last output.", buckets=_E2E_BUCKETS, registry=r)
-        self.queue_time = Histogram("pagedserve:request_queue_time_seconds",
-                                    "Time a request waited in the engine's queue before first being scheduled.",
-                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "pagedserve:time_to_first_token_seconds",
+            "Arrival at the server to the first generated token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "pagedserve:inter_token_latency_seconds",
+            "Time between consecutive generated tokens of a request.",
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "pagedserve:e2e_request_latency_seconds",
+            "Arrival at the server to the request's last output.",
+            buckets=_E2E_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "pagedserve:request_queue_time_seconds",
+            "Time a request waited in the engine's queue before first being scheduled.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
 
-    def watch_engine(self, stats: Callable[[], EngineStats | None], model_name: str = "", prefix_caching: bool = True) -> None:
+    def watch_engine(
+        self, stats: Callable[[], EngineStats | None], model_name: str = "", prefix_caching: bool = True
+    ) -> None:
         """Expose the engine's own gauges and counters, read at every scrape (and the few that
         routers and autoscalers read under vLLM's names, labelled with `model_name` as vLLM does)."""
         self.registry.register(_EngineCollector(stats, model_name, prefix_caching))
@@ -109,39 +150,60 @@ class _EngineCollector:
         if s is None:
             return
         yield from self._vllm_named(s)
-        yield GaugeMetricFamily("pagedserve:num_requests_running", "Requests in the running batch.",
-                                value=s.num_running)
-        yield GaugeMetricFamily("pagedserve:num_requests_waiting", "Requests queued for the engine.",
-                                value=s.num_waiting)
-        yield GaugeMetricFamily("pagedserve:kv_blocks_used", "KV-cache blocks held by requests.",
-                                value=s.num_kv_blocks_used)
-        yield GaugeMetricFamily("pagedserve:kv_blocks_total", "KV-cache blocks in the pool.",
-                                value=s.num_kv_blocks_total)
+        yield GaugeMetricFamily(
+            "pagedserve:num_requests_running", "Requests in the running batch.", value=s.num_running
+        )
+        yield GaugeMetricFamily(
+            "pagedserve:num_requests_waiting", "Requests queued for the engine.", value=s.num_waiting
+        )
+        yield GaugeMetricFamily(
+            "pagedserve:kv_blocks_used", "KV-cache blocks held by requests.", value=s.num_kv_blocks_used
+        )
+        yield GaugeMetricFamily(
+            "pagedserve:kv_blocks_total", "KV-cache blocks in the pool.", value=s.num_kv_blocks_total
+        )
         queries = s.prefix_cache_queries
-        yield GaugeMetricFamily("pagedserve:prefix_cache_hit_rate",
-                                "Prompt tokens served from the prefix cache / prompt tokens looked up, since start.",
-                                value=s.prefix_cache_hits / queries if queries else 0.0)
-        yield CounterMetricFamily("pagedserve:num_preemptions", "Requests preempted to free KV blocks.",
-                                  value=s.num_preemptions)
-        yield CounterMetricFamily("pagedserve:num_stalled_aborts",
-                                  "Streams aborted because their client stopped reading (KV blocks freed).",
-                                  value=s.num_stalled_aborts)
-        yield CounterMetricFamily("pagedserve:num_grammars_compiled",
-                                  "Structured-output grammars compiled (each distinct schema, regex, choice or grammar).",
-                                  value=s.num_grammars_compiled)
-        yield CounterMetricFamily("pagedserve:num_structured_output_requests",
-                                  "Requests whose output was constrained by a grammar.",
-                                  value=s.num_structured_requests)
-        yield GaugeMetricFamily("pagedserve:model_weight_bytes",
-                                "Bytes of model weights resident (quantized weights as stored).",
-                                value=s.weight_bytes)
+        yield GaugeMetricFamily(
+            "pagedserve:prefix_cache_hit_rate",
+            "Prompt tokens served from the prefix cache / prompt tokens looked up, since start.",
+            value=s.prefix_cache_hits / queries if queries else 0.0,
+        )
+        yield CounterMetricFamily(
+            "pagedserve:num_preemptions", "Requests preempted to free KV blocks.", value=s.num_preemptions
+        )
+        yield CounterMetricFamily(
+            "pagedserve:num_stalled_aborts",
+            "Streams aborted because their client stopped reading (KV blocks freed).",
+            value=s.num_stalled_aborts,
+        )
+        yield CounterMetricFamily(
+            "pagedserve:num_grammars_compiled",
+            "Structured-output grammars compiled (each distinct schema, regex, choice or grammar).",
+            value=s.num_grammars_compiled,
+        )
+        yield CounterMetricFamily(
+            "pagedserve:num_structured_output_requests",
+            "Requests whose output was constrained by a grammar.",
+            value=s.num_structured_requests,
+        )
+        yield GaugeMetricFamily(
+            "pagedserve:model_weight_bytes",
+            "Bytes of model weights resident (quantized weights as stored).",
+            value=s.weight_bytes,
+        )
         yield GaugeMetricFamily("pagedserve:kv_cache_bytes", "Bytes of the KV-cache pool.", value=s.kv_cache_bytes)
         # CPU: which intra-op thread count the tuner ran steps with, and what they cost (engine/threads.py)
-        families = [CounterMetricFamily(name, doc, labels=["num_threads"]) for name, doc in (
-            ("pagedserve:engine_steps", "Model steps run, by intra-op thread count (CPU)."),
-            ("pagedserve:engine_step_tokens", "Tokens run through the model in those steps, by thread count (CPU)."),
-            ("pagedserve:engine_step_seconds", "Seconds those steps took, by thread count (CPU)."),
-        )]
+        families = [
+            CounterMetricFamily(name, doc, labels=["num_threads"])
+            for name, doc in (
+                ("pagedserve:engine_steps", "Model steps run, by intra-op thread count (CPU)."),
+                (
+                    "pagedserve:engine_step_tokens",
+                    "Tokens run through the model in those steps, by thread count (CPU).",
+                ),
+                ("pagedserve:engine_step_seconds", "Seconds those steps took, by thread count (CPU)."),
+            )
+        ]
         for threads, totals in sorted(s.step_totals.items()):
             for family, value in zip(families, totals):
                 family.add_metric([str(threads)], value)
@@ -154,8 +216,11 @@ class _EngineCollector:
         for name, doc, value in (
             ("vllm:num_requests_running", "Requests in the running batch (vLLM's name).", s.num_running),
             ("vllm:num_requests_waiting", "Requests queued for the engine (vLLM's name).", s.num_waiting),
-            ("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use, 0-1 (vLLM's name).",
-             s.num_kv_blocks_used / s.num_kv_blocks_total if s.num_kv_blocks_total else 0.0),
+            (
+                "vllm:kv_cache_usage_perc",
+                "Fraction of KV-cache blocks in use, 0-1 (vLLM's name).",
+                s.num_kv_blocks_used / s.num_kv_blocks_total if s.num_kv_blocks_total else 0.0,
+            ),
         ):
             gauge = GaugeMetricFamily(name, doc, labels=labels)
             gauge.add_metric(values, value)
@@ -170,31 +235,45 @@ class _EngineCollector:
                 counter = CounterMetricFamily(name, doc, labels=labels)
                 counter.add_metric(values, value)
                 yield counter
-            per_position = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
-                                               "Draft tokens accepted, by their position in the draft.",
-                                               labels=[*labels, "position"])
+            per_position = CounterMetricFamily(
+                "vllm:spec_decode_num_accepted_tokens_per_pos",
+                "Draft tokens accepted, by their position in the draft.",
+                labels=[*labels, "position"],
+            )
             for position, value in enumerate(spec.accepted_per_position):
                 per_position.add_metric([*values, str(position)], value)
             yield per_position
-            cut = CounterMetricFamily("pagedserve:spec_decode_num_cut_draft_tokens",
-                                      "Draft tokens cut before verification: by the grammar, or for the token "
-                                      "budget, KV blocks or max_tokens.", labels=["reason"])
+            cut = CounterMetricFamily(
+                "pagedserve:spec_decode_num_cut_draft_tokens",
+                "Draft tokens cut before verification: by the grammar, or for the token "
+                "budget, KV blocks or max_tokens.",
+                labels=["reason"],
+            )
             cut.add_metric(["grammar"], spec.num_cut_by_grammar)
             cut.add_metric(["budget"], spec.num_cut_by_budget)
             yield cut
         if s.max_loras:  # vLLM's: one sample, its labels the adapters in use now, its value the time
-            lora = GaugeMetricFamily("vllm:lora_requests_info", "LoRA adapters of the running and waiting requests "
-                                     "(vLLM's name); value: the time of the snapshot.",
-                                     labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
-            lora.add_metric([str(s.max_loras), ",".join(s.waiting_lora_adapters), ",".join(s.running_lora_adapters)],
-                            time.time())
+            lora = GaugeMetricFamily(
+                "vllm:lora_requests_info",
+                "LoRA adapters of the running and waiting requests (vLLM's name); value: the time of the snapshot.",
+                labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            )
+            lora.add_metric(
+                [str(s.max_loras), ",".join(s.waiting_lora_adapters), ",".join(s.running_lora_adapters)], time.time()
+            )
             yield lora
-            requests = CounterMetricFamily("pagedserve:lora_requests", "Engine requests (one per choice) that ran "
-                                           "with a LoRA adapter, by adapter, since start.", labels=["lora_name"])
+            requests = CounterMetricFamily(
+                "pagedserve:lora_requests",
+                "Engine requests (one per choice) that ran with a LoRA adapter, by adapter, since start.",
+                labels=["lora_name"],
+            )
             for name, value in sorted(s.num_lora_requests.items()):
                 requests.add_metric([name], value)
             yield requests
-        info = GaugeMetricFamily("vllm:cache_config_info", "The KV cache's configuration (vLLM's name); value 1.",
-                                 labels=["block_size", "num_gpu_blocks", "enable_prefix_caching"])
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "The KV cache's configuration (vLLM's name); value 1.",
+            labels=["block_size", "num_gpu_blocks", "enable_prefix_caching"],
+        )
         info.add_metric([str(s.kv_block_size), str(s.num_kv_blocks_total), str(self._prefix_caching)], 1.0)
         yield info

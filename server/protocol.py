@@ -10,6 +10,7 @@ too; they mean what they mean in vLLM.)
 
 Responses are plain dicts built next to their handlers (serving_*.py).
 """
+
 from __future__ import annotations
 
 import json
@@ -44,10 +45,25 @@ MAX_CACHE_SALT = 256  # characters of a cache_salt
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs and prompt_logprobs (OpenAI's and vLLM's bound)
 _TEMPLATE_VARIABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 # What the server itself gives apply_chat_template (or transformers reads from its kwargs).
-_TEMPLATE_RESERVED = frozenset({"messages", "conversation", "tools", "documents", "add_generation_prompt",
-                                "continue_final_message", "tokenize", "chat_template", "return_dict",
-                                "tokenizer_kwargs", "return_assistant_tokens_mask", "padding", "truncation",
-                                "max_length", "return_tensors"})
+_TEMPLATE_RESERVED = frozenset(
+    {
+        "messages",
+        "conversation",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "chat_template",
+        "return_dict",
+        "tokenizer_kwargs",
+        "return_assistant_tokens_mask",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+    }
+)
 
 
 # For the OpenAPI document of the fields typed Any above (their checks are hand-written).
@@ -99,13 +115,25 @@ class _SamplingFields(_Strict):
     top_p: float | None = Field(None, ge=MIN_TOP_P, le=1)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = Field(None, json_schema_extra={
-        "propertyNames": {"pattern": "^[0-9]{1,10}$"}, "additionalProperties": {"minimum": -100, "maximum": 100}})
+    logit_bias: dict[str, float] | None = Field(
+        None,
+        json_schema_extra={
+            "propertyNames": {"pattern": "^[0-9]{1,10}$"},
+            "additionalProperties": {"minimum": -100, "maximum": 100},
+        },
+    )
     seed: int | None = Field(None, ge=-_INT64, lt=2 * _INT64)
     # str | list[str] (up to 4); checked in stop_strings() for a clear message.
-    stop: Any = Field(None, json_schema_extra={"anyOf": [
-        {"type": "null"}, _STOP_STRING,
-        {"type": "array", "items": _STOP_STRING, "maxItems": MAX_STOP_STRINGS}]})
+    stop: Any = Field(
+        None,
+        json_schema_extra={
+            "anyOf": [
+                {"type": "null"},
+                _STOP_STRING,
+                {"type": "array", "items": _STOP_STRING, "maxItems": MAX_STOP_STRINGS},
+            ]
+        },
+    )
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -144,35 +172,44 @@ class _SamplingFields(_Strict):
         if any(s == "" for s in stop):
             raise invalid("'stop' sequences must be non-empty strings", param="stop")
         if any(len(s) > MAX_STOP_LENGTH for s in stop):
-            raise invalid(f"'stop' sequences must be at most {MAX_STOP_LENGTH} characters, got one of "
-                          f"{max(map(len, stop))}", param="stop")
+            raise invalid(
+                f"'stop' sequences must be at most {MAX_STOP_LENGTH} characters, got one of {max(map(len, stop))}",
+                param="stop",
+            )
         return tuple(stop)
 
     def check_common(self, vocab_size: int) -> None:
         """Cross-field checks pydantic cannot express; raise a 400 naming the field."""
         if self.metadata is not None:
             if len(self.metadata) > MAX_METADATA_PAIRS:
-                raise invalid(f"'metadata' takes at most {MAX_METADATA_PAIRS} pairs, got {len(self.metadata)}",
-                              param="metadata")
+                raise invalid(
+                    f"'metadata' takes at most {MAX_METADATA_PAIRS} pairs, got {len(self.metadata)}", param="metadata"
+                )
             for key, value in self.metadata.items():
                 if len(key) > MAX_METADATA_KEY or len(value) > MAX_METADATA_VALUE:
-                    raise invalid(f"'metadata' keys are at most {MAX_METADATA_KEY} characters and values at most "
-                                  f"{MAX_METADATA_VALUE}", param=f"metadata.{key[:MAX_METADATA_KEY]}")
+                    raise invalid(
+                        f"'metadata' keys are at most {MAX_METADATA_KEY} characters and values at most "
+                        f"{MAX_METADATA_VALUE}",
+                        param=f"metadata.{key[:MAX_METADATA_KEY]}",
+                    )
         if self.prompt_logprobs is not None and self.stream:
             raise invalid("'prompt_logprobs' is not available when 'stream' is true", param="prompt_logprobs")
         if self.stream_options is not None and not self.stream:
             raise invalid("'stream_options' is only allowed when 'stream' is true", param="stream_options")
         for key, bias in (self.logit_bias or {}).items():
             if not _TOKEN_ID_KEY.fullmatch(key) or not int(key) < vocab_size:
-                raise invalid(f"'logit_bias' keys must be token ids in [0, {vocab_size}), got {key!r}",
-                              param="logit_bias")
+                raise invalid(
+                    f"'logit_bias' keys must be token ids in [0, {vocab_size}), got {key!r}", param="logit_bias"
+                )
             if not -100 <= bias <= 100:
-                raise invalid(f"'logit_bias' values must be in [-100, 100], got {bias} for token {key}",
-                              param="logit_bias")
+                raise invalid(
+                    f"'logit_bias' values must be in [-100, 100], got {bias} for token {key}", param="logit_bias"
+                )
         for token_id in self.stop_token_ids or ():
             if not 0 <= token_id < vocab_size:
-                raise invalid(f"'stop_token_ids' must be token ids in [0, {vocab_size}), got {token_id}",
-                              param="stop_token_ids")
+                raise invalid(
+                    f"'stop_token_ids' must be token ids in [0, {vocab_size}), got {token_id}", param="stop_token_ids"
+                )
 
     @property
     def num_choices(self) -> int:
@@ -185,11 +222,16 @@ class _SamplingFields(_Strict):
 
 class CompletionRequest(_SamplingFields):
     # str | list[str] | list[int] | list[list[int]]; checked in prompts().
-    prompt: Any = Field(json_schema_extra={"anyOf": [
-        {"type": "string", "minLength": 1},
-        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
-        {"type": "array", "items": _TOKEN_ID, "minItems": 1},
-        {"type": "array", "items": {"type": "array", "items": _TOKEN_ID, "minItems": 1}, "minItems": 1}]})
+    prompt: Any = Field(
+        json_schema_extra={
+            "anyOf": [
+                {"type": "string", "minLength": 1},
+                {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+                {"type": "array", "items": _TOKEN_ID, "minItems": 1},
+                {"type": "array", "items": {"type": "array", "items": _TOKEN_ID, "minItems": 1}, "minItems": 1},
+            ]
+        }
+    )
     # OpenAI: null means the default, 16. 0 only with echo: the prompt's logprobs, nothing generated.
     max_tokens: int | None = Field(None, ge=0)
     logprobs: int | None = Field(None, ge=0, le=5)
@@ -197,20 +239,28 @@ class CompletionRequest(_SamplingFields):
 
     def check_echo(self) -> None:
         if self.max_tokens == 0 and not self.echo:
-            raise invalid("'max_tokens' must be at least 1 unless 'echo' is true", param="max_tokens",
-                          code="invalid_value")
+            raise invalid(
+                "'max_tokens' must be at least 1 unless 'echo' is true", param="max_tokens", code="invalid_value"
+            )
 
     def prompts(self, vocab_size: int) -> list[str | list[int]]:
         """The prompts of the request, each a non-empty string or token-id list."""
         p = self.prompt
-        shape_error = invalid("'prompt' must be a string, a list of strings, a list of token ids, "
-                              "or a list of lists of token ids", param="prompt")
+        shape_error = invalid(
+            "'prompt' must be a string, a list of strings, a list of token ids, or a list of lists of token ids",
+            param="prompt",
+        )
         if isinstance(p, str):
             prompts: list = [p]
         elif isinstance(p, list) and p and all(_is_int(t) for t in p):
             prompts = [p]
-        elif isinstance(p, list) and p and (all(isinstance(s, str) for s in p)
-                                            or all(isinstance(s, list) and all(_is_int(t) for t in s) for s in p)):
+        elif (
+            isinstance(p, list)
+            and p
+            and (
+                all(isinstance(s, str) for s in p) or all(isinstance(s, list) and all(_is_int(t) for t in s) for s in p)
+            )
+        ):
             prompts = p
         elif isinstance(p, list) and not p:
             raise invalid("'prompt' must not be empty", param="prompt")
@@ -259,9 +309,13 @@ class ChatMessage(_Strict):
         message: dict[str, Any] = {"role": self.role, "content": self.text()}
         if self.tool_calls:
             message["tool_calls"] = [
-                {"id": c.id, "type": "function",
-                 "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
-                for c in self.tool_calls]
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)},
+                }
+                for c in self.tool_calls
+            ]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
         return message
@@ -318,34 +372,53 @@ class ChatCompletionRequest(_SamplingFields):
         server passes the template itself."""
         kwargs = self.chat_template_kwargs or {}
         if len(kwargs) > MAX_TEMPLATE_KWARGS:
-            raise invalid(f"'chat_template_kwargs' takes at most {MAX_TEMPLATE_KWARGS} variables, got {len(kwargs)}",
-                          param="chat_template_kwargs")
+            raise invalid(
+                f"'chat_template_kwargs' takes at most {MAX_TEMPLATE_KWARGS} variables, got {len(kwargs)}",
+                param="chat_template_kwargs",
+            )
         for key, value in kwargs.items():
             param = f"chat_template_kwargs.{key[:64]}"
             if not _TEMPLATE_VARIABLE.fullmatch(key) or key in _TEMPLATE_RESERVED:
-                raise invalid(f"'chat_template_kwargs' keys must be template variable names other than "
-                              f"{', '.join(sorted(_TEMPLATE_RESERVED))}; got {key[:64]!r}", param=param)
-            if not (value is None or isinstance(value, (bool, int, float))
-                    or (isinstance(value, str) and len(value) <= MAX_STOP_LENGTH)):
-                raise invalid(f"'chat_template_kwargs' values must be null, booleans, numbers or strings of at most "
-                              f"{MAX_STOP_LENGTH} characters", param=param)
+                raise invalid(
+                    f"'chat_template_kwargs' keys must be template variable names other than "
+                    f"{', '.join(sorted(_TEMPLATE_RESERVED))}; got {key[:64]!r}",
+                    param=param,
+                )
+            if not (
+                value is None
+                or isinstance(value, (bool, int, float))
+                or (isinstance(value, str) and len(value) <= MAX_STOP_LENGTH)
+            ):
+                raise invalid(
+                    f"'chat_template_kwargs' values must be null, booleans, numbers or strings of at most "
+                    f"{MAX_STOP_LENGTH} characters",
+                    param=param,
+                )
         return dict(kwargs)
 
     def check_messages(self) -> None:
         """The roles' rules for tool calls, which pydantic cannot express."""
         for i, m in enumerate(self.messages):
             if m.tool_calls is not None and m.role != "assistant":
-                raise invalid(f"'messages[{i}].tool_calls' is only allowed on assistant messages",
-                              param=f"messages[{i}].tool_calls")
+                raise invalid(
+                    f"'messages[{i}].tool_calls' is only allowed on assistant messages",
+                    param=f"messages[{i}].tool_calls",
+                )
             if m.role == "tool" and m.tool_call_id is None:
-                raise invalid(f"'messages[{i}].tool_call_id' is required on a tool message",
-                              param=f"messages[{i}].tool_call_id")
+                raise invalid(
+                    f"'messages[{i}].tool_call_id' is required on a tool message", param=f"messages[{i}].tool_call_id"
+                )
             if m.role != "tool" and m.tool_call_id is not None:
-                raise invalid(f"'messages[{i}].tool_call_id' is only allowed on tool messages",
-                              param=f"messages[{i}].tool_call_id")
+                raise invalid(
+                    f"'messages[{i}].tool_call_id' is only allowed on tool messages",
+                    param=f"messages[{i}].tool_call_id",
+                )
             if m.content is None and not (m.role == "assistant" and m.tool_calls):
-                raise invalid(f"'messages[{i}].content' is required (it may be null only on an assistant "
-                              "message with tool_calls)", param=f"messages[{i}].content")
+                raise invalid(
+                    f"'messages[{i}].content' is required (it may be null only on an assistant "
+                    "message with tool_calls)",
+                    param=f"messages[{i}].content",
+                )
 
 
 class TokenizeRequest(_Strict):
@@ -372,36 +445,58 @@ class DetokenizeRequest(_Strict):
 # change nothing, so any boolean is honoured.
 _BOOLEANS = (None, True, False)
 _ROUTER_FIELDS = {
-    "no_stop_trim": (None, False), "return_hidden_states": (None, False), "separate_reasoning": _BOOLEANS,
-    "stream_reasoning": _BOOLEANS, "include_reasoning": _BOOLEANS,
+    "no_stop_trim": (None, False),
+    "return_hidden_states": (None, False),
+    "separate_reasoning": _BOOLEANS,
+    "stream_reasoning": _BOOLEANS,
+    "include_reasoning": _BOOLEANS,
 }
 _UNSUPPORTED_COMPLETION = {"best_of": (None, 1), "suffix": (None,), **_ROUTER_FIELDS}
 _UNSUPPORTED_CHAT = {
-    "functions": (None, []), "function_call": (None, "none"), "modalities": (None, ["text"]),
-    "audio": (None,), "prediction": (None,), "reasoning_effort": (None,), "verbosity": (None,),
-    "service_tier": (None, "auto", "default"), "store": (None, False),
-    "web_search_options": (None,), "prompt_cache_key": (None,), "safety_identifier": (None,),
-    "continue_final_message": (None, False), **_ROUTER_FIELDS,
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "verbosity": (None,),
+    "service_tier": (None, "auto", "default"),
+    "store": (None, False),
+    "web_search_options": (None,),
+    "prompt_cache_key": (None,),
+    "safety_identifier": (None,),
+    "continue_final_message": (None, False),
+    **_ROUTER_FIELDS,
 }
 # vllm-router's cache_aware policy tokenizes each chat request here first, with this field.
 _UNSUPPORTED_TOKENIZE = {"continue_final_message": (None, False)}
 _UNSUPPORTED_MESSAGE_KEYS = ("name", "function_call", "audio", "refusal")
 
 
-REQUEST_MODELS: tuple[type[BaseModel], ...] = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+REQUEST_MODELS: tuple[type[BaseModel], ...] = (
+    CompletionRequest,
+    ChatCompletionRequest,
+    TokenizeRequest,
+    DetokenizeRequest,
+)
 
 
 def openapi_schemas(*more: type[BaseModel]) -> dict[str, Any]:
     """The request models (and `more`) as OpenAPI component schemas (name -> JSON schema), with their bounds."""
-    _, top = models_json_schema([(m, "validation") for m in (*REQUEST_MODELS, *more)],
-                                ref_template="#/components/schemas/{model}")
+    _, top = models_json_schema(
+        [(m, "validation") for m in (*REQUEST_MODELS, *more)], ref_template="#/components/schemas/{model}"
+    )
     return top["$defs"]
 
 
 def openapi_body(model_cls: type[BaseModel]) -> dict[str, Any]:
     """A route's `openapi_extra`: its JSON body is `model_cls` (parse_body still validates it)."""
-    return {"requestBody": {"required": True, "content": {"application/json": {
-        "schema": {"$ref": f"#/components/schemas/{model_cls.__name__}"}}}}}
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model_cls.__name__}"}}},
+        }
+    }
 
 
 M = TypeVar("M", bound=BaseModel)
@@ -435,8 +530,9 @@ def _load_json(raw: bytes) -> Any:
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise invalid(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
     except RecursionError:
-        raise invalid(f"The request body is nested too deeply (at most {MAX_JSON_DEPTH} levels)",
-                      code="invalid_json") from None
+        raise invalid(
+            f"The request body is nested too deeply (at most {MAX_JSON_DEPTH} levels)", code="invalid_json"
+        ) from None
     except ValueError as exc:  # an integer literal over sys.get_int_max_str_digits() digits
         raise invalid(f"The request body has a number too long to parse: {exc}", code="invalid_json") from None
 
@@ -454,19 +550,26 @@ def _check_values(data: dict) -> None:
     while stack:
         value, path = stack.pop()
         if len(path) >= MAX_JSON_DEPTH:
-            raise invalid(f"The request body is nested too deeply (at most {MAX_JSON_DEPTH} levels)",
-                          code="invalid_json")
+            raise invalid(
+                f"The request body is nested too deeply (at most {MAX_JSON_DEPTH} levels)", code="invalid_json"
+            )
         if isinstance(value, str):
             if not _encodes(value):
                 name = _param_name(path)
-                raise invalid(f"Invalid value for '{name}': the string is not valid Unicode "
-                              "(it holds a lone surrogate)", param=name, code="invalid_value")
+                raise invalid(
+                    f"Invalid value for '{name}': the string is not valid Unicode (it holds a lone surrogate)",
+                    param=name,
+                    code="invalid_value",
+                )
         elif isinstance(value, dict):
             for key, item in value.items():
                 if not _encodes(key):
                     name = _param_name(path)
-                    raise invalid(f"Invalid value for '{name or 'body'}': a key is not valid Unicode "
-                                  "(it holds a lone surrogate)", param=name, code="invalid_value")
+                    raise invalid(
+                        f"Invalid value for '{name or 'body'}': a key is not valid Unicode (it holds a lone surrogate)",
+                        param=name,
+                        code="invalid_value",
+                    )
                 if isinstance(item, (str, dict, list)):
                     stack.append((item, (*path, key)))
         # A list of numbers only (a token-id prompt) is skipped at C speed.
@@ -490,8 +593,7 @@ def _encodes(text: str) -> bool:
 def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
     for token_id in token_ids:
         if not 0 <= token_id < vocab_size:
-            raise invalid(f"'{param}' has token id {token_id}, outside the vocabulary [0, {vocab_size})",
-                          param=param)
+            raise invalid(f"'{param}' has token id {token_id}, outside the vocabulary [0, {vocab_size})", param=param)
 
 
 def _is_int(value: Any) -> bool:
@@ -535,8 +637,9 @@ def _reject_unsupported_messages(messages: Any) -> None:
         if isinstance(content, list):
             for j, part in enumerate(content):
                 if isinstance(part, dict) and part.get("type") not in (None, "text"):
-                    raise not_supported(f"messages[{i}].content[{j}].type",
-                                        f"content parts of type '{part.get('type')}' (only 'text')")
+                    raise not_supported(
+                        f"messages[{i}].content[{j}].type", f"content parts of type '{part.get('type')}' (only 'text')"
+                    )
 
 
 def _param_name(loc: tuple) -> str | None:
@@ -557,20 +660,36 @@ def _from_validation_error(exc: ValidationError) -> APIError:
     param = _param_name(error["loc"])
     kind = error["type"]
     if kind == "extra_forbidden":
-        return invalid(f"Unrecognized request argument supplied: {param}", param=param,
-                       code="unrecognized_argument")
+        return invalid(f"Unrecognized request argument supplied: {param}", param=param, code="unrecognized_argument")
     if kind == "missing":
         return invalid(f"Missing required parameter: '{param}'", param=param, code="missing_required_parameter")
     if kind in _JSON_TYPES:
         got = _JSON_TYPE_OF.get(type(error.get("input")), "another type")
-        return invalid(f"Invalid type for '{param}': expected {_JSON_TYPES[kind]}, but got {got} instead.",
-                       param=param, code="invalid_type")
+        return invalid(
+            f"Invalid type for '{param}': expected {_JSON_TYPES[kind]}, but got {got} instead.",
+            param=param,
+            code="invalid_type",
+        )
     return invalid(f"Invalid value for '{param}': {error['msg']}", param=param, code="invalid_value")
 
 
 # pydantic's error type -> OpenAI's wording of the JSON type expected and given.
-_JSON_TYPES = {"int_type": "an integer", "int_from_float": "an integer", "float_type": "a number",
-               "string_type": "a string", "bool_type": "a boolean", "list_type": "an array",
-               "dict_type": "an object", "model_type": "an object"}
-_JSON_TYPE_OF = {str: "a string", int: "an integer", float: "a number", bool: "a boolean", list: "an array",
-                 dict: "an object", type(None): "null"}
+_JSON_TYPES = {
+    "int_type": "an integer",
+    "int_from_float": "an integer",
+    "float_type": "a number",
+    "string_type": "a string",
+    "bool_type": "a boolean",
+    "list_type": "an array",
+    "dict_type": "an object",
+    "model_type": "an object",
+}
+_JSON_TYPE_OF = {
+    str: "a string",
+    int: "an integer",
+    float: "a number",
+    bool: "a boolean",
+    list: "an array",
+    dict: "an object",
+    type(None): "null",
+}

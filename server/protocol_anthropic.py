@@ -19,6 +19,7 @@ What it cannot honour (image and document blocks, server tools, a final assistan
 continue) is a 400 naming the field. cache_control marks are accepted and change nothing: the
 prefix cache reuses every prompt's prefix without being asked.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,19 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, Field, ValidationError
 
 from server.errors import APIError, invalid, not_supported
-from server.protocol import (_NAME, MAX_CACHE_SALT, MAX_STOP_LENGTH, MAX_STOP_STRINGS, MAX_TOOLS, MIN_TOP_P,
-                             ChatCompletionRequest, _check_values, _from_validation_error, _load_json, _Strict)
+from server.protocol import (
+    _NAME,
+    MAX_CACHE_SALT,
+    MAX_STOP_LENGTH,
+    MAX_STOP_STRINGS,
+    MAX_TOOLS,
+    MIN_TOP_P,
+    ChatCompletionRequest,
+    _check_values,
+    _from_validation_error,
+    _load_json,
+    _Strict,
+)
 
 
 class CacheControl(_Strict):
@@ -78,8 +90,13 @@ class RedactedThinkingBlock(_Strict):
     data: str
 
 
-_BLOCKS: dict[str, type[BaseModel]] = {"text": TextBlock, "tool_use": ToolUseBlock, "tool_result": ToolResultBlock,
-                                       "thinking": ThinkingBlock, "redacted_thinking": RedactedThinkingBlock}
+_BLOCKS: dict[str, type[BaseModel]] = {
+    "text": TextBlock,
+    "tool_use": ToolUseBlock,
+    "tool_result": ToolResultBlock,
+    "thinking": ThinkingBlock,
+    "redacted_thinking": RedactedThinkingBlock,
+}
 _READS_TEXT_ONLY = "this server's models read text only"
 
 
@@ -158,17 +175,21 @@ class MessagesInput(_Strict):
         choice = self.tool_choice
         if choice is not None:
             if choice.type == "tool" and choice.name is None:
-                raise invalid("'tool_choice.name' is required when 'tool_choice.type' is 'tool'",
-                              param="tool_choice.name")
+                raise invalid(
+                    "'tool_choice.name' is required when 'tool_choice.type' is 'tool'", param="tool_choice.name"
+                )
             body["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type) or {
-                "type": "function", "function": {"name": choice.name}}
+                "type": "function",
+                "function": {"name": choice.name},
+            }
             if choice.disable_parallel_tool_use:
                 body["parallel_tool_calls"] = False
         if self.thinking is not None and self.thinking.type in ("enabled", "disabled"):
             enabled = self.thinking.type == "enabled"
             if enabled and self.thinking.budget_tokens is None:
-                raise invalid("'thinking.budget_tokens' is required when thinking is enabled",
-                              param="thinking.budget_tokens")
+                raise invalid(
+                    "'thinking.budget_tokens' is required when thinking is enabled", param="thinking.budget_tokens"
+                )
             body["chat_template_kwargs"] = {"enable_thinking": enabled}
         try:
             return ChatCompletionRequest.model_validate(body)
@@ -205,14 +226,26 @@ class MessagesRequest(MessagesInput):
     def sampling_fields(self) -> dict[str, Any]:
         thinking = self.thinking
         if thinking is not None and thinking.budget_tokens is not None and thinking.budget_tokens >= self.max_tokens:
-            raise invalid(f"'thinking.budget_tokens' ({thinking.budget_tokens}) must be less than 'max_tokens' "
-                          f"({self.max_tokens})", param="thinking.budget_tokens")
-        fields: dict[str, Any] = {"max_tokens": self.max_tokens, "stream": bool(self.stream), "temperature": self.temperature,
-                  "top_p": self.top_p, "top_k": self.top_k, "stop": self.stop_sequences, "cache_salt": self.cache_salt,
-                  "user": self.metadata.user_id if self.metadata else None}
+            raise invalid(
+                f"'thinking.budget_tokens' ({thinking.budget_tokens}) must be less than 'max_tokens' "
+                f"({self.max_tokens})",
+                param="thinking.budget_tokens",
+            )
+        fields: dict[str, Any] = {
+            "max_tokens": self.max_tokens,
+            "stream": bool(self.stream),
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "stop": self.stop_sequences,
+            "cache_salt": self.cache_salt,
+            "user": self.metadata.user_id if self.metadata else None,
+        }
         if self.output_config is not None and self.output_config.format is not None:
-            fields["response_format"] = {"type": "json_schema", "json_schema": {
-                "name": "output", "schema": self.output_config.format.schema_}}
+            fields["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": "output", "schema": self.output_config.format.schema_},
+            }
         return {key: value for key, value in fields.items() if value is not None}
 
 
@@ -234,14 +267,21 @@ def chat_turns(message: InputMessage, param: str) -> list[dict[str, Any]]:
             parts.append(_part(block.text))
         elif isinstance(block, ToolUseBlock):
             if message.role != "assistant":
-                raise invalid(f"'{param}.content[{j}]': tool_use blocks belong to assistant turns",
-                              param=f"{param}.content[{j}]")
-            calls.append({"id": block.id, "type": "function",
-                          "function": {"name": block.name, "arguments": json.dumps(block.input, ensure_ascii=False)}})
+                raise invalid(
+                    f"'{param}.content[{j}]': tool_use blocks belong to assistant turns", param=f"{param}.content[{j}]"
+                )
+            calls.append(
+                {
+                    "id": block.id,
+                    "type": "function",
+                    "function": {"name": block.name, "arguments": json.dumps(block.input, ensure_ascii=False)},
+                }
+            )
         elif isinstance(block, ToolResultBlock):
             if message.role != "user":
-                raise invalid(f"'{param}.content[{j}]': tool_result blocks belong to user turns",
-                              param=f"{param}.content[{j}]")
+                raise invalid(
+                    f"'{param}.content[{j}]': tool_result blocks belong to user turns", param=f"{param}.content[{j}]"
+                )
             results.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": block.text()})
         # thinking and redacted_thinking: dropped (earlier turns' thinking, passed back)
     if message.role == "assistant":
@@ -258,8 +298,9 @@ def content_block(raw: dict[str, Any], param: str) -> BaseModel:
         for k, part in enumerate(raw["content"]):
             if isinstance(part, dict) and part.get("type") != "text":
                 kind_k = str(part.get("type"))[:40]
-                raise not_supported(f"{param}.content[{k}].type",
-                                    f"tool results of type {kind_k!r} ({_READS_TEXT_ONLY})")
+                raise not_supported(
+                    f"{param}.content[{k}].type", f"tool results of type {kind_k!r} ({_READS_TEXT_ONLY})"
+                )
     model_cls = _BLOCKS.get(kind) if isinstance(kind, str) else None
     if model_cls is None:
         raise not_supported(f"{param}.type", f"content blocks of type {str(kind)[:40]!r}")
@@ -269,8 +310,10 @@ def content_block(raw: dict[str, Any], param: str) -> BaseModel:
 def chat_tool(index: int, tool: dict[str, Any]) -> dict[str, Any]:
     param = f"tools[{index}]"
     if tool.get("type") not in (None, "custom"):
-        raise not_supported(f"{param}.type", f"server tools such as {str(tool.get('type'))[:40]!r} (only custom tools "
-                            "with an input_schema)")
+        raise not_supported(
+            f"{param}.type",
+            f"server tools such as {str(tool.get('type'))[:40]!r} (only custom tools with an input_schema)",
+        )
     definition = _validate(ToolDefinition, tool, param)
     function = {"name": definition.name, "parameters": definition.input_schema}
     if definition.description is not None:

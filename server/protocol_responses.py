@@ -14,6 +14,7 @@ sampling, structured output and tool calls are the chat endpoint's own:
 What it cannot honour (built-in tools, background mode, reasoning effort, `include`) is a 400
 naming the field.
 """
+
 from __future__ import annotations
 
 import copy
@@ -24,8 +25,15 @@ from typing import Any, Literal
 from pydantic import Field
 
 from server.errors import invalid, not_supported
-from server.protocol import (MAX_CACHE_SALT, MAX_TOOLS, ChatCompletionRequest, _from_validation_error, _load_json,
-                             _check_values, _Strict)
+from server.protocol import (
+    MAX_CACHE_SALT,
+    MAX_TOOLS,
+    ChatCompletionRequest,
+    _from_validation_error,
+    _load_json,
+    _check_values,
+    _Strict,
+)
 from pydantic import ValidationError
 
 MAX_INPUT_ITEMS = 1024
@@ -83,12 +91,18 @@ class ResponsesRequest(_Strict):
         `new` (this request's input as messages, `input_messages`)."""
         if self.reasoning:
             raise not_supported("reasoning", "reasoning effort (this server's models do not take it)")
-        messages = ([{"role": "system", "content": self.instructions}] if self.instructions else [])
+        messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
         messages += history + new
         body: dict[str, Any] = {"model": self.model, "messages": messages, "stream": bool(self.stream)}
-        for key, value in (("max_completion_tokens", self.max_output_tokens), ("temperature", self.temperature),
-                           ("top_p", self.top_p), ("parallel_tool_calls", self.parallel_tool_calls),
-                           ("user", self.user), ("metadata", self.metadata), ("cache_salt", self.cache_salt)):
+        for key, value in (
+            ("max_completion_tokens", self.max_output_tokens),
+            ("temperature", self.temperature),
+            ("top_p", self.top_p),
+            ("parallel_tool_calls", self.parallel_tool_calls),
+            ("user", self.user),
+            ("metadata", self.metadata),
+            ("cache_salt", self.cache_salt),
+        ):
             if value is not None:
                 body[key] = value
         if self.text is not None and self.text.format is not None and self.text.format.type != "text":
@@ -96,10 +110,16 @@ class ResponsesRequest(_Strict):
             if fmt.type == "json_object":
                 body["response_format"] = {"type": "json_object"}
             else:
-                schema = {"name": fmt.name or "response", "schema": fmt.schema_, "strict": fmt.strict,
-                          "description": fmt.description}
-                body["response_format"] = {"type": "json_schema",
-                                           "json_schema": {k: v for k, v in schema.items() if v is not None}}
+                schema = {
+                    "name": fmt.name or "response",
+                    "schema": fmt.schema_,
+                    "strict": fmt.strict,
+                    "description": fmt.description,
+                }
+                body["response_format"] = {
+                    "type": "json_schema",
+                    "json_schema": {k: v for k, v in schema.items() if v is not None},
+                }
         if self.tools:
             body["tools"] = [chat_tool(i, tool) for i, tool in enumerate(self.tools)]
         if self.tool_choice is not None:
@@ -127,8 +147,9 @@ def chat_tool(index: int, tool: dict[str, Any]) -> dict[str, Any]:
     try:
         function = FunctionTool.model_validate(tool)
     except ValidationError as exc:
-        raise invalid(f"Invalid value for 'tools[{index}]': {exc.errors(include_url=False)[0]['msg']}",
-                      param=f"tools[{index}]") from None
+        raise invalid(
+            f"Invalid value for 'tools[{index}]': {exc.errors(include_url=False)[0]['msg']}", param=f"tools[{index}]"
+        ) from None
     return {"type": "function", "function": function.model_dump(exclude={"type"}, exclude_none=True)}
 
 
@@ -137,8 +158,10 @@ def chat_tool_choice(choice: Any) -> Any:
         return choice
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
-    raise invalid("'tool_choice' must be 'auto', 'none', 'required' or {\"type\": \"function\", \"name\": ...}",
-                  param="tool_choice")
+    raise invalid(
+        "'tool_choice' must be 'auto', 'none', 'required' or {\"type\": \"function\", \"name\": ...}",
+        param="tool_choice",
+    )
 
 
 def input_messages(items: Any) -> list[dict[str, Any]]:
@@ -162,8 +185,11 @@ def input_messages(items: Any) -> list[dict[str, Any]]:
                 raise invalid(f"'{param}.role' must be one of {', '.join(_ROLES)}", param=f"{param}.role")
             messages.append({"role": role, "content": _text_of(item.get("content"), param)})
         elif kind == "function_call":
-            call = {"id": _string(item, "call_id", param), "type": "function",
-                    "function": {"name": _string(item, "name", param), "arguments": _string(item, "arguments", param)}}
+            call = {
+                "id": _string(item, "call_id", param),
+                "type": "function",
+                "function": {"name": _string(item, "name", param), "arguments": _string(item, "arguments", param)},
+            }
             if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls"):
                 messages[-1]["tool_calls"].append(call)
             else:
@@ -223,7 +249,10 @@ class ResponseStore:
         with self._lock:
             conversation = self._items.get(response_id)
         if conversation is None:
-            raise invalid(f"Previous response with id '{response_id[:128]}' not found (this server keeps the last "
-                          f"{self.capacity} stored responses, in memory)", param="previous_response_id",
-                          code="previous_response_not_found")
+            raise invalid(
+                f"Previous response with id '{response_id[:128]}' not found (this server keeps the last "
+                f"{self.capacity} stored responses, in memory)",
+                param="previous_response_id",
+                code="previous_response_not_found",
+            )
         return copy.deepcopy(conversation)

@@ -11,6 +11,7 @@ differences between successive splits: whatever the chunk boundaries, streamed p
 the whole response's fields. A tag cut by a chunk boundary is held back until it is whole. An
 output that never closes its thinking is all reasoning (there is no answer yet).
 """
+
 from __future__ import annotations
 
 OPEN, CLOSE = "<think>", "</think>"
@@ -23,7 +24,7 @@ def parser_for_template(chat_template: str | None) -> str | None:
     template = chat_template or ""
     if "<think>" not in template and "enable_thinking" not in template:
         return None
-    tail = template[template.rfind("add_generation_prompt"):] if "add_generation_prompt" in template else ""
+    tail = template[template.rfind("add_generation_prompt") :] if "add_generation_prompt" in template else ""
     return "deepseek_r1" if "<think>" in tail and "enable_thinking" not in template else "qwen3"
 
 
@@ -42,12 +43,12 @@ def split(parser: str, text: str, final: bool) -> tuple[str, str]:
     if not final and OPEN.startswith(stripped):
         return "", ""  # maybe the opening tag, not yet whole
     if stripped.startswith(OPEN):
-        body = stripped[len(OPEN):]
+        body = stripped[len(OPEN) :]
     elif parser == "qwen3":
         return "", text  # qwen3 without <think>: an answer only
     end = body.find(CLOSE)
     if end >= 0:
-        return body[:end], body[end + len(CLOSE):]
+        return body[:end], body[end + len(CLOSE) :]
     keep = 0 if final else _held_back(body, CLOSE)
     return body[: len(body) - keep], ""
 
@@ -61,6 +62,6 @@ class ReasoningStream:
 
     def feed(self, text: str, final: bool) -> tuple[str, str]:
         reasoning, content = split(self.parser, text, final)
-        delta = (reasoning[len(self.reasoning):], content[len(self.content):])
+        delta = (reasoning[len(self.reasoning) :], content[len(self.content) :])
         self.reasoning, self.content = reasoning, content
         return delta

@@ -1,5 +1,6 @@
 """The tail every endpoint shares: hand the choices to the engine, then stream
 them as SSE or wait for them (aborting if the client leaves) and answer in JSON."""
+
 from __future__ import annotations
 
 import logging
@@ -12,8 +13,14 @@ from fastapi.responses import JSONResponse, Response
 from engine.request import RequestOutput
 from server.errors import APIError, error_body
 from server.serving_common import Choice, ServerState, log_request, stream_choices, timing_headers
-from server.streaming import (SSE_DONE, ClientDisconnected, disconnected_response, run_unless_disconnected,
-                              sse_event, sse_response)
+from server.streaming import (
+    SSE_DONE,
+    ClientDisconnected,
+    disconnected_response,
+    run_unless_disconnected,
+    sse_event,
+    sse_response,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -36,14 +43,27 @@ def openai_error_event(exc: Exception) -> str:
     return sse_event(error_body(500, str(exc), code="engine_error"))
 
 
-async def respond(request: Request, state: ServerState, choices: list[Choice], view: View, arrival: float,
-                  request_id: str, user: str | None, stream: bool) -> Response:
+async def respond(
+    request: Request,
+    state: ServerState,
+    choices: list[Choice],
+    view: View,
+    arrival: float,
+    request_id: str,
+    user: str | None,
+    stream: bool,
+) -> Response:
     log_request(request_id, choices, user, stream)
     events = stream_choices(state, choices, arrival)
     await anext(events)  # admitted and accepted by the engine, or an APIError (429, 400)
     if stream:
-        body = _guarded(view.chunks(events), events, request_id, getattr(view, "error_event", openai_error_event),
-                        getattr(view, "end_event", SSE_DONE))
+        body = _guarded(
+            view.chunks(events),
+            events,
+            request_id,
+            getattr(view, "error_event", openai_error_event),
+            getattr(view, "end_event", SSE_DONE),
+        )
         return sse_response(body, headers={"X-Request-Id": request_id})
     try:
         await run_unless_disconnected(request, _drain(events))
@@ -51,8 +71,9 @@ async def respond(request: Request, state: ServerState, choices: list[Choice], v
         return disconnected_response()
     failed = next((c.final_output for c in choices if c.final_output.finish_reason not in _SUCCESS), None)
     if failed is not None:
-        raise APIError(500, f"The request failed in the engine: {failed.error or failed.finish_reason}",
-                       code="engine_error")
+        raise APIError(
+            500, f"The request failed in the engine: {failed.error or failed.finish_reason}", code="engine_error"
+        )
     result = view.response(choices)
     headers = {"X-Request-Id": request_id, **timing_headers(result["usage"]["timings"])}
     return JSONResponse(result, headers=headers)
@@ -69,9 +90,13 @@ async def _drain(events: AsyncIterator) -> None:
         pass
 
 
-async def _guarded(chunks: AsyncIterator[str], events: AsyncGenerator[Any, None], request_id: str,
-                   error_event: Callable[[Exception], str], end_event: str
-                   ) -> AsyncIterator[str]:
+async def _guarded(
+    chunks: AsyncIterator[str],
+    events: AsyncGenerator[Any, None],
+    request_id: str,
+    error_event: Callable[[Exception], str],
+    end_event: str,
+) -> AsyncIterator[str]:
     try:
         async for chunk in chunks:
             yield chunk

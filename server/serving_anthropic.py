@@ -15,6 +15,7 @@ prefix cache did not serve, `cache_read_input_tokens` those it did, as Anthropic
 their sum is what count_tokens returns. Errors on these routes are in Anthropic's shape
 (server/errors.py).
 """
+
 from __future__ import annotations
 
 import json
@@ -38,9 +39,14 @@ from server.tool_parsers import ToolCallStream
 
 _PARSE_OFF_LOOP_BYTES = 64 * 1024  # coding agents send their whole conversation each turn
 # The chat fields errors name -> this API's.
-_PARAMS = {"stop": "stop_sequences", "user": "metadata.user_id", "max_completion_tokens": "max_tokens",
-           "chat_template_kwargs.enable_thinking": "thinking", "response_format": "output_config.format",
-           "response_format.json_schema": "output_config.format"}
+_PARAMS = {
+    "stop": "stop_sequences",
+    "user": "metadata.user_id",
+    "max_completion_tokens": "max_tokens",
+    "chat_template_kwargs.enable_thinking": "thinking",
+    "response_format": "output_config.format",
+    "response_format.json_schema": "output_config.format",
+}
 
 
 M = TypeVar("M", bound=MessagesInput)
@@ -102,8 +108,9 @@ class _MessagesView:
 
     end_event = ""  # Anthropic's stream ends with message_stop: no [DONE]
 
-    def __init__(self, request_id: str, model: str, body: MessagesRequest, tools: ToolPlan | None,
-                 reasoning: str | None):
+    def __init__(
+        self, request_id: str, model: str, body: MessagesRequest, tools: ToolPlan | None, reasoning: str | None
+    ):
         self.id = request_id.replace("msg-", "msg_", 1)
         self.model, self.body, self.tools, self.reasoning = model, body, tools, reasoning
 
@@ -161,8 +168,11 @@ class _MessagesView:
             yield event
         if choice is not None:
             stop_reason, stop_sequence = self._stop(choice.final, bool(calls and calls.ids))
-            yield _sse("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                       usage=self._usage(choice))
+            yield _sse(
+                "message_delta",
+                delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                usage=self._usage(choice),
+            )
         yield _sse("message_stop")
 
     @staticmethod
@@ -172,8 +182,15 @@ class _MessagesView:
 
     # ---------------------------------------------------------------- pieces
     def _message(self, content: list[dict], stop_reason: str | None, stop_sequence: str | None) -> dict[str, Any]:
-        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
-                "stop_reason": stop_reason, "stop_sequence": stop_sequence}
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": content,
+            "stop_reason": stop_reason,
+            "stop_sequence": stop_sequence,
+        }
 
     def _stop(self, final: RequestOutput, called: bool) -> tuple[str, str | None]:
         """Anthropic's stop_reason (and the stop sequence met) for a finished choice."""
@@ -189,9 +206,12 @@ class _MessagesView:
     def _usage(choice: Choice, num_cached: int | None = None, num_output_tokens: int | None = None) -> dict[str, Any]:
         counts = usage([choice], 1) if choice.final is not None else None
         cached = counts["prompt_tokens_details"]["cached_tokens"] if counts else (num_cached or 0)
-        result = {"input_tokens": len(choice.prompt_token_ids) - cached,
-                  "output_tokens": len(choice.token_ids) if num_output_tokens is None else num_output_tokens,
-                  "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
+        result = {
+            "input_tokens": len(choice.prompt_token_ids) - cached,
+            "output_tokens": len(choice.token_ids) if num_output_tokens is None else num_output_tokens,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached,
+        }
         if counts is not None:
             result["timings"] = counts["timings"]  # ours, as in chat usage (the X-Timing headers read it)
         return result

@@ -4,6 +4,7 @@ With tools, the reply's text is read by the tool-call parser (server/tool_parser
 calls become `message.tool_calls` (streamed as `delta.tool_calls`, the name first and
 the arguments in pieces) and the rest stays content.
 """
+
 from __future__ import annotations
 
 import time
@@ -20,8 +21,16 @@ from server.protocol import ChatCompletionRequest
 from server.reasoning import ReasoningStream
 from server.reasoning import split as split_reasoning
 from server.respond import check_succeeded, respond
-from server.serving_common import (Choice, check_context, default_max_tokens, make_choices, new_request_id,
-                                   parse_request, sampling_params, usage)
+from server.serving_common import (
+    Choice,
+    check_context,
+    default_max_tokens,
+    make_choices,
+    new_request_id,
+    parse_request,
+    sampling_params,
+    usage,
+)
 from server.serving_logprobs import LogprobFormatter
 from server.streaming import sse_event
 from server.tool_parsers import ToolCallStream
@@ -30,17 +39,29 @@ if TYPE_CHECKING:
     from server.serving_common import ServerState
 
 
-def encode_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
-                tools: list[dict] | None = None, max_chars: int = 0, max_model_len: int = 0,
-                template_kwargs: dict[str, Any] | None = None) -> list[int]:
+def encode_chat(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    *,
+    tools: list[dict] | None = None,
+    max_chars: int = 0,
+    max_model_len: int = 0,
+    template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
     """Messages -> prompt token ids through the model's own chat template; a rendered text over
     `max_chars` characters (when given) is refused before it is tokenized. CPU work: call it
     through ServerState.off_loop."""
     if not getattr(tokenizer, "chat_template", None):
         raise invalid("This model has no chat template; use /v1/completions with a plain prompt.", param="messages")
     try:
-        text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                             tokenize=False, **(template_kwargs or {}))
+        text = tokenizer.apply_chat_template(
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            **(template_kwargs or {}),
+        )
     except Exception as exc:  # noqa: BLE001 - a template may raise anything (e.g. "roles must alternate")
         raise invalid(f"The chat template rejected these messages: {exc}", param="messages") from None
     check_prompt_chars(text, max_chars, max_model_len, "messages")
@@ -55,15 +76,28 @@ async def create_chat_completion(request: Request) -> Response:
     assert logprobs is not None  # attach()ed, as the engine is
 
     def view(request_id: str, tools: ToolPlan | None) -> _ChatView:
-        return _ChatView(request_id, int(time.time()), state.response_model(body.model), logprobs, body, tools,
-                         state.reasoning_parser)
+        return _ChatView(
+            request_id,
+            int(time.time()),
+            state.response_model(body.model),
+            logprobs,
+            body,
+            tools,
+            state.reasoning_parser,
+        )
 
     return await serve_chat(request, state, engine, body, arrival, "chatcmpl", view)
 
 
-async def serve_chat(request: Request, state: ServerState, engine: Any, body: ChatCompletionRequest, arrival: float,
-                     id_prefix: str,
-                     make_view: Callable[[str, ToolPlan | None], Any]) -> Response:
+async def serve_chat(
+    request: Request,
+    state: ServerState,
+    engine: Any,
+    body: ChatCompletionRequest,
+    arrival: float,
+    id_prefix: str,
+    make_view: Callable[[str, ToolPlan | None], Any],
+) -> Response:
     """A validated chat request through the template, the grammar and the engine, rendered by
     make_view(request id, tool plan): the chat endpoint's view, or the Responses API's."""
     assert state.limits is not None  # attach()ed, as the engine is
@@ -91,29 +125,50 @@ async def serve_chat(request: Request, state: ServerState, engine: Any, body: Ch
         check_context(state, len(prompt_ids), max_tokens, "messages", param)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     keep_special = tools is not None and tools.parser.needs_special_tokens  # the parser reads its markers
-    params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, structured=structured,
-                             prompt_logprobs=body.prompt_logprobs,
-                             skip_special_tokens=not keep_special, lora_name=state.lora_name(body.model))
+    params = sampling_params(
+        body,
+        max_tokens=max_tokens,
+        logprobs=logprobs,
+        structured=structured,
+        prompt_logprobs=body.prompt_logprobs,
+        skip_special_tokens=not keep_special,
+        lora_name=state.lora_name(body.model),
+    )
     request_id = new_request_id(id_prefix)
     choices = make_choices(request_id, [prompt_ids], params)
-    return await respond(request, state, choices, make_view(request_id, tools), arrival, request_id, body.user,
-                         bool(body.stream))
+    return await respond(
+        request, state, choices, make_view(request_id, tools), arrival, request_id, body.user, bool(body.stream)
+    )
 
 
 async def chat_prompt_ids(state: ServerState, engine: Any, body: ChatCompletionRequest) -> list[int]:
     """The prompt a chat request renders to: its messages and tools through the template."""
     assert state.limits is not None  # attach()ed, as the engine is
     messages, tool_defs = chat_messages(body, engine.tokenizer)
-    return await state.off_loop(encode_chat, engine.tokenizer, messages, tools=tool_defs,
-                                max_chars=state.max_prompt_chars, max_model_len=state.limits.max_model_len,
-                                template_kwargs=body.template_kwargs())
+    return await state.off_loop(
+        encode_chat,
+        engine.tokenizer,
+        messages,
+        tools=tool_defs,
+        max_chars=state.max_prompt_chars,
+        max_model_len=state.limits.max_model_len,
+        template_kwargs=body.template_kwargs(),
+    )
 
 
 class _ChatView:
     """Renders choices as OpenAI chat.completion objects and chat.completion.chunk deltas."""
 
-    def __init__(self, request_id: str, created: int, model: str, logprobs: LogprobFormatter,
-                 body: ChatCompletionRequest, tools: ToolPlan | None = None, reasoning: str | None = None):
+    def __init__(
+        self,
+        request_id: str,
+        created: int,
+        model: str,
+        logprobs: LogprobFormatter,
+        body: ChatCompletionRequest,
+        tools: ToolPlan | None = None,
+        reasoning: str | None = None,
+    ):
         self.request_id, self.created, self.model = request_id, created, model
         self.logprobs, self.body, self.tools = logprobs, body, tools
         self.reasoning = reasoning  # server/reasoning.py's parser, or None: all text is content
@@ -128,8 +183,14 @@ class _ChatView:
         return self._tool_streams[index]
 
     def _envelope(self, obj: str, choices: list[dict], **extra: Any) -> dict[str, Any]:
-        return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
-                "choices": choices, **extra}
+        return {
+            "id": self.request_id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            **extra,
+        }
 
     def response(self, choices: list[Choice]) -> dict[str, Any]:
         rendered = []
@@ -145,18 +206,28 @@ class _ChatView:
                     finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
             if self.reasoning:
                 message["reasoning_content"] = thought or None
-            choice = {"index": c.index, "message": message, "logprobs": self._logprobs(c.logprobs),
-                      "finish_reason": finish_reason}
+            choice = {
+                "index": c.index,
+                "message": message,
+                "logprobs": self._logprobs(c.logprobs),
+                "finish_reason": finish_reason,
+            }
             if self.body.prompt_logprobs is not None:  # vLLM's extension, in vLLM's shape
                 choice["prompt_logprobs"] = self.logprobs.prompt(c.prompt_logprobs or [])
             rendered.append(choice)
         return self._envelope("chat.completion", rendered, usage=usage(choices, self.body.num_choices))
 
-    def _chunk(self, index: int, delta: dict, finish_reason: str | None = None,
-               logprobs: dict[str, list] | None = None) -> str:
+    def _chunk(
+        self, index: int, delta: dict, finish_reason: str | None = None, logprobs: dict[str, list] | None = None
+    ) -> str:
         extra = {"usage": None} if self.body.include_usage else {}
-        return sse_event(self._envelope("chat.completion.chunk", [
-            {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}], **extra))
+        return sse_event(
+            self._envelope(
+                "chat.completion.chunk",
+                [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
+                **extra,
+            )
+        )
 
     async def chunks(self, events: AsyncIterator) -> AsyncIterator[str]:
         choices: dict[int, Choice] = {}
@@ -191,8 +262,7 @@ class _ChatView:
                 yield self._chunk(choice.index, {}, finish_reason=finish_reason)
         if self.body.include_usage:
             ordered = [choices[i] for i in sorted(choices)]
-            yield sse_event(self._envelope("chat.completion.chunk", [],
-                                           usage=usage(ordered, self.body.num_choices)))
+            yield sse_event(self._envelope("chat.completion.chunk", [], usage=usage(ordered, self.body.num_choices)))
 
     def _logprobs(self, logprobs: list[TokenLogprob]) -> dict[str, list] | None:
         if not self.body.logprobs or not logprobs:

@@ -11,6 +11,7 @@ each prompt, with ids `<http id>-<index>` and choice index
 Leaving `stream_choices` early (client gone, error, cancel) aborts every
 engine request that has not finished, so its KV blocks go back to the pool.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -90,8 +91,7 @@ class ServerState:
             logger.info("reasoning is returned apart, read with the %s parser", self.reasoning_parser)
         config = getattr(engine, "config", None)
         self.lora_names = tuple(name for name, _ in getattr(config, "lora_modules", ()))
-        self.metrics.watch_engine(engine.stats, self.served_model_name,
-                                  getattr(config, "enable_prefix_caching", True))
+        self.metrics.watch_engine(engine.stats, self.served_model_name, getattr(config, "enable_prefix_caching", True))
         self.engine = engine
 
     async def off_loop(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -108,13 +108,18 @@ class ServerState:
 
     def require_engine(self) -> Any:
         if self.engine is None:
-            raise APIError(503, "The model is still loading; retry shortly.", code="model_loading",
-                           headers={"Retry-After": "5"})
+            raise APIError(
+                503, "The model is still loading; retry shortly.", code="model_loading", headers={"Retry-After": "5"}
+            )
         return self.engine
 
     def check_model(self, model: str | None) -> None:
-        if (model is not None and model != self.served_model_name and model not in self.model_aliases
-                and model not in self.lora_names):
+        if (
+            model is not None
+            and model != self.served_model_name
+            and model not in self.model_aliases
+            and model not in self.lora_names
+        ):
             raise model_not_found(model, self.served_model_name)
 
     def lora_name(self, model: str | None) -> str | None:
@@ -135,12 +140,19 @@ class ServerState:
         limit = self.limits.max_in_flight
         if limit is not None:
             if num_requests > limit:
-                raise invalid(f"this request needs {num_requests} sequences (prompts x n) but the server "
-                              f"holds at most {limit} at once", param="n")
+                raise invalid(
+                    f"this request needs {num_requests} sequences (prompts x n) but the server "
+                    f"holds at most {limit} at once",
+                    param="n",
+                )
             if self.num_in_flight + num_requests > limit:
                 self.metrics.requests_rejected.labels(reason="queue_full").inc()
-                raise APIError(429, f"The server is at capacity ({self.num_in_flight} requests in flight); "
-                               "retry shortly.", code="queue_full", headers={"Retry-After": "1"})
+                raise APIError(
+                    429,
+                    f"The server is at capacity ({self.num_in_flight} requests in flight); retry shortly.",
+                    code="queue_full",
+                    headers={"Retry-After": "1"},
+                )
         if self.shutting_down:
             raise _shutdown_error()
         self.num_in_flight += num_requests
@@ -189,24 +201,43 @@ def new_request_id(prefix: str) -> str:
 def make_choices(request_id: str, prompts: list[list[int]], params: list[SamplingParams]) -> list[Choice]:
     """n = len(params) samples per prompt."""
     n = len(params)
-    return [Choice(index=p * n + i, request_id=f"{request_id}-{p * n + i}", prompt_token_ids=ids, params=params[i])
-            for p, ids in enumerate(prompts) for i in range(n)]
+    return [
+        Choice(index=p * n + i, request_id=f"{request_id}-{p * n + i}", prompt_token_ids=ids, params=params[i])
+        for p, ids in enumerate(prompts)
+        for i in range(n)
+    ]
 
 
 def log_request(request_id: str, choices: list[Choice], user: str | None, stream: bool) -> None:
     """One line per request; OpenAI's `user` is there for tracing abuse, so it goes in the log."""
-    logger.info("%s: %d choice(s), %d prompt tokens, max_tokens %d, stream %s, user %r", request_id, len(choices),
-                len(choices[0].prompt_token_ids), choices[0].params.max_tokens, stream, user)
+    logger.info(
+        "%s: %d choice(s), %d prompt tokens, max_tokens %d, stream %s, user %r",
+        request_id,
+        len(choices),
+        len(choices[0].prompt_token_ids),
+        choices[0].params.max_tokens,
+        stream,
+        user,
+    )
 
 
-def sampling_params(body: Any, *, max_tokens: int, logprobs: int | None, structured: StructuredOutput | None = None,
-                    skip_special_tokens: bool = True, prompt_logprobs: int | None = None,
-                    lora_name: str | None = None) -> list[SamplingParams]:
+def sampling_params(
+    body: Any,
+    *,
+    max_tokens: int,
+    logprobs: int | None,
+    structured: StructuredOutput | None = None,
+    skip_special_tokens: bool = True,
+    prompt_logprobs: int | None = None,
+    lora_name: str | None = None,
+) -> list[SamplingParams]:
     """One SamplingParams per sample (n of them): a seeded request seeds sample i with seed + i,
     so the n samples differ and the whole response is still reproducible."""
     if body.min_tokens is not None and body.min_tokens > max_tokens:
-        raise invalid(f"'min_tokens' ({body.min_tokens}) must not exceed the maximum number of tokens "
-                      f"({max_tokens})", param="min_tokens")
+        raise invalid(
+            f"'min_tokens' ({body.min_tokens}) must not exceed the maximum number of tokens ({max_tokens})",
+            param="min_tokens",
+        )
     common = dict(
         max_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
@@ -237,8 +268,9 @@ def sampling_params(body: Any, *, max_tokens: int, logprobs: int | None, structu
         raise invalid(str(exc)) from None
 
 
-def check_context(state: ServerState, num_prompt_tokens: int, max_tokens: int, param: str,
-                  max_tokens_param: str = "max_tokens") -> None:
+def check_context(
+    state: ServerState, num_prompt_tokens: int, max_tokens: int, param: str, max_tokens_param: str = "max_tokens"
+) -> None:
     """400 for a request longer than the context or than the whole KV cache (the engine's
     limits), before the engine sees it: the one check of the server."""
     limits = state.limits
@@ -246,20 +278,27 @@ def check_context(state: ServerState, num_prompt_tokens: int, max_tokens: int, p
     total = num_prompt_tokens + max_tokens
     longest = limits.max_request_tokens - 1  # with a one-token prompt
     if max_tokens > longest:
-        raise invalid(f"{max_tokens_param} is too large: {max_tokens}. This model supports at most {longest} "
-                      "completion tokens.", param=max_tokens_param, code="invalid_value")
+        raise invalid(
+            f"{max_tokens_param} is too large: {max_tokens}. This model supports at most {longest} completion tokens.",
+            param=max_tokens_param,
+            code="invalid_value",
+        )
     if total > limits.max_model_len:
         raise invalid(
             f"This model's maximum context length is {limits.max_model_len} tokens. However, you requested "
             f"{total} tokens ({num_prompt_tokens} in the {param}, {max_tokens} in the completion). "
             f"Please reduce the length of the {param} or completion.",
-            param=param, code="context_length_exceeded")
+            param=param,
+            code="context_length_exceeded",
+        )
     if total > limits.num_kv_cache_tokens:
         raise invalid(
             f"This request needs {total} tokens of KV cache ({num_prompt_tokens} in the {param}, {max_tokens} "
             f"in the completion) but the server's whole cache holds {limits.num_kv_cache_tokens}. "
             f"Please reduce the length of the {param} or completion.",
-            param=param, code="context_length_exceeded")
+            param=param,
+            code="context_length_exceeded",
+        )
 
 
 def default_max_tokens(state: ServerState, num_prompt_tokens: int, param: str) -> int:
@@ -298,8 +337,9 @@ async def parse_request(request: Request, model_cls: type[M]) -> tuple[ServerSta
     return state, engine, body
 
 
-async def stream_choices(state: ServerState, choices: list[Choice],
-                         arrival: float) -> AsyncGenerator[tuple[Choice, RequestOutput] | None, None]:
+async def stream_choices(
+    state: ServerState, choices: list[Choice], arrival: float
+) -> AsyncGenerator[tuple[Choice, RequestOutput] | None, None]:
     """Run every choice on the engine; yield (choice, output) as outputs arrive.
 
     The first item is None and marks "accepted": by then admission is taken (429
@@ -374,15 +414,20 @@ async def stream_choices(state: ServerState, choices: list[Choice],
 
 
 def _shutdown_error() -> APIError:
-    return APIError(503, "The server is shutting down and this request did not finish within its shutdown "
-                    "timeout; retry on another instance.", code="server_shutting_down")
+    return APIError(
+        503,
+        "The server is shutting down and this request did not finish within its shutdown "
+        "timeout; retry on another instance.",
+        code="server_shutting_down",
+    )
 
 
 def _engine_error(exc: Exception) -> Exception:
     """The engine refuses before any output with ValueError (never fits) or QueueFullError."""
     if isinstance(exc, QueueFullError):
-        return APIError(429, f"The server's queue is full ({exc}); retry shortly.", code="queue_full",
-                        headers={"Retry-After": "1"})
+        return APIError(
+            429, f"The server's queue is full ({exc}); retry shortly.", code="queue_full", headers={"Retry-After": "1"}
+        )
     if isinstance(exc, LoRANotFoundError):  # unloaded after the request was checked
         return APIError(404, str(exc), param="model", code="model_not_found")
     if isinstance(exc, ValueError):
@@ -393,7 +438,7 @@ def _engine_error(exc: Exception) -> Exception:
 def usage(choices: list[Choice], n: int) -> dict[str, Any]:
     """OpenAI usage: each prompt counted once (not n times), plus where the time went."""
     finals = [c.final for c in choices if c.final is not None]
-    per_prompt = [choices[i:i + n] for i in range(0, len(choices), n)]
+    per_prompt = [choices[i : i + n] for i in range(0, len(choices), n)]
     prompt_tokens = sum(len(group[0].prompt_token_ids) for group in per_prompt)
     # The prompt tokens every sample of a prompt got from the prefix cache.
     cached = sum(min((c.final.num_cached_tokens if c.final else 0) for c in group) for group in per_prompt)
@@ -409,11 +454,15 @@ def usage(choices: list[Choice], n: int) -> dict[str, Any]:
 
 def timings_ms(finals: list[RequestOutput]) -> dict[str, float]:
     """Queue, prefill and decode milliseconds; with several choices, the slowest of each."""
+
     def slowest(attr: str) -> float:
         return round(1000 * max((getattr(f, attr) for f in finals), default=0.0), 3)
 
-    return {"queue_ms": slowest("queue_time"), "prefill_ms": slowest("prefill_time"),
-            "decode_ms": slowest("decode_time")}
+    return {
+        "queue_ms": slowest("queue_time"),
+        "prefill_ms": slowest("prefill_time"),
+        "decode_ms": slowest("decode_time"),
+    }
 
 
 def timing_headers(timings: dict[str, float]) -> dict[str, str]:

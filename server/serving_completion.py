@@ -1,4 +1,5 @@
 """POST /v1/completions: prompts in, text completions out (whole, or streamed as SSE)."""
+
 from __future__ import annotations
 
 import time
@@ -13,8 +14,15 @@ from server.cpu_work import check_prompt_chars
 from server.guided import compile_or_400, structured_output
 from server.protocol import CompletionRequest
 from server.respond import check_succeeded, respond
-from server.serving_common import (Choice, check_context, make_choices, new_request_id, parse_request,
-                                   sampling_params, usage)
+from server.serving_common import (
+    Choice,
+    check_context,
+    make_choices,
+    new_request_id,
+    parse_request,
+    sampling_params,
+    usage,
+)
 from server.serving_logprobs import LogprobFormatter
 from server.streaming import sse_event
 
@@ -46,8 +54,14 @@ async def create_completion(request: Request) -> Response:
     prompt_logprobs = body.prompt_logprobs
     if body.echo and body.logprobs is not None:
         prompt_logprobs = max(body.logprobs, prompt_logprobs or 0)
-    params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs, structured=structured,
-                             prompt_logprobs=prompt_logprobs, lora_name=state.lora_name(body.model))
+    params = sampling_params(
+        body,
+        max_tokens=max_tokens,
+        logprobs=body.logprobs,
+        structured=structured,
+        prompt_logprobs=prompt_logprobs,
+        lora_name=state.lora_name(body.model),
+    )
     request_id = new_request_id("cmpl")
     choices = make_choices(request_id, prompt_ids, params)
     echo = None
@@ -61,8 +75,15 @@ async def create_completion(request: Request) -> Response:
 class _CompletionView:
     """Renders choices as OpenAI completion objects and chunks."""
 
-    def __init__(self, request_id: str, created: int, model: str, logprobs: LogprobFormatter,
-                 body: CompletionRequest, echo: list[str] | None):
+    def __init__(
+        self,
+        request_id: str,
+        created: int,
+        model: str,
+        logprobs: LogprobFormatter,
+        body: CompletionRequest,
+        echo: list[str] | None,
+    ):
         self.request_id, self.created, self.model = request_id, created, model
         self.logprobs, self.body, self.echo = logprobs, body, echo
         self.n = body.num_choices
@@ -70,8 +91,14 @@ class _CompletionView:
         self.text_offsets: dict[int, int] = {}  # choice index -> characters sent so far
 
     def _envelope(self, choices: list[dict], **extra: Any) -> dict[str, Any]:
-        return {"id": self.request_id, "object": "text_completion", "created": self.created,
-                "model": self.model, "choices": choices, **extra}
+        return {
+            "id": self.request_id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            **extra,
+        }
 
     def _prefix(self, choice: Choice) -> str:
         return self.echo[choice.index // self.n] if self.echo else ""
@@ -94,9 +121,12 @@ class _CompletionView:
         rendered = []
         for c in choices:
             prefix = self._prefix(c)
-            choice = {"index": c.index, "text": prefix + c.text,
-                      "logprobs": self._logprobs(c, c.logprobs, len(prefix), True),
-                      "finish_reason": c.final_output.finish_reason}
+            choice = {
+                "index": c.index,
+                "text": prefix + c.text,
+                "logprobs": self._logprobs(c, c.logprobs, len(prefix), True),
+                "finish_reason": c.final_output.finish_reason,
+            }
             if self.body.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = self.logprobs.prompt(c.prompt_logprobs or [])
             rendered.append(choice)
@@ -116,8 +146,19 @@ class _CompletionView:
             logprobs = self._logprobs(choice, output.logprobs or [], self.text_offsets[choice.index], first)
             self.text_offsets[choice.index] += len(text)
             if text or output.finished or logprobs:
-                yield sse_event(self._envelope([{"index": choice.index, "text": text, "logprobs": logprobs,
-                                                 "finish_reason": output.finish_reason}], **extra))
+                yield sse_event(
+                    self._envelope(
+                        [
+                            {
+                                "index": choice.index,
+                                "text": text,
+                                "logprobs": logprobs,
+                                "finish_reason": output.finish_reason,
+                            }
+                        ],
+                        **extra,
+                    )
+                )
         if self.body.include_usage:
             ordered = [choices[i] for i in sorted(choices)]
             if self.echo_only:

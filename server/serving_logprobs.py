@@ -6,6 +6,7 @@ A byte-level BPE token can hold part of a UTF-8 character: decoded alone it is
 GPT-2 byte-to-unicode mapping for byte-level BPE, <0xNN> for SentencePiece byte
 fallback, else the UTF-8 of the decoded text.
 """
+
 from __future__ import annotations
 
 import builtins
@@ -61,8 +62,12 @@ class LogprobFormatter:
                 return bytes(self._unicode_to_byte[ch] for ch in piece)
         return self.text(token_id).encode("utf-8")
 
-    def completion(self, logprobs: list[TokenLogprob], offset: int,
-                   prompt: tuple[list[int], list[TokenLogprob | None]] | None = None) -> dict[str, list]:
+    def completion(
+        self,
+        logprobs: list[TokenLogprob],
+        offset: int,
+        prompt: tuple[list[int], list[TokenLogprob | None]] | None = None,
+    ) -> dict[str, list]:
         """Legacy completions format; top_logprobs holds the top k and the sampled token (up to k + 1).
         With echo, `prompt` (its token ids and prompt logprobs) comes first: the first prompt token
         has null for its logprob and its top_logprobs, as OpenAI gives it."""
@@ -94,15 +99,21 @@ class LogprobFormatter:
 
     def chat(self, logprobs: list[TokenLogprob], num_top: int) -> dict[str, list]:
         """Chat format: every sampled token with its bytes and exactly `num_top` alternatives."""
+
         def entry(token_id: int, logprob: float) -> dict[str, Any]:
             return {"token": self.text(token_id), "logprob": logprob, "bytes": list(self.bytes(token_id))}
 
-        return {"content": [{**entry(lp.token_id, lp.logprob),
-                             "top_logprobs": [entry(t, v) for t, v in lp.top[:num_top]]} for lp in logprobs]}
+        return {
+            "content": [
+                {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top[:num_top]]}
+                for lp in logprobs
+            ]
+        }
 
     def prompt(self, logprobs: list[TokenLogprob | None]) -> list[dict[str, dict] | None]:
         """vLLM's prompt_logprobs: null for the first token, then per position the prompt token and
         the top k, token id -> {logprob, rank, decoded_token}."""
+
         def entry(logprob: float, rank: int | None, token_id: int) -> dict[str, Any]:
             return {"logprob": logprob, "rank": rank, "decoded_token": self.text(token_id)}
 

@@ -9,6 +9,7 @@ model, --lora-root, the name, --max-loras) before it answers: 400 naming the pro
 name already loaded; the engine installs it between two steps. An unload is refused with 409
 (lora_in_use) while a request of the adapter is running or waiting: requests are never cut.
 """
+
 from __future__ import annotations
 
 import os
@@ -55,8 +56,12 @@ def outside_root(path: str, root: str | None) -> str | None:
 async def _parse(request: Request, model_cls: type[Any]) -> tuple[ServerState, Any, Any]:
     state: ServerState = request.app.state.server
     if not state.lora_runtime_updates:
-        raise APIError(404, "Loading and unloading LoRA adapters while serving is off; start the server with "
-                       "--enable-lora-runtime-updates.", code="lora_updates_disabled")
+        raise APIError(
+            404,
+            "Loading and unloading LoRA adapters while serving is off; start the server with "
+            "--enable-lora-runtime-updates.",
+            code="lora_updates_disabled",
+        )
     raw = await read_body(request, state.max_body_bytes)
     engine = state.require_engine()
     if not engine.is_running:
@@ -70,8 +75,12 @@ async def load_lora_adapter(request: Request) -> Response:
     if not name or name == state.served_model_name or name in state.model_aliases:
         raise invalid(f"lora_name {name!r} is empty or names the base model", param="lora_name")
     if name in state.lora_names:
-        raise APIError(409, f"A LoRA adapter named {name!r} is already loaded; unload it first.",
-                       param="lora_name", code="lora_name_taken")
+        raise APIError(
+            409,
+            f"A LoRA adapter named {name!r} is already loaded; unload it first.",
+            param="lora_name",
+            code="lora_name_taken",
+        )
     problem = outside_root(body.lora_path, state.lora_root)
     if problem is not None:
         raise invalid(problem, param="lora_path", code="lora_path_outside_root")
@@ -86,8 +95,11 @@ async def load_lora_adapter(request: Request) -> Response:
     except ValueError as exc:
         raise invalid(str(exc), param="lora_path", code="invalid_lora_adapter") from None
     except Exception as exc:  # noqa: BLE001 - e.g. a reader's own error on a mangled file: still the adapter's fault
-        raise invalid(f"LoRA adapter {name!r} ({body.lora_path}) cannot be read: {type(exc).__name__}: {exc}",
-                      param="lora_path", code="invalid_lora_adapter") from None
+        raise invalid(
+            f"LoRA adapter {name!r} ({body.lora_path}) cannot be read: {type(exc).__name__}: {exc}",
+            param="lora_path",
+            code="invalid_lora_adapter",
+        ) from None
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
 
@@ -99,8 +111,9 @@ async def unload_lora_adapter(request: Request) -> Response:
             await engine.unload_lora_adapter(name)
             state.lora_names = tuple(n for n in state.lora_names if n != name)
     except LoRANotFoundError:
-        raise APIError(404, f"The LoRA adapter '{name}' is not loaded.", param="lora_name",
-                       code="model_not_found") from None
+        raise APIError(
+            404, f"The LoRA adapter '{name}' is not loaded.", param="lora_name", code="model_not_found"
+        ) from None
     except LoRAInUseError as exc:
         raise APIError(409, str(exc), param="lora_name", code="lora_in_use") from None
     return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")

@@ -17,6 +17,7 @@ reasoning parser (server/reasoning.py), the model's thinking is a `reasoning` it
 text after it; a follow-up through `previous_response_id` continues from the answer alone, as
 the chat templates of reasoning models drop earlier turns' thinking.
 """
+
 from __future__ import annotations
 
 import json
@@ -53,14 +54,25 @@ async def create_response(request: Request) -> Response:
 
     def view(request_id: str, tools: ToolPlan | None) -> _ResponsesView:
         keep = store if body.store is not False else None
-        return _ResponsesView(request_id, state.response_model(body.model), body, tools, keep, conversation,
-                              state.reasoning_parser, engine.tokenizer)
+        return _ResponsesView(
+            request_id,
+            state.response_model(body.model),
+            body,
+            tools,
+            keep,
+            conversation,
+            state.reasoning_parser,
+            engine.tokenizer,
+        )
 
     try:
         return await serve_chat(request, state, engine, chat, arrival, "resp", view)
     except APIError as exc:  # the chat field's name -> this API's
         if exc.param == "max_completion_tokens":
-            exc.param, exc.message = "max_output_tokens", exc.message.replace("max_completion_tokens", "max_output_tokens")
+            exc.param, exc.message = (
+                "max_output_tokens",
+                exc.message.replace("max_completion_tokens", "max_output_tokens"),
+            )
         raise
 
 
@@ -71,9 +83,17 @@ def _item_id(prefix: str) -> str:
 class _ResponsesView:
     """One choice rendered as a Responses API `response`, whole or as typed events."""
 
-    def __init__(self, request_id: str, model: str, body: ResponsesRequest, tools: ToolPlan | None,
-                 store: ResponseStore | None, conversation: list[dict[str, Any]], reasoning: str | None = None,
-                 tokenizer: Any = None):
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        body: ResponsesRequest,
+        tools: ToolPlan | None,
+        store: ResponseStore | None,
+        conversation: list[dict[str, Any]],
+        reasoning: str | None = None,
+        tokenizer: Any = None,
+    ):
         self.id, self.model, self.body, self.tools = request_id, model, body, tools
         self.store, self.conversation = store, conversation
         self.reasoning, self.tokenizer = reasoning, tokenizer  # the parser, or None: all text is the answer
@@ -93,9 +113,11 @@ class _ResponsesView:
             content, calls = ToolCallStream(self.tools.parser, self.tools.max_calls).final(answer)
         self._thought = thought
         output = [self._reasoning_item(thought, "completed")] if thought else []
-        output += ([self._message(content or "", "completed")] if content or not (calls or thought) else [])
-        output += [self._call_item(call["id"], call["function"]["name"], call["function"]["arguments"], "completed")
-                   for call in calls]
+        output += [self._message(content or "", "completed")] if content or not (calls or thought) else []
+        output += [
+            self._call_item(call["id"], call["function"]["name"], call["function"]["arguments"], "completed")
+            for call in calls
+        ]
         return self._finished(choice, output)
 
     # ---------------------------------------------------------------- events
@@ -117,12 +139,19 @@ class _ResponsesView:
                 if thought:
                     if not self._thought:
                         output.append(self._reasoning_item("", "in_progress"))
-                        yield self._event("response.output_item.added", output_index=len(output) - 1,
-                                          item=self._reasoning_item("", "in_progress"))
+                        yield self._event(
+                            "response.output_item.added",
+                            output_index=len(output) - 1,
+                            item=self._reasoning_item("", "in_progress"),
+                        )
                     self._thought += thought
-                    yield self._event("response.reasoning_text.delta", item_id=self.reasoning_id,
-                                      output_index=self._index_of(output, self.reasoning_id), content_index=0,
-                                      delta=thought)
+                    yield self._event(
+                        "response.reasoning_text.delta",
+                        item_id=self.reasoning_id,
+                        output_index=self._index_of(output, self.reasoning_id),
+                        content_index=0,
+                        delta=thought,
+                    )
             deltas: list[dict]
             if stream is None:
                 content, deltas = new_text, []
@@ -132,42 +161,81 @@ class _ResponsesView:
             if content:
                 if not text and not any(item["type"] == "message" for item in output):
                     output.append(self._message("", "in_progress"))
-                    yield self._event("response.output_item.added", output_index=len(output) - 1,
-                                      item=self._message("", "in_progress", parts=False))
-                    yield self._event("response.content_part.added", item_id=self.message_id,
-                                      output_index=len(output) - 1, content_index=0, part=_text_part(""))
+                    yield self._event(
+                        "response.output_item.added",
+                        output_index=len(output) - 1,
+                        item=self._message("", "in_progress", parts=False),
+                    )
+                    yield self._event(
+                        "response.content_part.added",
+                        item_id=self.message_id,
+                        output_index=len(output) - 1,
+                        content_index=0,
+                        part=_text_part(""),
+                    )
                 text += content
-                yield self._event("response.output_text.delta", item_id=self.message_id,
-                                  output_index=self._index_of(output, self.message_id), content_index=0,
-                                  delta=content, logprobs=[])
+                yield self._event(
+                    "response.output_text.delta",
+                    item_id=self.message_id,
+                    output_index=self._index_of(output, self.message_id),
+                    content_index=0,
+                    delta=content,
+                    logprobs=[],
+                )
             for delta in deltas:
                 index = delta["index"]
                 if index not in calls:
                     function = delta.get("function", {})
-                    item = self._call_item(delta.get("id") or _item_id("call"), function.get("name", ""), "",
-                                           "in_progress")
+                    item = self._call_item(
+                        delta.get("id") or _item_id("call"), function.get("name", ""), "", "in_progress"
+                    )
                     calls[index] = item
                     output.append(item)
                     yield self._event("response.output_item.added", output_index=len(output) - 1, item=dict(item))
                 piece = delta.get("function", {}).get("arguments") or ""
                 if piece:
                     calls[index]["arguments"] += piece
-                    yield self._event("response.function_call_arguments.delta", item_id=calls[index]["id"],
-                                      output_index=self._index_of(output, calls[index]["id"]), delta=piece)
+                    yield self._event(
+                        "response.function_call_arguments.delta",
+                        item_id=calls[index]["id"],
+                        output_index=self._index_of(output, calls[index]["id"]),
+                        delta=piece,
+                    )
         for index, item in enumerate(output):
             if item["type"] == "reasoning":
-                yield self._event("response.reasoning_text.done", item_id=self.reasoning_id, output_index=index,
-                                  content_index=0, text=self._thought)
+                yield self._event(
+                    "response.reasoning_text.done",
+                    item_id=self.reasoning_id,
+                    output_index=index,
+                    content_index=0,
+                    text=self._thought,
+                )
                 output[index] = self._reasoning_item(self._thought, "completed")
             elif item["type"] == "message":
-                yield self._event("response.output_text.done", item_id=self.message_id, output_index=index,
-                                  content_index=0, text=text, logprobs=[])
-                yield self._event("response.content_part.done", item_id=self.message_id, output_index=index,
-                                  content_index=0, part=_text_part(text))
+                yield self._event(
+                    "response.output_text.done",
+                    item_id=self.message_id,
+                    output_index=index,
+                    content_index=0,
+                    text=text,
+                    logprobs=[],
+                )
+                yield self._event(
+                    "response.content_part.done",
+                    item_id=self.message_id,
+                    output_index=index,
+                    content_index=0,
+                    part=_text_part(text),
+                )
                 output[index] = self._message(text, "completed")
             else:
-                yield self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                                  name=item["name"], arguments=item["arguments"])
+                yield self._event(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    name=item["name"],
+                    arguments=item["arguments"],
+                )
                 item["status"] = "completed"
             yield self._event("response.output_item.done", output_index=index, item=output[index])
         if choice is not None:
@@ -197,17 +265,32 @@ class _ResponsesView:
 
     def _envelope(self, status: str, output: list[dict[str, Any]]) -> dict[str, Any]:
         b = self.body
-        fmt = b.text.format.model_dump(by_alias=True, exclude_none=True) if b.text and b.text.format else {"type": "text"}
+        fmt = (
+            b.text.format.model_dump(by_alias=True, exclude_none=True) if b.text and b.text.format else {"type": "text"}
+        )
         return {
-            "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
-            "model": self.model, "output": output, "error": None, "incomplete_details": None,
-            "instructions": b.instructions, "max_output_tokens": b.max_output_tokens,
-            "metadata": b.metadata or {}, "parallel_tool_calls": b.parallel_tool_calls is not False,
-            "previous_response_id": b.previous_response_id, "store": b.store is not False,
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "model": self.model,
+            "output": output,
+            "error": None,
+            "incomplete_details": None,
+            "instructions": b.instructions,
+            "max_output_tokens": b.max_output_tokens,
+            "metadata": b.metadata or {},
+            "parallel_tool_calls": b.parallel_tool_calls is not False,
+            "previous_response_id": b.previous_response_id,
+            "store": b.store is not False,
             "temperature": 1.0 if b.temperature is None else b.temperature,
-            "top_p": 1.0 if b.top_p is None else b.top_p, "text": {"format": fmt},
+            "top_p": 1.0 if b.top_p is None else b.top_p,
+            "text": {"format": fmt},
             "tool_choice": b.tool_choice if b.tool_choice is not None else "auto",
-            "tools": b.tools or [], "truncation": "disabled", "user": b.user, "usage": None,
+            "tools": b.tools or [],
+            "truncation": "disabled",
+            "user": b.user,
+            "usage": None,
         }
 
     def _reasoning_tokens(self, choice: Choice) -> int:
@@ -223,8 +306,9 @@ class _ResponsesView:
         low, high = 0, len(ids)
         while low < high:
             mid = (low + high) // 2
-            text = self.tokenizer.decode(ids[:mid], skip_special_tokens=choice.params.skip_special_tokens,
-                                         clean_up_tokenization_spaces=False)  # as the detokenizer decodes
+            text = self.tokenizer.decode(
+                ids[:mid], skip_special_tokens=choice.params.skip_special_tokens, clean_up_tokenization_spaces=False
+            )  # as the detokenizer decodes
             if len(text) >= end:
                 high = mid
             else:
@@ -232,17 +316,33 @@ class _ResponsesView:
         return low
 
     def _reasoning_item(self, text: str, status: str) -> dict[str, Any]:
-        return {"type": "reasoning", "id": self.reasoning_id, "summary": [], "status": status,
-                "content": [{"type": "reasoning_text", "text": text}] if text else []}
+        return {
+            "type": "reasoning",
+            "id": self.reasoning_id,
+            "summary": [],
+            "status": status,
+            "content": [{"type": "reasoning_text", "text": text}] if text else [],
+        }
 
     def _message(self, text: str, status: str, parts: bool = True) -> dict[str, Any]:
-        return {"type": "message", "id": self.message_id, "status": status, "role": "assistant",
-                "content": [_text_part(text)] if parts else []}
+        return {
+            "type": "message",
+            "id": self.message_id,
+            "status": status,
+            "role": "assistant",
+            "content": [_text_part(text)] if parts else [],
+        }
 
     @staticmethod
     def _call_item(call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
-        return {"type": "function_call", "id": _item_id("fc"), "call_id": call_id, "name": name,
-                "arguments": arguments, "status": status}
+        return {
+            "type": "function_call",
+            "id": _item_id("fc"),
+            "call_id": call_id,
+            "name": name,
+            "arguments": arguments,
+            "status": status,
+        }
 
     @staticmethod
     def _index_of(output: list[dict[str, Any]], item_id: str) -> int:
@@ -267,8 +367,11 @@ def _as_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if item["type"] == "message":
             messages.append({"role": "assistant", "content": item["content"][0]["text"] if item["content"] else ""})
         else:
-            call = {"id": item["call_id"], "type": "function",
-                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            call = {
+                "id": item["call_id"],
+                "type": "function",
+                "function": {"name": item["name"], "arguments": item["arguments"]},
+            }
             if messages and messages[-1].get("tool_calls"):
                 messages[-1]["tool_calls"].append(call)
             else:

@@ -1,9 +1,10 @@
 """POST /tokenize and POST /detokenize, with vLLM's request and response bodies.
 
-    {"prompt": "Hello"}                      -> {"tokens": [...], "count": n, "max_model_len": m}
-    {"messages": [{"role": ..., ...}]}       -> the same, through the chat template
-    {"tokens": [1, 2, 3]}                    -> {"prompt": "..."}
+{"prompt": "Hello"}                      -> {"tokens": [...], "count": n, "max_model_len": m}
+{"messages": [{"role": ..., ...}]}       -> the same, through the chat template
+{"tokens": [1, 2, 3]}                    -> {"prompt": "..."}
 """
+
 from __future__ import annotations
 
 from fastapi import Request
@@ -24,12 +25,18 @@ async def tokenize(request: Request) -> JSONResponse:
         raise invalid("Give exactly one of 'prompt' or 'messages'", param="prompt")
     if body.prompt is not None:
         check_prompt_chars(body.prompt, state.max_prompt_chars, state.limits.max_model_len, "prompt")
-        tokens = await state.off_loop(engine.tokenizer.encode, body.prompt,
-                                      add_special_tokens=body.add_special_tokens)
+        tokens = await state.off_loop(engine.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
     else:
         messages, tools = chat_messages(body, engine.tokenizer)
-        tokens = await state.off_loop(encode_chat, engine.tokenizer, messages, body.add_generation_prompt, tools=tools,
-                                      max_chars=state.max_prompt_chars, max_model_len=state.limits.max_model_len)
+        tokens = await state.off_loop(
+            encode_chat,
+            engine.tokenizer,
+            messages,
+            body.add_generation_prompt,
+            tools=tools,
+            max_chars=state.max_prompt_chars,
+            max_model_len=state.limits.max_model_len,
+        )
     return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": state.limits.max_model_len})
 
 

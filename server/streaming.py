@@ -10,6 +10,7 @@ the body iterator when the client disconnects; the iterator's `finally`
 Non-streaming: `run_unless_disconnected` races the work against the
 disconnect and cancels the work if the client leaves first.
 """
+
 from __future__ import annotations
 
 import asyncio

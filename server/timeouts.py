@@ -8,6 +8,7 @@ sent would hold a connection (and, for the body, a request task) for ever. Heade
 bounded in the HTTP protocol (HeaderTimeoutH11Protocol: a 408 written on the socket, then
 close); the body in the app (BodyTimeoutMiddleware: a 408 in the OpenAI error shape, then close).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -25,8 +26,12 @@ DEFAULT_READ_TIMEOUT_S = 30.0
 
 
 def _timeout_error(what: str, timeout: float) -> APIError:
-    return APIError(408, f"The request's {what} did not arrive within {timeout:g} seconds.",
-                    code="request_timeout", headers={"Connection": "close"})
+    return APIError(
+        408,
+        f"The request's {what} did not arrive within {timeout:g} seconds.",
+        code="request_timeout",
+        headers={"Connection": "close"},
+    )
 
 
 class HeaderTimeoutH11Protocol(H11Protocol):
@@ -67,8 +72,10 @@ class HeaderTimeoutH11Protocol(H11Protocol):
         if self.transport.is_closing():
             return
         body = json.dumps(_timeout_error("headers", self.header_timeout).body()).encode()
-        head = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
-                b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body))
+        head = (
+            b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body)
+        )
         self.transport.write(head + body)
         self.transport.close()
 
@@ -104,4 +111,3 @@ class BodyTimeoutMiddleware:
             return message
 
         await self.app(scope, timed_receive, send)
-

@@ -16,6 +16,7 @@ the same split serves the final response and the stream, which re-reads the text
 each delta and sends only what is new: content up to where a call might begin, then
 each call's name once known and its arguments as they grow.
 """
+
 from __future__ import annotations
 
 import json
@@ -52,7 +53,7 @@ def value_end(text: str, start: int) -> int | None:
     depth, in_string, escaped = 0, False, False
     if start >= len(text):
         return None
-    if text[start] not in "{[\"":
+    if text[start] not in '{["':
         m = re.compile(r"[^,}\]\s]*").match(text, start)
         assert m is not None  # `*` matches the empty string too
         return m.end() if m.end() < len(text) else None
@@ -92,13 +93,13 @@ def scan_object_call(text: str) -> ParsedCall:
     name = json.loads(f'"{m.group(1)}"')
     a = _ARGS.match(text, m.end())
     if a is None:
-        tail = text[m.end():].strip()
+        tail = text[m.end() :].strip()
         done = tail.startswith("}")
         return ParsedCall(name, "{}" if done else "", done)
     end = value_end(text, a.end())
     if end is None:
-        return ParsedCall(name, text[a.end():], False)
-    return ParsedCall(name, text[a.end():end], True)
+        return ParsedCall(name, text[a.end() :], False)
+    return ParsedCall(name, text[a.end() : end], True)
 
 
 def _whole_object(text: str) -> ParsedCall | None:
@@ -161,11 +162,11 @@ class _MarkedParser(ToolParser):
             if j < 0:
                 tail = text[i:]
                 hold = 0 if final else _held_back(tail, self.start)
-                content.append(tail[:len(tail) - hold])
+                content.append(tail[: len(tail) - hold])
                 break
             content.append(text[i:j])
             k = text.find(self.end, j + len(self.start))
-            body = text[j + len(self.start): len(text) if k < 0 else k]
+            body = text[j + len(self.start) : len(text) if k < 0 else k]
             calls.extend(self.calls_in(body, complete=k >= 0))
             if k < 0:
                 break
@@ -191,7 +192,7 @@ class HermesParser(_MarkedParser):
         if self.start not in text:
             bare = self._BARE.match(text)
             if bare is not None:
-                return Parsed("", [scan_object_call(obj) for obj in split_objects(text[bare.end():])[0]])
+                return Parsed("", [scan_object_call(obj) for obj in split_objects(text[bare.end() :])[0]])
             compact = re.sub(r"\s+", "", text)
             if not final and compact and any(s.startswith(compact) for s in self._BARE_STARTS):
                 return Parsed("")  # could still become a bare call
@@ -208,23 +209,23 @@ class DeepSeekV3Parser(_MarkedParser):
     def parse(self, text: str, final: bool) -> Parsed:
         j = text.find(self._BEGIN)
         if j < 0:
-            return Parsed(text[:len(text) - (0 if final else _held_back(text, self._BEGIN))])
-        return Parsed(text[:j], super().parse(text[j + len(self._BEGIN):], final).calls)
+            return Parsed(text[: len(text) - (0 if final else _held_back(text, self._BEGIN))])
+        return Parsed(text[:j], super().parse(text[j + len(self._BEGIN) :], final).calls)
 
     def calls_in(self, body: str, complete: bool) -> list[ParsedCall]:
         sep = body.find(self._SEP)
         newline = body.find("\n", sep + len(self._SEP)) if sep >= 0 else -1
         if newline < 0:
             return [ParsedCall(None, "", False)]
-        name = body[sep + len(self._SEP):newline].strip()
+        name = body[sep + len(self._SEP) : newline].strip()
         fence = body.find(self._FENCE, newline)
         if fence < 0:
             return [ParsedCall(name, "", False)]
-        args = body[fence + len(self._FENCE):]
+        args = body[fence + len(self._FENCE) :]
         close = args.find(self._CLOSE)
         if close >= 0:
             return [ParsedCall(name, args[:close], complete)]
-        return [ParsedCall(name, args[:len(args) - _held_back(args, self._CLOSE)], False)]
+        return [ParsedCall(name, args[: len(args) - _held_back(args, self._CLOSE)], False)]
 
 
 class MistralParser(ToolParser):
@@ -235,7 +236,7 @@ class MistralParser(ToolParser):
         j = text.find(self._MARKER)
         if j < 0:
             hold = 0 if final else _held_back(text, self._MARKER)
-            return Parsed(text[:len(text) - hold])
+            return Parsed(text[: len(text) - hold])
         calls = []
         for part in text[j:].split(self._MARKER)[1:]:
             if self._ARGS in part:  # [TOOL_CALLS]name[ARGS]{...}
@@ -254,7 +255,7 @@ class Llama3JsonParser(ToolParser):
     _CALL = re.compile(r'\{\s*"name"\s*:')
 
     def parse(self, text: str, final: bool) -> Parsed:
-        body = text[len(self._TAG):] if text.startswith(self._TAG) else text
+        body = text[len(self._TAG) :] if text.startswith(self._TAG) else text
         stripped = body.lstrip()
         if not self._CALL.match(stripped):
             compact = re.sub(r"\s+", "", stripped)
@@ -281,7 +282,8 @@ class JsonParser(ToolParser):
 
 
 PARSERS: dict[str, type[ToolParser]] = {
-    p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, DeepSeekV3Parser)}
+    p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, DeepSeekV3Parser)
+}
 
 
 def parser_for_template(chat_template: str | None) -> str:
@@ -332,8 +334,13 @@ def hermes_messages(messages: list[dict], tools: list[dict]) -> list[dict]:
     for m in messages:
         if m["role"] == "assistant" and m.get("tool_calls"):
             calls = "\n".join(
-                "<tool_call>\n" + json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
-                                             ensure_ascii=False) + "\n</tool_call>" for c in m["tool_calls"])
+                "<tool_call>\n"
+                + json.dumps(
+                    {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}, ensure_ascii=False
+                )
+                + "\n</tool_call>"
+                for c in m["tool_calls"]
+            )
             out.append({"role": "assistant", "content": (m["content"] + "\n" if m["content"] else "") + calls})
         elif m["role"] == "tool":
             out.append({"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"})
@@ -360,10 +367,10 @@ class ToolCallStream:
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
         parsed = self.parser.parse(text, final)
-        content = parsed.content[self._content_sent:]
+        content = parsed.content[self._content_sent :]
         self._content_sent = max(self._content_sent, len(parsed.content))
         deltas = []
-        for i, call in enumerate(parsed.calls[:self.max_calls]):
+        for i, call in enumerate(parsed.calls[: self.max_calls]):
             if i == len(self.ids):
                 if call.name is None:
                     break
@@ -374,7 +381,7 @@ class ToolCallStream:
             if not self._names_sent[i]:
                 delta.update(id=self.ids[i], type="function", function={"name": call.name, "arguments": ""})
                 self._names_sent[i] = True
-            piece = call.arguments[self._args_sent[i]:]
+            piece = call.arguments[self._args_sent[i] :]
             if piece:
                 delta.setdefault("function", {})["arguments"] = piece
                 self._args_sent[i] = len(call.arguments)
@@ -387,15 +394,17 @@ class ToolCallStream:
         JSON are left in the content, as a model's text, rather than sent as calls; but an
         output cut short inside its last call keeps the calls before it."""
         parsed = self.parser.parse(text, final=True)
-        calls = [c for c in parsed.calls if c.name is not None][:self.max_calls]
+        calls = [c for c in parsed.calls if c.name is not None][: self.max_calls]
         if len(calls) > 1 and not _is_json_object(calls[-1].arguments):
             calls = calls[:-1]  # cut off (max_tokens) inside its last call: the calls it completed stand
         if not calls or any(not _is_json_object(c.arguments) for c in calls):
             return text, []
         while len(self.ids) < len(calls):
             self.ids.append(new_call_id())
-        tool_calls = [{"id": self.ids[i], "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                      for i, c in enumerate(calls)]
+        tool_calls = [
+            {"id": self.ids[i], "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for i, c in enumerate(calls)
+        ]
         return (parsed.content.strip() or None), tool_calls
 
 

@@ -4,6 +4,7 @@ attention paths.
 Each is fetched into the machine's cache (models.fetch.cache_dir()) on first use and found
 there afterwards, so only a clean machine (as CI) downloads it, once.
 """
+
 from __future__ import annotations
 
 import os

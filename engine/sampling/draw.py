@@ -1,6 +1,7 @@
 """Drawing: greedy rows take the argmax; a random row takes the inverse-CDF draw of one uniform
 from its own generator (or the step's shared one), so a seeded row draws exactly one number a step.
 """
+
 from __future__ import annotations
 
 import torch
@@ -38,8 +39,9 @@ def _uniforms(batch: SamplingBatch, device: torch.device) -> torch.Tensor:
     greedy rows' are 0 (discarded)."""
     u = torch.zeros((batch.num_rows, 1), device=device)
     if batch.unseeded_rows is not None:
-        u[batch.unseeded_rows] = torch.rand((batch.unseeded_rows.numel(), 1), device=device,
-                                            generator=batch.default_generator)
+        u[batch.unseeded_rows] = torch.rand(
+            (batch.unseeded_rows.numel(), 1), device=device, generator=batch.default_generator
+        )
     for row, generator in batch.seeded_rows:
         u[row] = torch.rand((1,), device=device, generator=generator)
     return u
@@ -66,7 +68,9 @@ def draw_knobs(batch: SamplingBatch, u: torch.Tensor) -> tuple:
     temperature = batch.temperature[:, 0] if batch.temperature is not None else torch.ones(n, device=device)
     top_k = top_p = None
     if (f := batch.top_k_top_p) is not None:
-        top_k = torch.full((n,), batch.vocab_size, dtype=torch.int64, device=device).index_copy_(0, f.rows, f.top_k[:, 0])
+        top_k = torch.full((n,), batch.vocab_size, dtype=torch.int64, device=device).index_copy_(
+            0, f.rows, f.top_k[:, 0]
+        )
         if f.top_p is not None:
             top_p = torch.ones(n, device=device).index_copy_(0, f.rows, f.top_p[:, 0])
     return temperature, u, top_k, top_p, batch.min_p[:, 0] if batch.min_p is not None else None

@@ -1,6 +1,7 @@
 """Logprobs: of the sampled tokens (after the logit processors, before temperature and the cuts)
 and of prompt tokens (the model's own logits).
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -12,8 +13,9 @@ from engine.sampling.metadata import SamplingBatch
 from engine.sampling.top_k_top_p import softmax
 
 
-def token_logprobs(logprobs: torch.Tensor | None, token_ids: torch.Tensor,
-                    batch: SamplingBatch) -> list[TokenLogprob | None]:
+def token_logprobs(
+    logprobs: torch.Tensor | None, token_ids: torch.Tensor, batch: SamplingBatch
+) -> list[TokenLogprob | None]:
     if logprobs is None:
         return [None] * batch.num_rows
     chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
@@ -34,7 +36,10 @@ def prompt_logprobs(logits: torch.Tensor, target_ids: Sequence[int], num_top: in
     targets = torch.tensor(target_ids, dtype=torch.int64, device=logits.device).unsqueeze(1)  # (N, 1)
     chosen = logprobs.gather(1, targets)  # (N, 1)
     ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
-    top_values, top_ids = ([[]] * len(target_ids),) * 2 if num_top == 0 else (
-        t.tolist() for t in logprobs.topk(num_top, dim=-1))
-    return [TokenLogprob(token_id=t, logprob=lp, top=list(zip(ids, values)), rank=rank)
-            for t, lp, ids, values, rank in zip(target_ids, chosen.squeeze(1).tolist(), top_ids, top_values, ranks)]
+    top_values, top_ids = (
+        ([[]] * len(target_ids),) * 2 if num_top == 0 else (t.tolist() for t in logprobs.topk(num_top, dim=-1))
+    )
+    return [
+        TokenLogprob(token_id=t, logprob=lp, top=list(zip(ids, values)), rank=rank)
+        for t, lp, ids, values, rank in zip(target_ids, chosen.squeeze(1).tolist(), top_ids, top_values, ranks)
+    ]

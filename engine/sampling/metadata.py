@@ -1,6 +1,7 @@
 """A step's sampling metadata: each row's SamplingParams, token history, grammar mask and
 generator as the batch tensors the later stages read (None where no row needs one).
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -53,7 +54,7 @@ class TokenHistory:
         if not self.num_prompt_tokens:
             self._add_seen(prompt_token_ids)
             self.num_prompt_tokens = len(prompt_token_ids)
-        new = output_token_ids[self.num_output_tokens:]
+        new = output_token_ids[self.num_output_tokens :]
         if new:
             self._add_seen(new)
             for token_id in new:
@@ -74,11 +75,11 @@ class TokenHistory:
             start = len(self._seen_pos)
             self._seen_pos.update(dict.fromkeys(fresh))
             self._seen = _grown(self._seen, start + len(fresh))
-            self._seen[start:start + len(fresh)] = torch.tensor(fresh, dtype=torch.int64, device=self.device)
+            self._seen[start : start + len(fresh)] = torch.tensor(fresh, dtype=torch.int64, device=self.device)
 
     @property
     def seen(self) -> torch.Tensor:
-        return self._seen[:len(self._seen_pos)]  # (num_seen,)
+        return self._seen[: len(self._seen_pos)]  # (num_seen,)
 
     @property
     def output(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,7 +91,7 @@ def _grown(buffer: torch.Tensor, size: int) -> torch.Tensor:
     if size <= buffer.numel():
         return buffer
     grown = buffer.new_empty(max(size, 2 * buffer.numel()))
-    grown[:buffer.numel()] = buffer
+    grown[: buffer.numel()] = buffer
     return grown
 
 
@@ -106,8 +107,9 @@ class TopKTopP:
     width: int  # candidates looked at first: the largest top-k, or _TOP_P_CANDIDATES for top-p-only rows
 
     @classmethod
-    def build(cls, params: Sequence[SamplingParams], greedy: Sequence[bool], vocab_size: int,
-              device: torch.device | str) -> TopKTopP | None:
+    def build(
+        cls, params: Sequence[SamplingParams], greedy: Sequence[bool], vocab_size: int, device: torch.device | str
+    ) -> TopKTopP | None:
         rows: list[int] = []
         ks: list[int] = []
         ps: list[float] = []
@@ -120,10 +122,14 @@ class TopKTopP:
         if not rows:
             return None
         top_k = torch.tensor(ks, dtype=torch.int64, device=device).unsqueeze(1)
-        return cls(rows=torch.tensor(rows, dtype=torch.int64, device=device), top_k=top_k,
-                   top_p=torch.tensor(ps, device=device).unsqueeze(1) if min(ps) < 1.0 else None,
-                   has_top_k=top_k < vocab_size, any_top_k=min(ks) < vocab_size,
-                   width=max(k if k < vocab_size else min(_TOP_P_CANDIDATES, vocab_size) for k in ks))
+        return cls(
+            rows=torch.tensor(rows, dtype=torch.int64, device=device),
+            top_k=top_k,
+            top_p=torch.tensor(ps, device=device).unsqueeze(1) if min(ps) < 1.0 else None,
+            has_top_k=top_k < vocab_size,
+            any_top_k=min(ks) < vocab_size,
+            width=max(k if k < vocab_size else min(_TOP_P_CANDIDATES, vocab_size) for k in ks),
+        )
 
 
 @dataclass(frozen=True)
@@ -143,7 +149,9 @@ class SamplingBatch:
     logit_bias: tuple[torch.Tensor, torch.Tensor] | None  # flat index, value to add
     banned: torch.Tensor | None  # flat index of tokens min_tokens masks
     repetition: tuple[torch.Tensor, torch.Tensor] | None  # flat index of each prompt/output token, penalty
-    counts: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # unique output tokens: flat index, frequency x count, presence
+    counts: (
+        tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    )  # unique output tokens: flat index, frequency x count, presence
     allowed: tuple[torch.Tensor, torch.Tensor] | None  # constrained rows (C,), what each allows (C, V) bool
     num_logprobs: tuple[int | None, ...]  # per row: None = no logprobs, k = chosen + top-k
     max_logprobs: int | None  # None when no row wants logprobs
@@ -176,7 +184,8 @@ class SamplingBatch:
         if not len(prompt_token_ids) == len(output_token_ids) == len(generators) == num_rows:
             raise ValueError(
                 f"params, prompt_token_ids, output_token_ids and generators must have one entry per "
-                f"row; got {num_rows}, {len(prompt_token_ids)}, {len(output_token_ids)}, {len(generators)}")
+                f"row; got {num_rows}, {len(prompt_token_ids)}, {len(output_token_ids)}, {len(generators)}"
+            )
         eos_per_row = _eos_per_row(eos_token_ids, num_rows)
 
         def tensor(values: Sequence[float], dtype: torch.dtype = torch.int64) -> torch.Tensor:
@@ -230,20 +239,29 @@ class SamplingBatch:
         seeded = {i for i, _ in seeded_rows}
         unseeded = [i for i in range(num_rows) if not greedy[i] and i not in seeded]
         return cls(
-            num_rows=num_rows, vocab_size=vocab_size, all_greedy=all_greedy,
+            num_rows=num_rows,
+            vocab_size=vocab_size,
+            all_greedy=all_greedy,
             greedy=tensor(greedy, torch.bool) if any(greedy) and not all_greedy else None,
-            temperature=temperature, top_k_top_p=top_k_top_p, min_p=min_p,
+            temperature=temperature,
+            top_k_top_p=top_k_top_p,
+            min_p=min_p,
             logit_bias=(tensor(bias_index), tensor(bias_values, torch.float32)) if bias_index else None,
-            banned=tensor(banned) if banned else None, repetition=repetition, counts=counts, allowed=allowed,
+            banned=tensor(banned) if banned else None,
+            repetition=repetition,
+            counts=counts,
+            allowed=allowed,
             num_logprobs=tuple(p.logprobs for p in params),
             max_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
             seeded_rows=seeded_rows,
-            unseeded_rows=tensor(unseeded) if unseeded else None, default_generator=default_generator,
+            unseeded_rows=tensor(unseeded) if unseeded else None,
+            default_generator=default_generator,
         )
 
 
-def _flat_index(rows: list[int], token_ids: Sequence[torch.Tensor], vocab_size: int,
-                device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+def _flat_index(
+    rows: list[int], token_ids: Sequence[torch.Tensor], vocab_size: int, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's token ids (a tensor per row) as flat indices row * vocab_size + token, and their rows."""
     lengths = torch.tensor([t.numel() for t in token_ids], device=device)
     row_of = torch.repeat_interleave(torch.tensor(rows, device=device), lengths)

@@ -1,6 +1,7 @@
 """Logit processors: logit_bias, min_tokens, the penalties and the grammar mask, as sparse edits
 on a float32 copy of a step's logits (the edits logprobs are read after).
 """
+
 from __future__ import annotations
 
 import torch

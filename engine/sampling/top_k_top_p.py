@@ -1,6 +1,7 @@
 """The distribution a random row draws from: temperature, then top-k, top-p and min-p cut at a
 logit value; and the row softmax every stage shares.
 """
+
 from __future__ import annotations
 
 import torch
@@ -68,8 +69,9 @@ def _top_k_top_p(logits: torch.Tensor, f: TopKTopP) -> torch.Tensor:
         todo = torch.arange(sub.shape[0], device=sub.device)  # (M',) rows not decided yet
         sorted_probs, width = probs.gather(1, ids), f.width
         while True:
-            done, found = _top_p_threshold(values, sorted_probs, f.top_k[todo], f.top_p[todo], kept_mass[todo],
-                                           exhaustive=width == vocab_size)
+            done, found = _top_p_threshold(
+                values, sorted_probs, f.top_k[todo], f.top_p[todo], kept_mass[todo], exhaustive=width == vocab_size
+            )
             threshold[todo[done]] = torch.maximum(found[done], kth[todo[done]])
             todo, width = todo[~done], min(width * 16, vocab_size)
             if not todo.numel():
@@ -83,8 +85,14 @@ def _top_k_top_p(logits: torch.Tensor, f: TopKTopP) -> torch.Tensor:
     return sub if all_rows else logits.index_copy(0, f.rows, sub)
 
 
-def _top_p_threshold(values: torch.Tensor, sorted_probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                     kept_mass: torch.Tensor, exhaustive: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _top_p_threshold(
+    values: torch.Tensor,
+    sorted_probs: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    kept_mass: torch.Tensor,
+    exhaustive: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """From a row's W best tokens (values, probs: (M, W), best first): which rows these
     decide, and the lowest logit each keeps."""
     width = values.shape[1]

@@ -50,6 +50,7 @@ softcap * tanh(score / softcap) before the softmax, Gemma 2). The kernel takes b
 paths mask the window (a mask per window, kept on the group) and, to soft-cap, attend with explicit
 matmuls instead of SDPA, which has no soft-capping.
 """
+
 from __future__ import annotations
 
 import functools
@@ -124,8 +125,9 @@ class KVCacheSpec:
         windows = self.layer_windows or (None,) * self.num_layers
         return KVCacheLayout.of(tuple(w if w is not None and w < max_model_len else None for w in windows))
 
-    def allocate(self, num_blocks: int, block_size: int, device: torch.device | str,
-                 layout: KVCacheLayout | None = None) -> list[torch.Tensor]:
+    def allocate(
+        self, num_blocks: int, block_size: int, device: torch.device | str, layout: KVCacheLayout | None = None
+    ) -> list[torch.Tensor]:
         """One cache tensor per layer (layers of different groups share theirs under a layout;
         without one every layer has its own, and uses one block table)."""
         shape = (num_blocks, block_size, *self.stored_shape)
@@ -251,9 +253,12 @@ class AttentionMetadata:
             query_start.append(query_start[-1] + q)
         tables = torch.tensor(rows, dtype=torch.int64).view(len(rows), width)  # (num_seqs, width)
         return cls(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device), num_tokens=query_start[-1],
-            block_table=tables.to(device), seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
-            query_start=torch.tensor(query_start, dtype=torch.int64, device=device), kernels=kernels,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            num_tokens=query_start[-1],
+            block_table=tables.to(device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+            query_start=torch.tensor(query_start, dtype=torch.int64, device=device),
+            kernels=kernels,
             group_inputs=(list(query_lens), list(seq_lens), tables, block_size, device),
         )
 
@@ -276,9 +281,17 @@ class AttentionMetadata:
         ]
 
 
-def _build_group(idx: torch.Tensor, token_in_group: torch.Tensor, seq: torch.Tensor, query_no: torch.Tensor,
-                 q_lens: torch.Tensor, s_lens: torch.Tensor, tables: torch.Tensor, block_size: int,
-                 device: torch.device | str) -> AttentionGroup:
+def _build_group(
+    idx: torch.Tensor,
+    token_in_group: torch.Tensor,
+    seq: torch.Tensor,
+    query_no: torch.Tensor,
+    q_lens: torch.Tensor,
+    s_lens: torch.Tensor,
+    tables: torch.Tensor,
+    block_size: int,
+    device: torch.device | str,
+) -> AttentionGroup:
     """idx: (n,) sequences of the group; token_in_group: (num_tokens,) bool."""
     n = idx.numel()
     q_lens, s_lens = q_lens[idx], s_lens[idx]
@@ -429,8 +442,9 @@ def paged_attention(
     """
     if kernel_serves(q, kv_cache) and k.stride(-1) == 1 and v.stride(-1) == 1:
         cpu_kernels.write_kv_blocks(kv_cache, k, v, meta.slot_mapping)  # one pass, not four ops
-        return cpu_kernels.paged_attention(q, kv_cache, meta.block_table, meta.seq_lens, meta.query_start, scale,
-                                           window=window, softcap=softcap)
+        return cpu_kernels.paged_attention(
+            q, kv_cache, meta.block_table, meta.seq_lens, meta.query_start, scale, window=window, softcap=softcap
+        )
     store_kv(kv_cache, k, v, meta.slot_mapping)
     if len(meta.groups) == 1 and meta.groups[0].token_range == (0, meta.num_tokens):
         return _attend(q, k, v, kv_cache, meta.groups[0], scale, window, softcap).reshape(q.shape)
@@ -443,10 +457,18 @@ def paged_attention(
 def kernel_serves(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether our C++ kernel attends these queries over this cache: on CPU, when built, for one
     16/32-bit dtype, a 16-bit cache under float32 queries, or an int8 cache under any."""
-    reads = (q.dtype == kv_cache.dtype or kv_cache.dtype == torch.int8
-             or (q.dtype == torch.float32 and kv_cache.dtype in (torch.float16, torch.bfloat16)))
-    return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16) and reads
-            and q.stride(-1) == 1 and cpu_kernels.available())
+    reads = (
+        q.dtype == kv_cache.dtype
+        or kv_cache.dtype == torch.int8
+        or (q.dtype == torch.float32 and kv_cache.dtype in (torch.float16, torch.bfloat16))
+    )
+    return (
+        q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and reads
+        and q.stride(-1) == 1
+        and cpu_kernels.available()
+    )
 
 
 def _gather_blocks(kv_cache: torch.Tensor, group: AttentionGroup, dtype: torch.dtype) -> torch.Tensor:
@@ -463,8 +485,16 @@ def _gather_blocks(kv_cache: torch.Tensor, group: AttentionGroup, dtype: torch.d
     return _as_dtype(kv, group, dtype).view(2, num_kv_heads, group.num_seqs, -1, head_dim)
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup,
-            scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    group: AttentionGroup,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """-> (num_seqs, max_query_len, num_heads, head_dim) for the group's padded queries."""
     if group.max_query_len == 1:
         return _decode(pad_queries(q, group), kv_cache, group, scale, window, softcap)
@@ -489,8 +519,9 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.T
     return out.transpose(1, 2)
 
 
-def _softcapped(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
-                softcap: float) -> torch.Tensor:
+def _softcapped(
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float
+) -> torch.Tensor:
     """Masked attention with soft-capped scores, in transformers' order (scale, / cap, tanh, * cap,
     softmax in float32): queries (n, H, max_q, D), keys and values (n, Hk, max_kv, D), mask
     (n, 1, max_q, max_kv) -> (n, H, max_q, D)."""
@@ -506,8 +537,14 @@ def _softcapped(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return out.view(n, num_heads, max_q, head_dim)
 
 
-def _decode(queries: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup, scale: float,
-            window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+def _decode(
+    queries: torch.Tensor,
+    kv_cache: torch.Tensor,
+    group: AttentionGroup,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """queries (n, 1, num_heads, head_dim) -> (n, 1, num_heads, head_dim).
 
     The query heads sharing a KV head become the rows of one small matmul per
@@ -530,4 +567,3 @@ def _decode(queries: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup
         probs = torch.add(bias, scores, alpha=scale).softmax(dim=-1).to(queries.dtype)
     out = torch.matmul(probs, kv[1])  # (Hk, n, G, D)
     return out.transpose(0, 1).reshape(n, 1, num_heads, head_dim)
-

@@ -18,6 +18,7 @@ to are the supported ones below its best, never simply every lower rung.
 Pure functions over a flag set, but for `read_cpu_flags`, the one place that reads
 /proc/cpuinfo.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -67,8 +68,11 @@ def target(name: str) -> Target:
 def parse_cpu_flags(cpuinfo: str) -> frozenset[str]:
     """The flags every processor in /proc/cpuinfo's text lists (x86's `flags` lines; none
     on other CPUs, whose best target is then `generic`)."""
-    per_cpu = [frozenset(value.split()) for key, _, value in
-               (line.partition(":") for line in cpuinfo.splitlines()) if key.strip() == "flags"]
+    per_cpu = [
+        frozenset(value.split())
+        for key, _, value in (line.partition(":") for line in cpuinfo.splitlines())
+        if key.strip() == "flags"
+    ]
     return frozenset.intersection(*per_cpu) if per_cpu else frozenset()
 
 
@@ -107,6 +111,8 @@ def _reason(chosen: Target, best: Target, cpu_flags: frozenset[str]) -> str:
     has = " ".join(chosen.cpu_flags) or "no flags needed"
     if chosen is not best:
         return f"{chosen.name} as requested (the CPU has {has}; its best is {best.name})"
-    lacking = [f"{t.name} needs {' '.join(f for f in t.cpu_flags if f not in cpu_flags)}"
-               for t in TARGETS[TARGETS.index(best) + 1 :]]
+    lacking = [
+        f"{t.name} needs {' '.join(f for f in t.cpu_flags if f not in cpu_flags)}"
+        for t in TARGETS[TARGETS.index(best) + 1 :]
+    ]
     return f"{best.name}: the CPU has {has}" + (f"; {', '.join(lacking)}" if lacking else "; the top of the ladder")

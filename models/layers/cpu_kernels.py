@@ -21,6 +21,7 @@ fail to write its lock file in a `--read-only` container), if it is at least as 
 source. If the chosen target can be neither built nor found, the best lower target the CPU runs
 that can is loaded, with a warning: any of them is far faster than the PyTorch paths.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,12 +43,32 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("paged_attention.cpp", "elementwise.cpp", "sampler_ops.cpp", "quant_linear.cpp", "decode_ops.cpp",
-                 "decoder_layer.cpp", "rows_matmul.cpp")
+    for name in (
+        "paged_attention.cpp",
+        "elementwise.cpp",
+        "sampler_ops.cpp",
+        "quant_linear.cpp",
+        "decode_ops.cpp",
+        "decoder_layer.cpp",
+        "rows_matmul.cpp",
+    )
 ]
 _HEADERS = [Path(__file__).parent / "csrc" / "vec8.h"]  # not compiled alone; a build is stale when one is newer
-_OPS = ("paged_attention", "rms_norm", "silu_and_mul", "sigmoid", "softmax_rows", "argmax_rows", "draw_rows", "quant_linear",
-        "quant_linear_silu_mul", "rope_neox", "write_kv_blocks", "llama_decoder_layer", "rows_matmul")
+_OPS = (
+    "paged_attention",
+    "rms_norm",
+    "silu_and_mul",
+    "sigmoid",
+    "softmax_rows",
+    "argmax_rows",
+    "draw_rows",
+    "quant_linear",
+    "quant_linear_silu_mul",
+    "rope_neox",
+    "write_kv_blocks",
+    "llama_decoder_layer",
+    "rows_matmul",
+)
 
 _lock = threading.Lock()
 # "loaded": whether torch.ops.pagedserve is usable; "target": the target whose build is loaded.
@@ -101,9 +122,13 @@ def build_directory(target: str) -> Path:
 
     root = os.environ.get("TORCH_EXTENSIONS_DIR")
     if root is None:  # the same default as torch's _get_build_directory
-        accelerator = (f"rocm{torch.version.hip.replace('.', '')}" if torch.version.hip is not None
-                       else f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda is not None
-                       else "cpu")
+        accelerator = (
+            f"rocm{torch.version.hip.replace('.', '')}"
+            if torch.version.hip is not None
+            else f"cu{torch.version.cuda.replace('.', '')}"
+            if torch.version.cuda is not None
+            else "cpu"
+        )
         python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
         root = os.path.join(cpp_extension.get_default_build_root(), f"{python}_{accelerator}")
     return Path(root) / build_name(target)
@@ -142,8 +167,9 @@ def _build_and_load(target: cpu_isa.Target) -> None:
     directory = build_directory(target.name)
     directory.mkdir(parents=True, exist_ok=True)
     if _current_library(target.name) is None:  # a build is coming (else torch only loads it)
-        logger.warning("building the CPU kernels for %s in %s (once per machine and target, ~30-90 s)",
-                       target.name, directory)
+        logger.warning(
+            "building the CPU kernels for %s in %s (once per machine and target, ~30-90 s)", target.name, directory
+        )
     load(
         name=build_name(target.name),
         sources=[str(source) for source in _SOURCES],
@@ -191,14 +217,21 @@ def _load() -> bool:
             passed_over.setdefault(f"registers no {', '.join(missing)}", []).append(target.name)
             break
         if passed_over:
-            logger.warning("CPU kernels: the %s build instead of %s (%s)", target.name, choice.target.name,
-                           _summary(passed_over))
-        logger.info("CPU kernels in use: %s (%s)%s", build_name(target.name), ", ".join(_OPS),
-                    f", prebuilt: {library}" if library is not None else "")
+            logger.warning(
+                "CPU kernels: the %s build instead of %s (%s)", target.name, choice.target.name, _summary(passed_over)
+            )
+        logger.info(
+            "CPU kernels in use: %s (%s)%s",
+            build_name(target.name),
+            ", ".join(_OPS),
+            f", prebuilt: {library}" if library is not None else "",
+        )
         _state["target"] = target.name
         return True
-    logger.warning("CPU kernels unavailable: the PyTorch paths serve, quantized weights are dequantized at "
-                   "every call (slow): %s", _summary(passed_over))
+    logger.warning(
+        "CPU kernels unavailable: the PyTorch paths serve, quantized weights are dequantized at every call (slow): %s",
+        _summary(passed_over),
+    )
     return False
 
 
@@ -207,8 +240,14 @@ def _summary(passed_over: dict[str, list[str]]) -> str:
 
 
 def paged_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-    query_start: torch.Tensor, scale: float, value_dim: int = 0, window: int | None = None,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start: torch.Tensor,
+    scale: float,
+    value_dim: int = 0,
+    window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
     """q (T, H, Dk): the step's queries, sequence i's at rows query_start[i]..query_start[i+1]-1,
@@ -216,8 +255,9 @@ def paged_attention(
     or MLA (num_blocks, block_size, E) with values the first `value_dim` of E (csrc/paged_attention.cpp)
     -> (T, H, Dv). window: a query at position p attends keys p - window + 1..p (None: 0..p);
     softcap: scores become softcap * tanh(score / softcap) before the softmax (None: as they are)."""
-    return torch.ops.pagedserve.paged_attention(q, kv_cache, block_table, seq_lens, query_start, scale, value_dim,
-                                                window or 0, softcap or 0.0)
+    return torch.ops.pagedserve.paged_attention(
+        q, kv_cache, block_table, seq_lens, query_start, scale, value_dim, window or 0, softcap or 0.0
+    )
 
 
 def usable(x: torch.Tensor) -> bool:
@@ -255,8 +295,14 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return torch.ops.pagedserve.argmax_rows(logits)
 
 
-def draw_rows(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor, top_k: torch.Tensor | None = None,
-              top_p: torch.Tensor | None = None, min_p: torch.Tensor | None = None) -> torch.Tensor:
+def draw_rows(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    u: torch.Tensor,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
+) -> torch.Tensor:
     """logits (N, V) float32, temperature and u (N,) float32, top_k (N,) int64 (V: none), top_p
     (N,) float32 (1: none), min_p (N,) float32 (0: none) -> (N,) int64: each row's inverse-CDF draw
     of u from softmax(logits / temperature) cut by top-k, top-p, then min-p as engine/sampling/
@@ -271,24 +317,40 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def quant_linear(
-    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
-    bias: torch.Tensor | None, bits: int, group_size: int, out_features: int, min_per_scale: float = 0.0,
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+    out_features: int,
+    min_per_scale: float = 0.0,
 ) -> torch.Tensor:
     """x (M, K) -> (M, N = out_features) in x's dtype, x rounded to int16 per 32 values and W in
     panels of 8 columns (models/layers/quantization.py's `to_panels`); 4 bits without mins:
     min = scale * min_per_scale (Q4_0's -8), or none."""
-    return torch.ops.pagedserve.quant_linear(x, qweight, scales, mins, bias, bits, group_size, out_features,
-                                             min_per_scale)
+    return torch.ops.pagedserve.quant_linear(
+        x, qweight, scales, mins, bias, bits, group_size, out_features, min_per_scale
+    )
 
 
 def quant_linear_silu_mul(
-    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
-    bias: torch.Tensor | None, bits: int, group_size: int, out_features: int, min_per_scale: float = 0.0,
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+    out_features: int,
+    min_per_scale: float = 0.0,
 ) -> torch.Tensor:
     """silu_and_mul(quant_linear(...)) in one pass, float32 x, out_features = 2I a multiple of 16
     ([gate | up]) -> (M, I): the same numbers, without the (M, 2I) product between the two."""
-    return torch.ops.pagedserve.quant_linear_silu_mul(x, qweight, scales, mins, bias, bits, group_size, out_features,
-                                                      min_per_scale)
+    return torch.ops.pagedserve.quant_linear_silu_mul(
+        x, qweight, scales, mins, bias, bits, group_size, out_features, min_per_scale
+    )
 
 
 def rope_neox(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -302,24 +364,55 @@ def write_kv_blocks(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sl
 
 
 def llama_decoder_layer(
-    x: torch.Tensor, input_norm: torch.Tensor, post_norm: torch.Tensor, eps: float, weights: list, info: list[int],
-    heads: tuple[int, int, int], cos: torch.Tensor, signed_sin: torch.Tensor, kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, query_start: torch.Tensor,
-    scale: float, window: int | None = None,
+    x: torch.Tensor,
+    input_norm: torch.Tensor,
+    post_norm: torch.Tensor,
+    eps: float,
+    weights: list,
+    info: list[int],
+    heads: tuple[int, int, int],
+    cos: torch.Tensor,
+    signed_sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start: torch.Tensor,
+    scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """A Llama decoder layer whose 4 projections run on quant_linear, as one op (csrc/decoder_layer.cpp):
     weights = [qweight, scales, mins, bias] x (qkv, o, gate_up, down), info = [bits, group_size, out_features,
     min_per_scale] x 4, heads = (H, Hk, head_dim) -> the layer's output (T, hidden)."""
-    return torch.ops.pagedserve.llama_decoder_layer(x, input_norm, post_norm, eps, weights, info, heads, cos,
-                                                    signed_sin, kv_cache, slot_mapping, block_table, seq_lens,
-                                                    query_start, scale, window or 0)
+    return torch.ops.pagedserve.llama_decoder_layer(
+        x,
+        input_norm,
+        post_norm,
+        eps,
+        weights,
+        info,
+        heads,
+        cos,
+        signed_sin,
+        kv_cache,
+        slot_mapping,
+        block_table,
+        seq_lens,
+        query_start,
+        scale,
+        window or 0,
+    )
 
 
 def _compiler_emits(target: cpu_isa.Target) -> bool:
     from torch.utils.cpp_extension import get_cxx_compiler
 
-    probe = subprocess.run([get_cxx_compiler(), *target.cflags, "-x", "c++", "-fsyntax-only", "-"],
-                           input="", capture_output=True, text=True)
+    probe = subprocess.run(
+        [get_cxx_compiler(), *target.cflags, "-x", "c++", "-fsyntax-only", "-"],
+        input="",
+        capture_output=True,
+        text=True,
+    )
     return probe.returncode == 0
 
 
@@ -343,13 +436,20 @@ def build_all(names: Sequence[str] | None = None) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m models.layers.cpu_kernels",
-                                     description="Build the CPU kernels into $TORCH_EXTENSIONS_DIR, one build per "
-                                                 "ISA target, for any CPU (the Docker image's build stage).")
+    parser = argparse.ArgumentParser(
+        prog="python -m models.layers.cpu_kernels",
+        description="Build the CPU kernels into $TORCH_EXTENSIONS_DIR, one build per "
+        "ISA target, for any CPU (the Docker image's build stage).",
+    )
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--build-all", action="store_true", help="every target this compiler can emit")
-    which.add_argument("--build", nargs="+", metavar="TARGET", choices=[t.name for t in cpu_isa.TARGETS],
-                       help="these targets only (%(choices)s)")
+    which.add_argument(
+        "--build",
+        nargs="+",
+        metavar="TARGET",
+        choices=[t.name for t in cpu_isa.TARGETS],
+        help="these targets only (%(choices)s)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     built = build_all(args.build)

@@ -12,6 +12,7 @@ the KV caches are allocated in another: a one-row step's products run ~10% faste
 Where the kernel refuses (THP "never", not Linux), the memory is an ordinary mapping: the same
 numbers, contiguous, 4 KiB pages. `PAGEDSERVE_HUGEPAGES=0` keeps torch's own allocations.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -83,8 +84,11 @@ def move_to_arena(model: nn.Module) -> Arena | None:
             for t in {id(t): t for t in tensors}.values():
                 t.set_(region.untyped_storage(), base // t.element_size() + t.storage_offset(), t.size(), t.stride())
     _release_freed_memory()
-    logger.info("weights: %.1f MiB in one arena (%s)", arena.used / 2**20,
-                "huge pages advised" if arena.huge else "4 KiB pages: the kernel refused huge pages")
+    logger.info(
+        "weights: %.1f MiB in one arena (%s)",
+        arena.used / 2**20,
+        "huge pages advised" if arena.huge else "4 KiB pages: the kernel refused huge pages",
+    )
     return arena
 
 

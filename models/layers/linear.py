@@ -6,6 +6,7 @@ them stacked along the output dim and loads each checkpoint tensor into its rows
 
     weight rows:  [ q_proj (H*d) | k_proj (Hk*d) | v_proj (Hk*d) ]
 """
+
 from __future__ import annotations
 
 import math
@@ -41,8 +42,9 @@ class Linear(nn.Module):
     packed_weight: torch.Tensor | None = None
     lora: LoRAWeights | None = None  # its LoRA adapters (models/layers/lora.py); None: none touches it
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, parallel: str | None = None,
-                 reduce: bool = True):
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = False, parallel: str | None = None, reduce: bool = True
+    ):
         super().__init__()
         if parallel not in PARALLEL_MODES:
             raise ValueError(f"parallel must be one of {PARALLEL_MODES}, got {parallel!r}")
@@ -100,8 +102,9 @@ class Linear(nn.Module):
         has; default `out_part` of the layer's checkpoint rows)."""
         self.quant_method.load(self, rows, self.rank_part(weight, name, part), name)
 
-    def load_bias(self, bias: torch.Tensor, name: str, rows: slice = slice(None),
-                  part: tuple[slice, int] | None = None) -> None:
+    def load_bias(
+        self, bias: torch.Tensor, name: str, rows: slice = slice(None), part: tuple[slice, int] | None = None
+    ) -> None:
         if self.bias is None:
             raise ValueError(f"tensor {name!r}: the layer has no bias")
         if self.parallel == "column" or part is not None:
@@ -130,8 +133,10 @@ class Linear(nn.Module):
         return self.quant_method.weight_names()
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, method={self.quant_method.name}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, method={self.quant_method.name}"
+        )
 
 
 class Embedding(Linear):
@@ -216,15 +221,23 @@ class MergedLinear(Linear):
     KV heads); `shard_sizes` are the checkpoint's sizes.
     """
 
-    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool, parallel: str | None = None,
-                 shard_parts: dict[str, slice] | None = None):
+    def __init__(
+        self,
+        in_features: int,
+        shard_sizes: dict[str, int],
+        bias: bool,
+        parallel: str | None = None,
+        shard_parts: dict[str, slice] | None = None,
+    ):
         if parallel not in (None, "column"):
             raise ValueError("a merged projection splits along its output (parallel='column') only")
         tp = tp_state.current() if parallel else tp_state.SINGLE
         parts = dict(shard_parts or {})
         for name, size in shard_sizes.items():
             if name not in parts:
-                parts[name] = tp.split(size, f"the output features of {name} ({size})") if tp.enabled else slice(0, size)
+                parts[name] = (
+                    tp.split(size, f"the output features of {name} ({size})") if tp.enabled else slice(0, size)
+                )
         super().__init__(in_features, sum(_length(p) for p in parts.values()), bias=bias)
         self.tp, self.parallel = tp, parallel if tp.enabled else None
         self.shard_parts = parts  # rows of each checkpoint projection this rank holds
@@ -324,7 +337,11 @@ def load_hf_weights(
             loaded.add(name)
             continue
         shard = prefix.rpartition(".")[2]
-        if prefix not in merged or kind not in ("weight", "bias") or (kind == "bias" and merged[prefix][1].bias is None):
+        if (
+            prefix not in merged
+            or kind not in ("weight", "bias")
+            or (kind == "bias" and merged[prefix][1].bias is None)
+        ):
             raise ValueError(f"tensor {name!r} {tuple(tensor.shape)} does not belong to this model")
         path, module = merged[prefix]
         if kind == "weight":

@@ -25,6 +25,7 @@ A LoRA GGUF (convert_lora_to_gguf.py's output) names its weights as the base mod
 (blk.0.attn_q.weight.lora_a); they are renamed to the model's module paths by gguf-py's table when
 attached, and scaled as llama.cpp does: alpha / r (1 when alpha is 0).
 """
+
 from __future__ import annotations
 
 import json
@@ -42,14 +43,37 @@ from models.layers.quantization import DenseMethod
 
 # DeepSeek's MLA adds q_a_proj/q_b_proj (q through a low rank) and kv_a_proj_with_mqa (the latent and
 # the rope key); its kv_b_proj is never run as a layer (absorbed into the query and the output: mla.py).
-TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-                  "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa")
-_REFUSED_MODULES = {"kv_b_proj": "MLA's kv_b_proj is absorbed into the query and output projections",
-                    "k_b_proj": "MLA's k_b is absorbed into the query", "v_b_proj": "MLA's v_b is absorbed into the output"}
+TARGET_MODULES = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "q_a_proj",
+    "q_b_proj",
+    "kv_a_proj_with_mqa",
+)
+_REFUSED_MODULES = {
+    "kv_b_proj": "MLA's kv_b_proj is absorbed into the query and output projections",
+    "k_b_proj": "MLA's k_b is absorbed into the query",
+    "v_b_proj": "MLA's v_b is absorbed into the output",
+}
 # PEFT options that change what an adapter computes: refused by name unless left at their defaults.
-_UNSUPPORTED_OPTIONS = ("modules_to_save", "use_dora", "fan_in_fan_out", "lora_bias", "layers_to_transform",
-                        "layer_replication", "trainable_token_indices", "megatron_config", "use_qalora", "use_bdlora",
-                        "arrow_config")
+_UNSUPPORTED_OPTIONS = (
+    "modules_to_save",
+    "use_dora",
+    "fan_in_fan_out",
+    "lora_bias",
+    "layers_to_transform",
+    "layer_replication",
+    "trainable_token_indices",
+    "megatron_config",
+    "use_qalora",
+    "use_bdlora",
+    "arrow_config",
+)
 _Pairs = dict[str, tuple[torch.Tensor, torch.Tensor]]  # module path (or GGUF weight name) -> (A, B)
 _PREFIX = "base_model.model."  # PEFT's names: base_model.model.<the HF model's module path>.lora_A.weight
 
@@ -92,8 +116,10 @@ def read_peft_adapter(name: str, path: str | Path, max_rank: int) -> LoRAAdapter
     if config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{where}: peft_type {config.get('peft_type')!r} is not supported (only LORA)")
     if config.get("target_parameters"):  # what peft makes of gate/up/down_proj on fused MoE experts
-        raise ValueError(f"{where}: target_parameters={config['target_parameters']!r} is not supported "
-                         "(adapters on MoE experts' fused weights)")
+        raise ValueError(
+            f"{where}: target_parameters={config['target_parameters']!r} is not supported "
+            "(adapters on MoE experts' fused weights)"
+        )
     for option in _UNSUPPORTED_OPTIONS:
         if config.get(option):
             raise ValueError(f"{where}: {option}={config[option]!r} is not supported")
@@ -115,8 +141,10 @@ def read_peft_adapter(name: str, path: str | Path, max_rank: int) -> LoRAAdapter
         raise ValueError(f"{where}: target module {refused[0]!r} is not supported ({_REFUSED_MODULES[refused[0]]})")
     unknown = [t for t in target_list if t not in TARGET_MODULES]
     if unknown:
-        raise ValueError(f"{where}: target module(s) {', '.join(map(repr, unknown))} are not supported "
-                         f"(supported: {', '.join(TARGET_MODULES)})")
+        raise ValueError(
+            f"{where}: target module(s) {', '.join(map(repr, unknown))} are not supported "
+            f"(supported: {', '.join(TARGET_MODULES)})"
+        )
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     try:
         tensors = load_file(str(tensors_file))
@@ -134,8 +162,9 @@ def read_peft_adapter(name: str, path: str | Path, max_rank: int) -> LoRAAdapter
             raise ValueError(f"{where}: {module} has lora_{next(iter(pair))} but not its pair")
         a, b = pair["A"], pair["B"]
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != rank or b.shape[1] != rank:
-            raise ValueError(f"{where}: {module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} "
-                             f"do not have rank {rank}")
+            raise ValueError(
+                f"{where}: {module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not have rank {rank}"
+            )
         weights[module] = (a, b)
     if not weights:
         raise ValueError(f"{where}: adapter_model.safetensors holds no LoRA weights")
@@ -149,8 +178,10 @@ def read_peft_adapter(name: str, path: str | Path, max_rank: int) -> LoRAAdapter
             except re.error as e:
                 raise ValueError(f"{where}: {option} {pattern!r} is not a regular expression: {e}") from None
             if hit is not None:
-                raise ValueError(f"{where}: {option} {pattern!r} (matching {hit}) is not supported: "
-                                 "one rank and alpha for every layer")
+                raise ValueError(
+                    f"{where}: {option} {pattern!r} (matching {hit}) is not supported: "
+                    "one rank and alpha for every layer"
+                )
     return LoRAAdapter(name, str(path), rank, float(scale), weights)
 
 
@@ -173,8 +204,9 @@ def read_gguf_adapter(name: str, path: str | Path, max_rank: int) -> LoRAAdapter
             why = _GGUF_REFUSED.get(kind, f"supported: {', '.join(sorted(_GGUF_TARGETS))} of each blk.N")
             raise ValueError(f"{where}: tensor {weight!r}: no LoRA on this weight ({why})")
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
-            raise ValueError(f"{where}: {weight}: lora_a {tuple(a.shape)} and lora_b {tuple(b.shape)} "
-                             "do not share a rank")
+            raise ValueError(
+                f"{where}: {weight}: lora_a {tuple(a.shape)} and lora_b {tuple(b.shape)} do not share a rank"
+            )
         ranks.add(a.shape[0])
     if len(ranks) != 1:
         raise ValueError(f"{where}: weights of different ranks {sorted(ranks)} are not supported")
@@ -186,11 +218,29 @@ def read_gguf_adapter(name: str, path: str | Path, max_rank: int) -> LoRAAdapter
 
 
 # GGUF names (gguf-py's TENSOR_NAMES) of the layers TARGET_MODULES names, and of those refused.
-_GGUF_TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
-                 "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "attn_q_a", "attn_q_b", "attn_kv_a_mqa")
-_GGUF_REFUSED = {"attn_kv_b": _REFUSED_MODULES["kv_b_proj"], "attn_k_b": _REFUSED_MODULES["k_b_proj"],
-                 "attn_v_b": _REFUSED_MODULES["v_b_proj"], "ffn_gate_exps": "adapters on MoE experts",
-                 "ffn_up_exps": "adapters on MoE experts", "ffn_down_exps": "adapters on MoE experts"}
+_GGUF_TARGETS = (
+    "attn_q",
+    "attn_k",
+    "attn_v",
+    "attn_output",
+    "ffn_gate",
+    "ffn_up",
+    "ffn_down",
+    "ffn_gate_shexp",
+    "ffn_up_shexp",
+    "ffn_down_shexp",
+    "attn_q_a",
+    "attn_q_b",
+    "attn_kv_a_mqa",
+)
+_GGUF_REFUSED = {
+    "attn_kv_b": _REFUSED_MODULES["kv_b_proj"],
+    "attn_k_b": _REFUSED_MODULES["k_b_proj"],
+    "attn_v_b": _REFUSED_MODULES["v_b_proj"],
+    "ffn_gate_exps": "adapters on MoE experts",
+    "ffn_up_exps": "adapters on MoE experts",
+    "ffn_down_exps": "adapters on MoE experts",
+}
 
 
 def _from_gguf(adapter: LoRAAdapter, model: nn.Module, module_paths: list[str]) -> _Pairs:
@@ -201,8 +251,10 @@ def _from_gguf(adapter: LoRAAdapter, model: nn.Module, module_paths: list[str]) 
     config = getattr(model, "hf_config", None)
     base_arch = None if config is None else gguf_architecture(config)
     if adapter.gguf_arch != base_arch:
-        raise ValueError(f"{where}: the adapter is for architecture {adapter.gguf_arch!r}, "
-                         f"the model is {base_arch or getattr(config, 'model_type', None)!r}")
+        raise ValueError(
+            f"{where}: the adapter is for architecture {adapter.gguf_arch!r}, "
+            f"the model is {base_arch or getattr(config, 'model_type', None)!r}"
+        )
     names = lora_target_names(adapter.gguf_arch, module_paths, config.num_hidden_layers)
     weights = {}
     for weight, (a, b) in adapter.weights.items():
@@ -212,13 +264,15 @@ def _from_gguf(adapter: LoRAAdapter, model: nn.Module, module_paths: list[str]) 
     return weights
 
 
-def add_lora_adapters(model: nn.Module, modules: dict[str, str], max_rank: int,
-                      dtype: torch.dtype = torch.float32) -> dict[str, int]:
+def add_lora_adapters(
+    model: nn.Module, modules: dict[str, str], max_rank: int, dtype: torch.dtype = torch.float32
+) -> dict[str, int]:
     """Read each adapter (name -> PEFT directory or LoRA GGUF file) and attach it to the model's
     Linear layers, in `dtype` (float32, or the model's dtype). Returns name -> slot. Everything is
     read and checked before any layer changes: a bad adapter leaves the model as it was."""
-    prepared = [prepare_lora_adapter(model, read_peft_adapter(name, path, max_rank), dtype)
-                for name, path in modules.items()]
+    prepared = [
+        prepare_lora_adapter(model, read_peft_adapter(name, path, max_rank), dtype) for name, path in modules.items()
+    ]
     slots = {}
     for slot, adapter in enumerate(prepared, start=1):
         adapter.install(slot)
@@ -258,19 +312,23 @@ def prepare_lora_adapter(model: nn.Module, adapter: LoRAAdapter, dtype: torch.dt
     per_layer: dict[int, tuple[Linear, list[tuple[str | None, torch.Tensor, torch.Tensor]]]] = {}
     for module_path, (a, b) in weights.items():
         if ".experts." in module_path:  # an expert sees some rows of the step: not the batch's rows
-            raise ValueError(f"LoRA adapter {name!r} ({path}): adapters on MoE experts ({module_path}) "
-                             "are not supported")
+            raise ValueError(
+                f"LoRA adapter {name!r} ({path}): adapters on MoE experts ({module_path}) are not supported"
+            )
         if module_path not in linears:
             raise ValueError(f"LoRA adapter {name!r} ({path}): the model has no layer {module_path}")
         layer, shard = linears[module_path]
         out = layer.checkpoint_shard_sizes[shard] if shard is not None else layer.checkpoint_out_features
         if a.shape[1] != layer.checkpoint_in_features or b.shape[0] != out:
-            raise ValueError(f"LoRA adapter {name!r} ({path}): {module_path}: lora_A {tuple(a.shape)} and "
-                             f"lora_B {tuple(b.shape)} do not fit the layer ({out} x {layer.checkpoint_in_features})")
+            raise ValueError(
+                f"LoRA adapter {name!r} ({path}): {module_path}: lora_A {tuple(a.shape)} and "
+                f"lora_B {tuple(b.shape)} do not fit the layer ({out} x {layer.checkpoint_in_features})"
+            )
         a, b = _rank_part(layer, shard, a, b)
         per_layer.setdefault(id(layer), (layer, []))[1].append((shard, a, b))
-    return PreparedLoRA(name, tuple((layer, _stack(layer, parts, adapter.scale, dtype))
-                                    for layer, parts in per_layer.values()))
+    return PreparedLoRA(
+        name, tuple((layer, _stack(layer, parts, adapter.scale, dtype)) for layer, parts in per_layer.values())
+    )
 
 
 def _rank_part(layer: Linear, shard: str | None, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -295,8 +353,9 @@ def remove_lora_adapter(model: nn.Module, slot: int) -> None:
                 module.lora = None
 
 
-def _stack(layer: Linear, parts: list[tuple[str | None, torch.Tensor, torch.Tensor]], scale: float,
-           dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, float]:
+def _stack(
+    layer: Linear, parts: list[tuple[str | None, torch.Tensor, torch.Tensor]], scale: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, float]:
     """One layer's A_cat and B_cat (see the module docstring), on the layer's device."""
     device = next(t for t in (layer.bias, getattr(layer, layer.weight_param_names()[0])) if t is not None).device
     a_cat = torch.cat([a for _, a, _ in parts]).to(device=device, dtype=dtype)  # (R, in)

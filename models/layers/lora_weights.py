@@ -1,5 +1,6 @@
 """A step's rows by LoRA adapter and one Linear's adapters: what the Linear layers and the step's
 kernels hold, apart from models/layers/lora.py (which reads adapters and imports the layers)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -20,6 +20,7 @@ so attention reads L + R numbers per cached token for all heads together, prefil
 decode alike: multi-query attention with keys of L + R numbers and values their first L, which
 is how the CPU kernel (csrc/paged_attention.cpp) takes it; the eager `_attend` is the reference.
 """
+
 from __future__ import annotations
 
 import math
@@ -31,7 +32,12 @@ from transformers import PretrainedConfig
 from models.layers import cpu_kernels
 from models.layers import parallel as tp_state
 from models.layers.attention import (
-    AttentionMetadata, gather_kv, kernel_serves, pad_queries, unpad_into, write_kv,
+    AttentionMetadata,
+    gather_kv,
+    kernel_serves,
+    pad_queries,
+    unpad_into,
+    write_kv,
 )
 from models.layers.linear import Linear
 from models.layers.norm import RMSNorm
@@ -119,7 +125,10 @@ class MLAttention(nn.Module):
         self.w_uv.copy_(w_uv)
 
     def forward(
-        self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, kv_cache: torch.Tensor,
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        x: torch.Tensor,
+        kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """x (T, hidden) -> (T, hidden). kv_cache: (num_blocks, block_size, L + R); rope:

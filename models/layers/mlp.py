@@ -3,6 +3,7 @@
 Built under tensor parallelism (models/layers/parallel.py), gate/up are column-parallel
 and down row-parallel: each rank holds intermediate_size / N of the MLP, and one
 all-reduce (none with `reduce=False`: the caller adds several first) ends it."""
+
 from __future__ import annotations
 
 import torch
@@ -18,8 +19,14 @@ from models.layers.step_kernels import StepKernels
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu", bias: bool = False,
-                 reduce: bool = True):
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        hidden_act: str = "silu",
+        bias: bool = False,
+        reduce: bool = True,
+    ):
         super().__init__()
         if hidden_act not in ACT2FN:
             raise ValueError(f"unsupported hidden_act {hidden_act!r}")
@@ -35,9 +42,14 @@ class GatedMLP(nn.Module):
         return gated(self.gate_up_proj, self.down_proj, self.act_fn, self.is_silu, x, kernels)
 
 
-def gated(gate_up_proj: MergedLinear, down_proj: Linear, act_fn: Callable[[torch.Tensor], torch.Tensor],
-          is_silu: bool, x: torch.Tensor,
-          kernels: StepKernels) -> torch.Tensor:
+def gated(
+    gate_up_proj: MergedLinear,
+    down_proj: Linear,
+    act_fn: Callable[[torch.Tensor], torch.Tensor],
+    is_silu: bool,
+    x: torch.Tensor,
+    kernels: StepKernels,
+) -> torch.Tensor:
     """down(act(gate(x)) * up(x)): GatedMLP's forward, and each routed expert's (models/layers/moe.py).
     On CPU, silu's on our kernels (each element the same bits wherever it falls in the step)."""
     if is_silu and cpu_kernels.usable(x):

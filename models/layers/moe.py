@@ -16,6 +16,7 @@ The chosen weights are optionally renormalised to sum to 1 (norm_topk_prob) and 
 multiplied by routed_scaling_factor (Qwen: 1). Qwen2-MoE scales its shared expert's output
 per token by sigmoid(shared_expert_gate(x)).
 """
+
 from __future__ import annotations
 
 import re
@@ -90,8 +91,16 @@ class RouterConfig:
     @classmethod
     def softmax_top_k(cls, num_experts: int, top_k: int, norm_topk_prob: bool) -> "RouterConfig":
         """Plain softmax over all experts, then top-k (Qwen2-MoE, Qwen3-MoE): no groups, no scaling."""
-        return cls(num_experts=num_experts, top_k=top_k, scoring="softmax", topk_method="greedy", num_groups=1,
-                   topk_groups=1, norm_topk_prob=norm_topk_prob, routed_scaling_factor=1.0)
+        return cls(
+            num_experts=num_experts,
+            top_k=top_k,
+            scoring="softmax",
+            topk_method="greedy",
+            num_groups=1,
+            topk_groups=1,
+            norm_topk_prob=norm_topk_prob,
+            routed_scaling_factor=1.0,
+        )
 
 
 class Router(nn.Module):
@@ -175,8 +184,12 @@ class Experts(nn.Module):
         # Tensor parallel: every rank holds every expert, split along its intermediate size;
         # MoE.forward adds the ranks' partial sums once, for all experts and the shared ones.
         self.gate_up = nn.ModuleList(
-            MergedLinear(hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}, bias=False,
-                         parallel="column")
+            MergedLinear(
+                hidden_size,
+                {"gate_proj": intermediate_size, "up_proj": intermediate_size},
+                bias=False,
+                parallel="column",
+            )
             for _ in range(num_experts)
         )
         self.down = nn.ModuleList(
@@ -223,7 +236,9 @@ class Experts(nn.Module):
                 layer.load_shard("up_proj", up, name)
             else:
                 layer.load_weight(weight[expert], name)
-            loaded += [f"{'gate_up' if proj == 'gate_up_proj' else 'down'}.{expert}.{n}" for n in layer.weight_param_names()]
+            loaded += [
+                f"{'gate_up' if proj == 'gate_up_proj' else 'down'}.{expert}.{n}" for n in layer.weight_param_names()
+            ]
         return loaded
 
     def forward(
@@ -261,8 +276,16 @@ class MoE(nn.Module):
     experts are stored as one MLP whose intermediate size is their sum (`shared_intermediate_size`);
     with `shared_gate` (Qwen2-MoE) its output is scaled per token by sigmoid(shared_expert_gate(x))."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, router_config: RouterConfig,
-                 shared_intermediate_size: int = 0, shared_gate: bool = False, mlp_bias: bool = False) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        hidden_act: str,
+        router_config: RouterConfig,
+        shared_intermediate_size: int = 0,
+        shared_gate: bool = False,
+        mlp_bias: bool = False,
+    ) -> None:
         super().__init__()
         self.gate = Router(router_config, hidden_size)
         self.experts = Experts(router_config.num_experts, hidden_size, intermediate_size, hidden_act)

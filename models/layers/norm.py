@@ -1,5 +1,6 @@
 """RMSNorm computed in float32 and cast back, exactly as transformers' Llama/Qwen do; and Gemma's,
 which scales by (1 + weight) in float32 before the cast."""
+
 from __future__ import annotations
 
 import torch

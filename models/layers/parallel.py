@@ -19,6 +19,7 @@ ranks of one machine (a shared-memory buffer, far faster than gloo's TCP on loop
 run ranks as threads of one process with another. Every one of them adds the ranks'
 tensors so that every rank gets the same bits; the shared-memory one adds them in rank order.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -238,7 +239,9 @@ def kv_head_slice(num_kv_heads: int, tp: TensorParallel) -> slice:
     if tp.size <= num_kv_heads:
         return tp.split(num_kv_heads, "num_key_value_heads")
     if tp.size % num_kv_heads:
-        raise ValueError(f"tensor parallel size {tp.size} is neither a divisor nor a multiple of "
-                         f"num_key_value_heads ({num_kv_heads})")
+        raise ValueError(
+            f"tensor parallel size {tp.size} is neither a divisor nor a multiple of "
+            f"num_key_value_heads ({num_kv_heads})"
+        )
     head = tp.rank // (tp.size // num_kv_heads)
     return slice(head, head + 1)

@@ -37,6 +37,7 @@ its first product):
 `dequantize` + F.linear is the reference that the kernel is tested against and the path
 where it is not built, or for activations kept in float (`quantize_input=False`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -92,12 +93,16 @@ class QuantizedWeight:
             raise ValueError(
                 f"tensor {name!r}: a tensor-parallel split of its {self.in_features} inputs at "
                 f"{part.start}..{part.stop} cuts its quantization groups of {g}; choose a tensor parallel "
-                f"size that divides {self.in_features // g} groups, or load it with --quantization none")
+                f"size that divides {self.in_features // g} groups, or load it with --quantization none"
+            )
         size = _GROUP_BYTES[self.bits]  # a row's bytes per 32 values
         groups = slice(part.start // g, part.stop // g)
         return QuantizedWeight(
-            self.bits, self.qweight[:, part.start // BLOCK * size : part.stop // BLOCK * size], self.scales[:, groups],
-            None if self.mins is None else self.mins[:, groups], part.stop - part.start,
+            self.bits,
+            self.qweight[:, part.start // BLOCK * size : part.stop // BLOCK * size],
+            self.scales[:, groups],
+            None if self.mins is None else self.mins[:, groups],
+            part.stop - part.start,
         )
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -216,8 +221,9 @@ def to_panels(qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return qweight.contiguous(), factors(qw.scales), factors(qw.mins)
 
 
-def panel_rows(bits: int, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
-               rows: torch.Tensor) -> QuantizedWeight:
+def panel_rows(
+    bits: int, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, rows: torch.Tensor
+) -> QuantizedWeight:
     """Rows `rows` (output columns) of panelled weights, back in the stored layout."""
     panels, nb, _ = qweight.shape
     panel, lane = rows // PANEL, rows % PANEL
@@ -226,7 +232,7 @@ def panel_rows(bits: int, qweight: torch.Tensor, scales: torch.Tensor, mins: tor
     if bits == 5:
         order = torch.empty(PANEL * BLOCK, dtype=torch.long)
         order[_HIGH_BIT.flatten()] = torch.arange(PANEL * BLOCK)
-        values = _to_bits(qweight[panel, :, _PANEL_GROUP_BYTES[4]:])[..., order]  # (R, nb, 8 * 32)
+        values = _to_bits(qweight[panel, :, _PANEL_GROUP_BYTES[4] :])[..., order]  # (R, nb, 8 * 32)
         high = values.view(rows.numel(), nb, PANEL, BLOCK)[torch.arange(rows.numel()), :, lane]  # (R, nb, 32)
         q = torch.cat((q, _from_bits(high)), dim=-1)
 
@@ -236,8 +242,9 @@ def panel_rows(bits: int, qweight: torch.Tensor, scales: torch.Tensor, mins: tor
     return QuantizedWeight(bits, q.reshape(rows.numel(), -1), lanes(scales), lanes(mins), nb * BLOCK)
 
 
-def quantized_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None,
-                     panels: tuple | None = None) -> torch.Tensor:
+def quantized_linear(
+    x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None, panels: tuple | None = None
+) -> torch.Tensor:
     """x W^T (+ bias) on the CPU kernel, from `qw` or its `to_panels(qw)` (tests, benchmarks:
     a model's layers go through QuantMethod)."""
     qweight, scales, mins = panels if panels is not None else to_panels(qw)
@@ -281,9 +288,7 @@ class LinearMethod:
     def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None:
         raise NotImplementedError
 
-    def apply(
-        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, kernels: StepKernels
-    ) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, kernels: StepKernels) -> torch.Tensor:
         """x W^T + b on the kernels the step chose (models/layers/step_kernels.py)."""
         raise NotImplementedError
 
@@ -444,24 +449,48 @@ class QuantMethod(LinearMethod):
         return True
 
     def apply(self, layer, x, bias, kernels):
-        if (x.device.type == "cpu" and x.dim() == 2 and self.quantize_input
-                and self.process_weights_after_loading(layer)):
+        if (
+            x.device.type == "cpu"
+            and x.dim() == 2
+            and self.quantize_input
+            and self.process_weights_after_loading(layer)
+        ):
             # One kernel for every row count (a decode, a batch, a prefill): its result for a
             # row depends on that row alone, never on the step's size or the thread count.
             return cpu_kernels.quant_linear(
-                x, layer.qweight, layer.scales, layer.mins if self.bits != 8 else None, bias, self.bits,
-                layer.in_features // layer.scales.shape[1], layer.out_features, layer.min_per_scale,
+                x,
+                layer.qweight,
+                layer.scales,
+                layer.mins if self.bits != 8 else None,
+                bias,
+                self.bits,
+                layer.in_features // layer.scales.shape[1],
+                layer.out_features,
+                layer.min_per_scale,
             )
         return kernels.matmul(F.linear, x, self.dense_weight(layer).to(x.dtype), bias)
 
     def apply_silu_mul(self, layer, x, bias, kernels):
         # The product and silu_and_mul in one pass (csrc/quant_linear.cpp, quant_linear_silu_mul):
         # the same numbers, without the (rows, 2 * intermediate) output between them.
-        if (x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and self.quantize_input
-                and layer.out_features % 16 == 0 and self.process_weights_after_loading(layer)):
+        if (
+            x.dtype == torch.float32
+            and x.device.type == "cpu"
+            and x.dim() == 2
+            and self.quantize_input
+            and layer.out_features % 16 == 0
+            and self.process_weights_after_loading(layer)
+        ):
             return cpu_kernels.quant_linear_silu_mul(
-                x, layer.qweight, layer.scales, layer.mins if self.bits != 8 else None, bias, self.bits,
-                layer.in_features // layer.scales.shape[1], layer.out_features, layer.min_per_scale,
+                x,
+                layer.qweight,
+                layer.scales,
+                layer.mins if self.bits != 8 else None,
+                bias,
+                self.bits,
+                layer.in_features // layer.scales.shape[1],
+                layer.out_features,
+                layer.min_per_scale,
             )
         return None
 
@@ -472,8 +501,13 @@ class QuantMethod(LinearMethod):
         _check_shape_of(tuple(weight.shape), expected, name)
         if isinstance(weight, QuantizedWeight) and weight.bits == 4 and self.bits == 5:
             # exactly: the same numbers with the high bits 0 (a merged layer of Q4 and Q5 parts)
-            weight = QuantizedWeight(5, pack_int5(unpack_int4(weight.qweight, weight.in_features)), weight.scales,
-                                     weight.mins, weight.in_features)
+            weight = QuantizedWeight(
+                5,
+                pack_int5(unpack_int4(weight.qweight, weight.in_features)),
+                weight.scales,
+                weight.mins,
+                weight.in_features,
+            )
         if not isinstance(weight, QuantizedWeight) or not self._compatible(weight, layer.in_features):
             weight = self.quantize(weight.dequantize() if isinstance(weight, QuantizedWeight) else weight)
         with torch.no_grad():

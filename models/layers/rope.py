@@ -10,6 +10,7 @@ older scales).  Up to `max_position_embeddings` both use the unscaled
 frequencies; beyond it we use the frequencies for the table's full length, a
 fixed scale like vLLM's.
 """
+
 from __future__ import annotations
 
 import torch

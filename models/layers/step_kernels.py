@@ -10,6 +10,7 @@ engine/threads.py) that the layers receive with the step, as `AttentionMetadata.
 
 The layers read the choice from the step, never from torch.backends.mkldnn.enabled.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -5,6 +5,7 @@ argument one vllm-router parses, the probes ask /health on the port the server l
 grace period outlasts its drain, tensor-parallel pods get a memory-backed /dev/shm, selectors find
 the pods they mean and no others, autoscaling reads a series the server really exports.
 """
+
 from __future__ import annotations
 
 import copy
@@ -32,8 +33,11 @@ ENTRYPOINT = re.search(r'^ENTRYPOINT \["pagedserve", (.*)\]$', DOCKERFILE, re.M)
 ENTRY_ARGS = [a.strip().strip('"') for a in ENTRYPOINT[1].split(",")] if ENTRYPOINT else []
 IMAGE_UID = re.search(r"useradd .*--uid (\d+)", DOCKERFILE)
 # What the pod's environment holds when Kubernetes expands $(VAR) in args (LWS sets the first two).
-POD_ENV = {"LWS_LEADER_ADDRESS": "pagedserve-multinode-0.pagedserve-multinode", "LWS_WORKER_INDEX": "1",
-           "POD_NAMESPACE": "default"}
+POD_ENV = {
+    "LWS_LEADER_ADDRESS": "pagedserve-multinode-0.pagedserve-multinode",
+    "LWS_WORKER_INDEX": "1",
+    "POD_NAMESPACE": "default",
+}
 
 
 @functools.cache
@@ -60,14 +64,21 @@ def pod_templates() -> dict[str, dict]:
 
 def selected(selector: dict) -> set[str]:
     """The workloads whose pods carry every label of `selector`."""
-    return {name for name, t in pod_templates().items()
-            if selector.items() <= t.get("metadata", {}).get("labels", {}).items()}
+    return {
+        name
+        for name, t in pod_templates().items()
+        if selector.items() <= t.get("metadata", {}).get("labels", {}).items()
+    }
 
 
 def server_containers() -> list[tuple[str, dict, dict]]:
     """(workload, pod spec, container) of every container running the pagedserve image."""
-    return [(name, t["spec"], c) for name, t in pod_templates().items() for c in t["spec"]["containers"]
-            if c["image"].split(":")[0] == "pagedserve"]
+    return [
+        (name, t["spec"], c)
+        for name, t in pod_templates().items()
+        for c in t["spec"]["containers"]
+        if c["image"].split(":")[0] == "pagedserve"
+    ]
 
 
 def expand(arg: str) -> str:
@@ -96,15 +107,27 @@ def exported_series() -> dict[str, set[str]]:
 
 def test_every_manifest_validates_strictly():
     docs = documents()
-    assert {doc["kind"] for _, doc in docs} >= {"Deployment", "Service", "PodDisruptionBudget", "ServiceAccount",
-                                                "Role", "RoleBinding", "ScaledObject", "HorizontalPodAutoscaler",
-                                                "LeaderWorkerSet", "Kustomization"}
+    assert {doc["kind"] for _, doc in docs} >= {
+        "Deployment",
+        "Service",
+        "PodDisruptionBudget",
+        "ServiceAccount",
+        "Role",
+        "RoleBinding",
+        "ScaledObject",
+        "HorizontalPodAutoscaler",
+        "LeaderWorkerSet",
+        "Kustomization",
+    }
     for _, doc in docs:
         if doc["kind"] not in CUSTOM_KINDS:
             kubernetes_validate.validate(doc, KUBERNETES, strict=True)
     for template in pod_templates().values():  # the custom resources' too
-        kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"},
-                                      "template": template}, KUBERNETES, strict=True)
+        kubernetes_validate.validate(
+            {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": template},
+            KUBERNETES,
+            strict=True,
+        )
 
 
 def test_a_broken_manifest_is_caught():
@@ -203,8 +226,10 @@ def test_router_discovers_the_server_pods_with_the_rights_it_needs():
     assert ports["http"] == args.port and ports["metrics"] == args.prometheus_port
     assert args.prometheus_host == "0.0.0.0", "its default, 127.0.0.1, is out of Prometheus' reach"
     role = of_kind("Role")["pagedserve-router"]
-    assert any({"get", "list", "watch"} <= set(rule["verbs"]) and "pods" in rule["resources"]
-               and rule["apiGroups"] == [""] for rule in role["rules"])
+    assert any(
+        {"get", "list", "watch"} <= set(rule["verbs"]) and "pods" in rule["resources"] and rule["apiGroups"] == [""]
+        for rule in role["rules"]
+    )
     binding = of_kind("RoleBinding")["pagedserve-router"]
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "pagedserve-router"}
     assert {"kind": "ServiceAccount", "name": router["serviceAccountName"]} in binding["subjects"]
@@ -215,8 +240,11 @@ def test_autoscaling_reads_a_queue_the_server_exports_never_cpu():
     server = server_args(of_kind("Deployment")["pagedserve"]["spec"]["template"]["spec"]["containers"][0])
     target = {"apiVersion": "apps/v1", "kind": "Deployment", "name": "pagedserve"}
     annotations = of_kind("Deployment")["pagedserve"]["spec"]["template"]["metadata"]["annotations"]
-    assert annotations == {"prometheus.io/scrape": "true", "prometheus.io/port": str(server.port),
-                           "prometheus.io/path": "/metrics"}, "Prometheus scrapes what autoscaling reads"
+    assert annotations == {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(server.port),
+        "prometheus.io/path": "/metrics",
+    }, "Prometheus scrapes what autoscaling reads"
     scaled = of_kind("ScaledObject")["pagedserve"]
     assert scaled["spec"]["scaleTargetRef"] == target
     assert scaled["spec"]["triggers"] and all(t["type"] == "prometheus" for t in scaled["spec"]["triggers"])

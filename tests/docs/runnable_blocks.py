@@ -11,6 +11,7 @@ comment: neither GitHub nor MkDocs shows it):
 Mark a block only if it runs as written against the default server (`make serve`: the default
 model on 127.0.0.1:8000, no other flags). A file's runnable blocks run in order in one scope, so
 a block may use what an earlier one defined (the `client`)."""
+
 from __future__ import annotations
 
 import re
@@ -58,7 +59,7 @@ def blocks(path: Path) -> list[Block]:
             continue
         end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
         runnable = i > 0 and lines[i - 1].strip() == MARKER
-        found.append(Block(path, i + 1, fence.group(1), "\n".join(lines[i + 1:end]) + "\n", section, runnable))
+        found.append(Block(path, i + 1, fence.group(1), "\n".join(lines[i + 1 : end]) + "\n", section, runnable))
         i = end + 1
     return found
 

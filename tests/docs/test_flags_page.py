@@ -1,5 +1,6 @@
 """docs/configuration.md is generated from the server's parser: it must match what
 `python docs/flags.py` writes now, so a new or changed flag cannot go undocumented."""
+
 import runpy
 from pathlib import Path
 

@@ -1,5 +1,6 @@
 """The `<!-- runnable -->` marker convention (tests/docs/runnable_blocks.py), checked without a server:
 tests/e2e/test_default_model_server.py runs the marked blocks against one."""
+
 from __future__ import annotations
 
 import pytest
@@ -35,4 +36,6 @@ def test_the_parser_reads_fences_markers_and_sections(tmp_path):
     page.write_text("# A\n\n```bash\nmake serve\n```\n\n## B\n\n" + MARKER + "\n```python\nprint(1)\n```\n")
     found = blocks(page)
     assert [(b.language, b.section, b.runnable, b.code) for b in found] == [
-        ("bash", "A", False, "make serve\n"), ("python", "B", True, "print(1)\n")]
+        ("bash", "A", False, "make serve\n"),
+        ("python", "B", True, "print(1)\n"),
+    ]

@@ -1,6 +1,7 @@
 """End to end: `python -m server --model qwen2.5-coder-0.5b-instruct`, the real Qwen2.5 Coder 0.5B
 (Q4_K_M GGUF) by its catalogue name, through the official openai client: a chat answer, and tool
 calls read in Qwen's own `<tool_call>` format (the hermes parser, picked from the chat template)."""
+
 from __future__ import annotations
 
 import json
@@ -17,10 +18,18 @@ from tests.server.conftest import free_port, stop_server, wait_healthy
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow  # loads a 0.5B model and decodes on the CPU
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Get the current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "the city's name"}},
-                   "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "description": "the city's name"}},
+            "required": ["city"],
+        },
+    },
+}
 ASK_WEATHER = [{"role": "user", "content": "What is the weather like in Paris right now?"}]
 
 
@@ -31,9 +40,26 @@ def server(qwen05_servable, tmp_path_factory):
     log = tmp_path_factory.mktemp("qwen-server") / "server.log"
     with open(log, "w") as out:  # a file, not a pipe nobody reads: info-level logs would fill one
         proc = subprocess.Popen(
-            [sys.executable, "-m", "server", "--model", MODEL, "--port", str(port), "--max-model-len", "4096",
-             "--kv-cache-memory", "0.25", "--log-level", "info"],
-            cwd=REPO, stdout=out, stderr=subprocess.STDOUT, text=True)
+            [
+                sys.executable,
+                "-m",
+                "server",
+                "--model",
+                MODEL,
+                "--port",
+                str(port),
+                "--max-model-len",
+                "4096",
+                "--kv-cache-memory",
+                "0.25",
+                "--log-level",
+                "info",
+            ],
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, url, timeout=900, output=log.read_text)
@@ -54,18 +80,23 @@ def test_served_under_its_catalogue_name_with_qwens_tool_format(client, server):
 
 def test_chat_answers_with_code(client):
     reply = client.chat.completions.create(
-        model=MODEL, max_tokens=96, temperature=0,
-        messages=[{"role": "user", "content": "Write a Python function square(x) that returns x squared."}])
+        model=MODEL,
+        max_tokens=96,
+        temperature=0,
+        messages=[{"role": "user", "content": "Write a Python function square(x) that returns x squared."}],
+    )
     choice = reply.choices[0]
     assert "def square" in choice.message.content, choice.message.content
     assert choice.finish_reason in ("stop", "length") and reply.usage.completion_tokens > 0
 
 
-@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
-                         ids=["required", "named"])
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}], ids=["required", "named"]
+)
 def test_a_forced_tool_call_is_parsed(client, tool_choice):
-    choice = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER],
-                                            tool_choice=tool_choice, max_tokens=60, temperature=0).choices[0]
+    choice = client.chat.completions.create(
+        model=MODEL, messages=ASK_WEATHER, tools=[WEATHER], tool_choice=tool_choice, max_tokens=60, temperature=0
+    ).choices[0]
     assert choice.finish_reason == "tool_calls", choice
     [call] = choice.message.tool_calls
     assert call.function.name == "get_weather" and call.id
@@ -77,8 +108,9 @@ def test_the_models_own_tool_call_is_parsed_without_a_grammar(client):
     """tool_choice auto: nothing forces the output. This model writes the call as a bare JSON object
     rather than inside the <tool_call> tags its template shows (transformers' float32 greedy output
     does the same); the hermes parser reads both, and no tag or JSON is left in the content."""
-    choice = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER], max_tokens=60,
-                                            temperature=0).choices[0]
+    choice = client.chat.completions.create(
+        model=MODEL, messages=ASK_WEATHER, tools=[WEATHER], max_tokens=60, temperature=0
+    ).choices[0]
     assert choice.finish_reason == "tool_calls", choice.message.content
     [call] = choice.message.tool_calls
     assert call.function.name == "get_weather"

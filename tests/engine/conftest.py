@@ -1,4 +1,5 @@
 """A tiny random Llama checkpoint (saved by transformers' save_pretrained), loaded once in float32."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,5 @@
 """AsyncEngine from asyncio: concurrent streams, aborts in every form, failures, refusals."""
+
 from __future__ import annotations
 
 import asyncio
@@ -66,7 +67,9 @@ def test_concurrent_streams_match_offline_generation(engine, loaded):
                 await asyncio.sleep(0.001)
 
         tick_task = asyncio.create_task(ticker())
-        streams = await asyncio.gather(*(collect(engine, p, sp, f"c{i}") for i, (p, sp) in enumerate(zip(prompts, params))))
+        streams = await asyncio.gather(
+            *(collect(engine, p, sp, f"c{i}") for i, (p, sp) in enumerate(zip(prompts, params)))
+        )
         tick_task.cancel()
         return streams
 
@@ -324,6 +327,6 @@ def test_a_stalled_reader_is_bounded_then_aborted_and_a_slow_one_is_not(loaded, 
     # it was sent, and was aborted with its blocks freed.
     assert len(outs) <= 1 + 4 + 1 and outs[-1].finish_reason == "abort"
     tokens = [t for o in outs for t in o.token_ids]
-    assert len(tokens) < 240 and tokens == want[0].token_ids[:len(tokens)]
+    assert len(tokens) < 240 and tokens == want[0].token_ids[: len(tokens)]
     assert stats.num_stalled_aborts == 1 and stats.num_kv_blocks_used == 0
     assert steady[-1].finish_reason == "length" and [t for o in steady for t in o.token_ids] == want[1].token_ids

@@ -1,4 +1,5 @@
 """The block pool on its own: ref counts, prefix hashes, LRU eviction, audit. No torch."""
+
 import pytest
 
 from engine.block_manager import BlockManager, hash_block

@@ -6,6 +6,7 @@ boundaries), a Llama-2-style SentencePiece BPE with byte fallback (decode strips
 the first leading space; unknown characters become <0xXX> tokens), and, when the
 model fetcher and GGUF reader are there, SmolLM2's own tokenizer.
 """
+
 import functools
 import time
 import tracemalloc
@@ -26,9 +27,38 @@ CORPUS = [
     "def f(x):\n    return x * 2  # code\tand tabs",
 ]
 ATOMS = [
-    "a", "b", "the", " ", "  ", "\n", ".", ",", "!", "Hello", " world", "x", "7",
-    "中", "文", "字符", "日本語", "한국어", "é", "e\u0301", "a\u0308\u0323", "\u0301",
-    "👍", "👍🏽", "👨‍👩‍👧‍👦", "🏳️‍🌈", "🇫🇷", "😀", "\u200d", "Ω", "ß", "▁",
+    "a",
+    "b",
+    "the",
+    " ",
+    "  ",
+    "\n",
+    ".",
+    ",",
+    "!",
+    "Hello",
+    " world",
+    "x",
+    "7",
+    "中",
+    "文",
+    "字符",
+    "日本語",
+    "한국어",
+    "é",
+    "e\u0301",
+    "a\u0308\u0323",
+    "\u0301",
+    "👍",
+    "👍🏽",
+    "👨‍👩‍👧‍👦",
+    "🏳️‍🌈",
+    "🇫🇷",
+    "😀",
+    "\u200d",
+    "Ω",
+    "ß",
+    "▁",
 ]
 TEXT = st.lists(
     st.one_of(st.sampled_from(ATOMS), st.characters(codec="utf-8", exclude_categories=["Cs"])),
@@ -43,8 +73,12 @@ def byte_level_bpe():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=500, special_tokens=["<|end|>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=500,
+        special_tokens=["<|end|>"],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(CORPUS * 10, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|end|>")
 
@@ -57,8 +91,9 @@ def sentencepiece_byte_fallback():
     merges = [("▁", "t"), ("h", "e"), ("▁t", "he"), ("▁", "w")]
     tok = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(" ", 1, 0)])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>")
 
 
@@ -115,8 +150,11 @@ def test_pieces_concatenate_to_the_full_decode(name, text, skip_special, data):
     ids = tok.encode(text, add_special_tokens=False)
     # Special tokens anywhere (but inside a character): skipped or kept, they must not disturb the stream.
     for _ in range(data.draw(st.integers(0, 2))):
-        boundaries = [i for i in range(len(ids) + 1) if not (0 < i < len(ids) and is_byte(tok, ids[i - 1])
-                                                               and is_byte(tok, ids[i]))]
+        boundaries = [
+            i
+            for i in range(len(ids) + 1)
+            if not (0 < i < len(ids) and is_byte(tok, ids[i - 1]) and is_byte(tok, ids[i]))
+        ]
         ids.insert(data.draw(st.sampled_from(boundaries)), tok.eos_token_id)
     params = SamplingParams(skip_special_tokens=skip_special)
     full = tok.decode(ids, skip_special_tokens=skip_special)
@@ -151,7 +189,7 @@ def test_stop_strings_cut_the_text_and_hold_back_only_their_prefixes(name, text,
     stops = []
     for _ in range(data.draw(st.integers(1, 3))):  # substrings, so they occur, often across tokens
         start = data.draw(st.integers(0, len(full) - 1))
-        stops.append(full[start:start + data.draw(st.integers(1, 6))])
+        stops.append(full[start : start + data.draw(st.integers(1, 6))])
     stops += data.draw(st.lists(st.sampled_from(["zz", "END", "👍👍", "中中中"]), max_size=1))
     params = SamplingParams(stop=tuple(stops))
     pieces, snapshots, stop, det = stream(tok, ids, params)
@@ -166,8 +204,9 @@ def test_stop_strings_cut_the_text_and_hold_back_only_their_prefixes(name, text,
         if name != "sentencepiece_byte_fallback":  # see test_arbitrary_token_sequences...
             assert released + held == tok.decode(ids[:n], skip_special_tokens=True).rstrip("\ufffd")
         assert len(held) <= max(map(len, stops)) - 1
-        longest = max((i for i in range(1, len(held) + len(released) + 1)
-                       if (released + held)[-i:] in prefixes), default=0)
+        longest = max(
+            (i for i in range(1, len(held) + len(released) + 1) if (released + held)[-i:] in prefixes), default=0
+        )
         assert len(held) == longest
 
 

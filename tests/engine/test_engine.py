@@ -1,5 +1,6 @@
 """The engine end to end on a tiny random Llama in float32: batching, preemption, prefix
 caching, chunked prefill and failures must never change a request's greedy output."""
+
 from __future__ import annotations
 
 import copy
@@ -60,8 +61,14 @@ def hf_greedy(hf_model, prompt, max_tokens):
     """transformers' greedy tokens and, per step, the gap between its two best log-probs."""
     config = copy.deepcopy(hf_model.generation_config)
     # None would fall back to the checkpoint's EOS; an id outside the vocabulary never stops it.
-    config.update(eos_token_id=VOCAB, max_new_tokens=max_tokens, do_sample=False, pad_token_id=0,
-                  output_logits=True, return_dict_in_generate=True)
+    config.update(
+        eos_token_id=VOCAB,
+        max_new_tokens=max_tokens,
+        do_sample=False,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
     ids = torch.tensor([prompt])
     with torch.no_grad():
         out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
@@ -69,7 +76,7 @@ def hf_greedy(hf_model, prompt, max_tokens):
     for logits in out.logits:
         top2 = torch.log_softmax(logits[0].float(), -1).topk(2).values
         gaps.append((top2[0] - top2[1]).item())
-    return out.sequences[0, len(prompt):].tolist(), gaps
+    return out.sequences[0, len(prompt) :].tolist(), gaps
 
 
 def agrees_until_near_tie(ours, ref, gaps):
@@ -84,9 +91,7 @@ def agrees_until_near_tie(ours, ref, gaps):
 
 def test_32_concurrent_greedy_requests_match_solo_runs_and_transformers(loaded, tiny_llama):
     rng = random.Random(0)
-    requests = [
-        (f"r{i}", random_prompt(rng, rng.randint(1, 70)), greedy(rng.randint(1, 40))) for i in range(32)
-    ]
+    requests = [(f"r{i}", random_prompt(rng, rng.randint(1, 70)), greedy(rng.randint(1, 40))) for i in range(32)]
     config = dict(block_size=8, num_kv_blocks=512, max_num_seqs=32, max_num_batched_tokens=96)
     core = EngineCore(loaded, EngineConfig(**config))
     batched = run_core(core, requests)
@@ -103,8 +108,10 @@ def test_32_concurrent_greedy_requests_match_solo_runs_and_transformers(loaded, 
         agree_hf += agrees_until_near_tie(ours, ref, gaps)
         if not agrees_until_near_tie(ours, ref, gaps):
             print(rid, len(prompt), ours, ref, [round(g, 4) for g in gaps])
-    print(f"\n32 concurrent greedy requests: 32/32 equal to solo runs, {agree_hf}/32 agree with transformers "
-          f"up to a near-tie (top-2 gap < {GAP_TOL}), {exact_hf}/32 whole outputs identical to transformers")
+    print(
+        f"\n32 concurrent greedy requests: 32/32 equal to solo runs, {agree_hf}/32 agree with transformers "
+        f"up to a near-tie (top-2 gap < {GAP_TOL}), {exact_hf}/32 whole outputs identical to transformers"
+    )
     assert agree_hf == 32
 
 
@@ -114,7 +121,11 @@ def test_pool_too_small_preempts_and_outputs_are_unchanged(loaded):
     # Seeded random sampling: each request draws from its own generator, so neither the
     # batch around it nor a recompute after preemption may change its tokens.
     requests += [
-        (f"s{i}", random_prompt(rng, 12), SamplingParams(temperature=1.0, top_k=20, seed=i, max_tokens=25, ignore_eos=True))
+        (
+            f"s{i}",
+            random_prompt(rng, 12),
+            SamplingParams(temperature=1.0, top_k=20, seed=i, max_tokens=25, ignore_eos=True),
+        )
         for i in range(3)
     ]
     config = dict(block_size=4, num_kv_blocks=24, max_num_seqs=12, max_num_batched_tokens=64)
@@ -126,7 +137,9 @@ def test_pool_too_small_preempts_and_outputs_are_unchanged(loaded):
     for rid, _, params in requests:
         assert results[rid]["token_ids"] == solo[rid]
         assert len(solo[rid]) == params.max_tokens
-    print(f"\nsmall pool: {core.stats().num_preemptions} preemptions, 12/12 outputs (3 seeded random) equal to solo runs")
+    print(
+        f"\nsmall pool: {core.stats().num_preemptions} preemptions, 12/12 outputs (3 seeded random) equal to solo runs"
+    )
 
 
 def test_prefix_cache_computes_only_uncached_tokens(loaded):
@@ -141,8 +154,9 @@ def test_prefix_cache_computes_only_uncached_tokens(loaded):
     assert result["final"].num_cached_tokens == 48
     assert after.num_computed_tokens - before.num_computed_tokens == 7 + 5  # the suffix, then 5 decodes
     assert after.prefix_cache_hits - before.prefix_cache_hits == 48
-    uncached = solo_outputs(loaded, [("second", second, greedy(6))], block_size=16, num_kv_blocks=64,
-                            enable_prefix_caching=False)
+    uncached = solo_outputs(
+        loaded, [("second", second, greedy(6))], block_size=16, num_kv_blocks=64, enable_prefix_caching=False
+    )
     assert result["token_ids"] == uncached["second"]
     assert_pool_empty(core)
 
@@ -202,8 +216,10 @@ class ExplodingModel:
 
 def test_every_block_returns_after_finish_abort_preemption_and_failures(loaded):
     rng = random.Random(5)
-    core = EngineCore(loaded, EngineConfig(block_size=4, num_kv_blocks=32, max_num_batched_tokens=24,
-                                           max_num_seqs=6, audit_interval_steps=1))
+    core = EngineCore(
+        loaded,
+        EngineConfig(block_size=4, num_kv_blocks=32, max_num_batched_tokens=24, max_num_seqs=6, audit_interval_steps=1),
+    )
     good = [(f"g{i}", random_prompt(rng, rng.randint(3, 12)), greedy(rng.randint(15, 30))) for i in range(12)]
     core.add_request("abort-prefill", random_prompt(rng, 60), greedy(5))
     core.add_request("abort-decode", random_prompt(rng, 3), greedy(40))
@@ -288,10 +304,21 @@ def test_pool_size_comes_from_memory_and_the_models_kv_spec(loaded):
     assert gqa.bytes_per_token == 2 * 2 * 2 * 16 * 4  # layers x (k, v) x kv heads x head_dim x float32
     assert core.runner.num_blocks == int(0.001 * 2**30) // (16 * gqa.bytes_per_token)
     assert core.runner.kv_caches[0].shape == (core.runner.num_blocks, 16, 2, 2, 16)
-    hf_config = DeepseekV3Config(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                 kv_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10,
-                                 q_lora_rank=None, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
-                                 topk_group=1)
+    hf_config = DeepseekV3Config(
+        vocab_size=96,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        kv_lora_rank=24,
+        qk_nope_head_dim=12,
+        qk_rope_head_dim=8,
+        v_head_dim=10,
+        q_lora_rank=None,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+    )
     with torch.device("meta"):
         mla = DeepseekV3ForCausalLM(hf_config, 64).kv_cache_spec(torch.float32)
     assert mla.bytes_per_token == 2 * (24 + 8) * 4  # one latent per token per layer

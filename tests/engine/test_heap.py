@@ -1,6 +1,7 @@
 """freeze_heap: what is alive when a serving process calls it is out of every later collection's
 walk, and what is garbage then is freed rather than kept for good. In a subprocess: a frozen heap
 is the process's for its whole life."""
+
 import subprocess
 import sys
 import textwrap

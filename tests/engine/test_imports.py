@@ -4,6 +4,7 @@ Read from the source with `ast`, so every import counts: at module level, inside
 function, or under `if TYPE_CHECKING:`. loadtest drives servers from outside and is
 imported by none of them.
 """
+
 from __future__ import annotations
 
 import ast
@@ -55,7 +56,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
     def visit(name: str) -> list[str] | None:
         if name in path:
-            return path[path.index(name):] + [name]
+            return path[path.index(name) :] + [name]
         if name in done:
             return None
         path.append(name)

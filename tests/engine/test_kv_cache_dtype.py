@@ -1,6 +1,7 @@
 """--kv-cache-dtype: the model's dtype by default, float16 under float32 activations with
 quantized weights (half the memory, as llama.cpp), or what the operator names: int8 quantizes
 each key and value row with its own scale (models/layers/attention.py's quantize_rows)."""
+
 from __future__ import annotations
 
 import pytest
@@ -112,8 +113,9 @@ def test_int8_cache_request_alone_or_in_a_batch_is_the_same(q4_gguf):
     prompt = [5, 9, 200, 17, 33, 41, 8, 90, 3, 77, 150, 12, 19]
     others = [[11, 12, 13], [200, 199, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31, 33], [4] * 30]
     [alone] = LLM.from_loaded(loaded, num_kv_blocks=64, kv_cache_dtype="int8").generate([prompt], params)
-    batch = LLM.from_loaded(loaded, num_kv_blocks=64, kv_cache_dtype="int8", max_num_batched_tokens=8,
-                            max_num_seqs=4).generate([others[0], prompt, *others[1:]], params)
+    batch = LLM.from_loaded(
+        loaded, num_kv_blocks=64, kv_cache_dtype="int8", max_num_batched_tokens=8, max_num_seqs=4
+    ).generate([others[0], prompt, *others[1:]], params)
     assert batch[1].token_ids == alone.token_ids
     assert batch[1].logprobs == alone.logprobs
 
@@ -143,8 +145,11 @@ def test_int8_latent_cache_serves_mla(tmp_path, monkeypatch):
         assert caches[0].shape[-1] == model.kv_cache_spec(torch.float32).entry_shape[0] + 4  # its scale
         done, outputs = [0] * len(prompts), [[] for _ in prompts]
         while any(d < len(p) for d, p in zip(done, prompts)):
-            chunks = [(i, done[i], p[done[i]:done[i] + (4 if done[i] == 0 else 1)]) for i, p in enumerate(prompts)
-                      if done[i] < len(p)]
+            chunks = [
+                (i, done[i], p[done[i] : done[i] + (4 if done[i] == 0 else 1)])
+                for i, p in enumerate(prompts)
+                if done[i] < len(p)
+            ]
             for (i, start, ids), logits in zip(chunks, paged_forward(model, caches, chunks, tables, block_size)):
                 outputs[i].append(logits)
                 done[i] = start + len(ids)

@@ -1,4 +1,5 @@
 """engine/lora.py: which slot an adapter takes, what the prefix cache keys it by, what is refused."""
+
 from __future__ import annotations
 
 import pytest

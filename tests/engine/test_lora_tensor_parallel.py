@@ -2,6 +2,7 @@
 its part of every adapter (column-parallel layers B's rows, row-parallel ones A's columns), and
 adapter and base requests in one batch give transformers + peft's greedy tokens, as with one rank.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -18,13 +19,26 @@ def test_tp2_adapters_and_base_mixed_match_peft(arch, tmp_path):
     checkpoint = str(save_checkpoint(make_hf_model(arch), tmp_path / "base"))
     adapters = {
         "all": make_adapter(arch, tmp_path / "all", seed=1),
-        "rs": make_adapter(arch, tmp_path / "rs", seed=2, targets=["k_proj", "o_proj", "up_proj", "down_proj"], r=8,
-                           alpha=4, use_rslora=True),
+        "rs": make_adapter(
+            arch,
+            tmp_path / "rs",
+            seed=2,
+            targets=["k_proj", "o_proj", "up_proj", "down_proj"],
+            r=8,
+            alpha=4,
+            use_rslora=True,
+        ),
     }
     names = [None, *adapters]
     jobs = [(prompt, name) for prompt in PROMPTS[:3] for name in names]
-    with LLM(checkpoint, dtype="float32", tensor_parallel_size=2, num_kv_blocks=128, block_size=4,
-             lora_modules=tuple(adapters.items())) as llm:
+    with LLM(
+        checkpoint,
+        dtype="float32",
+        tensor_parallel_size=2,
+        num_kv_blocks=128,
+        block_size=4,
+        lora_modules=tuple(adapters.items()),
+    ) as llm:
         results = llm.generate([p for p, _ in jobs], [greedy(name) for _, name in jobs])
     for (prompt, name), result in zip(jobs, results):
         check(result, reference(arch, None if name is None else adapters[name], prompt))

@@ -1,6 +1,7 @@
 """Prompt logprobs: every prompt token's logprob given the tokens before it equals transformers'
 log_softmax on the same float32 weights, whether the prompt is computed in one step, in chunks,
 after a prefix-cache hit another request left, or again after a preemption."""
+
 from __future__ import annotations
 
 import random
@@ -46,8 +47,12 @@ def test_prompt_logprobs_chunked_and_after_a_prefix_hit_equal_transformers(loade
     shared = [rng.randrange(3, VOCAB) for _ in range(40)]
     first = shared + [rng.randrange(3, VOCAB) for _ in range(9)]  # 49 tokens: 4+ chunks of 12
     second = shared + [rng.randrange(3, VOCAB) for _ in range(5)]
-    core = EngineCore(loaded, EngineConfig(block_size=4, num_kv_blocks=128, max_num_batched_tokens=12,
-                                           max_num_seqs=4, audit_interval_steps=1))
+    core = EngineCore(
+        loaded,
+        EngineConfig(
+            block_size=4, num_kv_blocks=128, max_num_batched_tokens=12, max_num_seqs=4, audit_interval_steps=1
+        ),
+    )
     asked = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=3)
     outputs = []
     results = run_core(core, [("a", first, asked)], on_step=outputs.extend)
@@ -58,8 +63,14 @@ def test_prompt_logprobs_chunked_and_after_a_prefix_hit_equal_transformers(loade
     # gets every position (its prefix is computed again), and one not asking uses the hit.
     run_core(core, [("warm", shared + [5, 6], SamplingParams(temperature=0, max_tokens=1))])
     outputs = []
-    results = run_core(core, [("b", second, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0)),
-                              ("c", second, SamplingParams(temperature=0, max_tokens=2))], on_step=outputs.extend)
+    results = run_core(
+        core,
+        [
+            ("b", second, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0)),
+            ("c", second, SamplingParams(temperature=0, max_tokens=2)),
+        ],
+        on_step=outputs.extend,
+    )
     check_against_hf(hf_model, second, _prompt_logprobs(outputs, "b"), 0)
     assert results["b"]["final"].num_cached_tokens == 0
     assert results["c"]["final"].num_cached_tokens >= 40
@@ -74,8 +85,10 @@ def test_prompt_logprobs_survive_preemption(loaded, tiny_llama):
     _, hf_model = tiny_llama
     rng = random.Random(3)
     prompts = {f"r{i}": [rng.randrange(3, VOCAB) for _ in range(14 + 3 * i)] for i in range(4)}
-    core = EngineCore(loaded, EngineConfig(block_size=4, num_kv_blocks=20, max_num_batched_tokens=16,
-                                           max_num_seqs=4, audit_interval_steps=1))
+    core = EngineCore(
+        loaded,
+        EngineConfig(block_size=4, num_kv_blocks=20, max_num_batched_tokens=16, max_num_seqs=4, audit_interval_steps=1),
+    )
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=1)
     outputs = []
     run_core(core, [(rid, p, params) for rid, p in prompts.items()], on_step=outputs.extend)

@@ -2,6 +2,7 @@
 a row with prefix caching on (from the second time on, its prompt's full blocks come from the
 cache and the rest is a chunk after them), and among other requests, while the thread tuner
 switches between 2 threads and 1. Holds where every linear layer is row-invariant."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,12 +1,12 @@
 """The sampler against hand-computed distributions on a 5-token vocabulary."""
+
 import math
 
 import pytest
 import torch
 
 from engine.request import GREEDY_TEMPERATURE, SamplingParams
-from engine.sampler import (SamplingBatch, greedy_argmax, make_generator, process_logits, sample,
-                            sampling_probs)
+from engine.sampler import SamplingBatch, greedy_argmax, make_generator, process_logits, sample, sampling_probs
 
 # A 5-token distribution with no ties: p = [0.1, 0.3, 0.05, 0.4, 0.15].
 PROBS = [0.1, 0.3, 0.05, 0.4, 0.15]
@@ -16,8 +16,14 @@ LOGITS = torch.tensor([PROBS]).log()
 def batch_of(params, outputs=None, prompts=None, generators=None, vocab_size=5, **kwargs):
     n = len(params)
     return SamplingBatch.from_params(
-        params, prompts or [[] for _ in range(n)], outputs or [[] for _ in range(n)],
-        generators or [None] * n, vocab_size, "cpu", **kwargs)
+        params,
+        prompts or [[] for _ in range(n)],
+        outputs or [[] for _ in range(n)],
+        generators or [None] * n,
+        vocab_size,
+        "cpu",
+        **kwargs,
+    )
 
 
 def probs_for(params, logits=LOGITS, **kwargs):
@@ -49,8 +55,12 @@ def test_sampling_params_greedy_is_what_the_sampler_does(temperature):
 @pytest.mark.parametrize("vocab_size", [49152, 1000, 200])  # blocked, not a multiple of the block, too small
 def test_greedy_argmax_is_torch_argmax_with_ties_infinities_and_nan(vocab_size):
     torch.manual_seed(0)
-    cases = [torch.randn(8, vocab_size), torch.randint(-3, 3, (8, vocab_size)).float(),  # many ties
-             torch.full((8, vocab_size), 1.0), torch.full((8, vocab_size), float("-inf"))]
+    cases = [
+        torch.randn(8, vocab_size),
+        torch.randint(-3, 3, (8, vocab_size)).float(),  # many ties
+        torch.full((8, vocab_size), 1.0),
+        torch.full((8, vocab_size), float("-inf")),
+    ]
     cases[3][2, vocab_size - 1] = 0.0
     nan = torch.randn(8, vocab_size)
     nan[1, vocab_size // 2], nan[1, 3] = float("nan"), float("nan")
@@ -95,11 +105,14 @@ def test_min_p_drops_tokens_below_a_fraction_of_the_best():
 
 def test_temperature_then_top_k_then_top_p():
     # T = 0.5 squares the probabilities: 0.01, 0.09, 0.0025, 0.16, 0.0225 (sum 0.285).
-    assert torch.allclose(probs_for(SamplingParams(temperature=0.5)),
-                          expected({0: .01, 1: .09, 2: .0025, 3: .16, 4: .0225}), atol=1e-6)
+    assert torch.allclose(
+        probs_for(SamplingParams(temperature=0.5)),
+        expected({0: 0.01, 1: 0.09, 2: 0.0025, 3: 0.16, 4: 0.0225}),
+        atol=1e-6,
+    )
     # top_k=3 keeps .16, .09, .0225 -> .587, .330, .083; top_p=0.9: mass before 0, .587, .917 -> two stay.
     params = SamplingParams(temperature=0.5, top_k=3, top_p=0.9)
-    assert torch.allclose(probs_for(params), expected({3: .16, 1: .09}), atol=1e-6)
+    assert torch.allclose(probs_for(params), expected({3: 0.16, 1: 0.09}), atol=1e-6)
 
 
 @pytest.fixture(params=["kernel draw", "torch draw"])
@@ -119,7 +132,7 @@ def test_draws_follow_the_processed_distribution(draw_path):
     gen = torch.Generator().manual_seed(1234)
     out = sample(LOGITS.expand(rows, 5), batch_of(params, default_generator=gen))
     freq = torch.bincount(torch.tensor(out.token_ids), minlength=5) / rows
-    want = expected({3: .16, 1: .09, 4: .0225})
+    want = expected({3: 0.16, 1: 0.09, 4: 0.0225})
     assert freq[0] == freq[2] == 0
     assert torch.allclose(freq, want, atol=0.015), (freq, want)
 
@@ -154,13 +167,16 @@ def test_seeded_request_is_reproducible_whatever_its_batch():
     rng = torch.Generator().manual_seed(99)
 
     def crowd(step):
-        kinds = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.3, top_k=5, seed=3),
-                 SamplingParams(temperature=0.7, min_p=0.1), SamplingParams(repetition_penalty=1.5, logprobs=3),
-                 SamplingParams(top_k=400, top_p=0.5)]  # widens the candidate set of the whole batch
+        kinds = [
+            SamplingParams(temperature=0.0),
+            SamplingParams(temperature=1.3, top_k=5, seed=3),
+            SamplingParams(temperature=0.7, min_p=0.1),
+            SamplingParams(repetition_penalty=1.5, logprobs=3),
+            SamplingParams(top_k=400, top_p=0.5),
+        ]  # widens the candidate set of the whole batch
         count = int(torch.randint(1, 6, (1,), generator=rng))
         picks = torch.randint(0, len(kinds), (count,), generator=rng).tolist()
-        return [(kinds[k], torch.randn(vocab, generator=rng) * 3,
-                 make_generator(kinds[k].seed, "cpu")) for k in picks]
+        return [(kinds[k], torch.randn(vocab, generator=rng) * 3, make_generator(kinds[k].seed, "cpu")) for k in picks]
 
     assert run_seeded(42, step_logits, crowd) == alone
     assert run_seeded(43, step_logits, lambda step: []) != alone  # the seed does matter
@@ -184,11 +200,19 @@ def reference_probs(logits, temperature, top_k, top_p, min_p):
 def test_filters_match_a_full_sort_reference_on_every_path():
     torch.manual_seed(11)
     vocab = 5000
-    cases = [(1.0, 0, 0.9, 0.0), (1.0, 0, 0.3, 0.0), (0.7, 50, 0.8, 0.0), (1.2, 600, 0.95, 0.0),
-             (1.0, 0, 0.99, 0.05), (0.5, 3, 1.0, 0.0), (2.0, 0, 0.5, 0.0), (1.0, 300, 1.0, 0.2)]
+    cases = [
+        (1.0, 0, 0.9, 0.0),
+        (1.0, 0, 0.3, 0.0),
+        (0.7, 50, 0.8, 0.0),
+        (1.2, 600, 0.95, 0.0),
+        (1.0, 0, 0.99, 0.05),
+        (0.5, 3, 1.0, 0.0),
+        (2.0, 0, 0.5, 0.0),
+        (1.0, 300, 1.0, 0.2),
+    ]
     scales = [0.2, 3.0]  # flat rows: nucleus wider than the candidates; peaked: inside them
     params, logits, refs = [], [], []
-    for (t, k, p, m) in cases:
+    for t, k, p, m in cases:
         for scale in scales:
             row = torch.randn(vocab) * scale
             params.append(SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m))
@@ -225,8 +249,9 @@ def test_frequency_and_presence_penalties_count_generated_tokens_only():
 
 def test_penalties_compose_with_logit_bias_first():
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]])
-    params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25,
-                            logit_bias={2: 5.0, 1: 2.0})
+    params = SamplingParams(
+        repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25, logit_bias={2: 5.0, 1: 2.0}
+    )
     batch = batch_of([params], prompts=[[0]], outputs=[[1, 3, 3]])
     # bias: token 1 -> 1.0, token 2 -> 5.5; repetition on 0, 1, 3: 1.0, 0.5, 1.5; then counts on 1 and 3.
     assert process_logits(logits, batch).tolist() == [[1.0, -0.25, 5.5, 0.25, -2.0]]
@@ -256,8 +281,11 @@ def test_min_tokens_blocks_eos_and_stop_tokens_until_reached():
 def test_logprobs_are_log_softmax_after_penalties_before_temperature():
     torch.manual_seed(3)
     logits = torch.randn(3, 30)
-    params = [SamplingParams(temperature=0.3, top_k=4, logprobs=5, logit_bias={7: 3.0}),
-              SamplingParams(temperature=0.0, logprobs=0), SamplingParams(temperature=0.9)]
+    params = [
+        SamplingParams(temperature=0.3, top_k=4, logprobs=5, logit_bias={7: 3.0}),
+        SamplingParams(temperature=0.0, logprobs=0),
+        SamplingParams(temperature=0.9),
+    ]
     out = sample(logits, batch_of(params, vocab_size=30))
     biased = logits[0].clone()
     biased[7] += 3.0
@@ -282,17 +310,20 @@ def test_bad_inputs_raise_value_errors():
         SamplingBatch.from_params([SamplingParams()], [], [[]], [None], 5, "cpu")
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(repetition_penalty=1e-88),  # 0 in float32: seen / 0 = inf, -inf * 0 = nan
-    SamplingParams(repetition_penalty=1e-88, top_p=0.5, top_k=3),
-    SamplingParams(repetition_penalty=1e-88, temperature=0.0),
-    SamplingParams(repetition_penalty=1e30, min_p=0.5),
-    SamplingParams(top_p=1e-300),  # 0 in float32: no token reaches it
-    SamplingParams(top_p=1e-300, top_k=2),
-    SamplingParams(logit_bias={0: float("inf"), 1: float("nan")}),
-    SamplingParams(logit_bias={t: float("-inf") for t in range(5)}),  # nothing left to sample
-    SamplingParams(temperature=1e-4, repetition_penalty=1e-30),
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(repetition_penalty=1e-88),  # 0 in float32: seen / 0 = inf, -inf * 0 = nan
+        SamplingParams(repetition_penalty=1e-88, top_p=0.5, top_k=3),
+        SamplingParams(repetition_penalty=1e-88, temperature=0.0),
+        SamplingParams(repetition_penalty=1e30, min_p=0.5),
+        SamplingParams(top_p=1e-300),  # 0 in float32: no token reaches it
+        SamplingParams(top_p=1e-300, top_k=2),
+        SamplingParams(logit_bias={0: float("inf"), 1: float("nan")}),
+        SamplingParams(logit_bias={t: float("-inf") for t in range(5)}),  # nothing left to sample
+        SamplingParams(temperature=1e-4, repetition_penalty=1e-30),
+    ],
+)
 def test_hostile_params_never_give_a_token_outside_the_vocabulary(params, draw_path):
     torch.manual_seed(0)
     logits = LOGITS.repeat(3, 1)
@@ -315,15 +346,17 @@ def test_penalty_tensors_grow_by_the_new_tokens_only_and_match_a_full_recount():
     from engine.sampler import TokenHistory
 
     vocab_size, rng = 50, torch.Generator().manual_seed(0)
-    params = [SamplingParams(repetition_penalty=1.5, frequency_penalty=0.5, presence_penalty=0.25),
-              SamplingParams(frequency_penalty=-0.75), SamplingParams(repetition_penalty=0.8)]
+    params = [
+        SamplingParams(repetition_penalty=1.5, frequency_penalty=0.5, presence_penalty=0.25),
+        SamplingParams(frequency_penalty=-0.75),
+        SamplingParams(repetition_penalty=0.8),
+    ]
     prompts = [torch.randint(0, vocab_size, (n,), generator=rng).tolist() for n in (40, 1, 7)]
     outputs = [[], [], []]
     histories = [TokenHistory("cpu") for _ in params]
     for _ in range(30):
         logits = torch.randn(3, vocab_size, generator=rng)
-        batch = SamplingBatch.from_params(params, prompts, outputs, [None] * 3, vocab_size, "cpu",
-                                          histories=histories)
+        batch = SamplingBatch.from_params(params, prompts, outputs, [None] * 3, vocab_size, "cpu", histories=histories)
         want = logits.clone()
         for row, p in enumerate(params):
             for t in set(prompts[row]) | set(outputs[row]):
@@ -364,10 +397,20 @@ def test_a_long_rows_nucleus_is_the_same_alone_in_a_batch_and_on_either_thread_c
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("kw", [dict(temperature=0.8), dict(temperature=0.7, top_p=0.9), dict(temperature=1.0, top_k=50),
-                                dict(temperature=0.8, top_k=40, top_p=0.95), dict(temperature=1.3, top_p=0.5),
-                                dict(temperature=0.8, top_k=1), dict(temperature=0.8, top_k=49152),
-                                dict(temperature=0.8, min_p=0.05), dict(temperature=0.9, top_k=100, top_p=0.9, min_p=0.1)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(temperature=0.8),
+        dict(temperature=0.7, top_p=0.9),
+        dict(temperature=1.0, top_k=50),
+        dict(temperature=0.8, top_k=40, top_p=0.95),
+        dict(temperature=1.3, top_p=0.5),
+        dict(temperature=0.8, top_k=1),
+        dict(temperature=0.8, top_k=49152),
+        dict(temperature=0.8, min_p=0.05),
+        dict(temperature=0.9, top_k=100, top_p=0.9, min_p=0.1),
+    ],
+)
 def test_the_cpu_kernels_draw_is_the_torch_draw(kw):
     # On CPU with our kernels a row's draw is one op (cpu_kernels.draw_rows: temperature, top-k,
     # top-p and min-p inside, the vocabulary never sorted); the torch ops (_draw on sampling_probs) are the
@@ -383,8 +426,11 @@ def test_the_cpu_kernels_draw_is_the_torch_draw(kw):
     rows = [torch.randn(vocab, generator=gen) * scale for scale in (1.0, 3.0, 8.0)]  # flat to peaked
     rows[1][::7] = float("-inf")  # forbidden tokens
     logits = torch.stack(rows * 4)  # (12, V)
-    batch = batch_of([SamplingParams(seed=0, **kw)] * 12, generators=[torch.Generator().manual_seed(i) for i in range(12)],
-                     vocab_size=vocab)
+    batch = batch_of(
+        [SamplingParams(seed=0, **kw)] * 12,
+        generators=[torch.Generator().manual_seed(i) for i in range(12)],
+        vocab_size=vocab,
+    )
     forbidden = torch.isinf(sampler.sampling_logits(logits, batch))  # what temperature, top-k and top-p cut
     agree = total = 0
     for u in torch.linspace(0, 0.999, 150):

@@ -5,6 +5,7 @@ slot-addressed store through the block table, and "samples" a token from the
 tokens it reads back through the block table. A wrong block table, a stale
 prefix-cache block or a bad recompute after preemption changes the output.
 """
+
 import pytest
 
 from engine.config import EngineConfig, max_blocks_per_request, max_tokens_per_request
@@ -53,7 +54,9 @@ class FakePagedModel:
 
 def next_token(contexts):
     """contexts: per group, position -> token id of the keys it sees."""
-    return 1 + sum((k + 1) * (p + 1) * t for k, context in enumerate(contexts) for p, t in context.items()) % (VOCAB - 1)
+    return 1 + sum((k + 1) * (p + 1) * t for k, context in enumerate(contexts) for p, t in context.items()) % (
+        VOCAB - 1
+    )
 
 
 def reference_output(prompt, max_tokens, windows=(None,)):
@@ -276,8 +279,9 @@ def test_prompt_logprob_rows_per_step_are_bounded_and_cover_the_prompt():
     model = FakePagedModel(16)
     sizes = {"a": 700, "b": 300, "c": 40}
     for rid, n in sizes.items():
-        scheduler.add_request(Request(rid, [1 + i % (VOCAB - 1) for i in range(n)],
-                                      SamplingParams(max_tokens=2, prompt_logprobs=1)))
+        scheduler.add_request(
+            Request(rid, [1 + i % (VOCAB - 1) for i in range(n)], SamplingParams(max_tokens=2, prompt_logprobs=1))
+        )
     scheduler.add_request(Request("plain", list(range(1, 500)), SamplingParams(max_tokens=2)))
     positions = {rid: [] for rid in sizes}
     while scheduler.has_unfinished:
@@ -305,8 +309,10 @@ def test_sliding_groups_under_load_preemption_and_prefix_hits(windows):
     s = make_scheduler(num_blocks=num_blocks, max_num_batched_tokens=10, max_num_seqs=6, windows=windows)
     model = FakePagedModel(4, windows)
     shared = list(range(500, 530))
-    reqs = [add(s, f"r{i}", (shared if i % 2 else []) + list(range(i * 37, i * 37 + 5 + 7 * (i % 4))),
-                max_tokens=6 + i % 7) for i in range(14)]
+    reqs = [
+        add(s, f"r{i}", (shared if i % 2 else []) + list(range(i * 37, i * 37 + 5 + 7 * (i % 4))), max_tokens=6 + i % 7)
+        for i in range(14)
+    ]
     bm = s.block_manager
     most = [0] * len(windows)
 

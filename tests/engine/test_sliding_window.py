@@ -2,6 +2,7 @@
 long with chunked prefill, preemption and prefix hits, gives transformers' greedy tokens, keeps the
 pool consistent at every step, and a sliding layer's blocks stay bounded by its window while the
 global layers' grow with the context."""
+
 from __future__ import annotations
 
 import random
@@ -39,17 +40,30 @@ def checkpoints(tmp_path_factory):
 
 def hf_greedy(hf_model, prompt):
     with torch.no_grad():
-        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                eos_token_id=None, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-    return out[0, len(prompt):].tolist()
+        out = hf_model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            eos_token_id=None,
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gemma3", "mistral"])
 def test_sliding_layers_hold_their_window_through_preemption_and_prefix_hits(checkpoints, attention_path, name):
     hf_model, path = checkpoints(name)
     loaded = load_model(str(path), dtype="float32")
-    core = EngineCore(loaded, EngineConfig(block_size=BLOCK_SIZE, num_kv_blocks=NUM_BLOCKS[name], max_num_seqs=4,
-                                           max_num_batched_tokens=CHUNK, audit_interval_steps=1))
+    core = EngineCore(
+        loaded,
+        EngineConfig(
+            block_size=BLOCK_SIZE,
+            num_kv_blocks=NUM_BLOCKS[name],
+            max_num_seqs=4,
+            max_num_batched_tokens=CHUNK,
+            audit_interval_steps=1,
+        ),
+    )
     windows = core.runner.kv_layout.windows
     assert WINDOW in windows and (None in windows) == (name != "mistral")
     rng = random.Random(7)
@@ -82,8 +96,10 @@ def test_sliding_layers_hold_their_window_through_preemption_and_prefix_hits(che
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > hits_before
     if full:  # the global layers held whole contexts, more than any sliding group
         assert max(most[g] for g in full) > max(most[g] for g in sliding)
-    print(f"\n{name}: most blocks held by a group at once: {most} (windows {windows}); "
-          f"{stats.num_preemptions} preemptions, {stats.prefix_cache_hits} prefix-hit tokens")
+    print(
+        f"\n{name}: most blocks held by a group at once: {most} (windows {windows}); "
+        f"{stats.num_preemptions} preemptions, {stats.prefix_cache_hits} prefix-hit tokens"
+    )
 
 
 def test_layout_groups_layers_alike_in_groups_of_one_size():

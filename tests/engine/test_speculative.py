@@ -6,6 +6,7 @@ drafts, for every sampling feature, with drafts that are likely, unlikely and fo
 distribution of unseeded outputs equals decoding without drafts (chi-square), which a verifier
 with a classic bug fails.
 """
+
 from __future__ import annotations
 
 import random
@@ -36,7 +37,7 @@ def brute_force_proposal(tokens, k, ngram_min, ngram_max):
                 extended = list(tokens)
                 for position in range(start + n, start + n + k):
                     extended.append(extended[position])
-                return extended[len(tokens):]
+                return extended[len(tokens) :]
     return []
 
 
@@ -130,6 +131,7 @@ def test_policy_drafts_longer_after_longer_matches_and_learns_each_source_rate()
     a, b, c, d, x = range(1, 6)
     long_match = FakeRequest([a, b, c, d, x, a, b, c, d])  # "a b c d" again: a match of 4
     short_match = FakeRequest([a, b, c, d, x, d])  # "d" again: a match of 1
+
     def propose(request):  # a step of its own
         speculator.begin_step(1)
         return speculator.propose(request, 5)
@@ -168,9 +170,18 @@ class SyntheticModel:
 
 
 def request(params, prompt, output, drafts=(), generator=None):
-    return ScheduledRequest(request_id="r", token_ids=[], start_position=0, block_tables=[[]], samples=True,
-                            params=params, prompt_token_ids=list(prompt), output_token_ids=list(output),
-                            generator=generator, draft_token_ids=list(drafts))
+    return ScheduledRequest(
+        request_id="r",
+        token_ids=[],
+        start_position=0,
+        block_tables=[[]],
+        samples=True,
+        params=params,
+        prompt_token_ids=list(prompt),
+        output_token_ids=list(output),
+        generator=generator,
+        draft_token_ids=list(drafts),
+    )
 
 
 def step(model, params, prompt, output, drafts, generator):
@@ -237,8 +248,9 @@ def chi_square_p_value(counts_a, counts_b):
             expected = total * n / (n_a + n_b)
             statistic += (observed - expected) ** 2 / expected
     df = len(cells) - 1
-    return torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
-                                   torch.tensor(statistic / 2, dtype=torch.float64)).item()
+    return torch.special.gammaincc(
+        torch.tensor(df / 2, dtype=torch.float64), torch.tensor(statistic / 2, dtype=torch.float64)
+    ).item()
 
 
 def first_tokens(model, params, prompt, drafts, num_samples, seed):
@@ -254,8 +266,9 @@ def first_tokens(model, params, prompt, drafts, num_samples, seed):
     return counts
 
 
-DISTRIBUTION_PARAMS = SamplingParams(max_tokens=64, temperature=0.8, top_p=0.95, presence_penalty=2.0,
-                                     logit_bias={4: 1.5})
+DISTRIBUTION_PARAMS = SamplingParams(
+    max_tokens=64, temperature=0.8, top_p=0.95, presence_penalty=2.0, logit_bias={4: 1.5}
+)
 
 
 def test_unseeded_outputs_with_drafts_are_distributed_as_without():

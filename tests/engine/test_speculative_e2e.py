@@ -7,6 +7,7 @@ tiny KV pool, with stop strings and under a grammar: on Llama, Qwen3 and DeepSee
 whose absorbed products and router run csrc/rows_matmul.cpp). On a dense DeepSeek (torch's GEMMs
 round a row by its step) greedy tokens must match.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,10 +32,12 @@ def kernels():
 
 
 def params_set():
-    return [SamplingParams(temperature=0, max_tokens=24, logprobs=2, ignore_eos=True),
-            SamplingParams(temperature=0.9, seed=11, max_tokens=24, logprobs=1, ignore_eos=True),
-            SamplingParams(temperature=1.0, seed=12, top_k=20, presence_penalty=0.8, max_tokens=20, ignore_eos=True),
-            SamplingParams(temperature=0, max_tokens=18, repetition_penalty=1.3, ignore_eos=True)]
+    return [
+        SamplingParams(temperature=0, max_tokens=24, logprobs=2, ignore_eos=True),
+        SamplingParams(temperature=0.9, seed=11, max_tokens=24, logprobs=1, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=12, top_k=20, presence_penalty=0.8, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=18, repetition_penalty=1.3, ignore_eos=True),
+    ]
 
 
 def key(prompt_token_ids, params):
@@ -179,21 +182,26 @@ def smollm2():
     return load_model(str(default_model_path()))
 
 
-QUOTE = ("We hold these truths to be self-evident, that all men are created equal, that they are endowed "
-         "by their Creator with certain unalienable Rights, that among these are Life, Liberty and the "
-         "pursuit of Happiness.")
+QUOTE = (
+    "We hold these truths to be self-evident, that all men are created equal, that they are endowed "
+    "by their Creator with certain unalienable Rights, that among these are Life, Liberty and the "
+    "pursuit of Happiness."
+)
 
 
 def chat(llm_tokenizer, text):
-    return llm_tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
+    return llm_tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
 
 
 def test_smollm2_quoting_is_identical_and_accepts_drafts(smollm2):
     prompt = chat(smollm2.tokenizer, f"Repeat this sentence word for word: {QUOTE}")
-    params = [SamplingParams(temperature=0, max_tokens=48, logprobs=3),
-              SamplingParams(temperature=0.8, seed=123, max_tokens=48, logprobs=1),
-              SamplingParams(temperature=0, max_tokens=48, stop=["Liberty"])]
+    params = [
+        SamplingParams(temperature=0, max_tokens=48, logprobs=3),
+        SamplingParams(temperature=0.8, seed=123, max_tokens=48, logprobs=1),
+        SamplingParams(temperature=0, max_tokens=48, stop=["Liberty"]),
+    ]
     for p in params:
         base, _ = generate(smollm2, None, [prompt], p, num_kv_blocks=64)
         spec, core = generate(smollm2, SPEC, [prompt], p, num_kv_blocks=64)
@@ -210,9 +218,12 @@ def test_smollm2_quoting_is_identical_and_accepts_drafts(smollm2):
 
 
 def test_smollm2_under_a_grammar_is_identical_and_valid(smollm2):
-    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
-                                               "city": {"type": "string"}},
-              "required": ["name", "age", "city"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "city": {"type": "string"}},
+        "required": ["name", "age", "city"],
+        "additionalProperties": False,
+    }
     prompt = chat(smollm2.tokenizer, "Describe Ada Lovelace, born in London, as JSON with name, age and city.")
     params = SamplingParams(temperature=0, max_tokens=60, logprobs=1, structured=StructuredOutput.json_schema(schema))
     base, _ = generate(smollm2, None, [prompt], params, num_kv_blocks=64)

@@ -3,6 +3,7 @@ greedy and seeded tokens equal TP=1's on tiny Llama (GQA), Qwen3 and DeepSeek V3
 checkpoints, through prefix-cache hits and preemptions; a rank killed mid-stream ends the
 stream with an error and stops the engine within seconds; shutdown leaves no child process.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -31,8 +32,11 @@ def requests(vocab: int) -> list[tuple[list[int], SamplingParams]]:
     out = []
     for i in range(10):
         prompt = (shared if i % 2 else []) + [rng.randrange(3, vocab) for _ in range(rng.randint(3, 14))]
-        params = (SamplingParams(temperature=0, max_tokens=rng.randint(12, 24), ignore_eos=True) if i % 3
-                  else SamplingParams(temperature=1.0, top_k=20, seed=i, max_tokens=16, ignore_eos=True))
+        params = (
+            SamplingParams(temperature=0, max_tokens=rng.randint(12, 24), ignore_eos=True)
+            if i % 3
+            else SamplingParams(temperature=1.0, top_k=20, seed=i, max_tokens=16, ignore_eos=True)
+        )
         out.append((prompt, params))
     return out
 
@@ -85,8 +89,9 @@ def children() -> list[psutil.Process]:
 def test_a_killed_rank_ends_the_stream_with_an_error_and_stops_the_engine(checkpoints):
     before = {p.pid for p in children()}
     config = EngineConfig(**ENGINE)
-    loaded, config, ranks = load_parallel(dict(model=checkpoints["llama gqa"], dtype="float32"), config,
-                                          ParallelConfig(2))
+    loaded, config, ranks = load_parallel(
+        dict(model=checkpoints["llama gqa"], dtype="float32"), config, ParallelConfig(2)
+    )
     engine = AsyncEngine(loaded, config, ranks=ranks)
     worker = ranks.processes[0]
 
@@ -117,13 +122,18 @@ def test_a_killed_rank_ends_the_stream_with_an_error_and_stops_the_engine(checkp
 
 def test_a_rank_that_dies_while_idle_stops_the_engine_and_shutdown_leaves_no_child(checkpoints):
     before = {p.pid for p in children()}
-    loaded, config, ranks = load_parallel(dict(model=checkpoints["qwen3"], dtype="float32"),
-                                          EngineConfig(**ENGINE), ParallelConfig(2))
+    loaded, config, ranks = load_parallel(
+        dict(model=checkpoints["qwen3"], dtype="float32"), EngineConfig(**ENGINE), ParallelConfig(2)
+    )
     engine = AsyncEngine(loaded, config, ranks=ranks)
     try:
+
         async def one() -> list[int]:
-            return [t async for out in engine.generate([9, 10, 11], SamplingParams(temperature=0, max_tokens=4),
-                                                       "a") for t in out.token_ids]
+            return [
+                t
+                async for out in engine.generate([9, 10, 11], SamplingParams(temperature=0, max_tokens=4), "a")
+                for t in out.token_ids
+            ]
 
         assert len(asyncio.run(one())) == 4
         assert len(children()) > len(before)
@@ -139,8 +149,9 @@ def test_a_rank_that_dies_while_idle_stops_the_engine_and_shutdown_leaves_no_chi
 
 def test_clean_shutdown_stops_every_rank(checkpoints):
     before = {p.pid for p in children()}
-    loaded, config, ranks = load_parallel(dict(model=checkpoints["llama gqa"], dtype="float32"),
-                                          EngineConfig(**ENGINE), ParallelConfig(2))
+    loaded, config, ranks = load_parallel(
+        dict(model=checkpoints["llama gqa"], dtype="float32"), EngineConfig(**ENGINE), ParallelConfig(2)
+    )
     engine = AsyncEngine(loaded, config, ranks=ranks)
     engine.shutdown()
     assert [p.exitcode for p in ranks.processes] == [0], "the stop message, not a kill"
@@ -148,8 +159,10 @@ def test_clean_shutdown_stops_every_rank(checkpoints):
 
 
 def test_indivisible_heads_are_refused_before_serving(tmp_path):
-    path = save_checkpoint(make_hf_model("llama", hidden_size=72, num_attention_heads=9, num_key_value_heads=3,
-                                         head_dim=8), tmp_path / "nine-heads")
+    path = save_checkpoint(
+        make_hf_model("llama", hidden_size=72, num_attention_heads=9, num_key_value_heads=3, head_dim=8),
+        tmp_path / "nine-heads",
+    )
     before = {p.pid for p in children()}
     with pytest.raises(ValueError, match=r"tensor parallel size 2 does not divide num_attention_heads \(9\)"):
         LLM(str(path), dtype="float32", tensor_parallel_size=2, **ENGINE)
@@ -164,8 +177,12 @@ def test_smollm2_splits_over_three_ranks_not_two():
     with pytest.raises(ValueError, match=r"tensor parallel size 2 does not divide num_attention_heads \(9\)"):
         LLM(path, tensor_parallel_size=2)
     one = LLM(path)
-    prompt = one.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                               add_generation_prompt=True, tokenize=True, return_dict=False)
+    prompt = one.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
     params = SamplingParams(temperature=0, max_tokens=12)
     expected = one.generate(prompt, params)[0]
     with LLM(path, tensor_parallel_size=3) as llm:
@@ -188,9 +205,11 @@ def test_a_worker_exits_when_rank_0_dies_and_no_shared_memory_is_left(checkpoint
         f"    load_parallel(dict(model={checkpoints['llama gqa']!r}, dtype='float32'), EngineConfig(num_kv_blocks=16),"
         " ParallelConfig(2))\n"
         "    print('ready', flush=True)\n"
-        "    time.sleep(600)\n")
-    rank0 = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
-                             cwd=Path(__file__).resolve().parents[2])
+        "    time.sleep(600)\n"
+    )
+    rank0 = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2]
+    )
     try:
         assert rank0.stdout.readline().strip() == "ready"
         workers = psutil.Process(rank0.pid).children()
@@ -215,10 +234,16 @@ def test_a_script_without_the_main_guard_fails_at_once_saying_why(checkpoints, t
         "from engine.config import EngineConfig\n"
         "from engine.parallel import ParallelConfig, load_parallel\n"
         f"load_parallel(dict(model={checkpoints['llama gqa']!r}, dtype='float32'), EngineConfig(num_kv_blocks=16),"
-        " ParallelConfig(2))\n")
+        " ParallelConfig(2))\n"
+    )
     start = time.monotonic()
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
-                         cwd=Path(__file__).resolve().parents[2])
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     assert out.returncode != 0 and time.monotonic() - start < 60, "not the 300 s rendezvous timeout"
     assert "exited during start-up" in out.stderr and "__main__" in out.stderr
 

@@ -1,6 +1,7 @@
 """Step settings: the tuner follows whichever thread count runs steps faster; a fixed count
 holds; single-token reduced-precision steps run on torch's own kernels, always, and that
 choice reaches the model with the step, not through torch's process-wide oneDNN switch."""
+
 import pytest
 import torch
 
@@ -27,7 +28,12 @@ def run(tuner, ms_per_token, num_steps, num_tokens=64):
 def test_tuner_tries_each_setting_then_keeps_the_faster_and_rechecks_rarely():
     tuner = StepTuner(lambda n: (TWO, ONE), recheck_every=10)
     chosen = run(tuner, {TWO: 1.0, ONE: 3.0}, 200)
-    assert chosen[:4] == [TWO, ONE, TWO, TWO]  # every candidate timed once, in the order given; the best's window filled
+    assert chosen[:4] == [
+        TWO,
+        ONE,
+        TWO,
+        TWO,
+    ]  # every candidate timed once, in the order given; the best's window filled
     assert chosen.count(ONE) <= 2 + 200 // 30  # re-checks of a 3x slower setting: every 3 x 10 steps
     assert chosen[-1] == TWO
 
@@ -165,9 +171,11 @@ def test_a_one_token_step_carries_torchs_kernels_to_the_model_and_leaves_onednn_
     finally:
         hook.remove()
     torchs = StepKernels(onednn=False)
-    assert seen == [("forward", 3, StepKernels(), True), ("logits", 1, StepKernels(), True)] + [
-        ("forward", 1, torchs, True), ("logits", 1, torchs, True)
-    ] * 2
+    assert (
+        seen
+        == [("forward", 3, StepKernels(), True), ("logits", 1, StepKernels(), True)]
+        + [("forward", 1, torchs, True), ("logits", 1, torchs, True)] * 2
+    )
 
 
 def test_the_thread_count_is_tuned_only_where_results_do_not_depend_on_it(loaded, tiny_llama):

@@ -1,4 +1,5 @@
 """loadtest.bench_sampler runs and prints a row for each setting and row count."""
+
 import pytest
 
 from loadtest import bench_sampler

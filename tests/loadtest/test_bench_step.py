@@ -1,5 +1,6 @@
 """loadtest.bench_step runs its phases on a GGUF as the server loads it, and --profile breaks each
 forward down by op: what a many-core run reads to see which ops stop scaling."""
+
 from __future__ import annotations
 
 import pytest
@@ -18,13 +19,14 @@ def tiny_gguf(tmp_path_factory):
 
 @pytest.mark.slow
 def test_phases_print_timings_and_profile_breaks_forwards_down_by_op(tiny_gguf, capsys):
-    bench_step.main(["--model", str(tiny_gguf), "--threads", "1", "--repeats", "1", "--phases", "decode,prefill",
-                     "--profile"])
+    bench_step.main(
+        ["--model", str(tiny_gguf), "--threads", "1", "--repeats", "1", "--phases", "decode,prefill", "--profile"]
+    )
     out = capsys.readouterr().out
     lines = out.splitlines()
     phases = [i for i, line in enumerate(lines) if line.startswith("forward ")]
     assert [lines[i].split()[1] for i in phases] == ["decode", "decode", "decode", "prefill"]
-    prefill = lines[phases[-1] + 1:]
+    prefill = lines[phases[-1] + 1 :]
     assert prefill and all(line.startswith("    ") and line.endswith("calls") for line in prefill)
     shares = [float(line.split()[-3].rstrip("%")) for line in prefill]  # "<op> <t> ms <share>% <n> calls"
     assert shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 100.5

@@ -1,6 +1,7 @@
 """loadtest.compare's arguments: a wrong --llama-server or --model fails before any server starts;
 both servers get the same threads, and ours the CPU unless told otherwise; and a run of ours alone
 on a tiny GGUF reports every concurrency."""
+
 from __future__ import annotations
 
 import argparse
@@ -40,15 +41,15 @@ def test_model_is_a_file_or_a_known_shape_and_type(tmp_path):
 
 
 def test_both_servers_get_the_same_threads_and_ours_the_cpu_by_default():
-    args = argparse.Namespace(model="m.gguf", llama_server="/bin/llama-server", quantization="auto",
-                              device="cpu", ctx=4096, slots=16)
+    args = argparse.Namespace(
+        model="m.gguf", llama_server="/bin/llama-server", quantization="auto", device="cpu", ctx=4096, slots=16
+    )
     ours, theirs = server_commands(args, 8000, 8).values()
     # --device auto would take a GPU where there is one, against llama-server's CPU build.
     assert ours[ours.index("--device") + 1] == "cpu"
     assert ours[ours.index("--num-threads") + 1] == theirs[theirs.index("-t") + 1] == "8"
     args.device = "cuda:1"
     assert "cuda:1" in server_commands(args, 8000, 8)["pagedserve"]
-
 
 
 def test_huge_pages_are_read_for_a_live_process_and_none_for_a_gone_one():
@@ -66,9 +67,16 @@ def test_device_defaults_to_cpu():
 
 def test_rounds_merge_into_medians_and_sums():
     def run(tok_s, failed=0):
-        return {"output_tok_s": tok_s, "ttft_p50_ms": 1000 / tok_s, "itl_p50_ms": 100 / tok_s, "completed": 8,
-                "failed": failed, "failures": {"timeout": failed} if failed else {}, "stale_connection_retries": 1,
-                "first_error_by_kind": {"timeout": "slow"} if failed else {}}
+        return {
+            "output_tok_s": tok_s,
+            "ttft_p50_ms": 1000 / tok_s,
+            "itl_p50_ms": 100 / tok_s,
+            "completed": 8,
+            "failed": failed,
+            "failures": {"timeout": failed} if failed else {},
+            "stale_connection_retries": 1,
+            "first_error_by_kind": {"timeout": "slow"} if failed else {},
+        }
 
     merged = merge_rounds([run(10.0), run(30.0, failed=2), run(20.0)])
     assert merged["output_tok_s"] == 20.0 and merged["itl_p50_ms"] == 5.0 and merged["ttft_p50_ms"] == 50.0
@@ -88,9 +96,18 @@ def test_rounds_alternate_the_servers_on_fresh_servers_and_prompts(monkeypatch):
 
     async def fake_run(config):
         calls.append((config.url, config.concurrency, config.seed))
-        return {"summary": {"output_token_throughput": 1.0, "ttft_ms": {"p50": 1.0}, "itl_ms": {"p50": 1.0},
-                            "completed": 8, "failed": 0, "failures": {}, "stale_connection_retries": 0,
-                            "first_error_by_kind": {}}}
+        return {
+            "summary": {
+                "output_token_throughput": 1.0,
+                "ttft_ms": {"p50": 1.0},
+                "itl_ms": {"p50": 1.0},
+                "completed": 8,
+                "failed": 0,
+                "failures": {},
+                "stale_connection_retries": 0,
+                "first_error_by_kind": {},
+            }
+        }
 
     starts = []
 
@@ -113,8 +130,11 @@ def test_rounds_alternate_the_servers_on_fresh_servers_and_prompts(monkeypatch):
         assert seeds == [seed for url, conc, seed in calls if conc == c and url == "http://theirs"]  # both the same
     assert [len(r["runs"][1]["rounds"]) for r in results] == [3, 3]
     assert starts == [0, 4, 8]  # fresh servers each round
-    assert all(r["steps_by_threads"] == {"2": {"steps": 1, "tokens": 0.0, "seconds": 0.0}}
-               for result in results for r in result["runs"][16]["rounds"])  # each run's own steps
+    assert all(
+        r["steps_by_threads"] == {"2": {"steps": 1, "tokens": 0.0, "seconds": 0.0}}
+        for result in results
+        for r in result["runs"][16]["rounds"]
+    )  # each run's own steps
 
 
 def test_several_thread_counts_get_a_table_each_and_a_scaling_table():
@@ -125,8 +145,12 @@ def test_several_thread_counts_get_a_table_each_and_a_scaling_table():
         runs = {c: {"output_tok_s": speed * c, "itl_p50_ms": 100 / speed, "ttft_p50_ms": 1000 / speed} for c in (1, 16)}
         return {"server": server, "threads": threads, "runs": runs, "idle_rss_mb": 1, "busy_rss_mb": 2}
 
-    results = [result("pagedserve", 1, 2.0), result("llama-server", 1, 1.0),
-               result("pagedserve", 4, 4.0), result("llama-server", 4, 8.0)]
+    results = [
+        result("pagedserve", 1, 2.0),
+        result("llama-server", 1, 1.0),
+        result("pagedserve", 4, 4.0),
+        result("llama-server", 4, 8.0),
+    ]
     text = report(results, args)
     assert text.count("| figure | pagedserve | llama-server | ours / theirs |") == 2
     assert "threads: 1" in text and "threads: 4" in text
@@ -145,14 +169,24 @@ def test_the_report_names_the_kernel_target_ours_runs(monkeypatch):
 
     monkeypatch.setattr(cpu_isa, "read_cpu_flags", lambda: frozenset({"avx2", "fma", "f16c", "avx_vnni"}))
     args = build_parser().parse_args(["--model", "m.gguf", "--concurrency", "1"])
-    results = [{"server": "pagedserve", "threads": 2, "runs": {1: {"output_tok_s": 1.0, "itl_p50_ms": 1.0, "ttft_p50_ms": 1.0}},
-                "idle_rss_mb": 1, "busy_rss_mb": 1}]
+    results = [
+        {
+            "server": "pagedserve",
+            "threads": 2,
+            "runs": {1: {"output_tok_s": 1.0, "itl_p50_ms": 1.0, "ttft_p50_ms": 1.0}},
+            "idle_rss_mb": 1,
+            "busy_rss_mb": 1,
+        }
+    ]
     monkeypatch.delenv("PAGEDSERVE_CPU_ISA", raising=False)
     assert "; pagedserve kernels: avx2vnni (the CPU's best)" in report(results, args).splitlines()[0]
     monkeypatch.setenv("PAGEDSERVE_CPU_ISA", "avx2")
     assert "; pagedserve kernels: avx2 (PAGEDSERVE_CPU_ISA=avx2)" in report(results, args).splitlines()[0]
     monkeypatch.setenv("PAGEDSERVE_CPU_ISA", "avx512vnni")  # refused where the CPU lacks it: the best serves
-    assert "kernels: avx2vnni (PAGEDSERVE_CPU_ISA=avx512vnni refused: the CPU lacks it)" in report(results, args).splitlines()[0]
+    assert (
+        "kernels: avx2vnni (PAGEDSERVE_CPU_ISA=avx512vnni refused: the CPU lacks it)"
+        in report(results, args).splitlines()[0]
+    )
 
 
 @pytest.mark.slow
@@ -160,10 +194,31 @@ def test_ours_alone_on_a_tiny_gguf_reports_every_concurrency(tmp_path, capsys):
     from loadtest.make_gguf import tokenizer_fields, write_gguf
     from models.fetch import default_model_path
 
-    model = write_gguf(tmp_path / "tiny-q4_0.gguf", "tiny", "q4_0", seed=1, tokenizer=tokenizer_fields(default_model_path()))
+    model = write_gguf(
+        tmp_path / "tiny-q4_0.gguf", "tiny", "q4_0", seed=1, tokenizer=tokenizer_fields(default_model_path())
+    )
     out = tmp_path / "compare.json"
-    main(["--model", str(model), "--threads", "1", "--concurrency", "1", "2", "--requests-per-stream", "1",
-          "--input-len", "16", "--output-len", "4", "--rounds", "2", "--out", str(out)])
+    main(
+        [
+            "--model",
+            str(model),
+            "--threads",
+            "1",
+            "--concurrency",
+            "1",
+            "2",
+            "--requests-per-stream",
+            "1",
+            "--input-len",
+            "16",
+            "--output-len",
+            "4",
+            "--rounds",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
     results = json.loads(out.read_text())["results"]
     assert [r["server"] for r in results] == ["pagedserve"]
     runs = results[0]["runs"]

@@ -3,6 +3,7 @@ llama-server does this to some sequential requests): the request is sent again o
 connection, counted, instead of failing. A raw asyncio HTTP/1.1 server on 127.0.0.1 makes the
 race deterministic: it answers the first request of each connection and closes the connection,
 without a byte, on the second."""
+
 from __future__ import annotations
 
 import asyncio
@@ -17,16 +18,26 @@ from loadtest.workload import RequestSpec
 
 
 def _sse_body() -> bytes:
-    chunks = [{"id": "c", "object": "text_completion", "choices": [{"index": 0, "text": f" t{i}", "finish_reason": None}]}
-              for i in range(3)]
-    chunks.append({"id": "c", "object": "text_completion", "choices": [], "usage":
-                   {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}})
+    chunks = [
+        {"id": "c", "object": "text_completion", "choices": [{"index": 0, "text": f" t{i}", "finish_reason": None}]}
+        for i in range(3)
+    ]
+    chunks.append(
+        {
+            "id": "c",
+            "object": "text_completion",
+            "choices": [],
+            "usage": {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5},
+        }
+    )
     return ("".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n").encode()
 
 
 async def _read_request(reader: asyncio.StreamReader) -> bool:
     head = await reader.readuntil(b"\r\n\r\n")
-    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")), 0)
+    length = next(
+        (int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")), 0
+    )
     await reader.readexactly(length)
     return True
 
@@ -44,8 +55,11 @@ async def _serve(answered_per_connection: int | None):
                 if answered_per_connection is not None and served >= answered_per_connection:
                     break
                 body = _sse_body()
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                             + f"content-length: {len(body)}\r\n\r\n".encode() + body)
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                    + f"content-length: {len(body)}\r\n\r\n".encode()
+                    + body
+                )
                 await writer.drain()
                 served += 1
         except (asyncio.IncompleteReadError, ConnectionError):

@@ -4,6 +4,7 @@ The tiny shape keeps SmolLM2's whole vocabulary, so every file here costs a few 
 metadata parsing (49k tokens and merges) whoever reads it: the three files are written once,
 with the real file's tokenizer read once, and each is loaded once.
 """
+
 from __future__ import annotations
 
 import math

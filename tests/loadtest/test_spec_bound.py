@@ -1,6 +1,7 @@
 """loadtest.spec_bound: the oracle's steps, the n-gram replay and the bound they give, counted
 exactly; and the command end to end on a tiny GGUF, where greedy outputs are the argmax and the
 engine with drafts gives the same tokens as without."""
+
 from __future__ import annotations
 
 import json
@@ -49,8 +50,16 @@ def test_ngram_replay_copies_a_prompt_in_few_steps_and_counts_every_token():
 
 
 def test_the_bound_is_one_without_drafts_and_the_prefill_share_caps_it():
-    requests = [{"prompt": [1] * 10, "output": list(range(9)), "prefill_s": 1.0, "decode_s": 8 * 0.1,
-                 "max_p": [1.0] * 9, "hits": [True] * 9}]
+    requests = [
+        {
+            "prompt": [1] * 10,
+            "output": list(range(9)),
+            "prefill_s": 1.0,
+            "decode_s": 8 * 0.1,
+            "max_p": [1.0] * 9,
+            "hits": [True] * 9,
+        }
+    ]
     costs = {r: 0.1 for r in range(1, 5)}  # rows cost nothing: the bound is the steps saved
     b = spec_bound.bounds(requests, costs, 3)
     assert b["oracle"][0]["ratio"] == pytest.approx(1.0)
@@ -62,10 +71,33 @@ def test_the_bound_is_one_without_drafts_and_the_prefill_share_caps_it():
 
 @pytest.mark.slow
 def test_the_command_reports_each_workload_and_greedy_outputs_are_the_argmax(tmp_path, capsys):
-    model = write_gguf(tmp_path / "tiny-q4_0.gguf", "tiny", "q4_0", seed=1, tokenizer=tokenizer_fields(default_model_path()))
+    model = write_gguf(
+        tmp_path / "tiny-q4_0.gguf", "tiny", "q4_0", seed=1, tokenizer=tokenizer_fields(default_model_path())
+    )
     out = tmp_path / "bound.json"
-    spec_bound.main(["--model", str(model), "--threads", "1", "--requests", "2", "--max-tokens", "12", "--k", "3",
-                     "--workloads", "quote", "chat", "--rounds", "2", "--engine-rounds", "2", "--out", str(out)])
+    spec_bound.main(
+        [
+            "--model",
+            str(model),
+            "--threads",
+            "1",
+            "--requests",
+            "2",
+            "--max-tokens",
+            "12",
+            "--k",
+            "3",
+            "--workloads",
+            "quote",
+            "chat",
+            "--rounds",
+            "2",
+            "--engine-rounds",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
     assert "| quote | 0 |" in capsys.readouterr().out
     result = json.loads(out.read_text())
     assert sorted(result["results"]) == ["chat t=0", "chat t=0.8", "quote t=0", "quote t=0.8"]

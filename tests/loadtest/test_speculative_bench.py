@@ -1,5 +1,6 @@
 """loadtest.speculative runs each pair of servers (without and with speculation) side by side, a row
 on one and then on the other, and its table holds every row for every server."""
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,12 @@ from models.fetch import default_model_path
 def test_every_server_gets_a_port_of_its_own_and_the_same_threads():
     args = SimpleNamespace(model="m.gguf", llama_server="/bin/llama-server", threads=2, k=3, concurrency=16)
     servers = speculative.commands(args)
-    assert list(servers) == ["pagedserve", "pagedserve --speculative ngram", "llama-server",
-                             "llama-server --spec-type ngram-simple"]
+    assert list(servers) == [
+        "pagedserve",
+        "pagedserve --speculative ngram",
+        "llama-server",
+        "llama-server --spec-type ngram-simple",
+    ]
     ports = [command[command.index("--port") + 1] for command in servers.values()]
     assert all(port.isdigit() for port in ports) and len(set(ports)) == 4
     for command in servers.values():
@@ -27,11 +32,36 @@ def test_every_server_gets_a_port_of_its_own_and_the_same_threads():
 
 @pytest.mark.slow
 def test_a_pair_runs_side_by_side_and_reports_every_row(tmp_path, capsys):
-    model = write_gguf(tmp_path / "tiny-q4_0.gguf", "tiny", "q4_0", seed=1, tokenizer=tokenizer_fields(default_model_path()))
+    model = write_gguf(
+        tmp_path / "tiny-q4_0.gguf", "tiny", "q4_0", seed=1, tokenizer=tokenizer_fields(default_model_path())
+    )
     out = tmp_path / "spec.json"
-    speculative.main(["--model", str(model), "--threads", "1", "--requests", "1", "--max-tokens", "8",
-                      "--temperatures", "0", "0.8", "--concurrency", "2", "--workloads", "quote", "chat", "--rounds", "2",
-                      "--mixed-rounds", "2", "--out", str(out)])
+    speculative.main(
+        [
+            "--model",
+            str(model),
+            "--threads",
+            "1",
+            "--requests",
+            "1",
+            "--max-tokens",
+            "8",
+            "--temperatures",
+            "0",
+            "0.8",
+            "--concurrency",
+            "2",
+            "--workloads",
+            "quote",
+            "chat",
+            "--rounds",
+            "2",
+            "--mixed-rounds",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
     printed = capsys.readouterr().out
     result = json.loads(out.read_text())["results"]
     rows = ["quote t=0.0 c=1", "quote t=0.8 c=1", "chat t=0.0 c=1", "chat t=0.8 c=1", "mixed t=0.8 c=2"]
@@ -44,7 +74,10 @@ def test_a_pair_runs_side_by_side_and_reports_every_row(tmp_path, capsys):
         for name in ("pagedserve", "pagedserve --speculative ngram"):  # twice on each, the figure their median
             runs = result[name][row]["tok_s_runs"]
             assert len(runs) == 2 and result[name][row]["tok_s"] == pytest.approx(sum(runs) / 2)
-    for name in ("pagedserve", "pagedserve --speculative ngram"):  # the mixed run its own count of rounds, on fresh pairs
+    for name in (
+        "pagedserve",
+        "pagedserve --speculative ngram",
+    ):  # the mixed run its own count of rounds, on fresh pairs
         mixed = result[name][rows[-1]]
         assert len(mixed["tok_s_runs"]) == 2 and mixed["tok_s"] == pytest.approx(sum(mixed["tok_s_runs"]) / 2)
         assert mixed["draft_tokens"] == 0 or name.endswith("ngram")
@@ -64,9 +97,29 @@ def test_a_pair_runs_side_by_side_and_reports_every_row(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_no_mixed_rounds_reports_the_c1_rows_alone(tmp_path, capsys):
-    model = write_gguf(tmp_path / "tiny-q4_0.gguf", "tiny", "q4_0", seed=1, tokenizer=tokenizer_fields(default_model_path()))
-    speculative.main(["--model", str(model), "--threads", "1", "--requests", "1", "--max-tokens", "4",
-                      "--temperatures", "0", "--workloads", "quote", "--rounds", "1", "--mixed-rounds", "0"])
+    model = write_gguf(
+        tmp_path / "tiny-q4_0.gguf", "tiny", "q4_0", seed=1, tokenizer=tokenizer_fields(default_model_path())
+    )
+    speculative.main(
+        [
+            "--model",
+            str(model),
+            "--threads",
+            "1",
+            "--requests",
+            "1",
+            "--max-tokens",
+            "4",
+            "--temperatures",
+            "0",
+            "--workloads",
+            "quote",
+            "--rounds",
+            "1",
+            "--mixed-rounds",
+            "0",
+        ]
+    )
     printed = capsys.readouterr().out
     assert "| quote t=0.0 c=1 |" in printed and "mixed" not in printed.split("| run |")[1]
 

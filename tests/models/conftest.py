@@ -7,6 +7,7 @@
 ChatML chat template.  Fixtures: `tiny_llama_dir` (session-wide Llama GQA checkpoint)
 and `make_checkpoint` (factory into tmp_path).
 """
+
 from __future__ import annotations
 
 import functools

@@ -9,6 +9,7 @@ vocabulary: the tests' tiny byte-level BPE tokenizer is written as a gpt2 vocabu
 model (some converters insist on a sentencepiece file), and the BPE pre-tokenizer check, which
 knows only real models' tokenizers by hash, names it "default".
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -24,8 +25,10 @@ from pathlib import Path
 from models.fetch import cache_dir
 
 SDIST = "llama_cpp_python-0.3.36"
-SDIST_URL = ("https://files.pythonhosted.org/packages/ec/e9/e7de2b0463ea3ffbf0ede6cb21b58c1258a8f6521aae45ca773a59"
-             "fe7cf3/llama_cpp_python-0.3.36.tar.gz")
+SDIST_URL = (
+    "https://files.pythonhosted.org/packages/ec/e9/e7de2b0463ea3ffbf0ede6cb21b58c1258a8f6521aae45ca773a59"
+    "fe7cf3/llama_cpp_python-0.3.36.tar.gz"
+)
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 _MEMBERS = ("convert_hf_to_gguf.py", "convert_lora_to_gguf.py", "conversion/", "gguf-py/gguf/")
 
@@ -67,7 +70,7 @@ def converter_dir() -> Path:
         unpacked = Path(tmp) / "llama.cpp"
         with tarfile.open(archive) as tar:
             for member in tar.getmembers():
-                rel = member.name[len(root):] if member.name.startswith(root) else None
+                rel = member.name[len(root) :] if member.name.startswith(root) else None
                 if rel and member.isfile() and any(rel == m or rel.startswith(m) for m in _MEMBERS):
                     member.name = rel
                     tar.extract(member, unpacked, filter="data")
@@ -83,9 +86,21 @@ def convert(checkpoint: Path, out: Path, outtype: str = "f32") -> Path:
     env = {**os.environ, "NO_LOCAL_GGUF": ""}
     env.pop("NO_LOCAL_GGUF")  # its own gguf-py, not the installed package
     result = subprocess.run(
-        [sys.executable, "-c", _WRAPPER, str(converter_dir()), str(checkpoint), "--outfile", str(out),
-         "--outtype", outtype],
-        capture_output=True, text=True, env=env, timeout=600,
+        [
+            sys.executable,
+            "-c",
+            _WRAPPER,
+            str(converter_dir()),
+            str(checkpoint),
+            "--outfile",
+            str(out),
+            "--outtype",
+            outtype,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
     )
     if result.returncode != 0 or not out.is_file():
         raise RuntimeError(f"convert_hf_to_gguf.py failed ({result.returncode}):\n{result.stderr[-4000:]}")
@@ -95,12 +110,17 @@ def convert(checkpoint: Path, out: Path, outtype: str = "f32") -> Path:
 def convert_lora(base: Path, adapter: Path, out: Path, outtype: str = "f32") -> Path:
     """llama.cpp's convert_lora_to_gguf.py on a PEFT directory over the HF checkpoint `base` -> `out`."""
     script = converter_dir() / "convert_lora_to_gguf.py"
-    run = (f"import runpy, sys; sys.path.insert(0, {str(converter_dir() / 'gguf-py')!r}); "
-           f"sys.path.insert(0, {str(converter_dir())!r}); sys.argv[0] = {str(script)!r}; "
-           f"runpy.run_path({str(script)!r}, run_name='__main__')")
+    run = (
+        f"import runpy, sys; sys.path.insert(0, {str(converter_dir() / 'gguf-py')!r}); "
+        f"sys.path.insert(0, {str(converter_dir())!r}); sys.argv[0] = {str(script)!r}; "
+        f"runpy.run_path({str(script)!r}, run_name='__main__')"
+    )
     result = subprocess.run(
         [sys.executable, "-c", run, "--base", str(base), "--outfile", str(out), "--outtype", outtype, str(adapter)],
-        capture_output=True, text=True, timeout=600, env={k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"},
     )
     if result.returncode != 0 or not out.is_file():
         raise RuntimeError(f"convert_lora_to_gguf.py failed ({result.returncode}):\n{result.stderr[-4000:]}")

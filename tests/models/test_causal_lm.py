@@ -1,5 +1,6 @@
 """Every registered architecture is one CausalLM: the same forward, logits, cache spec and
 decoder stack, its layers called with one signature; a model class only builds its layers."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,20 +10,53 @@ import transformers
 from models.causal_lm import CausalLM, DecoderLayer, DecoderModel
 from models.registry import MODEL_REGISTRY, get_model_class
 
-_TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
-             max_position_embeddings=64)
-_MLA = dict(kv_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10, q_lora_rank=None,
-            n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=16,
-            first_k_dense_replace=1)
+_TINY = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=80,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=64,
+)
+_MLA = dict(
+    kv_lora_rank=24,
+    qk_nope_head_dim=12,
+    qk_rope_head_dim=8,
+    v_head_dim=10,
+    q_lora_rank=None,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_group=1,
+    topk_group=1,
+    moe_intermediate_size=16,
+    first_k_dense_replace=1,
+)
 CONFIGS = {  # architecture -> (transformers config class, extra fields)
     "LlamaForCausalLM": ("LlamaConfig", dict(num_key_value_heads=2)),
     "MistralForCausalLM": ("MistralConfig", dict(num_key_value_heads=2)),
     "Qwen2ForCausalLM": ("Qwen2Config", dict(num_key_value_heads=2, tie_word_embeddings=True)),
     "Qwen3ForCausalLM": ("Qwen3Config", dict(num_key_value_heads=1, head_dim=32)),
-    "Qwen2MoeForCausalLM": ("Qwen2MoeConfig", dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
-                                                    moe_intermediate_size=16, shared_expert_intermediate_size=24)),
-    "Qwen3MoeForCausalLM": ("Qwen3MoeConfig", dict(num_key_value_heads=1, head_dim=32, num_experts=4, num_experts_per_tok=2,
-                                                    moe_intermediate_size=16, mlp_only_layers=[0])),
+    "Qwen2MoeForCausalLM": (
+        "Qwen2MoeConfig",
+        dict(
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=24,
+        ),
+    ),
+    "Qwen3MoeForCausalLM": (
+        "Qwen3MoeConfig",
+        dict(
+            num_key_value_heads=1,
+            head_dim=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            mlp_only_layers=[0],
+        ),
+    ),
     "Phi3ForCausalLM": ("Phi3Config", dict(num_key_value_heads=2, pad_token_id=0)),
     "Gemma2ForCausalLM": ("Gemma2Config", dict(num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)),
     "Gemma3ForCausalLM": ("Gemma3TextConfig", dict(num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)),
@@ -45,8 +79,9 @@ def test_each_model_is_the_one_interface_with_one_layer_signature(architecture):
     assert isinstance(model, CausalLM) and type(model.model) is DecoderModel
     for name in ("forward", "compute_logits", "kv_cache_spec"):
         assert getattr(cls, name) is getattr(CausalLM, name), f"{cls.__name__} overrides {name}"
-    assert all(isinstance(layer, DecoderLayer) and type(layer).forward is DecoderLayer.forward
-               for layer in model.model.layers)
+    assert all(
+        isinstance(layer, DecoderLayer) and type(layer).forward is DecoderLayer.forward for layer in model.model.layers
+    )
     assert (model.lm_head is None) == bool(extra.get("tie_word_embeddings", False))
     spec = model.kv_cache_spec(torch.bfloat16)
     assert spec.num_layers == 2

@@ -1,5 +1,6 @@
 """One build of the CPU kernels per ISA target: which one a CPU gets, and that a CPU whose best
 build is missing (and cannot be made) still gets a lower one, not the PyTorch paths."""
+
 from __future__ import annotations
 
 import os
@@ -32,16 +33,19 @@ def cpuinfo(flags: str, processors: int = 2) -> str:
     return "".join(f"processor\t: {i}\nmodel name\t: some cpu\nflags\t\t: {flags}\n\n" for i in range(processors))
 
 
-@pytest.mark.parametrize("cpu,best,fallbacks", [
-    ("zen3", "avx2", ["generic"]),
-    ("zen4", "avx512vnni", ["avx512", "avx2", "generic"]),  # no avx_vnni: never the avx2vnni build
-    ("sapphire_rapids", "avx512vnni", ["avx512", "avx2vnni", "avx2", "generic"]),
-    ("cascade_lake", "avx512vnni", ["avx512", "avx2", "generic"]),
-    ("skylake_sp", "avx512", ["avx2", "generic"]),
-    ("alder_lake", "avx2vnni", ["avx2", "generic"]),
-    ("sandy_bridge", "generic", []),
-    ("odd", "generic", []),
-])
+@pytest.mark.parametrize(
+    "cpu,best,fallbacks",
+    [
+        ("zen3", "avx2", ["generic"]),
+        ("zen4", "avx512vnni", ["avx512", "avx2", "generic"]),  # no avx_vnni: never the avx2vnni build
+        ("sapphire_rapids", "avx512vnni", ["avx512", "avx2vnni", "avx2", "generic"]),
+        ("cascade_lake", "avx512vnni", ["avx512", "avx2", "generic"]),
+        ("skylake_sp", "avx512", ["avx2", "generic"]),
+        ("alder_lake", "avx2vnni", ["avx2", "generic"]),
+        ("sandy_bridge", "generic", []),
+        ("odd", "generic", []),
+    ],
+)
 def test_each_cpu_gets_the_last_target_whose_flags_it_has(cpu, best, fallbacks):
     flags = cpu_isa.parse_cpu_flags(cpuinfo(CPUS[cpu]))
     choice = cpu_isa.choose(flags)
@@ -75,9 +79,15 @@ def test_a_requested_target_is_used_only_where_the_cpu_runs_it():
 # The cpuinfo flag of each ISA macro the kernels test: a build defines the macro only where its
 # target needs the flag, so no build runs an instruction its CPU may lack.
 MACRO_FLAGS = {
-    "__AVX2__": "avx2", "__FMA__": "fma", "__F16C__": "f16c", "__AVXVNNI__": "avx_vnni",
-    "__AVX512F__": "avx512f", "__AVX512BW__": "avx512bw", "__AVX512VL__": "avx512vl",
-    "__AVX512DQ__": "avx512dq", "__AVX512VNNI__": "avx512_vnni",
+    "__AVX2__": "avx2",
+    "__FMA__": "fma",
+    "__F16C__": "f16c",
+    "__AVXVNNI__": "avx_vnni",
+    "__AVX512F__": "avx512f",
+    "__AVX512BW__": "avx512bw",
+    "__AVX512VL__": "avx512vl",
+    "__AVX512DQ__": "avx512dq",
+    "__AVX512VNNI__": "avx512_vnni",
 }
 
 
@@ -87,14 +97,23 @@ def test_every_isa_macro_the_kernels_test_is_defined_by_a_target_that_needs_its_
     compiler = get_cxx_compiler()
     if shutil.which(compiler) is None:
         pytest.skip("no C++ compiler here")
-    tested = {macro for source in (REPO / "models/layers/csrc").glob("*.cpp")
-              for line in source.read_text().splitlines() if line.lstrip().startswith("#")
-              for macro in re.findall(r"__(?:AVX|F16C|FMA|AMX|SSE)\w*__", line)}
+    tested = {
+        macro
+        for source in (REPO / "models/layers/csrc").glob("*.cpp")
+        for line in source.read_text().splitlines()
+        if line.lstrip().startswith("#")
+        for macro in re.findall(r"__(?:AVX|F16C|FMA|AMX|SSE)\w*__", line)
+    }
     assert tested <= MACRO_FLAGS.keys(), f"{tested - MACRO_FLAGS.keys()}: add a target to cpu_isa.TARGETS, then here"
     defined_somewhere = set()
     for target in cpu_isa.TARGETS:
-        out = subprocess.run([compiler, *target.cflags, "-dM", "-E", "-x", "c++", "-"], input="",
-                             capture_output=True, text=True, check=True).stdout
+        out = subprocess.run(
+            [compiler, *target.cflags, "-dM", "-E", "-x", "c++", "-"],
+            input="",
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         defined = {macro for macro in MACRO_FLAGS if f"#define {macro} " in out}
         assert {MACRO_FLAGS[m] for m in defined} <= set(target.cpu_flags), target.name
         defined_somewhere |= defined
@@ -113,8 +132,14 @@ def generic_build(tmp_path_factory):
         pytest.skip("no C++ compiler here")
     root = tmp_path_factory.mktemp("extensions")
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(root)}
-    out = subprocess.run([sys.executable, "-m", "models.layers.cpu_kernels", "--build", "generic"], cwd=REPO,
-                         env=env, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-m", "models.layers.cpu_kernels", "--build", "generic"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr
     assert "building the CPU kernels for generic" in out.stderr  # said before the minute it takes
     assert sorted(os.listdir(root)) == [cpu_kernels.build_name("generic")]
@@ -144,21 +169,33 @@ print("OPS OK")
 def run_kernels(root: Path, flags: str | None, env: dict[str, str], prelude: str = "") -> subprocess.CompletedProcess:
     inherited = {k: v for k, v in os.environ.items() if k not in ("PAGEDSERVE_CPU_KERNELS", "PAGEDSERVE_CPU_ISA")}
     env = {**inherited, "TORCH_EXTENSIONS_DIR": str(root), **env}
-    return subprocess.run([sys.executable, "-c", prelude + _RUN.format(flags=flags)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", prelude + _RUN.format(flags=flags)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 NO_COMPILER = {"PATH": os.path.dirname(sys.executable), "CXX": "pagedserve-no-such-compiler"}
-READ_ONLY = ("import os; _access = os.access\n"  # root ignores file modes: the module is asked instead
-             "os.access = lambda p, mode, **kw: False if mode & os.W_OK else _access(p, mode, **kw)\n")
+READ_ONLY = (
+    "import os; _access = os.access\n"  # root ignores file modes: the module is asked instead
+    "os.access = lambda p, mode, **kw: False if mode & os.W_OK else _access(p, mode, **kw)\n"
+)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("why", ["no_compiler", "read_only"])
 def test_a_lower_prebuilt_build_serves_where_the_best_cannot_be_built(generic_build, why):
     # A Sapphire Rapids host, an image that holds only `generic`: not the PyTorch paths.
-    out = run_kernels(generic_build, CPUS["sapphire_rapids"], NO_COMPILER if why == "no_compiler" else {},
-                      READ_ONLY if why == "read_only" else "")
+    out = run_kernels(
+        generic_build,
+        CPUS["sapphire_rapids"],
+        NO_COMPILER if why == "no_compiler" else {},
+        READ_ONLY if why == "read_only" else "",
+    )
     assert out.returncode == 0, out.stderr
     assert "AVAILABLE True generic" in out.stdout and "OPS OK" in out.stdout, out.stderr
     assert "CPU kernels target avx512vnni: the CPU has avx2 fma f16c avx512f" in out.stderr
@@ -232,10 +269,13 @@ def test_a_seeded_request_gets_the_same_tokens_and_logprobs_from_every_build_wit
     runs = {}
     for build, capability in ((fma_builds[-1], None), ("avx2", "avx2")):
         env = {**inherited, "PAGEDSERVE_CPU_ISA": build, **({"ATEN_CPU_CAPABILITY": capability} if capability else {})}
-        out = subprocess.run([sys.executable, "-c", _SAME_ON_EVERY_CPU], cwd=REPO, env=env, capture_output=True,
-                             text=True, timeout=600)
+        out = subprocess.run(
+            [sys.executable, "-c", _SAME_ON_EVERY_CPU], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+        )
         assert out.returncode == 0, out.stderr[-3000:]
-        lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if line.split(" ", 1)[0] in ("BUILD", "OPS", "OUT"))
+        lines = dict(
+            line.split(" ", 1) for line in out.stdout.splitlines() if line.split(" ", 1)[0] in ("BUILD", "OPS", "OUT")
+        )
         assert lines["BUILD"].startswith(build), lines["BUILD"]
         runs[build] = lines
     best, avx2 = runs[fma_builds[-1]], runs["avx2"]

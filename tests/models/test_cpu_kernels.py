@@ -1,4 +1,5 @@
 """The C++ kernels equal the PyTorch paths they replace, and are built where they can be."""
+
 from __future__ import annotations
 
 import os
@@ -170,7 +171,9 @@ def test_argmax_rows_is_torchs_argmax_first_index_and_nan_included(width):
     logits[6, -1] = float("nan")
     logits[7, :-1] = float("-inf")
     assert torch.equal(cpu_kernels.argmax_rows(logits), logits.argmax(dim=-1))
-    assert torch.equal(cpu_kernels.argmax_rows(logits[:, : max(1, width - 1)]), logits[:, : max(1, width - 1)].argmax(-1))
+    assert torch.equal(
+        cpu_kernels.argmax_rows(logits[:, : max(1, width - 1)]), logits[:, : max(1, width - 1)].argmax(-1)
+    )
     with pytest.raises(RuntimeError, match="float32"):
         cpu_kernels.argmax_rows(logits.double())
 
@@ -197,10 +200,20 @@ def test_draw_rows_is_the_inverse_cdf_draw_and_never_takes_a_forbidden_token():
 
 
 @pytest.mark.parametrize("kn", [True, False], ids=["kn", "nk"])
-@pytest.mark.parametrize("x_dtype,w_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-                                             (torch.float32, torch.bfloat16), (torch.float16, torch.float32)])
-@pytest.mark.parametrize("shape", [(1, 16, 128, 512), (7, 3, 37, 21), (13, 1, 8, 5), (2, 4, 3, 1)],
-                         ids=["mla-decode", "tails", "whole-k", "tiny"])
+@pytest.mark.parametrize(
+    "x_dtype,w_dtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.bfloat16),
+        (torch.float16, torch.float32),
+    ],
+)
+@pytest.mark.parametrize(
+    "shape",
+    [(1, 16, 128, 512), (7, 3, 37, 21), (13, 1, 8, 5), (2, 4, 3, 1)],
+    ids=["mla-decode", "tails", "whole-k", "tiny"],
+)
 def test_rows_matmul_is_the_product_in_float32(kn, x_dtype, w_dtype, shape):
     # DeepSeek's W_UK (kn: w (B, K, N)) and W_UV / the router (nk: w (B, N, K)); edges of rows,
     # outputs and K past whole vectors. Float32 sums: within a few float32 eps of the exact product
@@ -280,11 +293,18 @@ def test_write_kv_kernel_and_eager_store_the_block_major_layout(cache_dtype):
 def _load_in_subprocess(extensions_dir, env_overrides, prelude=""):
     code = prelude + (
         "import logging; logging.basicConfig(level=logging.INFO)\n"
-        "from models.layers import cpu_kernels; print('AVAILABLE', cpu_kernels.available())\n")
+        "from models.layers import cpu_kernels; print('AVAILABLE', cpu_kernels.available())\n"
+    )
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions_dir), **env_overrides}
     env.pop("PAGEDSERVE_CPU_KERNELS", None)
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
-                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    )
 
 
 @pytest.fixture
@@ -313,8 +333,10 @@ def test_a_prebuilt_build_loads_without_a_compiler_and_without_torchs_compiler_w
 def test_a_prebuilt_build_loads_from_a_read_only_directory(prebuilt_extensions):
     # A --read-only container: torch's builder would need to write its lock file and build.ninja.
     # (Root ignores file modes, so the read-only mount is simulated where the module asks.)
-    prelude = ("import os; _access = os.access\n"
-               "os.access = lambda p, mode, **kw: False if mode & os.W_OK else _access(p, mode, **kw)\n")
+    prelude = (
+        "import os; _access = os.access\n"
+        "os.access = lambda p, mode, **kw: False if mode & os.W_OK else _access(p, mode, **kw)\n"
+    )
     name = cpu_kernels.build_name(cpu_kernels.loaded_target())
     before = sorted(os.listdir(prebuilt_extensions / name))
     out = _load_in_subprocess(prebuilt_extensions, {}, prelude)
@@ -342,11 +364,17 @@ def test_a_rows_norm_activation_and_rotation_do_not_depend_on_its_batch_address_
     width = 67  # rows of 268 bytes: every alignment mod 64 occurs
     x, gate_up = torch.randn(300, width, generator=gen) * 3, torch.randn(300, 2 * width, generator=gen) * 4
     weight = torch.randn(width, generator=gen)
-    qk, cos, sin = (torch.randn(300, 5, 20, generator=gen), torch.randn(300, 1, 20, generator=gen),
-                    torch.randn(300, 1, 20, generator=gen))
+    qk, cos, sin = (
+        torch.randn(300, 5, 20, generator=gen),
+        torch.randn(300, 1, 20, generator=gen),
+        torch.randn(300, 1, 20, generator=gen),
+    )
     logits = torch.randn(300, 1003, generator=gen) * 5
-    heads, w_kn, w_nk = (torch.randn(300, 5, 20, generator=gen), torch.randn(5, 20, 37, generator=gen),
-                         torch.randn(5, 37, 20, generator=gen))
+    heads, w_kn, w_nk = (
+        torch.randn(300, 5, 20, generator=gen),
+        torch.randn(5, 20, 37, generator=gen),
+        torch.randn(5, 37, 20, generator=gen),
+    )
     router = torch.randn(13, width, generator=gen).bfloat16()
     ops = {
         "rms_norm": lambda rows: cpu_kernels.rms_norm(x[rows], weight, 1e-6),
@@ -359,8 +387,9 @@ def test_a_rows_norm_activation_and_rotation_do_not_depend_on_its_batch_address_
         "rows_matmul kn": lambda rows: cpu_kernels.rows_matmul(heads[rows], w_kn, True),
         "rows_matmul nk": lambda rows: cpu_kernels.rows_matmul(heads[rows], w_nk, False),
         "rows_matmul 2-D, bf16 weights": lambda rows: cpu_kernels.rows_matmul(x[rows], router, False),
-        "draw_rows": lambda rows: cpu_kernels.draw_rows(logits[rows], (logits[rows, 0].abs() + 0.5),
-                                                        logits[rows, 1].sigmoid()),
+        "draw_rows": lambda rows: cpu_kernels.draw_rows(
+            logits[rows], (logits[rows, 0].abs() + 0.5), logits[rows, 1].sigmoid()
+        ),
     }
     before = torch.get_num_threads()
     try:
@@ -388,7 +417,8 @@ def test_every_kernel_source_and_header_ships_and_counts_for_staleness():
     shipped = {path for pattern in patterns for path in (repo / "models").glob(pattern)}
     csrc = repo / "models" / "layers" / "csrc"
     assert set(csrc.iterdir()) <= shipped
-    included = {csrc / name for source in cpu_kernels._SOURCES
-                for name in re.findall(r'#include "([^"]+)"', source.read_text())}
+    included = {
+        csrc / name for source in cpu_kernels._SOURCES for name in re.findall(r'#include "([^"]+)"', source.read_text())
+    }
     assert included and included == set(cpu_kernels._HEADERS)
     assert set(cpu_kernels._SOURCES) | set(cpu_kernels._HEADERS) == set(csrc.iterdir())

@@ -2,6 +2,7 @@
 (csrc/decoder_layer.cpp: the same kernels in the same order, without Python between them). It
 must give the bits the module-by-module path gives, for prompts, chunks and decodes in one
 step, with a float32 or float16 cache, and the step must really have taken it."""
+
 from __future__ import annotations
 
 import pytest
@@ -57,9 +58,14 @@ def test_smollm2_layers_as_one_op_give_the_same_bits(monkeypatch, kv_dtype):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("arch,quantization,overrides", [
-    ("qwen2", "int4", {}), ("llama", "int8", {}), ("mistral", "int8", {"sliding_window": 8}),
-])
+@pytest.mark.parametrize(
+    "arch,quantization,overrides",
+    [
+        ("qwen2", "int4", {}),
+        ("llama", "int8", {}),
+        ("mistral", "int8", {"sliding_window": 8}),
+    ],
+)
 def test_tiny_layers_as_one_op_give_the_same_bits(monkeypatch, make_checkpoint, arch, quantization, overrides):
     """Qwen2's q/k/v biases, GQA, int8 per-channel and int4 groups; Mistral's sliding window."""
     path, hf_model = make_checkpoint(arch, **overrides)

@@ -1,4 +1,5 @@
 """DeepSeek V2/V3 (MLA + MoE) against transformers in float32, through the paged latent cache."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,23 +16,70 @@ from tests.models.conftest import paged_forward, save_checkpoint, shuffled_block
 
 PROMPT_LENS = [7, 1, 12, 4]
 TOLERANCE = 1e-4
-YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
-        "mscale": 0.707, "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0}
-_COMMON = dict(vocab_size=len(tiny_tokenizer()), hidden_size=64, intermediate_size=80, moe_intermediate_size=24,
-               num_hidden_layers=3, num_attention_heads=4, kv_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10,
-               n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=3, first_k_dense_replace=1,
-               max_position_embeddings=64)
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 16,
+    "mscale": 0.707,
+    "mscale_all_dim": 1.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+}
+_COMMON = dict(
+    vocab_size=len(tiny_tokenizer()),
+    hidden_size=64,
+    intermediate_size=80,
+    moe_intermediate_size=24,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    kv_lora_rank=24,
+    qk_nope_head_dim=12,
+    qk_rope_head_dim=8,
+    v_head_dim=10,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=3,
+    first_k_dense_replace=1,
+    max_position_embeddings=64,
+)
 CASES = {
-    "v2-greedy-no-q-lora": (DeepseekV2Config, DeepseekV2ForCausalLM, dict(
-        q_lora_rank=None, topk_method="greedy", routed_scaling_factor=1.5)),
-    "v2-group-limited-q-lora-yarn": (DeepseekV2Config, DeepseekV2ForCausalLM, dict(
-        q_lora_rank=20, topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=2.0,
-        rope_parameters=YARN)),
-    "v3-q-lora": (DeepseekV3Config, DeepseekV3ForCausalLM, dict(
-        q_lora_rank=20, n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)),
-    "v3-no-q-lora-yarn-halves": (DeepseekV3Config, DeepseekV3ForCausalLM, dict(
-        q_lora_rank=None, n_group=2, topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0,
-        rope_parameters=YARN, rope_interleave=False, tie_word_embeddings=True)),
+    "v2-greedy-no-q-lora": (
+        DeepseekV2Config,
+        DeepseekV2ForCausalLM,
+        dict(q_lora_rank=None, topk_method="greedy", routed_scaling_factor=1.5),
+    ),
+    "v2-group-limited-q-lora-yarn": (
+        DeepseekV2Config,
+        DeepseekV2ForCausalLM,
+        dict(
+            q_lora_rank=20,
+            topk_method="group_limited_greedy",
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.0,
+            rope_parameters=YARN,
+        ),
+    ),
+    "v3-q-lora": (
+        DeepseekV3Config,
+        DeepseekV3ForCausalLM,
+        dict(q_lora_rank=20, n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5),
+    ),
+    "v3-no-q-lora-yarn-halves": (
+        DeepseekV3Config,
+        DeepseekV3ForCausalLM,
+        dict(
+            q_lora_rank=None,
+            n_group=2,
+            topk_group=1,
+            norm_topk_prob=False,
+            routed_scaling_factor=1.0,
+            rope_parameters=YARN,
+            rope_interleave=False,
+            tie_word_embeddings=True,
+        ),
+    ),
 }
 
 
@@ -63,8 +111,13 @@ def make_hf_deepseek(case: str, **overrides):
 def save_quantizable_deepseek(case: str, path, **overrides):
     """A case's checkpoint with every linear layer's inputs a multiple of 32, so that `--quantization
     int8/int4` takes them all (the row-invariance and reproducibility tests); returns its directory."""
-    dims = dict(q_lora_rank=32 if CASES[case][2].get("q_lora_rank") else None, kv_lora_rank=32, v_head_dim=8,
-                moe_intermediate_size=32, intermediate_size=96)
+    dims = dict(
+        q_lora_rank=32 if CASES[case][2].get("q_lora_rank") else None,
+        kv_lora_rank=32,
+        v_head_dim=8,
+        moe_intermediate_size=32,
+        intermediate_size=96,
+    )
     return save_checkpoint(make_hf_deepseek(case, **{**dims, **overrides}), path)
 
 
@@ -103,7 +156,7 @@ def _run_steps(model, prompts, block_size: int, first_chunk: list[int]) -> list[
     done, outputs = [0] * len(prompts), [[] for _ in prompts]
     while any(d < n for d, n in zip(done, lens)):
         chunks = [
-            (i, done[i], prompts[i][done[i]:done[i] + (first_chunk[i] if done[i] == 0 else 1)].tolist())
+            (i, done[i], prompts[i][done[i] : done[i] + (first_chunk[i] if done[i] == 0 else 1)].tolist())
             for i in range(len(prompts))
             if done[i] < lens[i]
         ]
@@ -147,7 +200,10 @@ def test_fused_expert_layout_loads_like_per_expert_names(v3_checkpoint):
         prefix = f"model.layers.{layer}.mlp.experts"
         experts = range(config.n_routed_experts)
         fused[f"{prefix}.gate_up_proj"] = torch.stack(
-            [torch.cat([tensors[f"{prefix}.{e}.gate_proj.weight"], tensors[f"{prefix}.{e}.up_proj.weight"]]) for e in experts]
+            [
+                torch.cat([tensors[f"{prefix}.{e}.gate_proj.weight"], tensors[f"{prefix}.{e}.up_proj.weight"]])
+                for e in experts
+            ]
         )
         fused[f"{prefix}.down_proj"] = torch.stack([tensors[f"{prefix}.{e}.down_proj.weight"] for e in experts])
     fused[f"model.layers.{config.num_hidden_layers}.eh_proj.weight"] = torch.zeros(3, 3)  # an MTP layer

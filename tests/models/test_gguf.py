@@ -4,6 +4,7 @@ A tiny random HF Llama is written with gguf.GGUFWriter (llama.cpp tensor names, 
 permuted, reversed shapes, the package's own quantizers), then read back with load_gguf
 and compared with the HF state dict it came from.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -34,9 +35,19 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def tiny_llama(tie: bool = False, **overrides) -> LlamaForCausalLM:
     torch.manual_seed(0)
-    kwargs = dict(vocab_size=len(TOKENS), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                  rms_norm_eps=1e-5, rope_theta=50000.0, tie_word_embeddings=tie)
+    kwargs = dict(
+        vocab_size=len(TOKENS),
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        rope_theta=50000.0,
+        tie_word_embeddings=tie,
+    )
     config = LlamaConfig(**{**kwargs, **overrides})
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():  # norms are ones at init; make them informative
@@ -46,8 +57,11 @@ def tiny_llama(tie: bool = False, **overrides) -> LlamaForCausalLM:
     return model
 
 
-GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                "lm_head.weight": "output.weight"}
+GLOBAL_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
 
 
 def gguf_name(hf_name: str) -> str:
@@ -55,10 +69,17 @@ def gguf_name(hf_name: str) -> str:
         return GLOBAL_NAMES[hf_name]
     parts = hf_name.split(".")  # model.layers.N.<module>.<proj>.weight
     layer, module = parts[2], ".".join(parts[3:-1])
-    kind = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-            "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-            "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-            "post_attention_layernorm": "ffn_norm"}[module]
+    kind = {
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+    }[module]
     return f"blk.{layer}.{kind}.{parts[-1]}"
 
 
@@ -74,8 +95,15 @@ def random_k_blocks(array: np.ndarray, qtype: GGMLQuantizationType, seed: int = 
     return blocks.reshape(rows, -1)
 
 
-def write_gguf(path, model: LlamaForCausalLM, qtype=Q.F32, arch: str = "llama", rope_scaling=None,
-               extra_tensors=(), quantizer=quantize) -> None:
+def write_gguf(
+    path,
+    model: LlamaForCausalLM,
+    qtype=Q.F32,
+    arch: str = "llama",
+    rope_scaling=None,
+    extra_tensors=(),
+    quantizer=quantize,
+) -> None:
     """`quantizer(array, qtype)`: the blocks of a 2-D tensor (default: the gguf package's quantizer)."""
     cfg = model.config
     writer = GGUFWriter(str(path), arch)
@@ -96,7 +124,9 @@ def write_gguf(path, model: LlamaForCausalLM, qtype=Q.F32, arch: str = "llama", 
     # A larger vocab_size (one tensor parallelism can split) gets unused tokens at the end.
     tokens = TOKENS + [f"<unused{i}>" for i in range(cfg.vocab_size - len(TOKENS))]
     writer.add_token_list(tokens)
-    writer.add_token_types([3] * len(SPECIALS) + [1] * (len(TOKENS) - len(SPECIALS)) + [5] * (len(tokens) - len(TOKENS)))
+    writer.add_token_types(
+        [3] * len(SPECIALS) + [1] * (len(TOKENS) - len(SPECIALS)) + [5] * (len(tokens) - len(TOKENS))
+    )
     writer.add_token_merges(MERGES)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
@@ -155,8 +185,17 @@ def test_f32_file_gives_the_hf_checkpoint_exactly(tmp_path):
         assert weights[name].dtype == torch.float32 and weights[name].shape == tensor.shape, name
         torch.testing.assert_close(weights[name], tensor, rtol=0, atol=0, msg=name)
     ref = model.config
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "max_position_embeddings", "tie_word_embeddings"):
+    for key in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+    ):
         assert getattr(config, key) == getattr(ref, key), key
     assert config.architectures == ["LlamaForCausalLM"]
     assert config.rms_norm_eps == pytest.approx(ref.rms_norm_eps)
@@ -175,8 +214,11 @@ def test_f32_weights_give_hf_logits(tmp_path):
         torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("qtype,max_rel_err", [(Q.F16, 1e-3), (Q.Q8_0, 0.01), (Q.Q4_1, 0.12), (Q.Q4_0, 0.15)],
-                         ids=["F16", "Q8_0", "Q4_1", "Q4_0"])
+@pytest.mark.parametrize(
+    "qtype,max_rel_err",
+    [(Q.F16, 1e-3), (Q.Q8_0, 0.01), (Q.Q4_1, 0.12), (Q.Q4_0, 0.15)],
+    ids=["F16", "Q8_0", "Q4_1", "Q4_0"],
+)
 def test_quantized_file_gives_hf_weights_within_quantization_error(tmp_path, qtype, max_rel_err):
     model = tiny_llama(tie=True)
     write_gguf(tmp_path / "m.gguf", model, qtype)

@@ -8,6 +8,7 @@ F32 files must give transformers' logits within float32 tolerance through the pa
 quantized path, llama's Q/K row order applied to whole blocks) and compared with transformers
 on the same file's dequantized weights.
 """
+
 from __future__ import annotations
 
 import random
@@ -19,7 +20,12 @@ from safetensors import safe_open
 from models.gguf import GGUFError, load_gguf, supported_architectures
 from models.loader import load_model
 from tests.models.conftest import (
-    assert_logits_close, make_hf_model, paged_forward, save_checkpoint, shuffled_block_tables, tiny_tokenizer,
+    assert_logits_close,
+    make_hf_model,
+    paged_forward,
+    save_checkpoint,
+    shuffled_block_tables,
+    tiny_tokenizer,
 )
 from tests.models.llama_cpp import convert
 from tests.models.test_deepseek import CASES as DEEPSEEK, YARN, make_hf_deepseek
@@ -27,36 +33,81 @@ from tests.models.test_deepseek import CASES as DEEPSEEK, YARN, make_hf_deepseek
 CASES = {
     "llama": ("llama", {}),
     "llama_tied_mqa": ("llama", {"num_key_value_heads": 1, "tie_word_embeddings": True}),
-    "llama3_rope": ("llama", {"rope_parameters": {
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "rope_theta": 500000.0, "original_max_position_embeddings": 32}}),
+    "llama3_rope": (
+        "llama",
+        {
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "rope_theta": 500000.0,
+                "original_max_position_embeddings": 32,
+            }
+        },
+    ),
     "mistral": ("mistral", {"sliding_window": None}),
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {"head_dim": 32, "tie_word_embeddings": True}),
     "phi3": ("phi3", {}),
     # Gemma ties its embeddings (llama.cpp's converter writes no output.weight) and scales queries by
     # head_dim as the released 2B/9B/4B/12B configs do.
-    "gemma2": ("gemma2", {"sliding_window": 8, "attn_logit_softcapping": 20.0, "final_logit_softcapping": 15.0,
-                          "head_dim": 16, "query_pre_attn_scalar": 16, "tie_word_embeddings": True}),
+    "gemma2": (
+        "gemma2",
+        {
+            "sliding_window": 8,
+            "attn_logit_softcapping": 20.0,
+            "final_logit_softcapping": 15.0,
+            "head_dim": 16,
+            "query_pre_attn_scalar": 16,
+            "tie_word_embeddings": True,
+        },
+    ),
     # GGUF keeps no layer pattern: llama.cpp and transformers both take Gemma 3's five sliding
     # layers to one global, and 10000 as the sliding layers' RoPE base.
-    "gemma3": ("gemma3", {"sliding_window": 8, "head_dim": 16, "query_pre_attn_scalar": 16,
-                          "tie_word_embeddings": True, "num_hidden_layers": 6}),
+    "gemma3": (
+        "gemma3",
+        {
+            "sliding_window": 8,
+            "head_dim": 16,
+            "query_pre_attn_scalar": 16,
+            "tie_word_embeddings": True,
+            "num_hidden_layers": 6,
+        },
+    ),
     # DeepSeek (llama.cpp's `deepseek2`): test_deepseek's tiny models, whose per-expert tensors are what the
     # converter reads. V3's config.json names its gating function (as DeepSeek's does; transformers'
     # config does not), else the converter writes none and llama.cpp takes softmax; its KV head count is
     # the head count (transformers' default is V3's 128), by which the converter splits kv_b_proj.
     "deepseek_v2": ("v2-greedy-no-q-lora", {}),
     # GGUF keeps one YaRN mscale (as 0.1 * mscale_all_dim): DeepSeek's releases set mscale to the same.
-    "deepseek_v2_group_limited_yarn": ("v2-group-limited-q-lora-yarn", {"rope_parameters": {
-        **YARN, "mscale": 0.707, "mscale_all_dim": 0.707}}),
+    "deepseek_v2_group_limited_yarn": (
+        "v2-group-limited-q-lora-yarn",
+        {"rope_parameters": {**YARN, "mscale": 0.707, "mscale_all_dim": 0.707}},
+    ),
     "deepseek_v3": ("v3-q-lora", {"scoring_func": "sigmoid", "num_key_value_heads": 4}),
     # Qwen MoE: llama.cpp puts the MoE on every layer (GGUF keeps no decoder_sparse_step or mlp_only_layers)
     # and renormalises the top-k weights for qwen3moe only, as the released configs' norm_topk_prob says.
-    "qwen3_moe": ("qwen3_moe", {"head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2,
-                                "moe_intermediate_size": 32, "norm_topk_prob": True}),
-    "qwen2_moe": ("qwen2_moe", {"num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 32,
-                                "shared_expert_intermediate_size": 48, "norm_topk_prob": False}),
+    "qwen3_moe": (
+        "qwen3_moe",
+        {
+            "head_dim": 32,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+        },
+    ),
+    "qwen2_moe": (
+        "qwen2_moe",
+        {
+            "num_experts": 8,
+            "num_experts_per_tok": 3,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48,
+            "norm_topk_prob": False,
+        },
+    ),
 }
 QWEN_MOE = [n for n, (arch, _) in CASES.items() if arch in ("qwen2_moe", "qwen3_moe")]
 PROMPT_LENS = [1, 9, 23, 41]
@@ -90,7 +141,7 @@ def run_steps(model, prompts, block_size=5):
         for i, p in enumerate(prompts):
             if done[i] < len(p):
                 n = max(1, len(p) // 3) if done[i] == 0 else 1 + (step + i) % 3
-                chunks.append((i, done[i], p[done[i]: done[i] + n]))
+                chunks.append((i, done[i], p[done[i] : done[i] + n]))
         for (i, _, ids), logits in zip(chunks, paged_forward(model, caches, chunks, tables, block_size)):
             out[i].append(logits)
             done[i] += len(ids)
@@ -107,7 +158,7 @@ def greedy(logits_of, prompt, steps=8):
     ids = list(prompt)
     for _ in range(steps):
         ids.append(int(logits_of(ids)[-1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def paged_greedy(model, prompt, steps=8, block_size=5):
@@ -121,7 +172,7 @@ def paged_greedy(model, prompt, steps=8, block_size=5):
     while len(ids) < len(prompt) + steps:
         logits = paged_forward(model, caches, [(0, len(ids) - 1, ids[-1:])], tables, block_size)[0]
         ids.append(int(logits[-1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -129,7 +180,8 @@ def test_f32_file_serves_transformers_logits(converted, name):
     hf_model, path = converted(name)
     loaded = load_model(str(path), dtype="float32")
     assert loaded.config.architecture == hf_model.config.architectures[0] or (
-        name == "mistral" and loaded.config.architecture == "LlamaForCausalLM")  # llama.cpp writes Mistral as llama
+        name == "mistral" and loaded.config.architecture == "LlamaForCausalLM"
+    )  # llama.cpp writes Mistral as llama
     prompts = prompts_for(loaded.config.vocab_size)
     with torch.no_grad():
         refs = [hf_model(input_ids=torch.tensor([p])).logits[0] for p in prompts]
@@ -148,8 +200,17 @@ def test_config_from_metadata_equals_the_checkpoints(converted, name, tmp_path):
     hf_model, path = converted(name)
     config, weights, _, eos = load_gguf(path, cache=tmp_path)
     ref = hf_model.config
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "max_position_embeddings", "tie_word_embeddings"):
+    for key in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+    ):
         expected = getattr(ref, key, None)
         if key == "head_dim" and expected is None:  # Qwen2's config derives it
             expected = ref.hidden_size // ref.num_attention_heads
@@ -171,9 +232,20 @@ def test_deepseek2_file_gives_back_the_checkpoints_config_and_tensors(converted,
     config, weights, *_ = load_gguf(path, cache=tmp_path)
     ref = hf_model.config
     assert config.architectures == ref.architectures
-    for key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_routed_experts",
-                "n_shared_experts", "num_experts_per_tok", "moe_intermediate_size", "first_k_dense_replace",
-                "norm_topk_prob", "routed_scaling_factor"):
+    for key in (
+        "q_lora_rank",
+        "kv_lora_rank",
+        "qk_nope_head_dim",
+        "qk_rope_head_dim",
+        "v_head_dim",
+        "n_routed_experts",
+        "n_shared_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "first_k_dense_replace",
+        "norm_topk_prob",
+        "routed_scaling_factor",
+    ):
         assert getattr(config, key) == getattr(ref, key), key
     if ref.model_type == "deepseek_v2":
         assert config.topk_method == ref.topk_method
@@ -195,8 +267,13 @@ def test_qwen_moe_file_gives_back_the_checkpoints_experts(converted, name, tmp_p
     config, weights, *_ = load_gguf(path, cache=tmp_path)
     ref = hf_model.config
     assert config.architectures == ref.architectures
-    for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
-                "shared_expert_intermediate_size"):
+    for key in (
+        "num_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "norm_topk_prob",
+        "shared_expert_intermediate_size",
+    ):
         assert getattr(config, key, None) == getattr(ref, key, None), key
     types = weights.stored_types()
     with safe_open(path.parent / "hf" / "model.safetensors", "pt") as f:
@@ -228,8 +305,7 @@ def test_q8_0_file_is_served_from_its_blocks(converted, name, tmp_path):
     _, path = converted(name, "q8_0")
     loaded = load_model(str(path), dtype="float32")
     assert "int8" in loaded.quantization
-    ref_model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                     dtype=torch.float32).eval()
+    ref_model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     prompts = prompts_for(loaded.config.vocab_size, seed=1)
     with torch.no_grad():
         refs = [ref_model(input_ids=torch.tensor([p])).logits[0] for p in prompts]

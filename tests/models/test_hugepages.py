@@ -1,5 +1,6 @@
 """Weights and KV caches in one huge-page arena (models/layers/hugepages.py): the same numbers,
 the same ties, the same model output, each tensor inside the mapping."""
+
 from __future__ import annotations
 
 import gc

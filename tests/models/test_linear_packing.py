@@ -1,4 +1,5 @@
 """bf16 linear weights packed in oneDNN's layout give bit-identical outputs, and the loader packs them on CPU."""
+
 from __future__ import annotations
 
 import pytest
@@ -56,8 +57,9 @@ def test_loader_packs_bf16_cpu_models_and_logits_do_not_change(tiny_llama_dir):
     results = []
     for loaded in (packed, plain):
         caches = loaded.model.kv_cache_spec(torch.bfloat16).allocate(num_blocks, 4, "cpu")
-        prefill = paged_forward(loaded.model, caches, [(i, 0, list(range(3, 3 + n))) for i, n in enumerate(lengths)],
-                                tables, 4)
+        prefill = paged_forward(
+            loaded.model, caches, [(i, 0, list(range(3, 3 + n))) for i, n in enumerate(lengths)], tables, 4
+        )
         decode = paged_forward(loaded.model, caches, [(i, n, [5]) for i, n in enumerate(lengths)], tables, 4)
         results.append(prefill + decode)
     for a, b in zip(*results):

@@ -1,5 +1,6 @@
 """Our loader + LlamaForCausalLM (and the Qwen MoE models built on its attention) reproduce
 transformers' logits (float32) through the paged cache."""
+
 from __future__ import annotations
 
 import json
@@ -21,24 +22,54 @@ CASES = {
     "qwen3": ("qwen3", {"head_dim": 32, "tie_word_embeddings": True}),  # q/k norms, head_dim != hidden/heads
     # models/qwen_moe.py: this attention with a MoE of 8 experts (top 2-3) on the sparse layers, dense
     # MLPs on the others (mlp_only_layers, decoder_sparse_step); Qwen2-MoE adds its gated shared expert.
-    "qwen3_moe": ("qwen3_moe", {"head_dim": 32, "num_hidden_layers": 3, "mlp_only_layers": [1], "num_experts": 8,
-                                "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True}),
-    "qwen2_moe": ("qwen2_moe", {"num_hidden_layers": 3, "decoder_sparse_step": 2, "num_experts": 8,
-                                "num_experts_per_tok": 3, "moe_intermediate_size": 32,
-                                "shared_expert_intermediate_size": 48, "tie_word_embeddings": True}),
+    "qwen3_moe": (
+        "qwen3_moe",
+        {
+            "head_dim": 32,
+            "num_hidden_layers": 3,
+            "mlp_only_layers": [1],
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+        },
+    ),
+    "qwen2_moe": (
+        "qwen2_moe",
+        {
+            "num_hidden_layers": 3,
+            "decoder_sparse_step": 2,
+            "num_experts": 8,
+            "num_experts_per_tok": 3,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48,
+            "tie_word_embeddings": True,
+        },
+    ),
     "phi3": ("phi3", {"sliding_window": 16}),  # fused qkv_proj / gate_up_proj in the checkpoint; windowed
     "rope_linear": ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}),
     "rope_dynamic": ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}),
     "rope_yarn": (
         "llama",
-        {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 32}},
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "rope_theta": 10000.0,
+                "original_max_position_embeddings": 32,
+            }
+        },
     ),
     "rope_llama3": (
         "llama",
         {
             "rope_parameters": {
-                "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "rope_theta": 500000.0, "original_max_position_embeddings": 32,
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "rope_theta": 500000.0,
+                "original_max_position_embeddings": 32,
             }
         },
     ),
@@ -85,7 +116,9 @@ def test_chunked_prefill_and_decode_match_hf(cases, name, block_size):
                 chunks.append((i, done[i], p[done[i] : done[i] + n]))
         if step % 2:
             chunks.reverse()  # batch order must not matter
-        for (i, start, ids), logits in zip(chunks, paged_forward(case.loaded.model, caches, chunks, tables, block_size)):
+        for (i, start, ids), logits in zip(
+            chunks, paged_forward(case.loaded.model, caches, chunks, tables, block_size)
+        ):
             check(logits, case.ref[i][start : start + len(ids)])
             done[i] += len(ids)
         step += 1
@@ -151,17 +184,21 @@ def test_greedy_generate_cli_matches_hf_generate(cases, capsys):
     case = cases("llama_gqa")
     tok = case.loaded.tokenizer
     prompts = ["Hello world", "The quick brown fox jumps over the lazy dog. Paged"]
-    main(["--model", str(case.dir), "--dtype", "float32", "--max-tokens", "12", "--ignore-eos"]
-         + [a for p in prompts for a in ("--prompt", p)])
+    main(
+        ["--model", str(case.dir), "--dtype", "float32", "--max-tokens", "12", "--ignore-eos"]
+        + [a for p in prompts for a in ("--prompt", p)]
+    )
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [line["prompt"] for line in lines] == prompts
     for line, prompt in zip(lines, prompts):
         ids = tok(prompt).input_ids
         with torch.no_grad():
             ref = case.hf_model.generate(
-                torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                torch.tensor([ids]),
+                max_new_tokens=12,
+                do_sample=False,
+                eos_token_id=None,
                 attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            )[0, len(ids):].tolist()
+            )[0, len(ids) :].tolist()
         assert line["token_ids"] == ref
         assert line["text"] == tok.decode(ref, skip_special_tokens=True)
-

@@ -1,4 +1,5 @@
 """Loader and ModelConfig: sharded safetensors, refusals and the clear errors they give."""
+
 from __future__ import annotations
 
 import json
@@ -107,8 +108,11 @@ def test_unsupported_architecture_names_config_and_supported(tiny_llama_dir, tmp
     raw = json.loads((path / "config.json").read_text())
     raw["architectures"] = ["GPT2LMHeadModel"]
     (path / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(ValueError, match=r"gpt2/config.json: unsupported architecture \['GPT2LMHeadModel'\]; "
-                                         r"supported: .*LlamaForCausalLM.*Qwen3ForCausalLM"):
+    with pytest.raises(
+        ValueError,
+        match=r"gpt2/config.json: unsupported architecture \['GPT2LMHeadModel'\]; "
+        r"supported: .*LlamaForCausalLM.*Qwen3ForCausalLM",
+    ):
         load_model(str(path), dtype="float32")
 
 
@@ -122,14 +126,18 @@ def test_shape_mismatch_names_file_tensor_and_shapes(tiny_llama_dir, tmp_path):
     path = copy_dir(tiny_llama_dir, tmp_path / "bad-shape")
     name = "model.layers.1.self_attn.k_proj.weight"  # (2 kv heads * 16, 64): one of the fused q/k/v shards
     rewrite_weights(path, lambda t: t.__setitem__(name, t[name][:16]))
-    with pytest.raises(ValueError, match=rf"model.safetensors: tensor '{name}': checkpoint shape \(16, 64\) != model shape \(32, 64\)"):
+    with pytest.raises(
+        ValueError, match=rf"model.safetensors: tensor '{name}': checkpoint shape \(16, 64\) != model shape \(32, 64\)"
+    ):
         load_model(str(path), dtype="float32")
 
 
 def test_missing_tensor_is_named(tiny_llama_dir, tmp_path):
     path = copy_dir(tiny_llama_dir, tmp_path / "missing")
     rewrite_weights(path, lambda t: (t.pop("model.layers.0.mlp.up_proj.weight"), t.pop("model.norm.weight")))
-    with pytest.raises(ValueError, match="no tensor for parameter.*model.layers.0.mlp.gate_up_proj.weight, model.norm.weight"):
+    with pytest.raises(
+        ValueError, match="no tensor for parameter.*model.layers.0.mlp.gate_up_proj.weight, model.norm.weight"
+    ):
         load_model(str(path), dtype="float32")
 
 
@@ -144,11 +152,15 @@ def test_max_model_len_rules(tiny_llama_dir, caplog):
     config = load_model(str(tiny_llama_dir), dtype="float32", max_model_len=50).config
     assert config.max_model_len == 50
     hf = config.hf_config
-    with pytest.raises(ValueError, match="max_model_len 256 > max_position_embeddings 128 and the config has no RoPE scaling"):
+    with pytest.raises(
+        ValueError, match="max_model_len 256 > max_position_embeddings 128 and the config has no RoPE scaling"
+    ):
         resolve_max_model_len(hf, 256)
     with pytest.raises(ValueError, match="max_model_len must be >= 1"):
         resolve_max_model_len(hf, 0)
-    scaled = hf.__class__(**{**hf.to_dict(), "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}})
+    scaled = hf.__class__(
+        **{**hf.to_dict(), "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}
+    )
     with caplog.at_level(logging.WARNING, logger="models.config"):
         assert resolve_max_model_len(scaled, 256) == 256
     assert "exceeds max_position_embeddings" in caplog.text

@@ -4,6 +4,7 @@ Adapters are made offline by peft with `init_lora_weights=False`, so that they c
 our greedy tokens and their logprobs must be peft's, for one adapter alone and for several adapters
 and the base model mixed in one engine batch.
 """
+
 from __future__ import annotations
 
 import functools
@@ -54,7 +55,7 @@ def reference(arch: str, adapter: str | None, prompt: list[int]) -> tuple[list[i
             token = int(logits.argmax())
             logprobs.append(float(torch.log_softmax(logits, -1)[token]))
             ids.append(token)
-    return ids[len(prompt):], logprobs
+    return ids[len(prompt) :], logprobs
 
 
 def greedy(lora_name: str | None = None) -> SamplingParams:
@@ -76,8 +77,15 @@ def served(request, tmp_path_factory):
     checkpoint = save_checkpoint(make_hf_model(arch), root / "base")
     adapters = {
         "all": make_adapter(arch, root / "all", seed=1),
-        "rs": make_adapter(arch, root / "rs", seed=2, targets=["k_proj", "o_proj", "up_proj", "down_proj"], r=8,
-                           alpha=4, use_rslora=True),
+        "rs": make_adapter(
+            arch,
+            root / "rs",
+            seed=2,
+            targets=["k_proj", "o_proj", "up_proj", "down_proj"],
+            r=8,
+            alpha=4,
+            use_rslora=True,
+        ),
         "qv": make_adapter(arch, root / "qv", seed=3, targets=["q_proj", "v_proj"], r=2, alpha=16),
         "gu": make_adapter(arch, root / "gu", seed=6, targets=["gate_proj", "up_proj"], r=4, alpha=8),
     }
@@ -142,16 +150,19 @@ def _edit_config(path: str, **changes) -> str:
     return path
 
 
-@pytest.mark.parametrize("case, message", [
-    ("missing", "no such directory"),
-    ("rank", "rank 8 is above --max-lora-rank 4"),
-    ("target", "target module\\(s\\) 'lm_head' are not supported"),
-    ("modules_to_save", "modules_to_save=\\['lm_head'\\] is not supported"),
-    ("dora", "use_dora=True is not supported"),
-    ("rank_pattern", "rank_pattern 'q_proj' \\(matching model.layers.0.self_attn.q_proj\\) is not supported"),
-    ("regex", "alpha_pattern '\\(' is not a regular expression"),
-    ("shape", "do not fit the layer"),
-])
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("missing", "no such directory"),
+        ("rank", "rank 8 is above --max-lora-rank 4"),
+        ("target", "target module\\(s\\) 'lm_head' are not supported"),
+        ("modules_to_save", "modules_to_save=\\['lm_head'\\] is not supported"),
+        ("dora", "use_dora=True is not supported"),
+        ("rank_pattern", "rank_pattern 'q_proj' \\(matching model.layers.0.self_attn.q_proj\\) is not supported"),
+        ("regex", "alpha_pattern '\\(' is not a regular expression"),
+        ("shape", "do not fit the layer"),
+    ],
+)
 def test_a_bad_adapter_is_refused_by_name(llama, case, message):
     root, checkpoint = llama
     path = str(root / case)
@@ -172,8 +183,10 @@ def test_a_bad_adapter_is_refused_by_name(llama, case, message):
         from safetensors.torch import load_file, save_file
 
         tensors = load_file(f"{path}/adapter_model.safetensors")
-        save_file({k: torch.cat([v, v], dim=1) if "lora_A" in k else v for k, v in tensors.items()},
-                  f"{path}/adapter_model.safetensors")
+        save_file(
+            {k: torch.cat([v, v], dim=1) if "lora_A" in k else v for k, v in tensors.items()},
+            f"{path}/adapter_model.safetensors",
+        )
     with pytest.raises(ValueError, match=message):
         LLM(checkpoint, dtype="float32", num_kv_blocks=32, max_lora_rank=4, lora_modules=(("bad", path),))
 
@@ -181,8 +194,11 @@ def test_a_bad_adapter_is_refused_by_name(llama, case, message):
 def test_patterns_that_match_no_layer_of_the_adapter_are_accepted(llama):
     """peft writes rank/alpha patterns for layers it then does not adapt (DeepSeek's fused experts)."""
     root, checkpoint = llama
-    path = _edit_config(make_adapter("llama", str(root / "patterns"), seed=4, targets=["q_proj"]),
-                        rank_pattern={".*\\.gate_up_proj": 8}, alpha_pattern={"v_proj": 16})
+    path = _edit_config(
+        make_adapter("llama", str(root / "patterns"), seed=4, targets=["q_proj"]),
+        rank_pattern={".*\\.gate_up_proj": 8},
+        alpha_pattern={"v_proj": 16},
+    )
     LLM(checkpoint, dtype="float32", num_kv_blocks=32, lora_modules=(("ok", path),))
 
 

@@ -2,6 +2,7 @@
 a quantized base (kept as stored, the adapter added unmerged), and adapter requests under speculative
 decoding and structured output. References are transformers + peft on the same adapter directory.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,9 @@ NUM_TOKENS = 6
 PROMPTS = [[5, 17, 42, 9, 100, 33], [12, 80, 80, 81, 90, 4, 66, 23, 1]]
 
 
-def make_adapter(model, path, seed: int, targets: list[str], r: int = 4, alpha: int = 8, std: float = 0.3,
-                 **options) -> str:
+def make_adapter(
+    model, path, seed: int, targets: list[str], r: int = 4, alpha: int = 8, std: float = 0.3, **options
+) -> str:
     """A PEFT LoRA directory over `model` (changed in place: pass a fresh one), random A and B."""
     torch.manual_seed(seed)
     config = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, init_lora_weights=False, **options)
@@ -46,7 +48,7 @@ def reference(model, prompt: list[int], num_tokens: int = NUM_TOKENS) -> tuple[l
             token = int(logits.argmax())
             logprobs.append(float(torch.log_softmax(logits, -1)[token]))
             ids.append(token)
-    return ids[len(prompt):], logprobs
+    return ids[len(prompt) :], logprobs
 
 
 def with_adapter(model, adapter: str):
@@ -89,10 +91,16 @@ def test_deepseek_mla_adapter_matches_peft(tmp_path, case):
         check(result, reference(base, prompt))
 
 
-@pytest.mark.parametrize("targets, message", [
-    (["q_b_proj", "kv_b_proj"], "target module 'kv_b_proj' is not supported \\(MLA's kv_b_proj is absorbed"),
-    (["q_b_proj", "gate_proj", "up_proj", "down_proj"], "target_parameters=.* is not supported \\(adapters on MoE experts"),
-])
+@pytest.mark.parametrize(
+    "targets, message",
+    [
+        (["q_b_proj", "kv_b_proj"], "target module 'kv_b_proj' is not supported \\(MLA's kv_b_proj is absorbed"),
+        (
+            ["q_b_proj", "gate_proj", "up_proj", "down_proj"],
+            "target_parameters=.* is not supported \\(adapters on MoE experts",
+        ),
+    ],
+)
 def test_deepseek_targets_we_cannot_serve_are_refused_by_name(tmp_path, targets, message):
     from tests.models.test_deepseek import make_hf_deepseek
 
@@ -126,8 +134,12 @@ def llama(tmp_path_factory):
     """A tiny Llama, every linear input a multiple of 32 (int4/int8 take them all), and an adapter on all targets."""
     root = tmp_path_factory.mktemp("lora-quant")
     checkpoint = save_checkpoint(make_hf_model("llama"), root / "base")
-    adapter = make_adapter(make_hf_model("llama"), root / "all", seed=1, targets=[
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    adapter = make_adapter(
+        make_hf_model("llama"),
+        root / "all",
+        seed=1,
+        targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    )
     return str(checkpoint), adapter
 
 
@@ -137,9 +149,13 @@ def test_a_quantized_base_stays_as_stored_and_adds_the_adapter(llama, quantizati
     dequantized base + peft, within the quantized kernels' rounding of activations to int16 (over
     six tokens up to 2e-3 in a logprob, as 2e-4 of the logits' largest in test_quantization)."""
     checkpoint, adapter = llama
-    llm = LLM(checkpoint, dtype="float32", quantization=quantization, num_kv_blocks=64, lora_modules=(("all", adapter),))
+    llm = LLM(
+        checkpoint, dtype="float32", quantization=quantization, num_kv_blocks=64, lora_modules=(("all", adapter),)
+    )
     model = llm.engine.runner.model
-    assert {m.quant_method.name for m in model.modules() if isinstance(m, Linear) and m.lora is not None} == {quantization}
+    assert {m.quant_method.name for m in model.modules() if isinstance(m, Linear) and m.lora is not None} == {
+        quantization
+    }
     twin = dequantized_twin(model, make_hf_model("llama"))
     results = llm.generate(PROMPTS * 2, [greedy("all")] * 2 + [greedy(None)] * 2)
     peft_twin = with_adapter(dequantized_twin(model, make_hf_model("llama")), adapter)
@@ -165,8 +181,9 @@ def test_adapter_requests_are_bit_identical_with_and_without_speculation(llama):
     config = dict(block_size=8, num_kv_blocks=64, lora_modules=(("all", adapter),))
     base = LLM.from_loaded(loaded, **config).generate(prompts, params)
     for oracle in (None, oracle_for(prompts, params, base)):
-        llm = LLM.from_loaded(loaded, speculative=SpeculativeConfig(num_speculative_tokens=4, max_batch_size=8),
-                              **config)
+        llm = LLM.from_loaded(
+            loaded, speculative=SpeculativeConfig(num_speculative_tokens=4, max_batch_size=8), **config
+        )
         if oracle is not None:
             llm.engine.scheduler.speculator.propose = oracle
         spec = llm.generate(prompts, params)
@@ -180,10 +197,16 @@ def test_adapter_requests_are_bit_identical_with_and_without_speculation(llama):
 def test_an_adapter_request_under_a_json_schema_gives_valid_json(llama):
     checkpoint, adapter = llama
     llm = LLM(checkpoint, dtype="float32", num_kv_blocks=64, lora_modules=(("all", adapter),))
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "y"]}},
-              "required": ["a", "b"], "additionalProperties": False}
-    params = [SamplingParams(temperature=0, max_tokens=60, lora_name=name, structured=StructuredOutput.json_schema(schema))
-              for name in ("all", None)]
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "y"]}},
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    }
+    params = [
+        SamplingParams(temperature=0, max_tokens=60, lora_name=name, structured=StructuredOutput.json_schema(schema))
+        for name in ("all", None)
+    ]
     results = llm.generate([PROMPTS[0], PROMPTS[0]], params)
     for result in results:
         value = json.loads(result.text)
@@ -209,8 +232,9 @@ def smollm2(tmp_path_factory):
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     config = hf.config
     torch.manual_seed(7)
-    peft_model = peft.get_peft_model(hf, peft.LoraConfig(r=8, lora_alpha=16, target_modules=SMOLLM2_TARGETS,
-                                                         init_lora_weights=False)).eval()
+    peft_model = peft.get_peft_model(
+        hf, peft.LoraConfig(r=8, lora_alpha=16, target_modules=SMOLLM2_TARGETS, init_lora_weights=False)
+    ).eval()
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
             if "lora_B" in name:
@@ -226,8 +250,9 @@ def test_smollm2_q4_1_with_an_adapter_on_every_projection_matches_peft(smollm2):
     (seen: 1.7e-3 in a logprob)."""
     path, peft_dir, gguf, peft_model = smollm2
     llm = LLM(path, dtype="float32", num_kv_blocks=32, lora_modules=(("peft", peft_dir), ("gguf", gguf)))
-    assert {m.quant_method.name for m in llm.engine.runner.model.modules()
-            if isinstance(m, Linear) and m.lora is not None} == {"int4"}
+    assert {
+        m.quant_method.name for m in llm.engine.runner.model.modules() if isinstance(m, Linear) and m.lora is not None
+    } == {"int4"}
     prompt = llm.tokenizer("The capital of France is").input_ids
     ours = llm.generate([prompt] * 3, [greedy("peft", 4), greedy("gguf", 4), greedy(None, 4)])
     expected = reference(peft_model, prompt, 4)

@@ -7,6 +7,7 @@ the converter permutes the base weights. Served side by side, the twins must giv
 and logprobs, and those must be transformers + peft's; llama.cpp's own converter writes the same
 files.
 """
+
 from __future__ import annotations
 
 import math
@@ -29,12 +30,23 @@ def converter_permute(weights: torch.Tensor, n_head: int, n_head_kv: int) -> tor
     """convert_hf_to_gguf.py's LlamaModel.permute (Q/K rows for llama.cpp's rope), on B's rows."""
     if n_head != n_head_kv:
         n_head = n_head_kv
-    return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
-            .swapaxes(1, 2).reshape(weights.shape))
+    return (
+        weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
 
 
-def write_lora_gguf(peft_dir: str, path, arch: str, config, *, alpha: float | None = None,
-                    file_type: str = "adapter", extra: dict[str, np.ndarray] | None = None) -> str:
+def write_lora_gguf(
+    peft_dir: str,
+    path,
+    arch: str,
+    config,
+    *,
+    alpha: float | None = None,
+    file_type: str = "adapter",
+    extra: dict[str, np.ndarray] | None = None,
+) -> str:
     """The GGUF of a PEFT LoRA directory, as llama.cpp's converter writes it. `alpha` defaults to
     the directory's lora_alpha (times sqrt(r) for rsLoRA: llama.cpp scales by alpha / r)."""
     import json
@@ -79,11 +91,14 @@ def twins(request, tmp_path_factory):
     checkpoint = save_checkpoint(hf, root / "base")
     peft_dirs = {
         "all": make_adapter(arch, root / "all", seed=1),
-        "rs": make_adapter(arch, root / "rs", seed=2, targets=["q_proj", "k_proj", "down_proj"], r=4, alpha=6,
-                           use_rslora=True),
+        "rs": make_adapter(
+            arch, root / "rs", seed=2, targets=["q_proj", "k_proj", "down_proj"], r=4, alpha=6, use_rslora=True
+        ),
     }
-    ggufs = {name: write_lora_gguf(path, root / f"{name}.gguf", GGUF_ARCHS[arch], hf.config)
-             for name, path in peft_dirs.items()}
+    ggufs = {
+        name: write_lora_gguf(path, root / f"{name}.gguf", GGUF_ARCHS[arch], hf.config)
+        for name, path in peft_dirs.items()
+    }
     return arch, str(checkpoint), peft_dirs, ggufs
 
 
@@ -98,7 +113,8 @@ def test_a_gguf_adapter_matches_its_peft_twin_and_peft(twins):
     for (prompt, name), ours_peft, ours_gguf in zip(jobs, peft_results, gguf_results):
         assert ours_gguf.token_ids == ours_peft.token_ids
         assert [lp.logprob for lp in ours_gguf.logprobs] == pytest.approx(
-            [lp.logprob for lp in ours_peft.logprobs], abs=1e-6)
+            [lp.logprob for lp in ours_peft.logprobs], abs=1e-6
+        )
         check(ours_gguf, reference(arch, peft_dirs[name], prompt))
 
 
@@ -125,14 +141,17 @@ def llama(tmp_path_factory):
     return root, hf.config, str(save_checkpoint(hf, root / "base")), make_adapter("llama", root / "peft", seed=5)
 
 
-@pytest.mark.parametrize("case, message", [
-    ("model", "general.type is 'model', not 'adapter': this GGUF is not a LoRA adapter"),
-    ("arch", "the adapter is for architecture 'qwen3', the model is 'llama'"),
-    ("unknown", "tensor 'blk.0.attn_fancy.weight': no LoRA on this weight"),
-    ("kv_b", "tensor 'blk.1.attn_kv_b.weight': no LoRA on this weight \\(MLA's kv_b_proj is absorbed"),
-    ("not-lora", "tensor 'blk.0.attn_q.weight' is not a LoRA weight"),
-    ("no-layer", "the model has no layer for tensor 'blk.7.attn_q.weight'"),
-])
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("model", "general.type is 'model', not 'adapter': this GGUF is not a LoRA adapter"),
+        ("arch", "the adapter is for architecture 'qwen3', the model is 'llama'"),
+        ("unknown", "tensor 'blk.0.attn_fancy.weight': no LoRA on this weight"),
+        ("kv_b", "tensor 'blk.1.attn_kv_b.weight': no LoRA on this weight \\(MLA's kv_b_proj is absorbed"),
+        ("not-lora", "tensor 'blk.0.attn_q.weight' is not a LoRA weight"),
+        ("no-layer", "the model has no layer for tensor 'blk.7.attn_q.weight'"),
+    ],
+)
 def test_a_bad_gguf_adapter_is_refused_by_name(llama, case, message):
     root, config, checkpoint, peft_dir = llama
     pair = {"a": np.zeros((4, 64), np.float32), "b": np.zeros((64, 4), np.float32)}
@@ -142,7 +161,13 @@ def test_a_bad_gguf_adapter_is_refused_by_name(llama, case, message):
         "not-lora": {"blk.0.attn_q.weight": pair["b"]},
         "no-layer": {"blk.7.attn_q.weight.lora_a": pair["a"], "blk.7.attn_q.weight.lora_b": pair["b"]},
     }.get(case)
-    path = write_lora_gguf(peft_dir, root / f"{case}.gguf", "qwen3" if case == "arch" else "llama", config,
-                           file_type="model" if case == "model" else "adapter", extra=extra)
+    path = write_lora_gguf(
+        peft_dir,
+        root / f"{case}.gguf",
+        "qwen3" if case == "arch" else "llama",
+        config,
+        file_type="model" if case == "model" else "adapter",
+        extra=extra,
+    )
     with pytest.raises(ValueError, match=message):
         LLM(checkpoint, dtype="float32", num_kv_blocks=32, lora_modules=(("bad", path),))

@@ -1,4 +1,5 @@
 """paged_attention == dense causal attention (SDPA per sequence) for ragged batches over a paged cache."""
+
 from __future__ import annotations
 
 import random
@@ -83,7 +84,9 @@ def test_random_schedules_match_dense(seed):
     cache = KVCacheSpec(1, (2, num_kv_heads, HEAD_DIM), torch.float32).allocate(num_blocks, block_size, "cpu")[0]
     done = [0] * len(lengths)
     while any(d < n for d, n in zip(done, lengths)):
-        chunks = [(i, done[i], min(n - done[i], rng.choice([1, 1, 2, 6, 40]))) for i, n in enumerate(lengths) if done[i] < n]
+        chunks = [
+            (i, done[i], min(n - done[i], rng.choice([1, 1, 2, 6, 40]))) for i, n in enumerate(lengths) if done[i] < n
+        ]
         rng.shuffle(chunks)
         for (i, start, n), out in zip(chunks, run_step(cache, seqs, chunks, tables, block_size, 0.3)):
             s = seqs[i]
@@ -161,16 +164,18 @@ def test_sliding_window_and_softcap_match_dense(block_size, window, softcap):
     second = [(i, c, n) for i, (c, n) in enumerate(plan)]
     random.Random(block_size).shuffle(second)
     for chunks in (first, second):
-        meta = AttentionMetadata.build([n for _, _, n in chunks], [s + n for _, s, n in chunks],
-                                       [tables[i] for i, _, _ in chunks], block_size)
+        meta = AttentionMetadata.build(
+            [n for _, _, n in chunks], [s + n for _, s, n in chunks], [tables[i] for i, _, _ in chunks], block_size
+        )
         q = torch.cat([seqs[i]["q"][s : s + n] for i, s, n in chunks])
         k = torch.cat([seqs[i]["k"][s : s + n] for i, s, n in chunks])
         v = torch.cat([seqs[i]["v"][s : s + n] for i, s, n in chunks])
         out = paged_attention(q, k, v, cache, meta, scale, window=window, softcap=softcap)
         for (i, start, n), got in zip(chunks, out.split([n for _, _, n in chunks])):
             s = seqs[i]
-            ref = windowed_reference(s["q"][start : start + n], s["k"][: start + n], s["v"][: start + n], scale,
-                                     window, softcap)
+            ref = windowed_reference(
+                s["q"][start : start + n], s["k"][: start + n], s["v"][: start + n], scale, window, softcap
+            )
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -210,8 +215,9 @@ def int8_step_outputs(seqs, plan, tables, num_blocks, block_size, scale, num_kv_
     random.Random(block_size).shuffle(second)
     got = {}
     for chunks in (first, second):
-        meta = AttentionMetadata.build([n for _, _, n in chunks], [s + n for _, s, n in chunks],
-                                       [tables[i] for i, _, _ in chunks], block_size)
+        meta = AttentionMetadata.build(
+            [n for _, _, n in chunks], [s + n for _, s, n in chunks], [tables[i] for i, _, _ in chunks], block_size
+        )
         q = torch.cat([seqs[i]["q"][s : s + n] for i, s, n in chunks])
         k = torch.cat([seqs[i]["k"][s : s + n] for i, s, n in chunks])
         v = torch.cat([seqs[i]["v"][s : s + n] for i, s, n in chunks])
@@ -235,9 +241,14 @@ def test_int8_cache_is_attention_over_its_dequantized_rows(block_size, window, h
     plan = [(0, 21), (40, 1), (300, 1), (13, 9), (0, 1), (150, 40)]
     lengths = [c + n for c, n in plan]
     gen = torch.Generator().manual_seed(head_dim)
-    seqs = [{"q": torch.randn(n, num_heads, head_dim, generator=gen),
-             "k": torch.randn(n, num_kv_heads, head_dim, generator=gen),
-             "v": torch.randn(n, num_kv_heads, head_dim, generator=gen)} for n in lengths]
+    seqs = [
+        {
+            "q": torch.randn(n, num_heads, head_dim, generator=gen),
+            "k": torch.randn(n, num_kv_heads, head_dim, generator=gen),
+            "v": torch.randn(n, num_kv_heads, head_dim, generator=gen),
+        }
+        for n in lengths
+    ]
     tables, num_blocks = shuffled_block_tables(lengths, block_size, seed=3)
     scale = head_dim**-0.5
     got = int8_step_outputs(seqs, plan, tables, num_blocks, block_size, scale, num_kv_heads, head_dim, window)
@@ -285,8 +296,10 @@ def test_int8_rows_do_not_depend_on_their_step(attention_path, threads):
         pytest.skip("the eager paths are not row-invariant")
     block_size, num_kv_heads, length, head_dim = 16, 2, 200, 64
     gen = torch.Generator().manual_seed(4)
-    seqs = [{x: torch.randn(n, 6 if x == "q" else num_kv_heads, head_dim, generator=gen) for x in "qkv"}
-            for n in (length, 150)]
+    seqs = [
+        {x: torch.randn(n, 6 if x == "q" else num_kv_heads, head_dim, generator=gen) for x in "qkv"}
+        for n in (length, 150)
+    ]
     tables, num_blocks = shuffled_block_tables([length, 150], block_size, seed=5)
     outputs = []
     previous = torch.get_num_threads()

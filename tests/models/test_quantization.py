@@ -5,6 +5,7 @@ Tolerances are in units of float32's eps (the CPU's ISA changes the summation or
 more), except where the kernel rounds activations to int16 on purpose (~1.5e-5 of a
 32-value block's largest value per element).
 """
+
 from __future__ import annotations
 
 import os
@@ -119,9 +120,18 @@ def test_int16_activation_path_equals_its_emulation(bits, rows, scale_dtype):
     assert (got - exact).abs().max() < 1e-4 * exact.abs().max()
 
 
-@pytest.mark.parametrize("bits,group,k,inter", [("q4_0", 32, 576, 104), (4, 32, 576, 8), (8, 32, 576, 104),
-                                                ("q4_0", 32, 3136, 24), (4, 64, 576, 104), (5, 32, 576, 104),
-                                                ("q5_0", 32, 576, 8)])
+@pytest.mark.parametrize(
+    "bits,group,k,inter",
+    [
+        ("q4_0", 32, 576, 104),
+        (4, 32, 576, 8),
+        (8, 32, 576, 104),
+        ("q4_0", 32, 3136, 24),
+        (4, 64, 576, 104),
+        (5, 32, 576, 104),
+        ("q5_0", 32, 576, 8),
+    ],
+)
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16])
 def test_gate_up_product_and_silu_in_one_kernel_equal_the_two_ops(bits, group, k, inter, scale_dtype):
     """quant_linear_silu_mul (a [gate | up] layer's product and silu(gate) * up in one pass, each
@@ -171,10 +181,22 @@ def test_gate_up_product_and_silu_in_one_kernel_equal_the_two_ops(bits, group, k
     assert method.apply_silu_mul(layer, x[:2].bfloat16(), layer.bias, None) is None
 
 
-@pytest.mark.parametrize("bits,group,k,n", [(4, 32, 576, 37), (8, 32, 576, 37), (4, 64, 576, 37), (8, None, 576, 37),
-                                            ("q4_0", 32, 576, 37), ("q4_0", 32, 576, 203), (4, 32, 3136, 37),
-                                            ("q4_0", 32, 3136, 37), (5, 32, 576, 37), ("q5_0", 32, 576, 203),
-                                            (5, 32, 3136, 37)])
+@pytest.mark.parametrize(
+    "bits,group,k,n",
+    [
+        (4, 32, 576, 37),
+        (8, 32, 576, 37),
+        (4, 64, 576, 37),
+        (8, None, 576, 37),
+        ("q4_0", 32, 576, 37),
+        ("q4_0", 32, 576, 203),
+        (4, 32, 3136, 37),
+        ("q4_0", 32, 3136, 37),
+        (5, 32, 576, 37),
+        ("q5_0", 32, 576, 203),
+        (5, 32, 3136, 37),
+    ],
+)
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16])
 def test_a_rows_product_is_bit_identical_whatever_the_step_size_and_threads(bits, group, k, n, scale_dtype):
     """A quantized layer runs one kernel for every row count (it used to dequantize and call
@@ -275,12 +297,55 @@ def prompt_logits(model, ids: list[int], decode: int = 3) -> torch.Tensor:
     return torch.cat(out)
 
 
-PROMPT = [5, 9, 200, 17, 33, 4, 88, 120, 7, 7, 61, 250, 3, 19, 44, 100, 150, 201, 12, 13, 14, 15, 16, 17,
-          18, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 60, 61, 62]
+PROMPT = [
+    5,
+    9,
+    200,
+    17,
+    33,
+    4,
+    88,
+    120,
+    7,
+    7,
+    61,
+    250,
+    3,
+    19,
+    44,
+    100,
+    150,
+    201,
+    12,
+    13,
+    14,
+    15,
+    16,
+    17,
+    18,
+    30,
+    31,
+    32,
+    33,
+    34,
+    35,
+    36,
+    37,
+    38,
+    39,
+    40,
+    41,
+    60,
+    61,
+    62,
+]
 
 
-@pytest.mark.parametrize("qtype,bits", [(T.Q4_1, 4), (T.Q4_0, 4), (T.Q8_0, 8), (T.Q5_0, 5), (T.Q5_1, 5)],
-                         ids=["Q4_1", "Q4_0", "Q8_0", "Q5_0", "Q5_1"])
+@pytest.mark.parametrize(
+    "qtype,bits",
+    [(T.Q4_1, 4), (T.Q4_0, 4), (T.Q8_0, 8), (T.Q5_0, 5), (T.Q5_1, 5)],
+    ids=["Q4_1", "Q4_0", "Q8_0", "Q5_0", "Q5_1"],
+)
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
 def test_gguf_is_served_as_stored_and_equals_its_dequantized_model(tmp_path, qtype, bits, tie):
     path = tmp_path / "m.gguf"
@@ -385,9 +450,14 @@ def test_deepseek_mla_and_moe_experts_get_the_method_too(tmp_path, quantization,
     quant = load_model(str(path), dtype="float32", quantization=quantization)
     got_methods = methods(quant.model)
     # hidden 64 and q_lora_rank 32 fit groups of 32; the experts' down_proj (24 inputs) stays dense.
-    for name in ("model.layers.1.mlp.experts.gate_up.3", "model.layers.0.self_attn.q_b_proj",
-                 "model.layers.0.self_attn.kv_a_proj_with_mqa", "model.layers.1.mlp.shared_experts.gate_up_proj",
-                 "model.embed_tokens", "lm_head"):
+    for name in (
+        "model.layers.1.mlp.experts.gate_up.3",
+        "model.layers.0.self_attn.q_b_proj",
+        "model.layers.0.self_attn.kv_a_proj_with_mqa",
+        "model.layers.1.mlp.shared_experts.gate_up_proj",
+        "model.embed_tokens",
+        "lm_head",
+    ):
         assert got_methods[name] == f"int{bits}", name
     assert got_methods["model.layers.1.mlp.experts.down.3"] == "dense"
     got = prompt_logits(quant.model, PROMPT[:20], decode=4)
@@ -430,8 +500,7 @@ def test_bench_quant_compares_like_with_like(capsys):
     assert "| 1 |" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("bits,group,n", [(4, 32, 37), (4, 64, 8), (8, 32, 19), (8, None, 16), (5, 32, 37),
-                                         (5, 64, 8)])
+@pytest.mark.parametrize("bits,group,n", [(4, 32, 37), (4, 64, 8), (8, 32, 19), (8, None, 16), (5, 32, 37), (5, 64, 8)])
 def test_panels_hold_the_stored_weight_and_give_back_any_rows(bits, group, n):
     """`to_panels` only moves 2-byte units (N padded to the panel width), and for 5 bits the high
     bits; `panel_rows` gives any rows back in the stored layout, which embedding lookups and the

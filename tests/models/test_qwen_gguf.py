@@ -4,6 +4,7 @@ transformers reads the same GGUF file and dequantizes every tensor exactly into 
 serve it as the server does (`--quantization auto`: Q4_K kept as int4, Q5_0/Q6_K/Q8_0 as int8).
 The reference is computed here, from the file, never written down.
 """
+
 from __future__ import annotations
 
 import gc

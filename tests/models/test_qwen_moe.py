@@ -1,5 +1,6 @@
 """Qwen2-MoE / Qwen3-MoE specifics (their logits against transformers: tests/models/test_llama.py's
 cases; their GGUF files: test_gguf_architectures.py): where the MoE layers go, and the router."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,13 +11,28 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 from models.layers.moe import MoE, Router, RouterConfig
 from models.qwen_moe import QwenMoeForCausalLM
 
-_TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=80, moe_intermediate_size=16, num_hidden_layers=6,
-             num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2)
+_TINY = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=80,
+    moe_intermediate_size=16,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_experts=8,
+    num_experts_per_tok=2,
+)
 
 
-@pytest.mark.parametrize("sparsity", [dict(decoder_sparse_step=1), dict(decoder_sparse_step=2),
-                                      dict(decoder_sparse_step=1, mlp_only_layers=[0, 3]),
-                                      dict(decoder_sparse_step=3, mlp_only_layers=[5])])
+@pytest.mark.parametrize(
+    "sparsity",
+    [
+        dict(decoder_sparse_step=1),
+        dict(decoder_sparse_step=2),
+        dict(decoder_sparse_step=1, mlp_only_layers=[0, 3]),
+        dict(decoder_sparse_step=3, mlp_only_layers=[5]),
+    ],
+)
 def test_moe_layers_are_where_transformers_puts_them(sparsity):
     config = Qwen3MoeConfig(**_TINY, **sparsity)
     with torch.device("meta"):

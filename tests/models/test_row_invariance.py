@@ -3,6 +3,7 @@ chunk after cached tokens (what a prefix-cache hit makes of a prompt), as a deco
 sequences' prompts and decodes (up to 256 rows in its step), on 1 thread or 2, with a float32 or
 float16 or bfloat16 cache. Attention is held to it directly; whole logits where every linear layer computes
 a row alone (a test method here; the quantized kernel once it is row-invariant)."""
+
 from __future__ import annotations
 
 import pytest
@@ -44,19 +45,26 @@ def schedules(n: int) -> dict[str, list[list[tuple[int, int, int]]]]:
     neighbours = [(i, 0, 20 + i % 50) for i in range(1, 200)]
     return {
         "prompt": [[(0, 0, n)]],
-        "cached prefix, then the rest as a chunk": [[(0, 0, 6 * BLOCK_SIZE)], [(0, 6 * BLOCK_SIZE, n - 6 * BLOCK_SIZE)]],
+        "cached prefix, then the rest as a chunk": [
+            [(0, 0, 6 * BLOCK_SIZE)],
+            [(0, 6 * BLOCK_SIZE, n - 6 * BLOCK_SIZE)],
+        ],
         "decodes": [[(0, t, 1)] for t in range(n)],
         # speculative verification: a token and its drafts, 2-9 rows a step (paged_attention cuts a step
         # of few sequences into pieces of a head's query vectors, to keep both threads busy)
-        "a prompt, then steps of 2-9 rows": [[(0, 0, 40)]] + [
-            [(0, start, min(2 + step % 8, n - start))] for step, start in enumerate(_runs(40, n))],
+        "a prompt, then steps of 2-9 rows": [[(0, 0, 40)]]
+        + [[(0, start, min(2 + step % 8, n - start))] for step, start in enumerate(_runs(40, n))],
         "prompt among a decode, a prompt and a chunk": [
-            [(1, 0, 30), (3, 0, 50)], [(1, 30, 1), (0, 0, n), (2, 0, 20), (3, 50, 7)]],
+            [(1, 0, 30), (3, 0, 50)],
+            [(1, 30, 1), (0, 0, n), (2, 0, 20), (3, 50, 7)],
+        ],
         "last token among 255 other rows": [
-            neighbours[:100], neighbours[100:] + [(200, 0, 40)], [(0, 0, n - 1)],
-            [(i, c, 1) for i, _, c in neighbours] + [(200, 40, 56), (0, n - 1, 1)]],
+            neighbours[:100],
+            neighbours[100:] + [(200, 0, 40)],
+            [(0, 0, n - 1)],
+            [(i, c, 1) for i, _, c in neighbours] + [(200, 40, 56), (0, n - 1, 1)],
+        ],
     }
-
 
 
 def schedule_block_tables(schedule, seed: int) -> tuple[dict[int, list[int]], int]:
@@ -69,6 +77,7 @@ def schedule_block_tables(schedule, seed: int) -> tuple[dict[int, list[int]], in
     ids = sorted(lengths)
     tables, num_blocks = shuffled_block_tables([lengths[i] for i in ids], BLOCK_SIZE, seed=seed)
     return dict(zip(ids, tables)), num_blocks
+
 
 class Sequences:
     """Random queries, keys and values per token of each sequence, and a fresh paged cache for
@@ -102,7 +111,8 @@ class Sequences:
             if self.latent_values:  # MLA: one latent "head" per token, written token-major
                 write_kv(cache, k[:, 0], meta.slot_mapping)
                 rows = cpu_kernels.paged_attention(
-                    q, cache, meta.block_table, meta.seq_lens, meta.query_start, d**-0.5, self.latent_values)
+                    q, cache, meta.block_table, meta.seq_lens, meta.query_start, d**-0.5, self.latent_values
+                )
             else:
                 rows = paged_attention(q, k, v, cache, meta, d**-0.5)
             for (i, start, count), o in zip(step, rows.split([c for _, _, c in step])):
@@ -125,12 +135,19 @@ def assert_same_everywhere(seqs: Sequences) -> torch.Tensor:
     return reference
 
 
-@pytest.mark.parametrize("dtype,cache_dtype", [
-    (torch.float32, torch.float32), (torch.float32, torch.float16), (torch.float32, torch.bfloat16),
-    (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "dtype,cache_dtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.float32, torch.float16),
+        (torch.float32, torch.bfloat16),
+        (torch.bfloat16, torch.bfloat16),
+    ],
+)
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 4, 20), (8, 1, 8)])
-def test_attention_of_a_token_is_the_same_however_it_is_scheduled(num_heads, num_kv_heads, head_dim, dtype,
-                                                                    cache_dtype):
+def test_attention_of_a_token_is_the_same_however_it_is_scheduled(
+    num_heads, num_kv_heads, head_dim, dtype, cache_dtype
+):
     assert_same_everywhere(Sequences(num_heads, num_kv_heads, head_dim, dtype, cache_dtype))
 
 
@@ -189,7 +206,8 @@ def assert_all_equal(results: dict[str, torch.Tensor]) -> None:
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 def test_logits_of_a_token_are_the_same_however_it_is_scheduled_when_every_linear_layer_is(
-        make_checkpoint, cache_dtype):
+    make_checkpoint, cache_dtype
+):
     from models.loader import load_model
 
     path, _ = make_checkpoint("llama", max_position_embeddings=512)
@@ -199,7 +217,8 @@ def test_logits_of_a_token_are_the_same_however_it_is_scheduled_when_every_linea
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_batch_invariant_dense_logits_are_the_same_however_a_token_is_scheduled_and_match_transformers(
-        make_checkpoint, dtype):
+    make_checkpoint, dtype
+):
     # `--batch-invariant`: the dense layers on RowsDenseMethod (csrc/rows_matmul.cpp), a dense model's
     # logits as row-invariant as a quantized one's; and the same model as transformers' within
     # float32's rounding (bf16: its own).
@@ -286,10 +305,20 @@ def test_logits_of_a_quantized_gemma_are_the_same_however_a_token_is_scheduled(m
     """Sliding-window layers (window 8 over 150 tokens) beside global ones, Gemma 2's soft-capped scores."""
     from models.loader import load_model
 
-    extra = ({"attn_logit_softcapping": 3.0} if arch == "gemma2" else
-             {"layer_types": ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]})
-    path, _ = make_checkpoint(arch, max_position_embeddings=512, num_hidden_layers=4, head_dim=16, sliding_window=8,
-                              query_pre_attn_scalar=16, **extra)
+    extra = (
+        {"attn_logit_softcapping": 3.0}
+        if arch == "gemma2"
+        else {"layer_types": ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]}
+    )
+    path, _ = make_checkpoint(
+        arch,
+        max_position_embeddings=512,
+        num_hidden_layers=4,
+        head_dim=16,
+        sliding_window=8,
+        query_pre_attn_scalar=16,
+        **extra,
+    )
     loaded = load_model(path, dtype="float32", quantization="int8")
     assert loaded.model.row_invariant()
     assert_all_equal(logits_per_schedule(loaded.model, torch.float16))

@@ -4,6 +4,7 @@ Everything heavy is loaded once per module: our reader's output, transformers'
 float32 model from the same file, and (when models.loader exists) our model.
 Also pins down models.fetch's alias resolution.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -31,8 +32,9 @@ def ours(gguf_path):
 
 @pytest.fixture(scope="module")
 def hf_model(gguf_path):
-    return AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
-                                                dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+    ).eval()
 
 
 def require(module: str) -> None:
@@ -45,6 +47,7 @@ def require(module: str) -> None:
 def loaded(gguf_path):
     require("models.loader")
     from models.loader import load_model
+
     return load_model(str(gguf_path), dtype="float32")
 
 
@@ -65,9 +68,21 @@ def test_weights_equal_transformers_gguf_loading(ours, hf_model):
 def test_config_equals_transformers(ours, hf_model):
     config, _, _, _ = ours
     ref = hf_model.config
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
-                "tie_word_embeddings", "bos_token_id", "eos_token_id", "rope_parameters"):
+    for key in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "tie_word_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+        "rope_parameters",
+    ):
         assert getattr(config, key) == getattr(ref, key), key
     assert config.architectures == ["LlamaForCausalLM"]
     assert (config.num_hidden_layers, config.hidden_size, config.vocab_size) == (30, 576, 49152)
@@ -81,18 +96,22 @@ def test_tokenizer_equals_transformers_gguf_tokenizer(ours, gguf_path):
         ids = reference(text).input_ids
         assert tokenizer.decode(ids) == reference.decode(ids)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    assert (tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            == reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    assert tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    ) == reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert eos == (2,) and tokenizer.eos_token == "<|im_end|>" and tokenizer.eos_token_id == 2
 
 
 def test_tokenizer_adds_no_bos_and_chat_template_frames_turns(ours):
     _, _, tokenizer, _ = ours
     assert tokenizer("Hello world").input_ids == [19556, 905]  # add_bos_token is false in the file
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
-                                         add_generation_prompt=True)
-    assert text == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
-                    "<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert text == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+        "<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 @torch.inference_mode()
@@ -120,8 +139,9 @@ def test_chat_answer_names_paris(loaded):
     from models.generate import generate_greedy
 
     tokenizer = loaded.tokenizer
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                         tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], tokenize=False, add_generation_prompt=True
+    )
     prompt = tokenizer(text, add_special_tokens=False).input_ids
     [output] = generate_greedy(loaded, [prompt], max_tokens=24)
     answer = tokenizer.decode(output, skip_special_tokens=True)
@@ -131,6 +151,7 @@ def test_chat_answer_names_paris(loaded):
 
 # models.fetch: no download here (the fixture above already did the only one); the rest of
 # fetching is tests/models/test_fetch.py's.
+
 
 def test_resolve_model_path_accepts_aliases_and_paths(gguf_path, tmp_path):
     for alias in (DEFAULT_MODEL, DEFAULT_MODEL.upper(), "smollm2", "SmolLM2"):
@@ -143,13 +164,19 @@ def test_resolve_model_path_accepts_aliases_and_paths(gguf_path, tmp_path):
 
 # Quantized serving: the default GGUF runs from its Q4_1/Q8_0 blocks (models/layers/quantization.py).
 
-PROMPT_SET = [PROMPT, "The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a small village,",
-              "<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n"]
+PROMPT_SET = [
+    PROMPT,
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village,",
+    "<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n",
+]
 
 
 @pytest.fixture(scope="module")
 def dequantized(gguf_path):
     from models.loader import load_model
+
     return load_model(str(gguf_path), dtype="float32", quantization="none")
 
 
@@ -171,8 +198,7 @@ def test_default_gguf_is_served_from_its_quantized_blocks(loaded, dequantized):
 
 
 @pytest.mark.parametrize("activations,tolerance", [("int16", 5e-4), ("float", 1e-5)])
-def test_quantized_kernels_equal_the_dequantized_model_on_a_prompt_set(gguf_path, dequantized, activations,
-                                                                        tolerance):
+def test_quantized_kernels_equal_the_dequantized_model_on_a_prompt_set(gguf_path, dequantized, activations, tolerance):
     """Same weights: logits within the stated bound of the logit scale (int16 activations, what
     serves; float activations: float32 summation order only), every greedy choice the same."""
     from models.layers.linear import Linear

@@ -1,6 +1,7 @@
 """A step's choice of kernels is a value the layers receive, not torch's process-wide oneDNN
 switch: only StepKernels.matmul touches the switch, for the one call that asked for torch's
 own kernels, and puts it back."""
+
 from __future__ import annotations
 
 import re

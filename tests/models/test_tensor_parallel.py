@@ -3,6 +3,7 @@ same split computed in one process (two ranks as threads adding in rank order), 
 logits to float32 rounding; for split and replicated KV heads, tied embeddings, int8/int4
 and GGUF Q4_0/Q8_0 weights. Shapes that N does not divide are refused by name.
 """
+
 from __future__ import annotations
 
 import os
@@ -156,10 +157,14 @@ def cases(tmp_path_factory) -> dict[str, tuple[str, str]]:
     split = save_checkpoint(make_hf_model("llama", **quantizable), root / "split-kv")
     out = {
         "split kv heads, dense": (str(split), "none"),
-        "replicated kv head, dense": (str(save_checkpoint(make_hf_model("llama", num_key_value_heads=1),
-                                                        root / "one-kv")), "none"),
-        "tied embeddings, qwen3": (str(save_checkpoint(make_hf_model("qwen3", tie_word_embeddings=True, head_dim=16),
-                                                     root / "qwen3")), "none"),
+        "replicated kv head, dense": (
+            str(save_checkpoint(make_hf_model("llama", num_key_value_heads=1), root / "one-kv")),
+            "none",
+        ),
+        "tied embeddings, qwen3": (
+            str(save_checkpoint(make_hf_model("qwen3", tie_word_embeddings=True, head_dim=16), root / "qwen3")),
+            "none",
+        ),
         "deepseek v3, MLA + MoE": (str(deepseek_v3_checkpoint(root / "deepseek")), "none"),
         "int8": (str(split), "int8"),
         "int4": (str(split), "int4"),
@@ -173,8 +178,7 @@ def cases(tmp_path_factory) -> dict[str, tuple[str, str]]:
 @pytest.fixture(scope="module")
 def gloo_results(cases, tmp_path_factory) -> dict[str, list[torch.Tensor]]:
     out = tmp_path_factory.mktemp("gloo") / "logits.pt"
-    mp.start_processes(_gloo_rank, args=(free_port(), list(cases.values()), str(out)), nprocs=2,
-                       start_method="spawn")
+    mp.start_processes(_gloo_rank, args=(free_port(), list(cases.values()), str(out)), nprocs=2, start_method="spawn")
     results, shm_results = torch.load(out)
     if shm_results:
         for case, gloo, shm in zip(cases, results, shm_results):
@@ -187,8 +191,16 @@ def gloo_results(cases, tmp_path_factory) -> dict[str, list[torch.Tensor]]:
 # int16 per 32 values, and a one-ulp difference in a layer's input can move one of those
 # roundings: a step of 2^-15 of its group's largest value (8 steps' worth allowed).
 TOLERANCE = {"none": 1e-5, "int8": 8 * 2**-15, "int4": 8 * 2**-15, "auto": 8 * 2**-15}
-CASES = ["split kv heads, dense", "replicated kv head, dense", "tied embeddings, qwen3", "deepseek v3, MLA + MoE", "int8", "int4",
-         "gguf Q4_0", "gguf Q8_0"]
+CASES = [
+    "split kv heads, dense",
+    "replicated kv head, dense",
+    "tied embeddings, qwen3",
+    "deepseek v3, MLA + MoE",
+    "int8",
+    "int4",
+    "gguf Q4_0",
+    "gguf Q8_0",
+]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -208,7 +220,8 @@ def test_tp2_over_gloo_is_the_one_process_split_bitwise_and_close_to_tp1(case, c
         scale = one.abs().max().item()
         diff = (gloo - one).abs().max().item()
         assert diff <= TOLERANCE[quantization] * max(scale, 1.0), (
-            f"step {step}: TP=2 vs TP=1 max diff {diff:.2e} (scale {scale:.2f})")
+            f"step {step}: TP=2 vs TP=1 max diff {diff:.2e} (scale {scale:.2f})"
+        )
 
 
 def test_shapes_that_tp_does_not_divide_are_refused_by_name(tmp_path):
@@ -217,8 +230,10 @@ def test_shapes_that_tp_does_not_divide_are_refused_by_name(tmp_path):
     path = save_checkpoint(make_hf_model("llama", num_attention_heads=4, num_key_value_heads=2), tmp_path / "a")
     with pytest.raises(ValueError, match=r"tensor parallel size 3 does not divide num_attention_heads \(4\)"):
         load_model(str(path), dtype="float32", tensor_parallel=three)
-    heads = save_checkpoint(make_hf_model("llama", hidden_size=96, num_attention_heads=6, num_key_value_heads=3,
-                                          head_dim=16), tmp_path / "b")
+    heads = save_checkpoint(
+        make_hf_model("llama", hidden_size=96, num_attention_heads=6, num_key_value_heads=3, head_dim=16),
+        tmp_path / "b",
+    )
     with pytest.raises(ValueError, match=r"tensor parallel size 2 does not divide num_key_value_heads \(3\)"):
         load_model(str(heads), dtype="float32", tensor_parallel=TensorParallel(0, 2, comm))
     inter = save_checkpoint(make_hf_model("llama", intermediate_size=90), tmp_path / "c")
@@ -229,8 +244,11 @@ def test_shapes_that_tp_does_not_divide_are_refused_by_name(tmp_path):
 def test_a_row_split_inside_a_quantization_group_is_refused(tmp_path):
     # intermediate 96: down_proj's 96 inputs split in two cut a group of 32 of the Q8_0 blocks.
     path = write_gguf_of(tmp_path / "m.gguf", Q.Q8_0, intermediate_size=96)
-    with pytest.raises(ValueError, match=r"down_proj.weight'.*split of its 96 inputs at 0\.\.48 cuts its "
-                                         r"quantization groups of 32"):
+    with pytest.raises(
+        ValueError,
+        match=r"down_proj.weight'.*split of its 96 inputs at 0\.\.48 cuts its "
+        r"quantization groups of 32",
+    ):
         load_model(str(path), dtype="float32", tensor_parallel=TensorParallel(0, 2, ThreadCommunicator(2)))
 
 
@@ -240,10 +258,28 @@ def test_models_generate_takes_tensor_parallel_size(cases):
     import sys
 
     def run(*extra: str) -> list[dict]:
-        out = subprocess.run([sys.executable, "-m", "models.generate", "--model", cases["split kv heads, dense"][0],
-                              "--prompt", "Hello", "--prompt", "Paged attention", "--max-tokens", "8",
-                              "--dtype", "float32", "--ignore-eos", *extra],
-                             capture_output=True, text=True, timeout=300)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "models.generate",
+                "--model",
+                cases["split kv heads, dense"][0],
+                "--prompt",
+                "Hello",
+                "--prompt",
+                "Paged attention",
+                "--max-tokens",
+                "8",
+                "--dtype",
+                "float32",
+                "--ignore-eos",
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert out.returncode == 0, out.stderr
         return [json.loads(line) for line in out.stdout.splitlines()]
 

@@ -6,6 +6,7 @@ of the tile, N not a multiple of 8, K past one group). Where the CPU has no
 AVX-512, the same source is built with its 512-bit intrinsics emulated lane by lane
 (csrc/wide_tiles_emulated.cpp); where it has, test_quantization's row-invariance test runs them on
 the real instructions (rows alone on the 8-lane tiles, PAGEDSERVE_WIDE_TILES=0, against the wide ones)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -86,7 +87,13 @@ def test_wide_tiles_give_each_row_the_bits_of_the_row_alone_emulated():
     repo = Path(__file__).resolve().parents[2]
     csrc = repo / "models/layers/csrc"
     kernel = hashlib.sha256((csrc / "quant_linear.cpp").read_bytes() + (csrc / "vec8.h").read_bytes()).hexdigest()[:16]
-    done = subprocess.run([sys.executable, "-c", CHECK, str(HARNESS), kernel], cwd=repo, env=env, capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", CHECK, str(HARNESS), kernel],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "failures []" in done.stdout

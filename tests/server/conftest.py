@@ -6,6 +6,7 @@
 Each server binds 127.0.0.1 on a free port in a thread of the test process and
 is stopped through its own handle (never by a signal to the test process).
 """
+
 from __future__ import annotations
 
 import os
@@ -42,8 +43,9 @@ class LiveServer:
         self._socket.bind(("127.0.0.1", 0))
         self.port = self._socket.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = make_server(app, log_level="warning", shutdown_timeout=shutdown_timeout,
-                                  read_timeout=read_timeout)
+        self.server = make_server(
+            app, log_level="warning", shutdown_timeout=shutdown_timeout, read_timeout=read_timeout
+        )
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._socket]}, daemon=True)
         self.http = httpx.Client(base_url=self.url, timeout=60)
 
@@ -171,8 +173,9 @@ def tiny_loaded(tiny_model_dir):
 def start_server(tiny_loaded):
     started: list[LiveServer] = []
 
-    def start(engine_kwargs: dict | None = None, app_kwargs: dict | None = None,
-              server_kwargs: dict | None = None) -> LiveServer:
+    def start(
+        engine_kwargs: dict | None = None, app_kwargs: dict | None = None, server_kwargs: dict | None = None
+    ) -> LiveServer:
         engine = AsyncEngine(tiny_loaded, EngineConfig(**{**ENGINE_DEFAULTS, **(engine_kwargs or {})}))
         app = create_app(engine, **{"served_model_name": MODEL_NAME, **(app_kwargs or {})})
         live = LiveServer(app, engine, **(server_kwargs or {})).start()

@@ -1,4 +1,5 @@
 """The API through the official openai client against a live server on a tiny float32 model."""
+
 from __future__ import annotations
 
 import re
@@ -21,7 +22,8 @@ def test_models_health_and_tokenizer_endpoints(live):
     assert live.http.post("/detokenize", json={"tokens": tokens["tokens"]}).json() == {"prompt": PROMPT}
     chat = live.http.post("/tokenize", json={"messages": MESSAGES}).json()
     assert live.http.post("/detokenize", json={"tokens": chat["tokens"]}).json()["prompt"] == (
-        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHello world!<|im_end|>\n<|im_start|>assistant\n")
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHello world!<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_a_model_alias_is_listed_after_the_name_and_answers_under_the_name(start_server):
@@ -74,15 +76,19 @@ def test_cache_salt_shares_the_prefix_cache_only_within_a_salt(live):
     assert cached(cache_salt="tenant-b") == 0  # a's blocks are not b's
     assert cached() == 0  # nor an unsalted request's
     assert cached(cache_salt="tenant-a") > 0 and cached() > 0  # each finds its own
-    chat = client.chat.completions.create(model=M, messages=[{"role": "user", "content": prompt}], max_tokens=1,
-                                          extra_body={"cache_salt": "tenant-c"})
+    chat = client.chat.completions.create(
+        model=M, messages=[{"role": "user", "content": prompt}], max_tokens=1, extra_body={"cache_salt": "tenant-c"}
+    )
     assert chat.usage.prompt_tokens_details.cached_tokens == 0
     for hits in (False, True):  # the Responses API takes it too
-        response = client.responses.create(model=M, input=prompt, max_output_tokens=1, extra_body={"cache_salt": "tenant-d"})
+        response = client.responses.create(
+            model=M, input=prompt, max_output_tokens=1, extra_body={"cache_salt": "tenant-d"}
+        )
         assert (response.usage.input_tokens_details.cached_tokens > 0) == hits
     for salt in ("", "x" * 257):
-        response = live.http.post("/v1/completions", json={"model": M, "prompt": prompt, "max_tokens": 1,
-                                                           "cache_salt": salt})
+        response = live.http.post(
+            "/v1/completions", json={"model": M, "prompt": prompt, "max_tokens": 1, "cache_salt": salt}
+        )
         assert response.status_code == 400 and response.json()["error"]["param"] == "cache_salt", response.text
 
 
@@ -92,14 +98,18 @@ def test_streamed_text_concatenates_to_the_non_streamed_text(live, kind):
     common = dict(model=M, max_tokens=24, temperature=0)
     if kind == "completion":
         whole = client.completions.create(prompt=PROMPT, **common)
-        chunks = list(client.completions.create(prompt=PROMPT, stream=True, stream_options={"include_usage": True},
-                                                **common))
+        chunks = list(
+            client.completions.create(prompt=PROMPT, stream=True, stream_options={"include_usage": True}, **common)
+        )
         text = "".join(c.choices[0].text for c in chunks if c.choices)
         expected = whole.choices[0].text
     else:
         whole = client.chat.completions.create(messages=MESSAGES, **common)
-        chunks = list(client.chat.completions.create(messages=MESSAGES, stream=True,
-                                                     stream_options={"include_usage": True}, **common))
+        chunks = list(
+            client.chat.completions.create(
+                messages=MESSAGES, stream=True, stream_options={"include_usage": True}, **common
+            )
+        )
         first = chunks[0].choices[0]
         assert first.delta.role == "assistant" and first.delta.content == ""
         assert all(c.choices[0].delta.role is None for c in chunks[1:] if c.choices)
@@ -134,8 +144,10 @@ def test_several_prompts_times_n_are_numbered_prompt_major(live):
     client = live.client()
     result = client.completions.create(model=M, prompt=["Hello", PROMPT], n=2, max_tokens=4, temperature=0)
     assert [c.index for c in result.choices] == [0, 1, 2, 3]
-    single = [client.completions.create(model=M, prompt=p, max_tokens=4, temperature=0).choices[0].text
-              for p in ("Hello", PROMPT)]
+    single = [
+        client.completions.create(model=M, prompt=p, max_tokens=4, temperature=0).choices[0].text
+        for p in ("Hello", PROMPT)
+    ]
     assert [c.text for c in result.choices] == [single[0], single[0], single[1], single[1]]
     counts = [live.http.post("/tokenize", json={"prompt": p}).json()["count"] for p in ("Hello", PROMPT)]
     assert result.usage.prompt_tokens == sum(counts)  # each prompt once, not n times
@@ -179,8 +191,9 @@ def test_completion_logprobs(live):
 
 
 def test_chat_logprobs_carry_exact_bytes(live):
-    result = live.client().chat.completions.create(model=M, messages=MESSAGES, max_tokens=10, temperature=0,
-                                                   logprobs=True, top_logprobs=3)
+    result = live.client().chat.completions.create(
+        model=M, messages=MESSAGES, max_tokens=10, temperature=0, logprobs=True, top_logprobs=3
+    )
     content = result.choices[0].logprobs.content
     assert len(content) == result.usage.completion_tokens == 10
     for entry in content:
@@ -194,14 +207,18 @@ def test_chat_logprobs_carry_exact_bytes(live):
 def test_logit_bias_is_honoured(live):
     client = live.client()
     token = live.http.post("/tokenize", json={"prompt": " fox"}).json()["tokens"][-1]
-    forced = client.completions.create(model=M, prompt=PROMPT, max_tokens=5, temperature=0,
-                                       logit_bias={str(token): 100}, logprobs=0)
-    assert forced.choices[0].logprobs.tokens == [live.http.post("/detokenize", json={"tokens": [token]}).json()[
-        "prompt"]] * 5
+    forced = client.completions.create(
+        model=M, prompt=PROMPT, max_tokens=5, temperature=0, logit_bias={str(token): 100}, logprobs=0
+    )
+    assert (
+        forced.choices[0].logprobs.tokens
+        == [live.http.post("/detokenize", json={"tokens": [token]}).json()["prompt"]] * 5
+    )
     greedy = client.completions.create(model=M, prompt=PROMPT, max_tokens=1, temperature=0, logprobs=0)
     first = live.http.post("/tokenize", json={"prompt": greedy.choices[0].text}).json()["tokens"][0]
-    banned = client.completions.create(model=M, prompt=PROMPT, max_tokens=1, temperature=0,
-                                       logit_bias={str(first): -100})
+    banned = client.completions.create(
+        model=M, prompt=PROMPT, max_tokens=1, temperature=0, logit_bias={str(first): -100}
+    )
     assert banned.choices[0].text != greedy.choices[0].text
 
 
@@ -210,8 +227,9 @@ def test_chat_max_completion_tokens_and_default_length(live):
     result = client.chat.completions.create(model=M, messages=MESSAGES, max_completion_tokens=3, temperature=0)
     assert result.usage.completion_tokens == 3 and result.choices[0].finish_reason == "length"
     # No limit given: generation may run to the end of the 128-token context.
-    open_ended = client.chat.completions.create(model=M, messages=MESSAGES, temperature=0,
-                                                extra_body={"ignore_eos": True})
+    open_ended = client.chat.completions.create(
+        model=M, messages=MESSAGES, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert open_ended.usage.prompt_tokens + open_ended.usage.completion_tokens == 128
     assert open_ended.choices[0].finish_reason == "length"
 
@@ -223,17 +241,30 @@ def test_metrics_count_requests_tokens_and_latencies(live):
     assert live.metric("pagedserve:request_success_total", 'finish_reason="length"') >= before + 1
     assert live.metric("pagedserve:generation_tokens_total") >= tokens_before + 5
     text = live.http.get("/metrics").text
-    for name in ("time_to_first_token_seconds_count", "inter_token_latency_seconds_count",
-                 "e2e_request_latency_seconds_count", "request_queue_time_seconds_count", "prompt_tokens_total",
-                 "num_requests_running", "num_requests_waiting", "kv_blocks_used", "prefix_cache_hit_rate",
-                 "num_preemptions_total", "model_weight_bytes", "kv_cache_bytes", "num_stalled_aborts_total"):
+    for name in (
+        "time_to_first_token_seconds_count",
+        "inter_token_latency_seconds_count",
+        "e2e_request_latency_seconds_count",
+        "request_queue_time_seconds_count",
+        "prompt_tokens_total",
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_blocks_used",
+        "prefix_cache_hit_rate",
+        "num_preemptions_total",
+        "model_weight_bytes",
+        "kv_cache_bytes",
+        "num_stalled_aborts_total",
+    ):
         assert re.search(rf"^pagedserve:{name} [\d.e+-]+$", text, re.M), name
     assert live.metric("pagedserve:model_weight_bytes") > 0 and live.metric("pagedserve:kv_cache_bytes") > 0
     assert live.metric("pagedserve:time_to_first_token_seconds_count") > 0
     assert live.metric("pagedserve:inter_token_latency_seconds_count") > 0
     # CPU: the steps by the thread count they ran with, counted as the engine ran them
-    steps = {int(m[1]): float(m[2]) for m in re.finditer(r'^pagedserve:engine_steps_total\{num_threads="(\d+)"\} (\S+)$',
-                                                       text, re.M)}
+    steps = {
+        int(m[1]): float(m[2])
+        for m in re.finditer(r'^pagedserve:engine_steps_total\{num_threads="(\d+)"\} (\S+)$', text, re.M)
+    }
     assert steps and all(threads >= 1 for threads in steps), text
     live.wait_idle()
     stats = live.engine.stats()
@@ -247,8 +278,12 @@ def test_metrics_count_requests_tokens_and_latencies(live):
 def test_openapi_documents_each_request_model_with_its_bounds(live):
     document = live.http.get("/openapi.json").json()
     schemas = document["components"]["schemas"]
-    for path, name in [("/v1/completions", "CompletionRequest"), ("/v1/chat/completions", "ChatCompletionRequest"),
-                       ("/tokenize", "TokenizeRequest"), ("/detokenize", "DetokenizeRequest")]:
+    for path, name in [
+        ("/v1/completions", "CompletionRequest"),
+        ("/v1/chat/completions", "ChatCompletionRequest"),
+        ("/tokenize", "TokenizeRequest"),
+        ("/detokenize", "DetokenizeRequest"),
+    ]:
         body = document["paths"][path]["post"]["requestBody"]
         assert body["content"]["application/json"]["schema"] == {"$ref": f"#/components/schemas/{name}"}
         assert schemas[name]["additionalProperties"] is False
@@ -256,9 +291,15 @@ def test_openapi_documents_each_request_model_with_its_bounds(live):
     assert set(completion["required"]) == {"model", "prompt"}
     top_p = completion["properties"]["top_p"]["anyOf"][0]
     assert top_p["minimum"] == 1e-8 and top_p["maximum"] == 1
-    assert completion["properties"]["repetition_penalty"]["anyOf"][0] == {"type": "number", "minimum": 0.01,
-                                                                          "maximum": 2.0}
-    assert {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": 1024}, "maxItems": 4} in \
-        completion["properties"]["stop"]["anyOf"]
+    assert completion["properties"]["repetition_penalty"]["anyOf"][0] == {
+        "type": "number",
+        "minimum": 0.01,
+        "maximum": 2.0,
+    }
+    assert {
+        "type": "array",
+        "items": {"type": "string", "minLength": 1, "maxLength": 1024},
+        "maxItems": 4,
+    } in completion["properties"]["stop"]["anyOf"]
     assert schemas["ChatCompletionRequest"]["properties"]["messages"]["minItems"] == 1
     assert live.http.get("/docs").status_code == 200

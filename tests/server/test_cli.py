@@ -1,4 +1,5 @@
 """`python -m server` as a real process: --help, the API key from the environment, SIGTERM drains and exits 0."""
+
 from __future__ import annotations
 
 import json
@@ -18,10 +19,30 @@ from server.__main__ import build_parser
 from tests.server.conftest import StreamReader, wait_healthy
 
 REPO = Path(__file__).resolve().parents[2]
-FLAGS = ["--model", "--host", "--port", "--dtype", "--served-model-name", "--max-model-len", "--max-num-seqs",
-         "--max-num-batched-tokens", "--block-size", "--kv-cache-memory", "--num-kv-blocks", "--max-waiting",
-         "--api-key", "--log-level", "--shutdown-timeout", "--read-timeout", "--reasoning-parser",
-         "--tensor-parallel-size", "--nnodes", "--node-rank", "--master-addr", "--master-port"]
+FLAGS = [
+    "--model",
+    "--host",
+    "--port",
+    "--dtype",
+    "--served-model-name",
+    "--max-model-len",
+    "--max-num-seqs",
+    "--max-num-batched-tokens",
+    "--block-size",
+    "--kv-cache-memory",
+    "--num-kv-blocks",
+    "--max-waiting",
+    "--api-key",
+    "--log-level",
+    "--shutdown-timeout",
+    "--read-timeout",
+    "--reasoning-parser",
+    "--tensor-parallel-size",
+    "--nnodes",
+    "--node-rank",
+    "--master-addr",
+    "--master-port",
+]
 
 
 def free_port() -> int:
@@ -31,8 +52,9 @@ def free_port() -> int:
 
 
 def test_help_explains_every_flag():
-    out = subprocess.run([sys.executable, "-m", "server", "--help"], cwd=REPO, capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "server", "--help"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     for flag in FLAGS:
         assert flag in out.stdout, flag
@@ -40,21 +62,31 @@ def test_help_explains_every_flag():
 
 
 def test_help_states_each_default_once():
-    out = subprocess.run([sys.executable, "-m", "server", "--help"], cwd=REPO, capture_output=True, text=True,
-                         timeout=60).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "server", "--help"], cwd=REPO, capture_output=True, text=True, timeout=60
+    ).stdout
     entries = re.split(r"\n  (?=-)", out)
     assert "(default: None)" not in out
     assert not [e for e in entries if e.count("default") > 1], "a flag's help names its default twice"
 
 
-@pytest.mark.parametrize("model,says", [
-    ("/nonexistent/model", "no such checkpoint directory or .gguf file"),
-    ("HuggingFaceTB/SmolLM2-135M-Instruct", "not in the Hugging Face cache"),
-])
+@pytest.mark.parametrize(
+    "model,says",
+    [
+        ("/nonexistent/model", "no such checkpoint directory or .gguf file"),
+        ("HuggingFaceTB/SmolLM2-135M-Instruct", "not in the Hugging Face cache"),
+    ],
+)
 def test_a_model_that_is_not_there_is_one_line_before_any_server_starts(model, says, tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)}  # an empty cache, no network
-    out = subprocess.run([sys.executable, "-m", "server", "--model", model, "--port", "1"], cwd=REPO,
-                         capture_output=True, text=True, timeout=60, env=env)
+    out = subprocess.run(
+        [sys.executable, "-m", "server", "--model", model, "--port", "1"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert out.returncode == 2
     lines = (out.stdout + out.stderr).strip().splitlines()
     assert len(lines) == 1 and says in lines[0] and model in lines[0], lines
@@ -65,8 +97,9 @@ def test_no_writable_temporary_directory_is_one_line_and_exit_2(tmp_path):
     # As under `docker run --read-only` without `--tmpfs /tmp`: tempfile finds no directory to write.
     (tmp_path / "sitecustomize.py").write_text("import tempfile\ntempfile._candidate_tempdir_list = lambda: []\n")
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
-    out = subprocess.run([sys.executable, "-m", "server", "--port", "1"], cwd=REPO, capture_output=True, text=True,
-                         timeout=60, env=env)
+    out = subprocess.run(
+        [sys.executable, "-m", "server", "--port", "1"], cwd=REPO, capture_output=True, text=True, timeout=60, env=env
+    )
     assert out.returncode == 2
     lines = (out.stdout + out.stderr).strip().splitlines()
     assert len(lines) == 1 and "--tmpfs /tmp" in lines[0] and "TMPDIR" in lines[0], lines
@@ -87,8 +120,9 @@ def test_bad_flag_values_exit_with_usage_error():
     with pytest.raises(SystemExit) as exc:
         build_parser().parse_args(["--dtype", "int3"])
     assert exc.value.code == 2
-    out = subprocess.run([sys.executable, "-m", "server", "--max-num-seqs", "0"], cwd=REPO, capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "server", "--max-num-seqs", "0"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 2 and "max_num_seqs" in out.stderr
 
 
@@ -97,9 +131,30 @@ def start_tiny(model_dir: Path, *extra: str, env: dict | None = None) -> tuple[s
     port, with `extra` flags; (its process, its URL). The caller stops it by that handle."""
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "server", "--model", str(model_dir), "--port", str(port), "--dtype", "float32",
-         "--num-kv-blocks", "64", "--block-size", "8", "--log-level", "warning", *extra],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "server",
+            "--model",
+            str(model_dir),
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",
+            "--num-kv-blocks",
+            "64",
+            "--block-size",
+            "8",
+            "--log-level",
+            "warning",
+            *extra,
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -125,8 +180,15 @@ def test_batch_invariant_server_repeats_a_seeded_request_alone_and_among_others(
     proc, url = start_tiny(tiny_model_dir, "--batch-invariant", "--served-model-name", "tiny")
     try:
         wait_healthy(proc, url, timeout=180)
-        seeded = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 12, "temperature": 1.0, "seed": 123,
-                  "logprobs": 2, "ignore_eos": True}
+        seeded = {
+            "model": "tiny",
+            "prompt": "The quick brown fox",
+            "max_tokens": 12,
+            "temperature": 1.0,
+            "seed": 123,
+            "logprobs": 2,
+            "ignore_eos": True,
+        }
         others = [{**seeded, "prompt": f"Other request {i} " * (i + 1), "seed": i} for i in range(3)]
 
         def complete(body):
@@ -165,32 +227,40 @@ def test_sigterm_lets_in_flight_requests_finish_then_exits_0(served_process):
         httpx.get(f"{url}/health", timeout=5)
 
 
-@pytest.mark.parametrize("model,name", [
-    ("/srv/secret/checkpoints/SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct"),
-    ("/srv/secret/checkpoints/my-llama/", "my-llama"),
-    ("/srv/secret/gguf/SmolLM2-135M-Instruct-Q8_0.gguf", "SmolLM2-135M-Instruct"),
-    ("relative/dir/Qwen3-0.6B.GGUF", "Qwen3-0.6B"),
-    ("~/models/tiny", "tiny"),
-    ("SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct"),
-    ("smollm2", "SmolLM2-135M-Instruct"),
-    (" SMOLLM2-135M-instruct ", "SmolLM2-135M-Instruct"),
-])
+@pytest.mark.parametrize(
+    "model,name",
+    [
+        ("/srv/secret/checkpoints/SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct"),
+        ("/srv/secret/checkpoints/my-llama/", "my-llama"),
+        ("/srv/secret/gguf/SmolLM2-135M-Instruct-Q8_0.gguf", "SmolLM2-135M-Instruct"),
+        ("relative/dir/Qwen3-0.6B.GGUF", "Qwen3-0.6B"),
+        ("~/models/tiny", "tiny"),
+        ("SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct"),
+        ("smollm2", "SmolLM2-135M-Instruct"),
+        (" SMOLLM2-135M-instruct ", "SmolLM2-135M-Instruct"),
+    ],
+)
 def test_default_served_model_name_is_the_base_name_not_the_path(model, name):
     from server.__main__ import served_name
 
     assert served_name(model) == name
 
 
-@pytest.mark.parametrize("model,names", [
-    ("/models/SmolLM2-135M-Instruct.Q4_1.gguf", ("SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct.Q4_1")),
-    ("/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
-     ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-1.5b-instruct-q4_k_m")),
-    ("/models/Llama-3.2-1B-Instruct-IQ4_XS.gguf", ("Llama-3.2-1B-Instruct", "Llama-3.2-1B-Instruct-IQ4_XS")),
-    ("/models/tiny-f16.gguf", ("tiny", "tiny-f16")),
-    ("/models/Qwen3-0.6B.gguf", ("Qwen3-0.6B",)),
-    ("/models/Q4_0.gguf", ("Q4_0",)),
-    ("/checkpoints/my-llama-Q4_0", ("my-llama-Q4_0",)),  # a directory keeps its whole name
-])
+@pytest.mark.parametrize(
+    "model,names",
+    [
+        ("/models/SmolLM2-135M-Instruct.Q4_1.gguf", ("SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct.Q4_1")),
+        (
+            "/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+            ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-1.5b-instruct-q4_k_m"),
+        ),
+        ("/models/Llama-3.2-1B-Instruct-IQ4_XS.gguf", ("Llama-3.2-1B-Instruct", "Llama-3.2-1B-Instruct-IQ4_XS")),
+        ("/models/tiny-f16.gguf", ("tiny", "tiny-f16")),
+        ("/models/Qwen3-0.6B.gguf", ("Qwen3-0.6B",)),
+        ("/models/Q4_0.gguf", ("Q4_0",)),
+        ("/checkpoints/my-llama-Q4_0", ("my-llama-Q4_0",)),  # a directory keeps its whole name
+    ],
+)
 def test_a_gguf_is_served_without_its_quantization_tag_and_still_by_its_file_name(model, names):
     from server.__main__ import served_names
 
@@ -222,8 +292,13 @@ def test_a_second_ctrl_c_exits_at_once_with_one_line(tiny_model_dir):
     proc, url = start_tiny(tiny_model_dir, "--shutdown-timeout", "60", "--max-num-seqs", "1")
     try:
         wait_healthy(proc, url, timeout=180)
-        body = {"model": str(tiny_model_dir.name), "prompt": "Hello", "max_tokens": 100, "ignore_eos": True,
-                "stream": True}
+        body = {
+            "model": str(tiny_model_dir.name),
+            "prompt": "Hello",
+            "max_tokens": 100,
+            "ignore_eos": True,
+            "stream": True,
+        }
         # One at a time, 40 x 100 tokens: a drain of seconds, which the second Ctrl-C cuts short.
         readers = [StreamReader(f"{url}/v1/completions", body, timeout=120) for _ in range(40)]
         assert readers[0].first.wait(60)
@@ -251,11 +326,12 @@ def test_a_hub_id_loads_from_the_hugging_face_cache_offline(tiny_model_dir, tmp_
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("0" * 40)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub")}
-    code = ("from models.loader import load_model; from server.__main__ import check_model_arg, served_name; "
-            "loaded = load_model('testorg/tiny-llama', dtype='float32'); "
-            "print(check_model_arg('testorg/tiny-llama'), served_name('testorg/tiny-llama'), loaded.config.path)")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
-                         env=env)
+    code = (
+        "from models.loader import load_model; from server.__main__ import check_model_arg, served_name; "
+        "loaded = load_model('testorg/tiny-llama', dtype='float32'); "
+        "print(check_model_arg('testorg/tiny-llama'), served_name('testorg/tiny-llama'), loaded.config.path)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[:2] == ["None", "testorg/tiny-llama"] and str(snapshot) in out.stdout
 
@@ -263,22 +339,37 @@ def test_a_hub_id_loads_from_the_hugging_face_cache_offline(tiny_model_dir, tmp_
 def test_tensor_parallel_server_answers_as_one_rank_and_sigterm_stops_every_rank(tiny_model_dir):
     import psutil
 
-    procs = [start_tiny(tiny_model_dir, "--served-model-name", "tiny"),
-             start_tiny(tiny_model_dir, "--served-model-name", "tiny", "--tensor-parallel-size", "2",
-                        "--shutdown-timeout", "10")]
+    procs = [
+        start_tiny(tiny_model_dir, "--served-model-name", "tiny"),
+        start_tiny(
+            tiny_model_dir, "--served-model-name", "tiny", "--tensor-parallel-size", "2", "--shutdown-timeout", "10"
+        ),
+    ]
     try:
         for proc, url in procs:
             wait_healthy(proc, url, timeout=180)
         (one, one_url), (two, two_url) = procs
         ranks = psutil.Process(two.pid).children(recursive=True)
         assert len(ranks) >= 1, "rank 1 runs in a child process"
-        body = {"model": "tiny", "prompt": "Paged attention serves", "max_tokens": 24, "temperature": 0,
-                "ignore_eos": True}
-        texts = [httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
-                 for url in (one_url, two_url)]
+        body = {
+            "model": "tiny",
+            "prompt": "Paged attention serves",
+            "max_tokens": 24,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        texts = [
+            httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+            for url in (one_url, two_url)
+        ]
         assert texts[0] == texts[1]
-        chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 12,
-                "temperature": 0, "stream": True}
+        chat = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "Hello"}],
+            "max_tokens": 12,
+            "temperature": 0,
+            "stream": True,
+        }
         streamed = [StreamReader(f"{url}/v1/chat/completions", chat, timeout=60) for url in (one_url, two_url)]
         for reader in streamed:
             reader.thread.join(60)
@@ -305,25 +396,71 @@ def test_ranks_on_two_nodes_answer_as_one_rank(tiny_model_dir, launcher):
     """Two "nodes" on this machine: node 1 runs no HTTP server and serves rank 0's steps; by the
     flags (one command per node) or by torchrun's environment (one process per rank)."""
     port, master = free_port(), free_port()
-    common = ["--model", str(tiny_model_dir), "--port", str(port), "--dtype", "float32", "--served-model-name",
-              "tiny", "--num-kv-blocks", "64", "--block-size", "8", "--log-level", "warning",
-              "--tensor-parallel-size", "2"]
+    common = [
+        "--model",
+        str(tiny_model_dir),
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--served-model-name",
+        "tiny",
+        "--num-kv-blocks",
+        "64",
+        "--block-size",
+        "8",
+        "--log-level",
+        "warning",
+        "--tensor-parallel-size",
+        "2",
+    ]
     if launcher == "--nnodes":
-        cmds = [[sys.executable, "-m", "server", *common, "--nnodes", "2", "--node-rank", str(node),
-                 "--master-addr", "127.0.0.1", "--master-port", str(master)] for node in (1, 0)]
+        cmds = [
+            [
+                sys.executable,
+                "-m",
+                "server",
+                *common,
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(node),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(master),
+            ]
+            for node in (1, 0)
+        ]
         envs = [os.environ] * 2
     else:
         cmds = [[sys.executable, "-m", "server", *common]] * 2
-        envs = [{**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
-                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master)} for rank in (1, 0)]
-    procs = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for cmd, env in zip(cmds, envs)]
+        envs = [
+            {
+                **os.environ,
+                "RANK": str(rank),
+                "WORLD_SIZE": "2",
+                "LOCAL_RANK": str(rank),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(master),
+            }
+            for rank in (1, 0)
+        ]
+    procs = [
+        subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for cmd, env in zip(cmds, envs)
+    ]
     node1, node0 = procs
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(node0, url, timeout=180)
-        body = {"model": "tiny", "prompt": "Paged attention serves", "max_tokens": 16, "temperature": 0,
-                "ignore_eos": True}
+        body = {
+            "model": "tiny",
+            "prompt": "Paged attention serves",
+            "max_tokens": 16,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         two = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
         assert node1.poll() is None
         os.kill(node0.pid, signal.SIGTERM)
@@ -348,8 +485,11 @@ def test_a_dead_rank_turns_health_503_and_ends_the_stream_with_an_error_event(ti
     proc, url = start_tiny(tiny_model_dir, "--served-model-name", "tiny", "--tensor-parallel-size", "2")
     try:
         wait_healthy(proc, url, timeout=180)
-        rank1 = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                 if "resource_tracker" not in " ".join(p.cmdline())]
+        rank1 = [
+            p
+            for p in psutil.Process(proc.pid).children(recursive=True)
+            if "resource_tracker" not in " ".join(p.cmdline())
+        ]
         body = {"model": "tiny", "prompt": "Hello", "max_tokens": 120, "ignore_eos": True, "stream": True}
         reader = StreamReader(f"{url}/v1/completions", body, timeout=60)
         assert reader.first.wait(60)

@@ -1,6 +1,7 @@
 """The deployment files agree with each other and with the server, checked statically (no Docker
 engine needed): the lock file is what the Makefile (so CI) and the Dockerfile install from, the
 stop grace outlasts the server's drain, and the health check probes /health."""
+
 from __future__ import annotations
 
 import re
@@ -95,6 +96,7 @@ def documented_stop_timeouts() -> set[int]:
 
 # ------------------------------------------------------------------ the lock file
 
+
 def test_the_lock_file_pins_every_dependency_but_torch():
     pins = lock_pins()
     assert not [name for name in pins if name in ("torch", "triton", "pagedserve") or name.startswith("nvidia-")]
@@ -110,8 +112,9 @@ def test_the_makefile_installs_through_the_lock_file():
     assert package_installs, "the Makefile installs nothing?"
     for line in package_installs:
         assert "-c $(CONSTRAINTS)" in line, f"Makefile installs without the lock file: {line.strip()}"
-    assert re.search(r"^\$\(VENV\)/\.installed:.*\$\(CONSTRAINTS\)", makefile, re.M), \
+    assert re.search(r"^\$\(VENV\)/\.installed:.*\$\(CONSTRAINTS\)", makefile, re.M), (
         "a changed lock file must re-run the install"
+    )
     assert re.search(r"^lock:", makefile, re.M), "`make lock` updates the lock file on purpose"
     assert (ROOT / ".ci" / "run").read_text().strip().endswith("make test")  # so CI installs it too
 
@@ -122,8 +125,9 @@ def test_the_dockerfile_installs_through_the_lock_file_and_the_makefiles_torch()
     assert any("constraints.txt" in args.split() for args in copies), "the lock file is not copied into the image"
     installs = [words for keyword, args in instructions if keyword == "RUN" for words in pip_installs(args)]
     from_index = [words for words in installs if "${TORCH_SPEC}" in words and "--index-url" in words]
-    assert len(from_index) == 1 and "--no-deps" in from_index[0], \
+    assert len(from_index) == 1 and "--no-deps" in from_index[0], (
         "torch comes alone from its index; its dependencies come pinned with the rest"
+    )
     assert from_index[0][from_index[0].index("--index-url") + 1] == "${TORCH_INDEX}"
     rest = [words for words in installs if words not in from_index and words != ["--upgrade", "pip"]]
     assert rest
@@ -135,18 +139,24 @@ def test_the_dockerfile_installs_through_the_lock_file_and_the_makefiles_torch()
 
 
 def test_the_dockerfile_falls_back_as_the_makefile_does_when_the_torch_index_is_unreachable():
-    torch_runs = [args for keyword, args in dockerfile_instructions()
-                  if keyword == "RUN" and "--index-url" in args and "${TORCH_SPEC}" in args]
+    torch_runs = [
+        args
+        for keyword, args in dockerfile_instructions()
+        if keyword == "RUN" and "--index-url" in args and "${TORCH_SPEC}" in args
+    ]
     assert len(torch_runs) == 1
     fallback = torch_runs[0].split("--index-url", 1)[1].partition("||")[2]
-    assert [words for words in pip_installs(fallback) if "${TORCH_SPEC}" in words] == \
-        [["-c", "constraints.txt", "${TORCH_SPEC}"]]
+    assert [words for words in pip_installs(fallback) if "${TORCH_SPEC}" in words] == [
+        ["-c", "constraints.txt", "${TORCH_SPEC}"]
+    ]
     assert re.search(r"--index-url \$\(TORCH_INDEX\)[^\n]*\\\n\s*\|\|", (ROOT / "Makefile").read_text())
 
 
 def test_the_dockerfile_builds_pagedserve_with_the_locked_setuptools():
     # An isolated build would install the newest setuptools, out of the lock file's reach.
-    installs = [words for keyword, args in dockerfile_instructions() if keyword == "RUN" for words in pip_installs(args)]
+    installs = [
+        words for keyword, args in dockerfile_instructions() if keyword == "RUN" for words in pip_installs(args)
+    ]
     project = [words for words in installs if words[-1] == "."]
     assert len(project) == 1 and "--no-build-isolation" in project[0]
     setuptools = installs.index(next(words for words in installs if "setuptools" in words))
@@ -170,6 +180,7 @@ def test_this_environment_holds_the_locked_versions():
 
 # ------------------------------------------------------------------ stopping
 
+
 def test_the_stop_grace_outlasts_the_servers_drain_everywhere():
     drain = server_shutdown_timeout()
     grace = duration_seconds(compose_service()["stop_grace_period"])
@@ -177,8 +188,12 @@ def test_the_stop_grace_outlasts_the_servers_drain_everywhere():
     documented = documented_stop_timeouts()
     assert documented == {int(grace)}, f"Dockerfile documents --stop-timeout {documented}, compose {grace}s"
     text = (ROOT / "Dockerfile").read_text()
-    assert f"--shutdown-timeout ({drain:g} s" in text or f"--shutdown-timeout ({drain:g}" in text \
-        or f"--shutdown-timeout {drain:g}" in text or f"({drain:g} s)" in text
+    assert (
+        f"--shutdown-timeout ({drain:g} s" in text
+        or f"--shutdown-timeout ({drain:g}" in text
+        or f"--shutdown-timeout {drain:g}" in text
+        or f"({drain:g} s)" in text
+    )
     stop = [args for keyword, args in dockerfile_instructions() if keyword == "STOPSIGNAL"]
     assert stop == ["SIGTERM"] and compose_service().get("stop_signal", "SIGTERM") == "SIGTERM"
 
@@ -206,8 +221,13 @@ def test_the_image_carries_a_kernel_build_for_every_cpu():
     build, runtime = stages
 
     def extensions_dir(stage):
-        found = [m[1] for keyword, args in stage if keyword == "ENV"
-                 for m in [re.search(r"TORCH_EXTENSIONS_DIR=(\S+)", args)] if m]
+        found = [
+            m[1]
+            for keyword, args in stage
+            if keyword == "ENV"
+            for m in [re.search(r"TORCH_EXTENSIONS_DIR=(\S+)", args)]
+            if m
+        ]
         assert len(found) == 1, "TORCH_EXTENSIONS_DIR set once per stage"
         return found[0]
 
@@ -218,6 +238,7 @@ def test_the_image_carries_a_kernel_build_for_every_cpu():
 
 
 # ------------------------------------------------------------------ compose
+
 
 def test_compose_checks_health_on_the_served_port():
     service = compose_service()
@@ -237,6 +258,7 @@ def test_compose_takes_the_api_key_from_the_environment_and_mounts_checkpoints()
     env = service["environment"]
     assert re.fullmatch(r"\$\{PAGEDSERVE_API_KEY(:?-[^}]*)?\}", env["PAGEDSERVE_API_KEY"])
     from server.__main__ import API_KEY_ENV
+
     assert API_KEY_ENV == "PAGEDSERVE_API_KEY"
     assert any(str(volume).split(":")[-2:] == ["/checkpoints", "ro"] for volume in service["volumes"])
     assert service["build"] == "." and (ROOT / "compose.yaml").parent == (ROOT / "Dockerfile").parent

@@ -1,5 +1,6 @@
 """Hostile bodies against a live server: never a 5xx, an OpenAI error body on every 4xx, and the
 server serves a normal request afterwards; a neighbour stream keeps flowing meanwhile."""
+
 from __future__ import annotations
 
 import json
@@ -15,47 +16,109 @@ from tests.server.conftest import MODEL_NAME
 from tests.server.test_hostile import HUGE, slow_down
 
 M = MODEL_NAME
-FUZZ = settings(max_examples=60, deadline=None, derandomize=True,
-                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+FUZZ = settings(
+    max_examples=60,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 
 # Text that tokenizers, templates and parsers trip on: surrogates, NULs, RTL, huge code points.
-hostile_text = st.one_of(st.text(max_size=40), st.sampled_from(["\ud800", "\udfff", "\x00", "\u202e", "\U0010ffff",
-                                                                 "{{ raise }}", "<|im_start|>", "ÿ" * 50, ""]))
-numbers = st.one_of(st.integers(min_value=-2**70, max_value=2**70), st.sampled_from([2**63, -2**63 - 1, 10**400]),
-                    st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([1e-300, 5e-324, -0.0, 1e308]))
+hostile_text = st.one_of(
+    st.text(max_size=40),
+    st.sampled_from(["\ud800", "\udfff", "\x00", "\u202e", "\U0010ffff", "{{ raise }}", "<|im_start|>", "ÿ" * 50, ""]),
+)
+numbers = st.one_of(
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.sampled_from([2**63, -(2**63) - 1, 10**400]),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([1e-300, 5e-324, -0.0, 1e308]),
+)
 scalars = st.one_of(st.none(), st.booleans(), numbers, hostile_text)
-json_values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
-                                                            st.dictionaries(hostile_text, inner, max_size=4)),
-                           max_leaves=12)
-message = st.fixed_dictionaries({}, optional={
-    "role": st.one_of(st.sampled_from(["user", "system", "assistant", "tool", "developer"]), json_values),
-    "content": st.one_of(hostile_text, st.lists(st.fixed_dictionaries(
-        {"type": st.sampled_from(["text", "image_url"]), "text": hostile_text}), max_size=2), json_values),
-    "name": json_values})
+json_values = st.recursive(
+    scalars,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(hostile_text, inner, max_size=4)),
+    max_leaves=12,
+)
+message = st.fixed_dictionaries(
+    {},
+    optional={
+        "role": st.one_of(st.sampled_from(["user", "system", "assistant", "tool", "developer"]), json_values),
+        "content": st.one_of(
+            hostile_text,
+            st.lists(
+                st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]), "text": hostile_text}),
+                max_size=2,
+            ),
+            json_values,
+        ),
+        "name": json_values,
+    },
+)
 SAMPLING = {
     "n": st.one_of(st.integers(-2, 3), json_values),
-    "temperature": numbers, "top_p": numbers, "top_k": numbers, "min_p": numbers,
-    "presence_penalty": numbers, "frequency_penalty": numbers, "repetition_penalty": numbers,
-    "logit_bias": st.one_of(st.dictionaries(st.one_of(st.sampled_from(["²", "١٢", "5" * 50, "-1", "299", "300"]),
-                                                      hostile_text), numbers, max_size=3), json_values),
-    "seed": numbers, "stop": st.one_of(hostile_text, st.lists(hostile_text, max_size=6), json_values),
-    "stream": st.one_of(st.booleans(), json_values), "stream_options": json_values,
-    "stop_token_ids": st.one_of(st.lists(numbers, max_size=3), json_values), "ignore_eos": json_values,
-    "min_tokens": numbers, "max_tokens": st.one_of(st.integers(-1, 8), numbers),
+    "temperature": numbers,
+    "top_p": numbers,
+    "top_k": numbers,
+    "min_p": numbers,
+    "presence_penalty": numbers,
+    "frequency_penalty": numbers,
+    "repetition_penalty": numbers,
+    "logit_bias": st.one_of(
+        st.dictionaries(
+            st.one_of(st.sampled_from(["²", "١٢", "5" * 50, "-1", "299", "300"]), hostile_text), numbers, max_size=3
+        ),
+        json_values,
+    ),
+    "seed": numbers,
+    "stop": st.one_of(hostile_text, st.lists(hostile_text, max_size=6), json_values),
+    "stream": st.one_of(st.booleans(), json_values),
+    "stream_options": json_values,
+    "stop_token_ids": st.one_of(st.lists(numbers, max_size=3), json_values),
+    "ignore_eos": json_values,
+    "min_tokens": numbers,
+    "max_tokens": st.one_of(st.integers(-1, 8), numbers),
 }
 model = st.one_of(st.just(M), st.just(M), st.just(M), json_values)  # mostly right, so the rest is reached
-completion_bodies = st.fixed_dictionaries({"model": model}, optional={
-    **SAMPLING, "prompt": st.one_of(hostile_text, st.lists(st.one_of(st.integers(-5, 400), hostile_text), max_size=4),
-                                    st.lists(st.lists(numbers, max_size=3), max_size=2), json_values),
-    "echo": json_values, "logprobs": numbers, "best_of": numbers, "suffix": json_values, "foo": json_values})
-chat_bodies = st.fixed_dictionaries({"model": model}, optional={
-    **SAMPLING, "messages": st.one_of(st.lists(message, max_size=3), json_values), "logprobs": json_values,
-    "top_logprobs": numbers, "max_completion_tokens": numbers, "tools": json_values,
-    "response_format": json_values})
-tokenize_bodies = st.fixed_dictionaries({}, optional={
-    "model": st.one_of(st.just(M), json_values), "prompt": st.one_of(hostile_text, json_values),
-    "messages": st.one_of(st.lists(message, max_size=3), json_values), "add_special_tokens": json_values,
-    "add_generation_prompt": json_values})
+completion_bodies = st.fixed_dictionaries(
+    {"model": model},
+    optional={
+        **SAMPLING,
+        "prompt": st.one_of(
+            hostile_text,
+            st.lists(st.one_of(st.integers(-5, 400), hostile_text), max_size=4),
+            st.lists(st.lists(numbers, max_size=3), max_size=2),
+            json_values,
+        ),
+        "echo": json_values,
+        "logprobs": numbers,
+        "best_of": numbers,
+        "suffix": json_values,
+        "foo": json_values,
+    },
+)
+chat_bodies = st.fixed_dictionaries(
+    {"model": model},
+    optional={
+        **SAMPLING,
+        "messages": st.one_of(st.lists(message, max_size=3), json_values),
+        "logprobs": json_values,
+        "top_logprobs": numbers,
+        "max_completion_tokens": numbers,
+        "tools": json_values,
+        "response_format": json_values,
+    },
+)
+tokenize_bodies = st.fixed_dictionaries(
+    {},
+    optional={
+        "model": st.one_of(st.just(M), json_values),
+        "prompt": st.one_of(hostile_text, json_values),
+        "messages": st.one_of(st.lists(message, max_size=3), json_values),
+        "add_special_tokens": json_values,
+        "add_generation_prompt": json_values,
+    },
+)
 # A body need not be an object at all.
 anything = st.one_of(json_values, st.binary(max_size=30).map(lambda b: ("raw", b)))
 
@@ -86,8 +149,10 @@ def assert_still_serves(live) -> None:
     live.wait_idle()
 
 
-@pytest.mark.parametrize("path,bodies", [("/v1/completions", completion_bodies),
-                                         ("/v1/chat/completions", chat_bodies), ("/tokenize", tokenize_bodies)])
+@pytest.mark.parametrize(
+    "path,bodies",
+    [("/v1/completions", completion_bodies), ("/v1/chat/completions", chat_bodies), ("/tokenize", tokenize_bodies)],
+)
 def test_hostile_bodies_never_get_a_5xx_and_4xx_are_openai_errors(live, path, bodies):
     @FUZZ
     @given(body=st.one_of(bodies, bodies, anything))
@@ -124,8 +189,10 @@ def test_a_neighbour_stream_keeps_flowing_while_huge_and_hostile_requests_arrive
         ("/v1/chat/completions", json.dumps({"model": M, "messages": [{"role": "user", "content": HUGE}]}).encode()),
         ("/v1/completions", deep),
         ("/v1/completions", b'{"model": "%s", "prompt": "hi", "seed": %s}' % (M.encode(), b"9" * 5000)),
-        ("/v1/completions", json.dumps({"model": M, "prompt": "hi", "stop": ["x" * 1024] * 4,
-                                        "max_tokens": 4}).encode()),
+        (
+            "/v1/completions",
+            json.dumps({"model": M, "prompt": "hi", "stop": ["x" * 1024] * 4, "max_tokens": 4}).encode(),
+        ),
     ]
     with httpx.Client(base_url=live.url, timeout=60) as client:
         for path, content in attacks:
@@ -151,8 +218,11 @@ def test_schemathesis_requests_from_the_openapi_document(live):
     schema = schemathesis.openapi.from_url(f"{live.url}/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions", "/tokenize"}
-    strategies = [op.as_strategy(generation_mode=mode) for op in operations
-                  for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE)]
+    strategies = [
+        op.as_strategy(generation_mode=mode)
+        for op in operations
+        for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE)
+    ]
     deadline = time.monotonic() + 40  # a time bound as well as an example bound
     statuses: list[int] = []
 

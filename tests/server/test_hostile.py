@@ -1,4 +1,5 @@
 """Legal but expensive or slow requests: huge prompts are refused without stalling anyone else."""
+
 from __future__ import annotations
 
 import asyncio
@@ -33,12 +34,15 @@ def max_health_latency_while(live, work) -> tuple[float, object]:
     return slowest, result[0]
 
 
-@pytest.mark.parametrize("path,body,param", [
-    ("/v1/completions", {"model": M, "prompt": HUGE, "max_tokens": 1}, "prompt"),
-    ("/v1/chat/completions", {"model": M, "messages": [{"role": "user", "content": HUGE}]}, "messages"),
-    ("/tokenize", {"prompt": HUGE}, "prompt"),
-    ("/tokenize", {"messages": [{"role": "user", "content": HUGE}]}, "messages"),
-])
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("/v1/completions", {"model": M, "prompt": HUGE, "max_tokens": 1}, "prompt"),
+        ("/v1/chat/completions", {"model": M, "messages": [{"role": "user", "content": HUGE}]}, "messages"),
+        ("/tokenize", {"prompt": HUGE}, "prompt"),
+        ("/tokenize", {"messages": [{"role": "user", "content": HUGE}]}, "messages"),
+    ],
+)
 def test_a_7mb_prompt_gets_400_without_freezing_the_server(live, path, body, param):
     def send():
         with httpx.Client(base_url=live.url, timeout=60) as client:
@@ -74,13 +78,23 @@ def slow_down(engine, seconds_per_output: float) -> None:
     engine.generate = slow_generate
 
 
-@pytest.mark.parametrize("path,body", [
-    ("/v1/completions", {"model": M, "prompt": "Hello", "max_tokens": 100, "ignore_eos": True, "stream": True}),
-    ("/v1/chat/completions", {"model": M, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 100,
-                              "ignore_eos": True, "stream": True}),
-])
-def test_streams_still_running_when_the_shutdown_timeout_ends_get_an_error_event_and_done(start_server, path,
-                                                                                          body):
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        ("/v1/completions", {"model": M, "prompt": "Hello", "max_tokens": 100, "ignore_eos": True, "stream": True}),
+        (
+            "/v1/chat/completions",
+            {
+                "model": M,
+                "messages": [{"role": "user", "content": "Hi"}],
+                "max_tokens": 100,
+                "ignore_eos": True,
+                "stream": True,
+            },
+        ),
+    ],
+)
+def test_streams_still_running_when_the_shutdown_timeout_ends_get_an_error_event_and_done(start_server, path, body):
     live = start_server(server_kwargs={"shutdown_timeout": 2})
     slow_down(live.engine, 0.2)  # 100 tokens: 20 s, far past the 2 s grace
     reader = StreamReader(f"{live.url}{path}", body)
@@ -94,8 +108,9 @@ def test_streams_still_running_when_the_shutdown_timeout_ends_get_an_error_event
     assert error["code"] == "server_shutting_down" and error["type"] == "service_unavailable"
 
 
-def _raw_exchange(url: str, payload: bytes, trickle: bytes = b"", every: float = 0.0, timeout: float = 10.0
-                  ) -> tuple[bytes, float]:
+def _raw_exchange(
+    url: str, payload: bytes, trickle: bytes = b"", every: float = 0.0, timeout: float = 10.0
+) -> tuple[bytes, float]:
     """Send `payload` on a raw socket (then `trickle` a byte at a time), read to EOF: (reply, seconds)."""
     host, port = url.removeprefix("http://").split(":")
     start = time.monotonic()
@@ -120,12 +135,14 @@ def _error_of(reply: bytes) -> dict:
     return json.loads(body)["error"]
 
 
-REQUEST_HEAD = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                b"Content-Length: %d\r\n\r\n")
+REQUEST_HEAD = (
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+)
 
 
-@pytest.mark.parametrize("case", ["headers never finish", "headers trickle", "body shorter than its length",
-                                  "body trickles"])
+@pytest.mark.parametrize(
+    "case", ["headers never finish", "headers trickle", "body shorter than its length", "body trickles"]
+)
 def test_slow_requests_get_408_and_are_closed_within_the_read_timeout(start_server, case):
     live = start_server(app_kwargs={"read_timeout": 1.0}, server_kwargs={"read_timeout": 1.0})
     body = json.dumps({"model": M, "prompt": "hi", "max_tokens": 1}).encode()

@@ -4,6 +4,7 @@ tool_choice="required")` always returns calls that fit the tool, `with_structure
 reasoning comes out apart from the answer, and a wrong model name is openai's NotFoundError.
 The tiny random model writes gibberish: only the grammar makes calls and JSON valid, which is
 the point."""
+
 from __future__ import annotations
 
 from typing import Literal
@@ -50,9 +51,15 @@ def servers(tmp_path_factory):
 
 
 def chat(live: LiveServer, responses: bool, **kwargs):
-    return langchain_openai.ChatOpenAI(base_url=f"{live.url}/v1", api_key="unused", model=MODEL_NAME,
-                                       use_responses_api=responses, max_retries=0, timeout=60,
-                                       **{"temperature": 0, **kwargs})
+    return langchain_openai.ChatOpenAI(
+        base_url=f"{live.url}/v1",
+        api_key="unused",
+        model=MODEL_NAME,
+        use_responses_api=responses,
+        max_retries=0,
+        timeout=60,
+        **{"temperature": 0, **kwargs},
+    )
 
 
 @APIS
@@ -84,13 +91,18 @@ def test_required_tool_calls_always_fit_the_tool(servers, responses):
 @APIS
 @pytest.mark.parametrize("method", ["json_schema", "function_calling"])
 def test_structured_output_parses(servers, responses, method):
-    out = chat(servers[0], responses, max_tokens=100).with_structured_output(GetWeather, method=method).invoke(
-        "Weather in Rome for three days?")
+    out = (
+        chat(servers[0], responses, max_tokens=100)
+        .with_structured_output(GetWeather, method=method)
+        .invoke("Weather in Rome for three days?")
+    )
     assert isinstance(out, GetWeather) and 1 <= out.days <= 7
 
 
-FORCED = {"guided_regex": "<think>[a-c]{3}</think>[a-c]{3}",  # a think-shaped output from the tiny model;
-          "chat_template_kwargs": {"enable_thinking": False}}  # thinking off: the grammar covers all of it
+FORCED = {
+    "guided_regex": "<think>[a-c]{3}</think>[a-c]{3}",  # a think-shaped output from the tiny model;
+    "chat_template_kwargs": {"enable_thinking": False},
+}  # thinking off: the grammar covers all of it
 
 
 def test_reasoning_on_chat_completions_stays_out_of_the_content(servers):
@@ -106,8 +118,12 @@ def test_reasoning_on_the_responses_api_is_a_block_of_its_own(servers):
     llm = chat(servers[1], True, max_tokens=12)
 
     def split(blocks) -> tuple[str, str]:
-        reasoning = "".join(part.get("text", "") for b in blocks if b["type"] == "reasoning"
-                            for part in b.get("content") or b.get("summary") or [])
+        reasoning = "".join(
+            part.get("text", "")
+            for b in blocks
+            if b["type"] == "reasoning"
+            for part in b.get("content") or b.get("summary") or []
+        )
         return reasoning, "".join(b.get("text", "") for b in blocks if b["type"] == "text")
 
     whole = llm.invoke("hi")  # the random model never writes </think>: all of it is thinking
@@ -125,7 +141,12 @@ def test_reasoning_on_the_responses_api_is_a_block_of_its_own(servers):
 
 @APIS
 def test_a_wrong_model_name_is_not_found_with_our_message(servers, responses):
-    llm = langchain_openai.ChatOpenAI(base_url=f"{servers[0].url}/v1", api_key="unused", model="no-such-model",
-                                      use_responses_api=responses, max_retries=0)
+    llm = langchain_openai.ChatOpenAI(
+        base_url=f"{servers[0].url}/v1",
+        api_key="unused",
+        model="no-such-model",
+        use_responses_api=responses,
+        max_retries=0,
+    )
     with pytest.raises(openai.NotFoundError, match="no-such-model"):
         llm.invoke("hi")

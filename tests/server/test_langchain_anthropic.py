@@ -2,6 +2,7 @@
 agree, `bind_tools(..., tool_choice="any")` always returns calls that fit the tool, and a wrong
 model name is anthropic's NotFoundError. The tiny random model writes gibberish: only the grammar
 makes the calls valid, which is the point."""
+
 from __future__ import annotations
 
 from typing import Literal
@@ -32,16 +33,18 @@ class GetWeather(BaseModel):
 def live(tmp_path_factory):
     """The tiny Llama with a 2048-token context: tool definitions take hundreds of tokens."""
     path = save_checkpoint(make_hf_model("llama", max_position_embeddings=2048), tmp_path_factory.mktemp("lca"))
-    engine = AsyncEngine(load_model(path, dtype="float32", device="cpu"),
-                         EngineConfig(**{**ENGINE_DEFAULTS, "num_kv_blocks": 1024}))
+    engine = AsyncEngine(
+        load_model(path, dtype="float32", device="cpu"), EngineConfig(**{**ENGINE_DEFAULTS, "num_kv_blocks": 1024})
+    )
     server = LiveServer(create_app(engine, served_model_name=MODEL_NAME), engine).start()
     yield server
     server.stop()
 
 
 def chat(live: LiveServer, **kwargs):
-    return langchain_anthropic.ChatAnthropic(base_url=live.url, api_key="unused", model=MODEL_NAME, max_retries=0,
-                                             timeout=60, **{"temperature": 0, **kwargs})
+    return langchain_anthropic.ChatAnthropic(
+        base_url=live.url, api_key="unused", model=MODEL_NAME, max_retries=0, timeout=60, **{"temperature": 0, **kwargs}
+    )
 
 
 def test_invoke_and_stream_give_the_same_answer(live):

@@ -1,4 +1,5 @@
 """Many clients, clients that leave, a full queue, a missing key, a failing request, a model still loading."""
+
 from __future__ import annotations
 
 import asyncio
@@ -31,13 +32,15 @@ def wait_until(predicate, timeout: float = 30.0, what: str = "condition") -> Non
 
 def test_64_concurrent_streaming_clients_all_complete(live):
     client = live.client()
-    expected = {p: client.completions.create(model=M, prompt=p, max_tokens=12, temperature=0).choices[0].text
-                for p in PROMPTS}
+    expected = {
+        p: client.completions.create(model=M, prompt=p, max_tokens=12, temperature=0).choices[0].text for p in PROMPTS
+    }
 
     async def one(async_client, i: int):
         prompt = PROMPTS[i % len(PROMPTS)]
-        stream = await async_client.completions.create(model=M, prompt=prompt, max_tokens=12, temperature=0,
-                                                       stream=True, stream_options={"include_usage": True})
+        stream = await async_client.completions.create(
+            model=M, prompt=prompt, max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True}
+        )
         text, usage, finish = "", None, None
         async for chunk in stream:
             if chunk.choices:
@@ -92,8 +95,10 @@ def test_client_that_disconnects_before_a_non_streamed_reply_aborts_it(live):
     finished_before = dict(live.engine.stats().num_finished)
     body = json.dumps({"model": M, "prompt": "Hello", "n": 2, "max_tokens": 110, "ignore_eos": True}).encode()
     sock = socket.create_connection(("127.0.0.1", live.port))
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
     wait_until(lambda: live.engine.stats().num_running == 2, what="both choices running")
     sock.close()
     live.wait_idle()
@@ -116,8 +121,9 @@ def test_full_queue_gets_429_with_retry_after(start_server):
     assert int(refused.headers["retry-after"]) >= 1
     assert refused.json()["error"]["type"] == "rate_limit_error"
     with pytest.raises(openai.RateLimitError):
-        server.client().chat.completions.create(model=M, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
-                                                stream=True)
+        server.client().chat.completions.create(
+            model=M, messages=[{"role": "user", "content": "hi"}], max_tokens=2, stream=True
+        )
     assert server.metric("pagedserve:requests_rejected_total", 'reason="queue_full"') == 2
     for client, response in held:
         response.close()
@@ -167,8 +173,9 @@ def test_engine_error_in_one_request_ends_only_that_request(start_server):
     error = response.json()["error"]
     assert "injected sampling failure" in error["message"] and error["type"] == "server_error"
     with pytest.raises(openai.APIError, match="injected sampling failure"):
-        for _ in client.chat.completions.create(model=M, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
-                                                seed=666, stream=True):
+        for _ in client.chat.completions.create(
+            model=M, messages=[{"role": "user", "content": "hi"}], max_tokens=5, seed=666, stream=True
+        ):
             pass
     healthy.join(60)
     ok = client.completions.create(model=M, prompt="Hello", max_tokens=3, seed=1)

@@ -1,5 +1,6 @@
 """The load generator against the real server (tiny float32 model, real engine, real socket):
 its token counts equal the server's own accounting and its timings are consistent."""
+
 import asyncio
 
 from loadtest import BenchmarkConfig, run_benchmark
@@ -17,8 +18,16 @@ def test_loadtest_counts_equal_server_usage_and_timings_are_consistent(live):
     prompt_before = _counter(live, "pagedserve:prompt_tokens_total")
     generated_before = _counter(live, "pagedserve:generation_tokens_total")
     steps_before, computed_before = step_totals(live.url), live.engine.stats().num_computed_tokens
-    config = BenchmarkConfig(url=live.url, model=MODEL_NAME, num_requests=NUM_REQUESTS, concurrency=4,
-                             input_len=INPUT_LEN, output_len=OUTPUT_LEN, ignore_eos=True, idle_timeout=10.0)
+    config = BenchmarkConfig(
+        url=live.url,
+        model=MODEL_NAME,
+        num_requests=NUM_REQUESTS,
+        concurrency=4,
+        input_len=INPUT_LEN,
+        output_len=OUTPUT_LEN,
+        ignore_eos=True,
+        idle_timeout=10.0,
+    )
     result = asyncio.run(run_benchmark(config))
 
     summary = result["summary"]

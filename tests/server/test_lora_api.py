@@ -1,5 +1,6 @@
 """LoRA adapters through the API: a request picks one by `model`, as vLLM's clients do; /v1/models
 lists each with its base as `parent`; a bad adapter stops `python -m server` in one line."""
+
 from __future__ import annotations
 
 import subprocess
@@ -46,8 +47,13 @@ def test_the_model_field_picks_the_adapter(lora_live, adapter):
     client = lora_live.client()
 
     def complete(model: str) -> str:
-        return client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0,
-                                         extra_body={"ignore_eos": True}).choices[0].text
+        return (
+            client.completions.create(
+                model=model, prompt=PROMPT, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+            )
+            .choices[0]
+            .text
+        )
 
     decode = tiny_tokenizer().decode
     tuned, base = complete("tuned"), complete(MODEL_NAME)
@@ -69,8 +75,10 @@ def test_responses_name_the_adapter_they_ran_with(lora_live):
 
 
 def test_runtime_updates_are_off_unless_enabled(lora_live, adapter):
-    for route, body in (("load_lora_adapter", {"lora_name": "more", "lora_path": adapter}),
-                        ("unload_lora_adapter", {"lora_name": "tuned"})):
+    for route, body in (
+        ("load_lora_adapter", {"lora_name": "more", "lora_path": adapter}),
+        ("unload_lora_adapter", {"lora_name": "tuned"}),
+    ):
         response = lora_live.http.post(f"/v1/{route}", json=body)
         assert response.status_code == 404
         assert response.json()["error"]["code"] == "lora_updates_disabled"
@@ -79,22 +87,58 @@ def test_runtime_updates_are_off_unless_enabled(lora_live, adapter):
 
 
 def test_a_bad_adapter_stops_the_server_in_one_line(tiny_model_dir, tmp_path):
-    out = subprocess.run([sys.executable, "-m", "server", "--model", str(tiny_model_dir), "--port", "1",
-                          "--lora-modules", f"gone={tmp_path / 'absent'}"],
-                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "server",
+            "--model",
+            str(tiny_model_dir),
+            "--port",
+            "1",
+            "--lora-modules",
+            f"gone={tmp_path / 'absent'}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert_one_line_refusal(out, ["LoRA adapter 'gone'", "no such directory"])
 
 
 def test_an_adapter_outside_the_lora_root_stops_the_server(tiny_model_dir, adapter, tmp_path):
-    out = subprocess.run([sys.executable, "-m", "server", "--model", str(tiny_model_dir), "--port", "1",
-                          "--lora-root", str(tmp_path), "--lora-modules", f"tuned={adapter}"],
-                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "server",
+            "--model",
+            str(tiny_model_dir),
+            "--port",
+            "1",
+            "--lora-root",
+            str(tmp_path),
+            "--lora-modules",
+            f"tuned={adapter}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert_one_line_refusal(out, ["LoRA adapter 'tuned'", "outside --lora-root"])
 
 
-@pytest.mark.parametrize(("flags", "max_loras"), [([], 0), (["--enable-lora-runtime-updates"], 1),
-                                                 (["--lora-modules", "a=x", "b=y"], 2),
-                                                 (["--enable-lora-runtime-updates", "--max-loras", "4"], 4)])
+@pytest.mark.parametrize(
+    ("flags", "max_loras"),
+    [
+        ([], 0),
+        (["--enable-lora-runtime-updates"], 1),
+        (["--lora-modules", "a=x", "b=y"], 2),
+        (["--enable-lora-runtime-updates", "--max-loras", "4"], 4),
+    ],
+)
 def test_max_loras_defaults_to_the_adapters_given(flags, max_loras):
     from server.__main__ import build_parser, engine_config
 

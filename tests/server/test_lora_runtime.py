@@ -1,5 +1,6 @@
 """LoRA adapters loaded and unloaded while serving (--enable-lora-runtime-updates), over a real socket:
 what a loaded adapter generates, what every bad load answers, and that running streams never notice."""
+
 from __future__ import annotations
 
 import asyncio
@@ -55,11 +56,13 @@ def _peft_adapter(model, path) -> None:
 def server(tiny_model_dir, root):
     # Its own model: adapters attach to the layers of the model they are served with.
     loaded = load_model(tiny_model_dir, dtype="float32", device="cpu")
-    config = EngineConfig(**ENGINE_DEFAULTS, lora_modules=(("resident", str(root / "resident")),), max_loras=3,
-                          max_lora_rank=4)
+    config = EngineConfig(
+        **ENGINE_DEFAULTS, lora_modules=(("resident", str(root / "resident")),), max_loras=3, max_lora_rank=4
+    )
     engine = AsyncEngine(loaded, config)
-    app = create_app(engine, served_model_name=MODEL_NAME, api_key=KEY, enable_lora_runtime_updates=True,
-                     lora_root=str(root))
+    app = create_app(
+        engine, served_model_name=MODEL_NAME, api_key=KEY, enable_lora_runtime_updates=True, lora_root=str(root)
+    )
     live = LiveServer(app, engine).start()
     live.http.headers.update(AUTH)
     yield live
@@ -75,8 +78,10 @@ def unload(server, name: str) -> httpx.Response:
 
 
 def complete(server, model: str, max_tokens: int = 6) -> httpx.Response:
-    return server.http.post("/v1/completions", json={"model": model, "prompt": PROMPT, "max_tokens": max_tokens,
-                                                     "temperature": 0, "ignore_eos": True})
+    return server.http.post(
+        "/v1/completions",
+        json={"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
+    )
 
 
 def test_a_loaded_adapter_serves_as_peft_computes_it_and_unloads(server, root):
@@ -86,10 +91,11 @@ def test_a_loaded_adapter_serves_as_peft_computes_it_and_unloads(server, root):
     body = complete(server, "tuned").json()
     assert body["model"] == "tuned"  # the adapter's name is echoed, as vLLM does
     assert body["choices"][0]["text"] == tiny_tokenizer().decode(reference("llama", str(root / "tuned"), PROMPT)[0])
-    chunks = server.http.post("/v1/chat/completions", json={
-        "model": "tuned", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True})
-    models = {json.loads(line[6:])["model"] for line in chunks.text.splitlines()
-              if line.startswith("data: {")}
+    chunks = server.http.post(
+        "/v1/chat/completions",
+        json={"model": "tuned", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True},
+    )
+    models = {json.loads(line[6:])["model"] for line in chunks.text.splitlines() if line.startswith("data: {")}
     assert models == {"tuned"}
     assert complete(server, MODEL_NAME).json()["model"] == MODEL_NAME
 
@@ -105,22 +111,26 @@ def test_the_same_name_loaded_again_from_other_weights_shares_no_cache(server, r
     second = load(server, "swap", root / "other"), complete(server, "swap").json(), unload(server, "swap")
     assert all(r.status_code == 200 for r in (*first[::2], *second[::2]))
     assert second[1]["choices"][0]["text"] == tiny_tokenizer().decode(
-        reference("llama", str(root / "other"), PROMPT)[0])
+        reference("llama", str(root / "other"), PROMPT)[0]
+    )
     assert first[1]["choices"][0]["text"] != second[1]["choices"][0]["text"]
 
 
-@pytest.mark.parametrize(("name", "path", "status", "words"), [
-    ("x", "absent", 400, "no such directory"),
-    ("x", "bad_json", 400, "not valid JSON"),
-    ("x", "rank8", 400, "above --max-lora-rank 4"),
-    ("x", "gemma", 400, "do not fit the layer"),
-    ("x", "deeper", 400, "the model has no layer model.layers.2"),
-    ("x", "saves_head", 400, "modules_to_save"),
-    ("resident", "tuned", 409, "already loaded"),
-    (MODEL_NAME, "tuned", 400, "names the base model"),
-    ("x", "/etc", 400, "outside --lora-root"),
-    ("x", "../", 400, "outside --lora-root"),
-])
+@pytest.mark.parametrize(
+    ("name", "path", "status", "words"),
+    [
+        ("x", "absent", 400, "no such directory"),
+        ("x", "bad_json", 400, "not valid JSON"),
+        ("x", "rank8", 400, "above --max-lora-rank 4"),
+        ("x", "gemma", 400, "do not fit the layer"),
+        ("x", "deeper", 400, "the model has no layer model.layers.2"),
+        ("x", "saves_head", 400, "modules_to_save"),
+        ("resident", "tuned", 409, "already loaded"),
+        (MODEL_NAME, "tuned", 400, "names the base model"),
+        ("x", "/etc", 400, "outside --lora-root"),
+        ("x", "../", 400, "outside --lora-root"),
+    ],
+)
 def test_a_bad_load_is_refused_naming_the_problem(server, root, name, path, status, words):
     response = load(server, name, path if path.startswith("/") else root / path)
     assert response.status_code == status, response.text
@@ -164,9 +174,18 @@ def test_streams_run_through_loads_and_unloads_unchanged(server, root):
     started = threading.Barrier(3)
 
     def stream(model: str) -> None:
-        with server.http.stream("POST", "/v1/completions", json={
-                "model": model, "prompt": PROMPT, "max_tokens": 64, "temperature": 0, "ignore_eos": True,
-                "stream": True}) as response:
+        with server.http.stream(
+            "POST",
+            "/v1/completions",
+            json={
+                "model": model,
+                "prompt": PROMPT,
+                "max_tokens": 64,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            },
+        ) as response:
             text = []
             for line in response.iter_lines():
                 if line.startswith("data: {"):
@@ -191,9 +210,18 @@ def test_streams_run_through_loads_and_unloads_unchanged(server, root):
 
 def test_loadtest_spreads_its_requests_over_the_adapters(server):
     before = server.metric("pagedserve:lora_requests_total", 'lora_name="resident"')
-    config = BenchmarkConfig(url=server.url, model="", models=(MODEL_NAME, "resident"), num_requests=6,
-                             concurrency=3, input_len=8, output_len=4, ignore_eos=True, api_key=KEY,
-                             idle_timeout=10.0)
+    config = BenchmarkConfig(
+        url=server.url,
+        model="",
+        models=(MODEL_NAME, "resident"),
+        num_requests=6,
+        concurrency=3,
+        input_len=8,
+        output_len=4,
+        ignore_eos=True,
+        api_key=KEY,
+        idle_timeout=10.0,
+    )
     summary = asyncio.run(run_benchmark(config))["summary"]
     assert (summary["completed"], summary["failed"]) == (6, 0)
     assert server.metric("pagedserve:lora_requests_total", 'lora_name="resident"') - before == 3
@@ -202,16 +230,31 @@ def test_loadtest_spreads_its_requests_over_the_adapters(server):
 def test_metrics_show_the_adapters(server):
     assert complete(server, "resident").status_code == 200
     text = server.http.get("/metrics").text
-    assert 'vllm:lora_requests_info{max_lora="3",running_lora_adapters="",waiting_lora_adapters=""}' in text \
+    assert (
+        'vllm:lora_requests_info{max_lora="3",running_lora_adapters="",waiting_lora_adapters=""}' in text
         or 'vllm:lora_requests_info{max_lora="3",waiting_lora_adapters="",running_lora_adapters=""}' in text
+    )
     assert server.metric("pagedserve:lora_requests_total", 'lora_name="resident"') >= 1
 
 
-_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
-                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,
-                                                                                 max_size=3), max_leaves=6)
-_FIELDS = ["r", "lora_alpha", "target_modules", "peft_type", "use_rslora", "bias", "modules_to_save",
-           "use_dora", "rank_pattern", "fan_in_fan_out", "base_model_name_or_path"]
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=6,
+)
+_FIELDS = [
+    "r",
+    "lora_alpha",
+    "target_modules",
+    "peft_type",
+    "use_rslora",
+    "bias",
+    "modules_to_save",
+    "use_dora",
+    "rank_pattern",
+    "fan_in_fan_out",
+    "base_model_name_or_path",
+]
 
 
 @st.composite
@@ -227,8 +270,10 @@ def corruption(draw):
     if kind == "shape":
         return kind, (draw(st.integers(0, 50)), draw(st.lists(st.integers(0, 9), min_size=0, max_size=3)))
     if kind == "dtype":
-        return kind, (draw(st.integers(0, 50)), draw(st.sampled_from(["float16", "bfloat16", "int8", "int64",
-                                                                       "bool", "float64"])))
+        return kind, (
+            draw(st.integers(0, 50)),
+            draw(st.sampled_from(["float16", "bfloat16", "int8", "int64", "bool", "float64"])),
+        )
     return kind, draw(st.integers(0, 50))
 
 

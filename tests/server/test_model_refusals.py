@@ -1,6 +1,7 @@
 """A model we do not serve is one line and exit status 2 before anything starts: `python -m server`
 refuses before it binds its port (the model itself still loads in the background, behind /health
 503), and `python -m models.generate` before it builds anything. Real processes, real files."""
+
 from __future__ import annotations
 
 import json
@@ -51,8 +52,10 @@ def refused(tmp_path_factory) -> dict[str, tuple[Path, list[str]]]:
     (root / "garbage.gguf").write_bytes(b"not a gguf file, just text" * 10)
     return {
         "gguf architecture": (write_gguf(root / "mamba.gguf", "mamba"), ["'mamba'", "not supported", "llama"]),
-        "tensor type": (write_gguf(root / "int-norm.gguf", "llama", np.int32),
-                        ["'blk.0.attn_norm.weight'", "type I32", "cannot dequantize"]),
+        "tensor type": (
+            write_gguf(root / "int-norm.gguf", "llama", np.int32),
+            ["'blk.0.attn_norm.weight'", "type I32", "cannot dequantize"],
+        ),
         "missing file": (root / "absent.gguf", ["no GGUF file at", "absent.gguf"]),
         "not a gguf": (root / "garbage.gguf", ["not a readable GGUF file", "garbage.gguf"]),
         "checkpoint architecture": (mamba_dir, ["MambaForCausalLM", "supported", "LlamaForCausalLM"]),
@@ -92,15 +95,21 @@ def assert_one_line_refusal(out: subprocess.CompletedProcess, says: list[str]) -
         assert text in lines[0], (text, lines[0])
 
 
-@pytest.mark.parametrize("case", ["gguf architecture", "tensor type", "missing file", "not a gguf",
-                                  "checkpoint architecture"])
+@pytest.mark.parametrize(
+    "case", ["gguf architecture", "tensor type", "missing file", "not a gguf", "checkpoint architecture"]
+)
 def test_server_refuses_in_one_line_before_binding_its_port(refused, case):
     model, says = refused[case]
     port = free_port()
     watch = PortWatch(port)
     try:
-        out = subprocess.run([sys.executable, "-m", "server", "--model", str(model), "--port", str(port)],
-                             cwd=REPO, capture_output=True, text=True, timeout=300)
+        out = subprocess.run(
+            [sys.executable, "-m", "server", "--model", str(model), "--port", str(port)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     finally:
         watch.stop()
     assert_one_line_refusal(out, says)
@@ -110,8 +119,13 @@ def test_server_refuses_in_one_line_before_binding_its_port(refused, case):
 @pytest.mark.parametrize("case", ["gguf architecture", "missing file"])
 def test_generate_refuses_in_one_line(refused, case):
     model, says = refused[case]
-    out = subprocess.run([sys.executable, "-m", "models.generate", "--model", str(model), "--prompt", "Hi"],
-                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "models.generate", "--model", str(model), "--prompt", "Hi"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert_one_line_refusal(out, says)
 
 
@@ -120,8 +134,13 @@ def test_check_model_reads_headers_only(refused):
     from models.gguf import GGUFError
     from models.loader import check_model
 
-    for case, error in [("gguf architecture", GGUFError), ("tensor type", GGUFError), ("not a gguf", GGUFError),
-                        ("missing file", FileNotFoundError), ("checkpoint architecture", ValueError)]:
+    for case, error in [
+        ("gguf architecture", GGUFError),
+        ("tensor type", GGUFError),
+        ("not a gguf", GGUFError),
+        ("missing file", FileNotFoundError),
+        ("checkpoint architecture", ValueError),
+    ]:
         model, says = refused[case]
         with pytest.raises(error) as info:
             check_model(str(model))

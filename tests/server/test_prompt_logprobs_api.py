@@ -1,6 +1,7 @@
 """Prompt logprobs over a real socket: echo + logprobs (OpenAI's legacy object, as
 lm-evaluation-harness reads it) and vLLM's prompt_logprobs, equal to transformers' log_softmax
 on the same float32 checkpoint."""
+
 from __future__ import annotations
 
 import json
@@ -72,13 +73,23 @@ def test_echo_logprobs_as_lm_eval_sends_them(live, reference):
 
 
 def test_echo_logprobs_stream_equals_the_whole_response(live):
-    body = {"model": M, "prompt": [5, 17, 40, 3, 99], "echo": True, "logprobs": 2, "max_tokens": 3,
-            "temperature": 0, "ignore_eos": True}
+    body = {
+        "model": M,
+        "prompt": [5, 17, 40, 3, 99],
+        "echo": True,
+        "logprobs": 2,
+        "max_tokens": 3,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     whole = live.http.post("/v1/completions", json=body).json()["choices"][0]
     with live.http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
         assert response.status_code == 200
-        events = [json.loads(line[6:]) for line in response.iter_lines()
-                  if line.startswith("data: ") and line != "data: [DONE]"]
+        events = [
+            json.loads(line[6:])
+            for line in response.iter_lines()
+            if line.startswith("data: ") and line != "data: [DONE]"
+        ]
     tokens, values, text = [], [], ""
     for event in events:
         for choice in event["choices"]:
@@ -96,8 +107,12 @@ def test_vllm_prompt_logprobs_field(live, reference, path):
     if path == "/v1/completions":
         body = {"model": M, "prompt": [5, 17, 40, 3, 99, 12], "max_tokens": 2, "prompt_logprobs": 2}
     else:
-        body = {"model": M, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 2,
-                "prompt_logprobs": 2}
+        body = {
+            "model": M,
+            "messages": [{"role": "user", "content": "hello there"}],
+            "max_tokens": 2,
+            "prompt_logprobs": 2,
+        }
     response = live.http.post(path, json=body)
     assert response.status_code == 200, response.text
     result = response.json()
@@ -120,9 +135,14 @@ def test_vllm_prompt_logprobs_field(live, reference, path):
     assert "prompt_logprobs" not in live.http.post(path, json={**body, "prompt_logprobs": None}).json()["choices"][0]
 
 
-@pytest.mark.parametrize("extra, param", [({"prompt_logprobs": 21}, "prompt_logprobs"),
-                                          ({"max_tokens": 0}, "max_tokens"),
-                                          ({"echo": True, "logprobs": 6}, "logprobs")])
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"echo": True, "logprobs": 6}, "logprobs"),
+    ],
+)
 def test_bad_prompt_logprob_requests_are_openai_400s(live, extra, param):
     with pytest.raises(openai.BadRequestError) as caught:
         live.client().completions.create(model=M, prompt="hi", extra_body=extra)

@@ -1,6 +1,7 @@
 """Reasoning (<think>...</think>) returned as reasoning_content apart from content: the parsers whole
 and streamed in pieces of every size, the choice from the chat template, and over a socket with
 the official client, whole and streamed."""
+
 from __future__ import annotations
 
 import json
@@ -46,14 +47,17 @@ def test_a_tag_cut_by_a_chunk_is_held_back_until_whole():
     assert stream.feed("abc</think>x", final=False) == ("", "x")
 
 
-QWEN3 = ("{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
-         "{%- endif %}{% for m in messages %}{{ m.content }}{% endfor %}"
-         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+QWEN3 = (
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}{% for m in messages %}{{ m.content }}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 R1 = "{% for m in messages %}{{ m.content }}{% endfor %}{% if add_generation_prompt %}<｜Assistant｜><think>\\n{% endif %}"
 
 
-@pytest.mark.parametrize("template,parser", [(QWEN3, "qwen3"), (R1, "deepseek_r1"),
-                                             ("{{ messages[0].content }}", None), (None, None)])
+@pytest.mark.parametrize(
+    "template,parser", [(QWEN3, "qwen3"), (R1, "deepseek_r1"), ("{{ messages[0].content }}", None), (None, None)]
+)
 def test_auto_reads_the_chat_template(template, parser):
     assert parser_for_template(template) == parser
 
@@ -64,13 +68,28 @@ def test_reasoning_content_over_a_socket_whole_and_streamed(start_server):
     # A fixed shape from the tiny model; thinking off, so the grammar covers the whole output (with
     # thinking on it would start after </think>, which the random model never writes).
     forced = {"guided_regex": "<think>[a-c]{3}</think>[a-c]{3}", "chat_template_kwargs": {"enable_thinking": False}}
-    message = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
-                                             max_tokens=40, temperature=0, extra_body=forced).choices[0].message
+    message = (
+        client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=40,
+            temperature=0,
+            extra_body=forced,
+        )
+        .choices[0]
+        .message
+    )
     assert len(message.reasoning_content) == 3 and len(message.content) == 3
     assert "<think>" not in message.content
     reasoning, content = "", ""
-    for chunk in client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
-                                                max_tokens=40, temperature=0, extra_body=forced, stream=True):
+    for chunk in client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=40,
+        temperature=0,
+        extra_body=forced,
+        stream=True,
+    ):
         delta = chunk.choices[0].delta if chunk.choices else None
         if delta is not None:
             reasoning += getattr(delta, "reasoning_content", None) or ""
@@ -80,9 +99,18 @@ def test_reasoning_content_over_a_socket_whole_and_streamed(start_server):
 
 
 def test_without_a_parser_everything_is_content(live):
-    message = live.client().chat.completions.create(
-        model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=40, temperature=0,
-        extra_body={"guided_regex": "<think>[a-c]{3}</think>[a-c]{3}"}).choices[0].message
+    message = (
+        live.client()
+        .chat.completions.create(
+            model=MODEL_NAME,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=40,
+            temperature=0,
+            extra_body={"guided_regex": "<think>[a-c]{3}</think>[a-c]{3}"},
+        )
+        .choices[0]
+        .message
+    )
     assert message.content.startswith("<think>") and getattr(message, "reasoning_content", None) is None
 
 
@@ -90,8 +118,12 @@ def test_structured_output_starts_after_the_thinking(start_server):
     """With a reasoning parser, response_format holds the answer only: qwen3 may answer at once
     (valid JSON, no reasoning); deepseek_r1's prompt opened <think>, so the output thinks first,
     in free text the schema does not touch (the random model never closes it: all reasoning)."""
-    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
-              "required": ["n"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
     fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
     ask = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], temperature=0, response_format=fmt)
     qwen3 = start_server(app_kwargs={"reasoning_parser": "qwen3"}).client()
@@ -100,6 +132,11 @@ def test_structured_output_starts_after_the_thinking(start_server):
     r1 = start_server(app_kwargs={"reasoning_parser": "deepseek_r1"}).client()
     choice = r1.chat.completions.create(**ask, max_tokens=12).choices[0]
     assert choice.finish_reason == "length" and choice.message.reasoning_content and not choice.message.content
-    off = r1.chat.completions.create(**ask, max_tokens=40, extra_body={
-        "chat_template_kwargs": {"enable_thinking": False}}).choices[0].message  # thinking off: JSON at once
+    off = (
+        r1.chat.completions.create(
+            **ask, max_tokens=40, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
+        )
+        .choices[0]
+        .message
+    )  # thinking off: JSON at once
     assert json.loads(off.reasoning_content or off.content)["n"] in range(10)

@@ -1,6 +1,7 @@
 """POST /v1/responses through the official client (`client.responses.create` / `.stream`) over a
 real socket: text and item inputs, instructions, max_output_tokens, json_schema output, function
 tools and their outputs fed back, previous_response_id, typed stream events, and clear 400s."""
+
 from __future__ import annotations
 
 import json
@@ -17,32 +18,47 @@ from tests.server.conftest import ENGINE_DEFAULTS, MODEL_NAME, LiveServer
 from tests.server.test_validation import assert_openai_error
 
 M = MODEL_NAME
-WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
-           "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
-                          "required": ["city"]}}
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+        "required": ["city"],
+    },
+}
 
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
     """The tiny Llama with a 2048-token context: tool definitions take hundreds of tokens."""
     path = save_checkpoint(make_hf_model("llama", max_position_embeddings=2048), tmp_path_factory.mktemp("resp"))
-    engine = AsyncEngine(load_model(path, dtype="float32", device="cpu"),
-                         EngineConfig(**{**ENGINE_DEFAULTS, "num_kv_blocks": 1024}))
+    engine = AsyncEngine(
+        load_model(path, dtype="float32", device="cpu"), EngineConfig(**{**ENGINE_DEFAULTS, "num_kv_blocks": 1024})
+    )
     server = LiveServer(create_app(engine, served_model_name=MODEL_NAME), engine).start()
     yield server
     server.stop()
 
-SUNNY = {"type": "object", "properties": {"sunny": {"type": "boolean"}}, "required": ["sunny"],
-         "additionalProperties": False}
+
+SUNNY = {
+    "type": "object",
+    "properties": {"sunny": {"type": "boolean"}},
+    "required": ["sunny"],
+    "additionalProperties": False,
+}
 
 
 def test_text_input_instructions_and_the_output_token_bound(live):
     client = live.client()
-    done = client.responses.create(model=M, input="Hello", instructions="Be brief.", max_output_tokens=60,
-                                   temperature=0)
+    done = client.responses.create(
+        model=M, input="Hello", instructions="Be brief.", max_output_tokens=60, temperature=0
+    )
     assert done.object == "response" and done.id.startswith("resp") and done.model == M
-    cut = client.responses.create(model=M, input="Hello", max_output_tokens=3, temperature=0, extra_body={
-        "metadata": {"run": "1"}})
+    cut = client.responses.create(
+        model=M, input="Hello", max_output_tokens=3, temperature=0, extra_body={"metadata": {"run": "1"}}
+    )
     assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
     assert cut.usage.output_tokens == 3 and cut.metadata == {"run": "1"}
     assert cut.usage.total_tokens == cut.usage.input_tokens + 3
@@ -55,20 +71,32 @@ def test_text_input_instructions_and_the_output_token_bound(live):
 
 def test_message_items_json_schema_output_and_tools_fed_back(live):
     client = live.client()
-    items = [{"role": "developer", "content": "Answer in JSON."},
-             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Is it "},
-                                                              {"type": "input_text", "text": "sunny?"}]}]
-    shaped = client.responses.create(model=M, input=items, max_output_tokens=40, temperature=0, text={
-        "format": {"type": "json_schema", "name": "answer", "schema": SUNNY, "strict": True}})
+    items = [
+        {"role": "developer", "content": "Answer in JSON."},
+        {
+            "type": "message",
+            "role": "user",
+            "content": [{"type": "input_text", "text": "Is it "}, {"type": "input_text", "text": "sunny?"}],
+        },
+    ]
+    shaped = client.responses.create(
+        model=M,
+        input=items,
+        max_output_tokens=40,
+        temperature=0,
+        text={"format": {"type": "json_schema", "name": "answer", "schema": SUNNY, "strict": True}},
+    )
     assert set(json.loads(shaped.output_text)) == {"sunny"}
-    called = client.responses.create(model=M, input="Weather in Paris?", tools=[WEATHER], tool_choice="required", temperature=0,
-                                     max_output_tokens=60)
+    called = client.responses.create(
+        model=M, input="Weather in Paris?", tools=[WEATHER], tool_choice="required", temperature=0, max_output_tokens=60
+    )
     calls = [item for item in called.output if item.type == "function_call"]
     assert calls and calls[0].name == "get_weather" and json.loads(calls[0].arguments)["city"] in ("Paris", "Rome")
-    follow = [{"role": "user", "content": "Weather in Paris?"},
-              {"type": "function_call", "call_id": calls[0].call_id, "name": "get_weather",
-               "arguments": calls[0].arguments},
-              {"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny, 21 C"}]
+    follow = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": calls[0].call_id, "name": "get_weather", "arguments": calls[0].arguments},
+        {"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny, 21 C"},
+    ]
     answered = client.responses.create(model=M, input=follow, tools=[WEATHER], max_output_tokens=8)
     assert answered.status in ("completed", "incomplete") and answered.usage.input_tokens > 20
     live.wait_idle()
@@ -78,8 +106,9 @@ def test_previous_response_id_continues_the_conversation_unless_not_stored(live)
     client = live.client()
     first = client.responses.create(model=M, input="My name is Ada.", max_output_tokens=5, temperature=0)
     alone = client.responses.create(model=M, input="What is my name?", max_output_tokens=5, temperature=0)
-    second = client.responses.create(model=M, input="What is my name?", previous_response_id=first.id,
-                                     max_output_tokens=5, temperature=0)
+    second = client.responses.create(
+        model=M, input="What is my name?", previous_response_id=first.id, max_output_tokens=5, temperature=0
+    )
     # the second prompt holds the first turn and its answer
     assert second.usage.input_tokens >= alone.usage.input_tokens + first.usage.output_tokens + 5
     assert second.previous_response_id == first.id
@@ -98,16 +127,26 @@ def test_stream_sends_typed_events_in_order_whose_deltas_make_the_text(live):
         events = list(stream)
         final = stream.get_final_response()
     kinds = [event.type for event in events]
-    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
-                         "response.content_part.added"] and kinds[-1] == "response.completed"
+    assert (
+        kinds[:4]
+        == ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added"]
+        and kinds[-1] == "response.completed"
+    )
     assert [event.sequence_number for event in events] == list(range(len(events)))
     text = "".join(event.delta for event in events if event.type == "response.output_text.delta")
     assert text == final.output_text and final.status == "completed"
     whole = client.responses.create(model=M, input="Hello", max_output_tokens=60, temperature=0, text=short)
     assert whole.output_text == text and set(json.loads(text)) == {"sunny"}  # greedy: the same streamed or not
     # tool calls stream as function_call items with argument deltas
-    with client.responses.stream(model=M, input="Weather?", tools=[WEATHER], tool_choice="required", temperature=0,
-                                 parallel_tool_calls=False, max_output_tokens=100) as stream:
+    with client.responses.stream(
+        model=M,
+        input="Weather?",
+        tools=[WEATHER],
+        tool_choice="required",
+        temperature=0,
+        parallel_tool_calls=False,
+        max_output_tokens=100,
+    ) as stream:
         events = list(stream)
         final = stream.get_final_response()
     args = "".join(event.delta for event in events if event.type == "response.function_call_arguments.delta")
@@ -121,26 +160,36 @@ def test_stream_sends_typed_events_in_order_whose_deltas_make_the_text(live):
     live.wait_idle()
 
 
-@pytest.mark.parametrize("body,param,says", [
-    ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type", "not supported"),
-    ({"input": [{"type": "input_image", "image_url": "http://x/y.png"}]}, "input[0].type", "not supported"),
-    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
-     "input[0].content[0].type", "not supported"),
-    ({"input": []}, "input", "non-empty"),
-    ({"input": "hi", "background": True}, "background", ""),
-    ({"input": "hi", "reasoning": {"effort": "high"}}, "reasoning", "not supported"),
-    ({"input": "hi", "include": ["reasoning.encrypted_content"]}, "include", ""),
-    ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens", "greater than or equal to 1"),
-    ({"input": "hi", "tool_choice": "sometimes", "tools": [WEATHER]}, "tool_choice", "must be"),
-    ({"input": "hi", "foo": 1}, "foo", "Unrecognized request argument"),
-])
+@pytest.mark.parametrize(
+    "body,param,says",
+    [
+        ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type", "not supported"),
+        ({"input": [{"type": "input_image", "image_url": "http://x/y.png"}]}, "input[0].type", "not supported"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+            "input[0].content[0].type",
+            "not supported",
+        ),
+        ({"input": []}, "input", "non-empty"),
+        ({"input": "hi", "background": True}, "background", ""),
+        ({"input": "hi", "reasoning": {"effort": "high"}}, "reasoning", "not supported"),
+        ({"input": "hi", "include": ["reasoning.encrypted_content"]}, "include", ""),
+        ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens", "greater than or equal to 1"),
+        ({"input": "hi", "tool_choice": "sometimes", "tools": [WEATHER]}, "tool_choice", "must be"),
+        ({"input": "hi", "foo": 1}, "foo", "Unrecognized request argument"),
+    ],
+)
 def test_what_cannot_be_honoured_is_a_400_naming_the_field(live, body, param, says):
     assert_openai_error(live.http.post("/v1/responses", json={"model": M, **body}), 400, param, says)
 
 
 def test_an_output_bound_over_the_context_names_max_output_tokens(live):
-    assert_openai_error(live.http.post("/v1/responses", json={"model": M, "input": "hi", "max_output_tokens": 10**6}),
-                        400, "max_output_tokens", "max_output_tokens is too large")
+    assert_openai_error(
+        live.http.post("/v1/responses", json={"model": M, "input": "hi", "max_output_tokens": 10**6}),
+        400,
+        "max_output_tokens",
+        "max_output_tokens is too large",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -149,16 +198,22 @@ def thinking(tmp_path_factory):
     thinking (the random model's text never writes the tag)."""
     path = save_checkpoint(make_hf_model("llama", max_position_embeddings=2048), tmp_path_factory.mktemp("think"))
     engine = AsyncEngine(load_model(path, dtype="float32", device="cpu"), EngineConfig(**ENGINE_DEFAULTS))
-    server = LiveServer(create_app(engine, served_model_name=MODEL_NAME, reasoning_parser="deepseek_r1"),
-                        engine).start()
+    server = LiveServer(
+        create_app(engine, served_model_name=MODEL_NAME, reasoning_parser="deepseek_r1"), engine
+    ).start()
     yield server
     server.stop()
 
 
 def test_reasoning_is_an_item_of_its_own_whole_and_streamed(thinking):
     client = thinking.client()
-    chat = client.chat.completions.create(model=M, messages=[{"role": "user", "content": "Hello"}], max_tokens=12,
-                                          temperature=0).choices[0].message
+    chat = (
+        client.chat.completions.create(
+            model=M, messages=[{"role": "user", "content": "Hello"}], max_tokens=12, temperature=0
+        )
+        .choices[0]
+        .message
+    )
     assert chat.reasoning_content and not chat.content
     whole = client.responses.create(model=M, input="Hello", max_output_tokens=12, temperature=0)
     assert [item.type for item in whole.output] == ["reasoning"] and whole.status == "incomplete"
@@ -177,17 +232,28 @@ def test_reasoning_is_an_item_of_its_own_whole_and_streamed(thinking):
     assert streamed == events[-3].text == chat.reasoning_content == final.output[0].content[0].text
     assert final.usage.output_tokens_details.reasoning_tokens == 12
     # the item passed back as input (manual context management) is accepted, and dropped
-    follow = client.responses.create(model=M, max_output_tokens=4, temperature=0, input=[
-        {"role": "user", "content": "Hello"}, item.model_dump(exclude_none=True), {"role": "user", "content": "More"}])
+    follow = client.responses.create(
+        model=M,
+        max_output_tokens=4,
+        temperature=0,
+        input=[
+            {"role": "user", "content": "Hello"},
+            item.model_dump(exclude_none=True),
+            {"role": "user", "content": "More"},
+        ],
+    )
     assert follow.output and follow.output[0].type == "reasoning"
     thinking.wait_idle()
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("<think>abc</think>xyz", len("<think>abc</think>")),  # up to the token that completes </think>
-    ("<think>abc", len("<think>abc")),                      # never closed: every token
-    ("plain answer", 0),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("<think>abc</think>xyz", len("<think>abc</think>")),  # up to the token that completes </think>
+        ("<think>abc", len("<think>abc")),  # never closed: every token
+        ("plain answer", 0),
+    ],
+)
 def test_reasoning_tokens_count_the_sampled_tokens_up_to_the_close(text, expected):
     from engine.request import SamplingParams
     from server.serving_common import Choice

@@ -12,6 +12,7 @@ attempt; the circuit breaker (--cb-failure-threshold 1) takes the dead one out a
 failure and the health checker marks it unhealthy, so every later request lands on the live one.
 A stream the dead replica was serving is cut (no `data: [DONE]`); nothing replays it.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,18 +38,49 @@ CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 MAX_NUM_SEQS = 4  # small, so the metrics test sees requests waiting
 PROMPT = "The quick brown fox jumps over the lazy dog."
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
-SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "pattern": "^[A-Z][a-z]{1,8}$"},
-                                           "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-          "required": ["city", "days"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "pattern": "^[A-Z][a-z]{1,8}$"},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"],
-    "additionalProperties": False}}}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"tz": {"enum": ["UTC", "CET"]}},
+            "required": ["tz"],
+            "additionalProperties": False,
+        },
+    },
+}
 # Retry at once, drop a worker on its first failed request, notice a dead one within ~2 s.
-ROUTER_FLAGS = ["--policy", "cache_aware", "--cb-failure-threshold", "1", "--cb-timeout-duration-secs", "10",
-                "--health-check-interval-secs", "1", "--health-failure-threshold", "2",
-                "--retry-initial-backoff-ms", "10", "--retry-max-backoff-ms", "200",
-                "--worker-startup-check-interval", "1", "--log-level", "warning"]
+ROUTER_FLAGS = [
+    "--policy",
+    "cache_aware",
+    "--cb-failure-threshold",
+    "1",
+    "--cb-timeout-duration-secs",
+    "10",
+    "--health-check-interval-secs",
+    "1",
+    "--health-failure-threshold",
+    "2",
+    "--retry-initial-backoff-ms",
+    "10",
+    "--retry-max-backoff-ms",
+    "200",
+    "--worker-startup-check-interval",
+    "1",
+    "--log-level",
+    "warning",
+]
 
 pytestmark = pytest.mark.skipif(not ROUTER.exists(), reason="vllm-router is not installed (test extras)")
 
@@ -97,18 +129,61 @@ def cluster(tmp_path_factory):
     try:
         for i in range(2):
             port = free_port()
-            started.append(Process(
-                [sys.executable, "-m", "server", "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
-                 "--served-model-name", M, "--dtype", "float32", "--num-threads", "1", "--num-kv-blocks", "512",
-                 "--block-size", "8", "--max-num-seqs", str(MAX_NUM_SEQS), "--shutdown-timeout", "2",
-                 "--log-level", "warning"], tmp / f"replica{i}.log", f"http://127.0.0.1:{port}"))
+            started.append(
+                Process(
+                    [
+                        sys.executable,
+                        "-m",
+                        "server",
+                        "--model",
+                        str(model),
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(port),
+                        "--served-model-name",
+                        M,
+                        "--dtype",
+                        "float32",
+                        "--num-threads",
+                        "1",
+                        "--num-kv-blocks",
+                        "512",
+                        "--block-size",
+                        "8",
+                        "--max-num-seqs",
+                        str(MAX_NUM_SEQS),
+                        "--shutdown-timeout",
+                        "2",
+                        "--log-level",
+                        "warning",
+                    ],
+                    tmp / f"replica{i}.log",
+                    f"http://127.0.0.1:{port}",
+                )
+            )
         for replica in started:
             replica.wait_healthy()
         # The router starts once any one worker answers /health: both are up before it starts.
         port = free_port()
-        router = Process([str(ROUTER), "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
-                          "--prometheus-port", str(free_port()), "--worker-urls", *(r.url for r in started[:2]),
-                          *ROUTER_FLAGS], tmp / "router.log", f"http://127.0.0.1:{port}")
+        router = Process(
+            [
+                str(ROUTER),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--prometheus-host",
+                "127.0.0.1",
+                "--prometheus-port",
+                str(free_port()),
+                "--worker-urls",
+                *(r.url for r in started[:2]),
+                *ROUTER_FLAGS,
+            ],
+            tmp / "router.log",
+            f"http://127.0.0.1:{port}",
+        )
         started.append(router)
         router.wait_healthy(60)
         yield Cluster(started[:2], router)
@@ -120,8 +195,12 @@ def cluster(tmp_path_factory):
 def metrics(url: str) -> dict[str, float]:
     """The vllm:* samples of /metrics, parsed by prometheus_client, by name."""
     text = httpx.get(f"{url}/metrics", timeout=10).text
-    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
-            if s.name.startswith("vllm:") and s.labels.get("model_name") == M}
+    return {
+        s.name: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name.startswith("vllm:") and s.labels.get("model_name") == M
+    }
 
 
 def router_workers(url: str) -> dict[str, bool]:
@@ -148,8 +227,9 @@ def test_answers_through_the_router_equal_direct_ones(cluster, stream):
         texts = [c.completions.create(**kwargs) for c in (routed, direct)]
         texts = [streamed_text(t, chat=False) if stream else t.choices[0].text for t in texts]
         assert texts[0] == texts[1] and texts[0]
-        kwargs = dict(model=M, messages=[{"role": "user", "content": prompt}], max_tokens=24, temperature=0,
-                      stream=stream)
+        kwargs = dict(
+            model=M, messages=[{"role": "user", "content": prompt}], max_tokens=24, temperature=0, stream=stream
+        )
         texts = [c.chat.completions.create(**kwargs) for c in (routed, direct)]
         texts = [streamed_text(t, chat=True) if stream else t.choices[0].message.content for t in texts]
         assert texts[0] == texts[1] and texts[0]
@@ -158,8 +238,7 @@ def test_answers_through_the_router_equal_direct_ones(cluster, stream):
 def test_no_400_for_what_the_router_forwards(cluster):
     """The router's own fields at their defaults, and the same fields sent by a client."""
     routed, direct = cluster.router.client(), cluster.replicas[1].client()
-    extra = {"ignore_eos": True, "skip_special_tokens": False, "top_k": 5, "min_tokens": 2,
-             "repetition_penalty": 1.1}
+    extra = {"ignore_eos": True, "skip_special_tokens": False, "top_k": 5, "min_tokens": 2, "repetition_penalty": 1.1}
     for kwargs in (
         dict(prompt=PROMPT, max_tokens=8, temperature=0, extra_body=extra),
         dict(prompt=[PROMPT, "Hello"], max_tokens=4, temperature=0, n=2, logprobs=2, stop=["\n"], seed=1),
@@ -171,8 +250,14 @@ def test_no_400_for_what_the_router_forwards(cluster):
         assert texts[0] == texts[1]
     for kwargs in (
         dict(messages=USER, max_tokens=8, temperature=0, extra_body=extra),
-        dict(messages=USER, max_completion_tokens=6, temperature=0, logprobs=True, top_logprobs=2,
-             extra_body={"chat_template_kwargs": {"enable_thinking": False}, "include_reasoning": True}),
+        dict(
+            messages=USER,
+            max_completion_tokens=6,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=2,
+            extra_body={"chat_template_kwargs": {"enable_thinking": False}, "include_reasoning": True},
+        ),
         dict(messages=USER, max_tokens=6, temperature=0, stream=True, stream_options={"include_usage": True}),
     ):
         answers = [c.chat.completions.with_raw_response.create(model=M, **kwargs) for c in (routed, direct)]
@@ -183,22 +268,29 @@ def test_no_400_for_what_the_router_forwards(cluster):
             texts = [a.parse().choices[0].message.content for a in answers]
         assert texts[0] == texts[1]
     # cache_aware tokenizes each chat request on a worker first, through /tokenize.
-    tokenized = httpx.post(f"{cluster.replicas[0].url}/tokenize", json={
-        "model": M, "continue_final_message": False, "messages": USER})
+    tokenized = httpx.post(
+        f"{cluster.replicas[0].url}/tokenize", json={"model": M, "continue_final_message": False, "messages": USER}
+    )
     assert tokenized.status_code == 200, tokenized.text
 
 
 def test_structured_output_and_tools_pass_through(cluster):
     routed, direct = cluster.router.client(), cluster.replicas[0].client()
     fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA, "strict": True}}
-    answers = [c.chat.completions.create(model=M, messages=USER, response_format=fmt, max_tokens=60, temperature=0)
-               for c in (routed, direct)]
+    answers = [
+        c.chat.completions.create(model=M, messages=USER, response_format=fmt, max_tokens=60, temperature=0)
+        for c in (routed, direct)
+    ]
     texts = [a.choices[0].message.content for a in answers]
     assert texts[0] == texts[1]
     jsonschema.validate(json.loads(texts[0]), SCHEMA)
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        answers = [c.chat.completions.create(model=M, messages=USER, tools=[WEATHER, TIME], tool_choice=choice,
-                                             max_tokens=80, temperature=0) for c in (routed, direct)]
+        answers = [
+            c.chat.completions.create(
+                model=M, messages=USER, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=80, temperature=0
+            )
+            for c in (routed, direct)
+        ]
         assert [a.choices[0].finish_reason for a in answers] == ["tool_calls", "tool_calls"]
         calls = [tool_calls(a) for a in answers]
         assert calls[0] == calls[1] and calls[0]
@@ -210,11 +302,15 @@ def test_vllm_gauges_rise_under_load_and_return_to_idle(cluster):
     """vllm:kv_cache_usage_perc counts blocks held by requests, as vLLM's does: a finished
     request's blocks stay in the prefix cache but are free, so usage goes back to 0."""
     url = cluster.replicas[1].url
-    assert metrics(url) == {"vllm:num_requests_running": 0, "vllm:num_requests_waiting": 0,
-                            "vllm:kv_cache_usage_perc": 0}
+    assert metrics(url) == {
+        "vllm:num_requests_running": 0,
+        "vllm:num_requests_waiting": 0,
+        "vllm:kv_cache_usage_perc": 0,
+    }
     body = {"model": M, "max_tokens": 400, "ignore_eos": True, "stream": True}
-    readers = [StreamReader(f"{url}/v1/completions", {**body, "prompt": f"{i} {PROMPT}"})
-               for i in range(MAX_NUM_SEQS + 2)]
+    readers = [
+        StreamReader(f"{url}/v1/completions", {**body, "prompt": f"{i} {PROMPT}"}) for i in range(MAX_NUM_SEQS + 2)
+    ]
     seen = []
     while any(r.thread.is_alive() for r in readers):
         seen.append(metrics(url))
@@ -247,8 +343,9 @@ def test_a_replica_killed_mid_run_and_every_later_request_is_200(cluster):
 
     for i in range(10):  # completions and chat, whole and streamed
         prompt = f"after {i} {PROMPT}"
-        path, body = ((CHAT, {"messages": [{"role": "user", "content": prompt}]}) if i % 2
-                      else (CMPL, {"prompt": prompt}))
+        path, body = (
+            (CHAT, {"messages": [{"role": "user", "content": prompt}]}) if i % 2 else (CMPL, {"prompt": prompt})
+        )
         body = {**body, "model": M, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "stream": i % 4 < 2}
         reply = httpx.post(f"{router}{path}", json=body, timeout=60)
         assert reply.status_code == 200, reply.text

@@ -1,6 +1,7 @@
 """Speculative decoding over HTTP: two servers on the real SmolLM2 GGUF, one with n-gram drafts
 and one without, answer the same requests with the same text and logprobs; streams send each
 accepted run as one delta and concatenate to the whole text; vLLM's counters count drafts."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,9 +13,11 @@ from models.layers import cpu_kernels
 from server.app import create_app
 from tests.server.conftest import LiveServer
 
-QUOTE = ("We hold these truths to be self-evident, that all men are created equal, that they are endowed "
-         "by their Creator with certain unalienable Rights, that among these are Life, Liberty and the "
-         "pursuit of Happiness.")
+QUOTE = (
+    "We hold these truths to be self-evident, that all men are created equal, that they are endowed "
+    "by their Creator with certain unalienable Rights, that among these are Life, Liberty and the "
+    "pursuit of Happiness."
+)
 MESSAGES = [{"role": "user", "content": f"Repeat this sentence word for word: {QUOTE}"}]
 
 
@@ -40,16 +43,24 @@ def test_chat_answers_are_the_same_with_drafts_and_streams_concatenate(servers, 
     plain, spec = servers
     answers = []
     for live in (plain, spec):
-        reply = live.client().chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=48,
-                                                       logprobs=True, top_logprobs=2, **sampling)
+        reply = live.client().chat.completions.create(
+            model="smollm2", messages=MESSAGES, max_tokens=48, logprobs=True, top_logprobs=2, **sampling
+        )
         answers.append(reply)
     a, b = (r.choices[0] for r in answers)
     assert a.message.content == b.message.content and a.finish_reason == b.finish_reason
     assert [(t.token, t.logprob) for t in a.logprobs.content] == [(t.token, t.logprob) for t in b.logprobs.content]
     assert answers[0].usage.completion_tokens == answers[1].usage.completion_tokens
 
-    stream = spec.client().chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=48, stream=True,
-                                                   logprobs=True, stream_options={"include_usage": True}, **sampling)
+    stream = spec.client().chat.completions.create(
+        model="smollm2",
+        messages=MESSAGES,
+        max_tokens=48,
+        stream=True,
+        logprobs=True,
+        stream_options={"include_usage": True},
+        **sampling,
+    )
     deltas, logprobs, usage = [], [], None
     for chunk in stream:
         if chunk.usage is not None:
@@ -66,8 +77,12 @@ def test_chat_answers_are_the_same_with_drafts_and_streams_concatenate(servers, 
 def test_completions_with_a_stop_string_inside_a_run(servers):
     plain, spec = servers
     prompt = f"{QUOTE}\n{QUOTE[:40]}"
-    texts = [live.client().completions.create(model="smollm2", prompt=prompt, max_tokens=40, temperature=0,
-                                              stop=["Creator"]).choices[0] for live in (plain, spec)]
+    texts = [
+        live.client()
+        .completions.create(model="smollm2", prompt=prompt, max_tokens=40, temperature=0, stop=["Creator"])
+        .choices[0]
+        for live in (plain, spec)
+    ]
     assert texts[0].text == texts[1].text and "Creator" not in texts[1].text
     assert texts[1].finish_reason == "stop"
 

@@ -1,34 +1,77 @@
 """Each model family's tool-call format, read whole and in stream pieces of every size:
 the pieces put together are always the whole reply."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from server.tool_parsers import (PARSERS, DeepSeekV3Parser, HermesParser, JsonParser, Llama3JsonParser, MistralParser,
-                                 ToolCallStream, hermes_messages, parser_for_template)
+from server.tool_parsers import (
+    PARSERS,
+    DeepSeekV3Parser,
+    HermesParser,
+    JsonParser,
+    Llama3JsonParser,
+    MistralParser,
+    ToolCallStream,
+    hermes_messages,
+    parser_for_template,
+)
 
 CASES = [
-    (HermesParser(), 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa}ris", "n": [1, 2]}}'
-                     '\n</tool_call>\n<tool_call>{"name": "noop", "arguments": {}}</tool_call>',
-     "Let me look.", [("get_weather", {"city": "Pa}ris", "n": [1, 2]}), ("noop", {})]),
-    (HermesParser(), '{"name": "get_weather", "arguments": {"city": "Paris"}}', None, [("get_weather", {"city": "Paris"})]),
-    (HermesParser(), '```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```', None,
-     [("get_weather", {"city": "Paris"})]),
-    (Llama3JsonParser(), '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
-                         '{"name": "noop", "parameters": {}}',
-     None, [("get_weather", {"city": "Paris"}), ("noop", {})]),
-    (MistralParser(), 'ok [TOOL_CALLS][{"name": "f", "arguments": {"a": "[b]"}}, {"name": "g", "arguments": {}}]',
-     "ok", [("f", {"a": "[b]"}), ("g", {})]),
+    (
+        HermesParser(),
+        'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa}ris", "n": [1, 2]}}'
+        '\n</tool_call>\n<tool_call>{"name": "noop", "arguments": {}}</tool_call>',
+        "Let me look.",
+        [("get_weather", {"city": "Pa}ris", "n": [1, 2]}), ("noop", {})],
+    ),
+    (
+        HermesParser(),
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}',
+        None,
+        [("get_weather", {"city": "Paris"})],
+    ),
+    (
+        HermesParser(),
+        '```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```',
+        None,
+        [("get_weather", {"city": "Paris"})],
+    ),
+    (
+        Llama3JsonParser(),
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "noop", "parameters": {}}',
+        None,
+        [("get_weather", {"city": "Paris"}), ("noop", {})],
+    ),
+    (
+        MistralParser(),
+        'ok [TOOL_CALLS][{"name": "f", "arguments": {"a": "[b]"}}, {"name": "g", "arguments": {}}]',
+        "ok",
+        [("f", {"a": "[b]"}), ("g", {})],
+    ),
     (MistralParser(), '[TOOL_CALLS]f[ARGS]{"a": 1}[TOOL_CALLS]g[ARGS]{}', None, [("f", {"a": 1}), ("g", {})]),
-    (DeepSeekV3Parser(), 'Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n'
-                         '```json\n{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>'
-                         'noop\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
-     "Checking.", [("get_weather", {"city": "Paris"}), ("noop", {})]),
-    (JsonParser("get_weather"), '{"city": "Paris", "x": {"y": "}"}}', None, [("get_weather", {"city": "Paris", "x": {"y": "}"}})]),
-    (JsonParser(), '[{"name": "f", "parameters": {"a": 1}}, {"name": "g", "parameters": {}}]', None,
-     [("f", {"a": 1}), ("g", {})]),
+    (
+        DeepSeekV3Parser(),
+        "Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
+        '```json\n{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>'
+        "noop\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+        "Checking.",
+        [("get_weather", {"city": "Paris"}), ("noop", {})],
+    ),
+    (
+        JsonParser("get_weather"),
+        '{"city": "Paris", "x": {"y": "}"}}',
+        None,
+        [("get_weather", {"city": "Paris", "x": {"y": "}"}})],
+    ),
+    (
+        JsonParser(),
+        '[{"name": "f", "parameters": {"a": 1}}, {"name": "g", "parameters": {}}]',
+        None,
+        [("f", {"a": 1}), ("g", {})],
+    ),
 ]
 
 
@@ -81,12 +124,20 @@ def test_parser_for_template_and_hermes_fallback_messages():
     assert parser_for_template("<|python_tag|>") == "llama3_json"
     assert parser_for_template(None) == "hermes"
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
-                {"role": "assistant", "content": "", "tool_calls": [
-                    {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]},
-                {"role": "tool", "content": "42", "tool_call_id": "call_1"}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "hi"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}],
+        },
+        {"role": "tool", "content": "42", "tool_call_id": "call_1"},
+    ]
     out = hermes_messages(messages, tools)
-    assert out[0]["role"] == "system" and out[0]["content"].startswith("Be brief.") and '"name": "f"' in out[0]["content"]
+    assert (
+        out[0]["role"] == "system" and out[0]["content"].startswith("Be brief.") and '"name": "f"' in out[0]["content"]
+    )
     assert out[2] == {"role": "assistant", "content": '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'}
     assert out[3] == {"role": "user", "content": "<tool_response>\n42\n</tool_response>"}
     assert hermes_messages(messages, [])[0] == messages[0]
