@@ -240,7 +240,12 @@ def test_the_readme_structured_output_examples_run_verbatim_and_finish(server):
                     ) from None
                 assert scope["call"].function.name == "get_weather"
                 assert set(json.loads(scope["call"].function.arguments)) <= {"city"}
-                assert scope["answer"].choices[0].finish_reason in ("stop", "tool_calls")  # not cut by the context
+                # a free reply at the default temperature may ramble: it ends by itself or at the block's
+                # max_tokens, never cut short by the context
+                answer = scope["answer"]
+                assert answer.choices[0].finish_reason in ("stop", "tool_calls") or (
+                    answer.choices[0].finish_reason == "length" and answer.usage.completion_tokens == 256
+                ), answer
             assert type(scope["city"]).__name__ == "City"
 
 

@@ -22,6 +22,8 @@ from torch.utils.cpp_extension import get_cxx_compiler
 
 from models.layers import cpu_isa
 
+pytestmark = pytest.mark.slow  # builds the kernels with 512-bit intrinsics emulated
+
 HARNESS = Path(__file__).parent / "csrc" / "wide_tiles_emulated.cpp"
 
 CHECK = textwrap.dedent(
