@@ -37,7 +37,7 @@ test: setup
 	$(VENV)/bin/ruff format --check .   # the style is ruff's formatter's (pyproject.toml [tool.ruff])
 	$(VENV)/bin/mypy   # engine/, server/, loadtest/, models/: every function typed (pyproject.toml [tool.mypy])
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir $$(mktemp -d)   # a broken link or page fails
-	$(PY) -m pytest -q -n auto --maxprocesses 8 --dist loadfile $(ARGS)   # a worker a core (tests/conftest.py splits torch's threads)
+	$(PY) -m pytest -q $(ARGS)   # ARGS="-n auto --dist loadfile": pytest-xdist, a worker a core
 
 # The documentation (docs/, mkdocs.yml) on http://127.0.0.1:8001; docs/flags.py rewrites the flag page.
 docs: setup
