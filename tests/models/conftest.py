@@ -10,6 +10,7 @@ and `make_checkpoint` (factory into tmp_path).
 
 from __future__ import annotations
 
+import copy
 import functools
 import random
 from pathlib import Path
@@ -55,9 +56,15 @@ TINY = dict(
 )
 
 
-@functools.lru_cache(maxsize=1)
 def tiny_tokenizer():
-    """Byte-level BPE (300 tokens: 3 specials, 256 bytes, merges): any text round-trips."""
+    """Byte-level BPE (300 tokens: 3 specials, 256 bytes, merges): any text round-trips. A copy
+    each call: a test that edits its tokenizer (a chat template, special tokens) must not change
+    the checkpoints that later tests save."""
+    return copy.deepcopy(_trained_tokenizer())
+
+
+@functools.lru_cache(maxsize=1)
+def _trained_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
