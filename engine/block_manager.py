@@ -34,6 +34,16 @@ pool. A sliding group's table drops the blocks that have left the window of the 
 
 so a sliding layer holds about window / block_size blocks a request however long its context. A
 prefix hit must then find, in a sliding group, only the blocks of the window before its end.
+
+A lower tier (engine/kv_disk.py) below the cache: a cached block is saved there when it is
+evicted (and at shutdown, `save_cached`), and a prefix that misses memory but is found there is
+read back into fresh blocks, which become cached blocks like any other, before the match:
+
+    memory  [h0 h1]                    disk  [h2 h3]       request h0 h1 h2 h3 h4
+    promote: h2, h3 read into two free blocks -> memory [h0 h1 h2 h3] -> a hit of 4 blocks
+
+Blocks of a LoRA adapter stay in memory: an adapter's cache key names a load of it in this
+process only.
 """
 
 from __future__ import annotations
@@ -41,7 +51,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import Counter, OrderedDict
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Protocol, Sequence
 
 from engine.request import Request
 
@@ -70,6 +80,16 @@ def hash_block(
     return int.from_bytes(h.digest(), "little")
 
 
+class LowerTier(Protocol):
+    """Where evicted cached blocks go and prefix misses are looked up (engine/kv_disk.py)."""
+
+    def contains(self, key: tuple[int, int]) -> bool: ...
+
+    def save(self, block_id: int, key: tuple[int, int], wait: bool = False) -> None: ...
+
+    def load(self, block_id: int, key: tuple[int, int]) -> bool: ...
+
+
 class BlockManager:
     """windows: one entry per KV cache group, None for layers that see the whole context, else
     the sliding window (a query at position p sees keys at positions > p - window)."""
@@ -80,6 +100,7 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         windows: tuple[int | None, ...] = (None,),
+        lower_tier: LowerTier | None = None,
     ):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one token, got {num_blocks} x {block_size}")
@@ -105,6 +126,10 @@ class BlockManager:
         # Prefix cache counters, in prompt tokens, counted once per admission.
         self.num_prefix_queries = 0
         self.num_prefix_hits = 0
+        self.num_prefix_lower_tier_hits = 0  # of those, read back from the lower tier
+        self.lower_tier = lower_tier if enable_prefix_caching else None
+        self._promoted: set[int] = set()  # blocks read back from the lower tier, not yet hit
+        self._volatile: set[tuple[int, int]] = set()  # cached keys that never leave memory (LoRA)
 
     # ----------------------------------------------------------------- queries
     @property
@@ -176,16 +201,9 @@ class BlockManager:
             return none
         hashes = self._hash_blocks(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
-        # Full groups need every block of the prefix; sliding ones only their window's.
-        length = max_blocks
-        for group, window in enumerate(self.windows):
-            if window is None:
-                length = next((i for i, h in enumerate(hashes[:length]) if (group, h) not in self._cached), length)
-        valid = [True] * (length + 1)
-        for group, window in enumerate(self.windows):
-            if window is not None:
-                valid = [a and b for a, b in zip(valid, self._window_hits(group, hashes, length))]
-        length = max(n for n, ok in enumerate(valid) if ok)
+        if self.lower_tier is not None and request.lora_cache_key is None:
+            self._promote(hashes, max_blocks)
+        length = self._match(hashes, max_blocks, self._cached.__contains__)
         if length == 0:
             return none
         return [
@@ -196,13 +214,64 @@ class BlockManager:
             for g in range(len(self.windows))
         ]
 
-    def _window_hits(self, group: int, hashes: list[int], max_length: int) -> list[bool]:
+    def _match(self, hashes: list[int], max_blocks: int, has: Callable[[tuple[int, int]], bool]) -> int:
+        """The longest prefix, in blocks, whose blocks a query after it reads are all found by `has`."""
+        # Full groups need every block of the prefix; sliding ones only their window's.
+        length = max_blocks
+        for group, window in enumerate(self.windows):
+            if window is None:
+                length = next((i for i, h in enumerate(hashes[:length]) if not has((group, h))), length)
+        valid = [True] * (length + 1)
+        for group, window in enumerate(self.windows):
+            if window is not None:
+                valid = [a and b for a, b in zip(valid, self._window_hits(group, hashes, length, has))]
+        return max(n for n, ok in enumerate(valid) if ok)
+
+    def _promote(self, hashes: list[int], max_blocks: int) -> None:
+        """Read back from the lower tier the blocks of the longest prefix found in memory and there
+        together, as cached blocks; only when the pool has room for them without evicting the
+        prefix's own blocks. A block that cannot be read (an unsound file) ends the prefix there."""
+        assert self.lower_tier is not None
+        tier = self.lower_tier
+        length = self._match(hashes, max_blocks, lambda key: key in self._cached or tier.contains(key))
+        keys = [
+            (g, hashes[i])
+            for i in range(length)
+            for g in range(len(self.windows))
+            if i >= self._first_needed(g, length * self.block_size)
+        ]  # prefix order: a failed read leaves the blocks before it usable
+        missing = [key for key in keys if key not in self._cached]
+        if not missing:
+            return
+        present = [self._cached[key] for key in keys if key in self._cached]
+        held = [b for b in present if self.ref_counts[b] == 0]
+        if len(missing) > self.num_free_blocks - len(held):
+            return
+        for block_id in held:  # out of the evictable pool while we take blocks
+            del self._evictable[block_id]
+            self.ref_counts[block_id] = 1
+        for key in missing:
+            block_id = self._take_block()
+            loaded = tier.load(block_id, key)
+            if loaded:
+                self.block_hashes[block_id] = key
+                self._cached[key] = block_id
+                self._promoted.add(block_id)
+            self._release(block_id)
+            if not loaded:
+                break
+        for block_id in held:
+            self._release(block_id)
+
+    def _window_hits(
+        self, group: int, hashes: list[int], max_length: int, has: Callable[[tuple[int, int]], bool]
+    ) -> list[bool]:
         """For each prefix length n (in blocks, 0..max_length), whether this sliding group has
         cached every block that a query after the prefix reads: one pass over the blocks."""
         valid = [True] + [False] * max_length
         run_start = 0  # first block of the run of cached blocks that ends at block n - 1
         for n in range(1, max_length + 1):
-            if (group, hashes[n - 1]) not in self._cached:
+            if not has((group, hashes[n - 1])):
                 run_start = n
             else:
                 valid[n] = run_start <= self._first_needed(group, n * self.block_size)
@@ -238,6 +307,8 @@ class BlockManager:
                 if block_id != self.null_block and self.block_hashes[block_id] is None and key not in self._cached:
                     self.block_hashes[block_id] = key
                     self._cached[key] = block_id
+                    if request.lora_cache_key is not None:
+                        self._volatile.add(key)
         self._num_cached_blocks[rid] = max(start, end)
 
     # ------------------------------------------------------------------- verbs
@@ -276,6 +347,10 @@ class BlockManager:
         if self.enable_prefix_caching:
             self.num_prefix_queries += request.num_tokens
             self.num_prefix_hits += num_hit * self.block_size
+            if self._promoted:
+                promoted = [any(t[i] in self._promoted for t in computed_blocks) for i in range(num_hit)]
+                self.num_prefix_lower_tier_hits += sum(promoted) * self.block_size
+                self._promoted.difference_update(b for t in computed_blocks for b in t)
         return self._tables[rid]
 
     def append_slots(self, request: Request, num_tokens: int) -> list[list[int]] | None:
@@ -333,10 +408,22 @@ class BlockManager:
             block_id, _ = self._evictable.popitem(last=False)
             key = self.block_hashes[block_id]
             assert key is not None  # only a cached block is evictable
+            if self.lower_tier is not None and key not in self._volatile:
+                self.lower_tier.save(block_id, key)  # its bytes copied out before the block is reused
             del self._cached[key]
+            self._volatile.discard(key)
+            self._promoted.discard(block_id)
             self.block_hashes[block_id] = None
         self.ref_counts[block_id] = 1
         return block_id
+
+    def save_cached(self) -> None:
+        """Save every cached block to the lower tier, waiting for room in its queue (shutdown)."""
+        if self.lower_tier is None:
+            return
+        for key, block_id in self._cached.items():
+            if key not in self._volatile:
+                self.lower_tier.save(block_id, key, wait=True)
 
     # ------------------------------------------------------------------- audit
     def audit(self) -> list[str]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from engine.speculative import SpeculativeConfig
 
 DEFAULT_KV_CACHE_MEMORY_GIB = 1.0
+DEFAULT_KV_CACHE_DISK_BYTES = 20 * 2**30
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
 
 
@@ -62,6 +63,10 @@ class EngineConfig:
     # and value rows quantized with a float32 scale a row (models/layers/attention.py's
     # quantize_rows): ~3.8x the tokens of float32 in the same memory, ~1.9x those of 16 bits.
     kv_cache_dtype: str = "auto"
+    # The prefix cache's disk tier (engine/kv_disk.py): a directory where full blocks leaving
+    # memory are kept, at most kv_cache_disk_bytes of files; None: memory only.
+    kv_cache_disk: str | None = None
+    kv_cache_disk_bytes: int = DEFAULT_KV_CACHE_DISK_BYTES
     # A stream holds at most this many unread outputs; later ones wait in the engine, merged
     # into one, and a stream that stays full this many seconds (its reader stopped) is aborted.
     max_pending_outputs: int = 64
@@ -79,6 +84,12 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_disk is not None and not self.kv_cache_disk:
+            raise ValueError("kv_cache_disk must be a directory, got an empty path")
+        if self.kv_cache_disk_bytes < 1:
+            raise ValueError(f"kv_cache_disk_bytes must be at least 1, got {self.kv_cache_disk_bytes}")
+        if self.kv_cache_disk is not None and not self.enable_prefix_caching:
+            raise ValueError("kv_cache_disk needs prefix caching on: it keeps the prefix cache's blocks")
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 from engine.config import EngineConfig, max_tokens_per_request
 from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_disk import DiskStore, KVDiskTier, model_fingerprint, payload_bytes
 from engine.lora import LoRAInUseError, LoRANotFoundError
 from engine.model_runner import ModelRunner
 from engine.step import EngineDeadError
@@ -72,7 +73,11 @@ class EngineCore:
         self.limits = self.config.limits(
             self.runner.max_model_len, self.runner.num_blocks, loaded.config.vocab_size, capacity
         )
-        self.scheduler = Scheduler(self.config, self.runner.num_blocks, self.limits, clock, windows)
+        self.kv_disk = self._open_disk_tier(loaded)
+        tier = None
+        if self.kv_disk is not None:
+            tier = KVDiskTier(self.kv_disk, self.runner.kv_caches, self.runner.kv_layout)
+        self.scheduler = Scheduler(self.config, self.runner.num_blocks, self.limits, clock, windows, tier)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         # request id -> its prompt logprobs so far, by prompt position (chunks fill them in; a
         # recompute after preemption writes the same again); sent with its first token.
@@ -89,8 +94,41 @@ class EngineCore:
         self.num_finished: Counter[str] = Counter()
         self.num_lora_requests: Counter[str] = Counter()  # adapter name -> requests added, since start
 
+    def _open_disk_tier(self, loaded: LoadedModel) -> DiskStore | None:
+        """The prefix cache's disk tier, if configured (DiskTierLockedError, a ValueError, when
+        another process holds its directory)."""
+        directory = self.config.kv_cache_disk
+        if directory is None:
+            return None
+        if self.ranks is not None:
+            raise ValueError("kv_cache_disk is not supported under tensor parallelism")
+        runner = self.runner
+        fingerprint = model_fingerprint(loaded, runner.kv_cache_spec, runner.kv_layout, self.config.block_size)
+        store = DiskStore(
+            directory,
+            self.config.kv_cache_disk_bytes,
+            fingerprint,
+            payload_bytes(runner.kv_caches, runner.kv_layout),
+        )
+        stats = store.stats()
+        logger.info(
+            "KV cache disk tier: %s, up to %.2f GiB, %d files (%.2f GiB) there at start, %d bytes a block%s",
+            stats.directory,
+            stats.max_bytes / 2**30,
+            stats.num_files,
+            stats.num_bytes / 2**30,
+            store.file_bytes,
+            "" if stats.enabled else " (off)",
+        )
+        return store
+
     def close(self) -> None:
-        """Stop the other tensor-parallel ranks, if any (idempotent)."""
+        """Write the prefix cache's blocks to the disk tier, if any, and let it go; stop the other
+        tensor-parallel ranks, if any (idempotent)."""
+        if self.kv_disk is not None:
+            self.scheduler.save_cached_blocks()
+            self.kv_disk.close()
+            self.kv_disk = None
         if self.ranks is not None:
             self.ranks.shutdown()
 
@@ -342,6 +380,7 @@ class EngineCore:
             weight_bytes=self.runner.weight_bytes,
             kv_cache_bytes=self.runner.kv_cache_bytes,
             step_totals=self.runner.step_totals(),
+            kv_disk=self.kv_disk.stats() if self.kv_disk is not None else None,
             **self._lora_stats(),
         )
 

@@ -18,7 +18,7 @@ import time
 from collections import deque
 from typing import Callable, Iterable, Mapping, Sequence
 
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockManager, LowerTier
 from engine.config import EngineConfig, EngineLimits
 from engine.request import QueueFullError, Request, RequestStatus
 from engine.speculative import Speculator
@@ -40,12 +40,16 @@ class Scheduler:
         limits: EngineLimits,
         clock: Callable[[], float] = time.monotonic,
         windows: tuple[int | None, ...] = (None,),
+        lower_tier: LowerTier | None = None,
     ):
-        """windows: the model's KV cache groups (see engine/block_manager.py)."""
+        """windows: the model's KV cache groups; lower_tier: the prefix cache's tier below memory
+        (both: see engine/block_manager.py)."""
         self.config = config
         self.limits = limits
         self.clock = clock
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, windows)
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, config.enable_prefix_caching, windows, lower_tier
+        )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last one is preempted first
         self.requests: dict[str, Request] = {}
@@ -326,6 +330,7 @@ class Scheduler:
             kv_block_size=bm.block_size,
             prefix_cache_queries=bm.num_prefix_queries,
             prefix_cache_hits=bm.num_prefix_hits,
+            prefix_cache_disk_hits=bm.num_prefix_lower_tier_hits,
             num_preemptions=self.num_preemptions,
         )
 
@@ -336,6 +341,10 @@ class Scheduler:
             return tuple(sorted({r.params.lora_name for r in requests if r.params.lora_name is not None}))
 
         return names(self.running), names(self.waiting)
+
+    def save_cached_blocks(self) -> None:
+        """Hand every cached block to the prefix cache's lower tier (at shutdown)."""
+        self.block_manager.save_cached()
 
     def audit(self) -> list[str]:
         """Reconcile the block pool; one line per discrepancy (empty when consistent)."""

@@ -20,6 +20,7 @@ class EngineStats:
     kv_block_size: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up, since start
     prefix_cache_hits: int = 0  # prompt tokens served from the cache, since start
+    prefix_cache_disk_hits: int = 0  # of those, read back from the disk tier (engine/kv_disk.py)
     num_preemptions: int = 0
     num_prompt_tokens: int = 0  # prompt tokens of accepted requests
     num_generation_tokens: int = 0  # tokens sampled
@@ -43,6 +44,8 @@ class EngineStats:
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
     num_lora_requests: dict[str, int] = field(default_factory=dict)
+    # The prefix cache's disk tier (engine/kv_disk.py's DiskTierStats); None: no disk tier
+    kv_disk: object | None = None
 
     @property
     def kv_cache_usage(self) -> float:
