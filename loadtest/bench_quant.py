@@ -11,8 +11,10 @@ kernel took every step). Columns: dense float32 and bfloat16
 (F.linear), torch's int8 per-channel and int4 group-32 weight-only kernels (what torchao's CPU
 layouts call; fast only with bf16 activations), and ours (models/layers/csrc/quant_linear.cpp,
 float32 activations rounded to int16 inside) in int4, int5 (GGUF Q5_K's form: float32 scale and
-min; Q5_0's: float16 scales, min = -16 x scale) and int8, groups of 32. `--shape qwen2.5-1.5b`:
-Qwen2.5-1.5B's layers (hidden 1536, intermediate 8960, 12 heads of 128, 2 KV heads, 28 layers).
+min; Q5_0's: float16 scales, min = -16 x scale), int6 (GGUF Q6_K's form: an fp16 d per 256, int8
+sub-scales per 16) and int8, groups of 32. `--shape qwen2.5-1.5b`: Qwen2.5-1.5B's layers (hidden
+1536, intermediate 8960, 12 heads of 128, 2 KV heads, 28 layers). `--interleave`: the columns
+take turns, one run each a round, so that a shared machine's load falls on all of them alike.
 """
 
 from __future__ import annotations
@@ -46,13 +48,20 @@ def linear_shapes(name: str) -> tuple[list[tuple[int, int]], int]:
 
 
 def best_ms(fn: Callable[[], object], repeats: int, stat: str = "best") -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+    return interleaved_ms([fn], repeats, stat)[0]
+
+
+def interleaved_ms(fns: list[Callable[[], object]], repeats: int, stat: str = "best") -> list[float]:
+    """Each fn's best or median of `repeats` runs, in ms, the fns taking turns (one warm-up each)."""
+    for fn in fns:
         fn()
-        times.append(time.perf_counter() - start)
-    return (min(times) if stat == "best" else statistics.median(times)) * 1e3
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, kept in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            kept.append(time.perf_counter() - start)
+    return [(min(t) if stat == "best" else statistics.median(t)) * 1e3 for t in times]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -63,6 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--layers", type=int, default=None, help="default: the shape's")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--stat", choices=("best", "median"), default="best", help="of the repeats: the best or the median")
+    p.add_argument("--interleave", action="store_true", help="the columns take turns, a run each a round")
     p.add_argument(
         "--columns",
         nargs="+",
@@ -90,11 +100,16 @@ def main(argv: list[str] | None = None) -> None:
     for rows in args.rows:
         x = {k: torch.randn(rows, k, generator=gen) for _, k in shapes}
         xb = {k: v.bfloat16() for k, v in x.items()}
-        cells = []
-        for name in args.columns:
+
+        def product(name: str) -> Callable[[], object]:
             run = COLUMNS[name][1]
-            ms = best_ms(lambda: [run(w, x, xb) for ws in prepared[name] for w in ws], args.repeats, args.stat)
-            cells.append(f"{ms:.2f} ({2 * rows * weight_count / ms / 1e6:.1f})")
+            return lambda: [run(w, x, xb) for ws in prepared[name] for w in ws]
+
+        if args.interleave:
+            figures = interleaved_ms([product(name) for name in args.columns], args.repeats, args.stat)
+        else:
+            figures = [best_ms(product(name), args.repeats, args.stat) for name in args.columns]
+        cells = [f"{ms:.2f} ({2 * rows * weight_count / ms / 1e6:.1f})" for ms in figures]
         print(f"| {rows} | " + " | ".join(cells) + " |", flush=True)
 
 
@@ -160,6 +175,10 @@ COLUMNS = {
         lambda w, x, xb: Q.quantized_linear(x[w[0].in_features], w[0], panels=w[1]),
     ),
     "ours q5_0 (f16 scales)": (_q5_0, lambda w, x, xb: _run_q5_0(w, x)),
+    "ours int6 (q6_k)": (
+        lambda w: _panels(Q.quantize_int6(w)),
+        lambda w, x, xb: Q.quantized_linear(x[w[0].in_features], w[0], panels=w[1]),
+    ),
     "ours int8 g32": (
         lambda w: _panels(Q.quantize_int8(w, 32)),
         lambda w, x, xb: Q.quantized_linear(x[w[0].in_features], w[0], panels=w[1]),

@@ -49,7 +49,7 @@ from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CO
 from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from models.layers.quantization import QuantizedWeight, pack_int4, pack_int5
+from models.layers.quantization import QuantizedWeight, pack_int4, pack_int5, pack_int6
 from models.registry import MODEL_REGISTRY
 
 # GGUF `general.architecture` -> the key of transformers' GGUF_CONFIG_MAPPING, and -> the
@@ -117,7 +117,8 @@ _KV_B_HALF = re.compile(r"(.+)\.(k|v)_b_proj\.weight$")
 _ROPE_FREQS = "rope_freqs.weight"
 
 # GGUF types kept as stored (models/layers/quantization.py): -> (bits, group size, scale dtype).
-# Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 keep their fp16 factors; the K-quants' d * sc products need float32 to stay exact.
+# Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 keep their fp16 factors; the K-quants' d * sc products need float32 to stay exact,
+# but Q6_K, whose sc (int8, per 16) stay in the int6 groups' bytes and its fp16 d (per 256) is the scale.
 EXACT_FORMATS = {
     GGMLQuantizationType.Q4_0: (4, 32, torch.float16),
     GGMLQuantizationType.Q4_1: (4, 32, torch.float16),
@@ -125,6 +126,7 @@ EXACT_FORMATS = {
     GGMLQuantizationType.Q5_0: (5, 32, torch.float16),
     GGMLQuantizationType.Q5_1: (5, 32, torch.float16),
     GGMLQuantizationType.Q5_K: (5, 32, torch.float32),
+    GGMLQuantizationType.Q6_K: (6, 256, torch.float16),
     GGMLQuantizationType.Q8_0: (8, 32, torch.float16),
 }
 _DENSE_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
@@ -462,10 +464,10 @@ class GGUFWeights:
 
 def serving_format(qtype: GGMLQuantizationType) -> tuple[int, int, torch.dtype] | None:
     """(bits, group size, scale dtype) that a tensor of this type is served in by `--quantization auto`
-    (None: dense). Q4_0/Q4_1/Q4_K (int4), Q5_0/Q5_1/Q5_K (int5: int4 plus a plane of high bits)
-    and Q8_0 (int8) are served as stored, every weight the same number (EXACT_FORMATS). Types with no
-    exact mapping are requantized from their dequantized values: 5 bits and more (Q6_K, ...) to int8,
-    fewer (Q2_K, Q3_K, IQ*) to int4."""
+    (None: dense). Q4_0/Q4_1/Q4_K (int4), Q5_0/Q5_1/Q5_K (int5: int4 plus a plane of high bits),
+    Q6_K (int6: int4 plus two planes of high bits and its sub-scales) and Q8_0 (int8) are served as
+    stored, every weight the same number (EXACT_FORMATS). Types with no exact mapping are requantized
+    from their dequantized values: 5 bits and more (Q8_1, Q8_K) to int8, fewer (Q2_K, Q3_K, IQ*) to int4."""
     if qtype in EXACT_FORMATS:
         return EXACT_FORMATS[qtype]
     if qtype in _DENSE_TYPES:
@@ -487,6 +489,8 @@ def quantized_weight(data: np.ndarray, qtype: GGMLQuantizationType, rows: int, c
         Q5_1  [d f16 | m f16 | qh 4 bytes | 16 bytes]      w = d q + m
         Q5_K  [d f16 | dmin f16 | 12 bytes of (sc, mn) | qh 32 bytes | 128 bytes]
               as Q4_K; sub-block s's bit 4 of value j: bit s of qh[j]
+        Q6_K  [ql 128 bytes | qh 64 bytes | 16 x int8 sc | d f16]
+              16 sub-blocks of 16:                         w = d sc (q - 32)
     Q4_0/Q4_1 pack a block as we do (low nibbles: values 0-15), Q5_0/Q5_1 too with their qh
     moved behind the nibbles; the K-quants pack two sub-blocks per 32 bytes (low nibbles: the
     first, high: the second) and are repacked.
@@ -539,6 +543,18 @@ def quantized_weight(data: np.ndarray, qtype: GGMLQuantizationType, rows: int, c
         return QuantizedWeight(
             5, packed, tensor((d * sc).reshape(rows, -1)), tensor((-dmin * mn).reshape(rows, -1)), cols
         )
+    if qtype == GGMLQuantizationType.Q6_K:
+        # gguf-py's own unpacking (quants.Q6_K): each 128 values take 64 bytes of ql (low nibbles, then
+        # high) and 32 of qh (2 bits each of 4 runs of 32).
+        ql = blocks[..., :128].reshape(rows, -1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+        ql = (ql & 0x0F).reshape(rows, -1, 256)
+        qh = blocks[..., 128:192].reshape(rows, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(
+            1, 1, 1, 4, 1
+        )
+        qh = (qh & 0x03).reshape(rows, -1, 256)
+        values = torch.from_numpy(np.ascontiguousarray((ql | (qh << 4)).reshape(rows, cols)))
+        sc = torch.from_numpy(np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).reshape(rows, -1))
+        return QuantizedWeight(6, pack_int6(values, sc), tensor(f16(208)), None, cols)
     raise GGUFError(f"GGUF type {qtype.name} is not kept quantized")
 
 

@@ -107,9 +107,12 @@ def choose_methods(
         formats = [f for f in found if f is not None]
         if len(formats) < len(found):
             return DENSE  # a merged layer with a dense part stays dense
-        bits = max(f[0] for f in formats)  # a Q4 + Q6 merged layer: int8 for all
+        bits = max(f[0] for f in formats)
+        if bits == 6 and len(set(formats)) > 1:
+            bits = 8  # a Q6_K part with other types (Q4_K q/k, Q6_K v): int8 for all; int6 is Q6_K's alone
         scale_dtypes = {f[2] for f in formats if f[0] == bits}
-        return method_for(bits, 32, in_features, scale_dtypes.pop() if len(scale_dtypes) == 1 else torch.float32)
+        group = formats[0][1] if bits == 6 else 32
+        return method_for(bits, group, in_features, scale_dtypes.pop() if len(scale_dtypes) == 1 else torch.float32)
 
     return choose
 

@@ -9,29 +9,38 @@ model files never branch on it:
                   (N, K/G), q in [0, 15]
     int5          qweight (N, K/32 * 20) uint8: int4's 16 bytes a group,  w = s q + m
                   then its 32 high bits (4 bytes), q in [0, 31]
+    int6          qweight (N, K/32 * 26) uint8: int4's 16 bytes a group,  w = s sc (q - 32)
+                  its 64 high bits (8 bytes), its two int8 sub-scales sc
+                  (values 0..15, 16..31); scales (N, K/G) float16, G = 256
     (QuantMethod) scales and mins float32, or float16 where a GGUF stores them so (a sixth
                   fewer bytes to read per 4-bit weight)
 
 G is the group size along K, a multiple of 32. The layouts hold GGUF's blocks exactly
 (models/gguf.py): Q8_0 is int8 with G = 32; Q4_0 (w = d (q - 8)), Q4_1 (w = d q + m) and
 Q4_K (w = d sc q - dmin mn, 32-wide sub-blocks) are int4 with G = 32; Q5_0 (w = d (q - 16)),
-Q5_1 and Q5_K are int5 the same way; their fp16 and 6-bit factors multiply exactly in float32. A dense checkpoint is quantized at load by rounding to
-nearest (`quantize_int8`, `quantize_int4`): int8 per output channel (G = K), int4 with
-G = 32 (asymmetric, the min at the group's minimum).
+Q5_1 and Q5_K are int5 the same way; their fp16 and 6-bit factors multiply exactly in float32.
+Q6_K (w = d sc (q - 32), an int8 sc per 16 values, an fp16 d per 256) is int6 with its d as the
+scale (G = 256) and its sc inside the groups' bytes: the file's 6.5625 bits a weight. A dense
+checkpoint is quantized at load by rounding to nearest (`quantize_int8`, `quantize_int4`): int8
+per output channel (G = K), int4 with G = 32 (asymmetric, the min at the group's minimum).
 
     4-bit row layout (K = 64, two groups):  byte j of group g = q[g*32 + j] | q[g*32 + j + 16] << 4
         qweight[n] = [ group 0: 16 bytes | group 1: 16 bytes ]
     5-bit row layout: [ group 0: its 4-bit 16 bytes, then uint32 (little-endian) h | group 1: ... ],
         bit j of h = bit 4 of q[g*32 + j] (Q5_0's qh, behind its nibbles rather than before)
+    6-bit row layout: [ group 0: its 4-bit 16 bytes, 8 bytes h, int8 sc0, int8 sc1 | group 1: ... ],
+        bits 2j, 2j + 1 of h (little-endian) = bits 4, 5 of q[g*32 + j]
 
 On CPU the products run in models/layers/csrc/quant_linear.cpp (integer dot products, the
 activations rounded to int16 per 32 values), over the weights reordered once into panels of
 8 output columns (`to_panels`; the loader does it after loading, a layer used on its own at
 its first product):
 
-    qweight (P, K/32, 128 | 160 | 256) bytes, P = ceil(N / 8): panel p's group g holds columns
+    qweight (P, K/32, 128 | 160 | 208 | 256) bytes, P = ceil(N / 8): panel p's group g holds columns
             8p .. 8p+7's 2-byte units of group g, unit-major: [unit 0 of column 0..7 | unit 1 ...];
-            5 bits: the 4-bit 128 bytes, then the group's high bits in 32 bytes (`_HIGH_BIT`)
+            5 bits: the 4-bit 128 bytes, then the group's high bits in 32 bytes (`_HIGH_BIT`);
+            6 bits: the 4-bit 128 bytes, the high bits in 64 (`_HIGH_BITS6`), then sc0 of the 8
+            columns and sc1 of the 8 columns (16 bytes)
     scales, mins (P, K/G, 8)
 
 `dequantize` + F.linear is the reference that the kernel is tested against and the path
@@ -52,9 +61,11 @@ from models.layers.step_kernels import StepKernels
 BLOCK = 32  # the quantized kernels' unit along K
 PANEL = 8  # output columns per panel of the CPU kernel's weight layout
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
-BITS = (4, 5, 8)
-_GROUP_BYTES = {4: BLOCK // 2, 5: BLOCK // 2 + BLOCK // 8, 8: BLOCK}  # stored bytes per 32 values of a row
-_PANEL_GROUP_BYTES = {bits: PANEL * size for bits, size in _GROUP_BYTES.items()}  # 128, 160, 256
+BITS = (4, 5, 6, 8)
+# stored bytes per 32 values of a row; 6 bits: 16 of nibbles, 8 of high bits, 2 of sub-scales
+_GROUP_BYTES = {4: BLOCK // 2, 5: BLOCK // 2 + BLOCK // 8, 6: BLOCK // 2 + BLOCK // 4 + 2, 8: BLOCK}
+_PANEL_GROUP_BYTES = {bits: PANEL * size for bits, size in _GROUP_BYTES.items()}  # 128, 160, 208, 256
+INT6_GROUP = 256  # int6's scale (Q6_K's d) covers 256 values
 
 
 @dataclass
@@ -65,8 +76,8 @@ class QuantizedWeight:
     weight: quantization groups run along K, within a row.
     """
 
-    bits: int  # 4, 5 or 8
-    qweight: torch.Tensor  # (N, K/2) uint8 | (N, K/32 * 20) uint8 | (N, K) int8
+    bits: int  # 4, 5, 6 or 8
+    qweight: torch.Tensor  # (N, K/2) uint8 | (N, K/32 * 20) uint8 | (N, K/32 * 26) uint8 | (N, K) int8
     scales: torch.Tensor  # (N, K/G) float32 or float16
     mins: torch.Tensor | None  # (N, K/G) like scales, 4 and 5 bits only
     in_features: int
@@ -153,10 +164,33 @@ def pack_int5(q: torch.Tensor) -> torch.Tensor:
     return torch.cat((low, high), dim=-1).reshape(n, -1)
 
 
+def pack_int6(q: torch.Tensor, sub_scales: torch.Tensor) -> torch.Tensor:
+    """(N, K) values in [0, 63] and (N, K/16) int8 sub-scales -> (N, K/32 * 26) uint8."""
+    n, k = q.shape
+    q = q.to(torch.uint8)
+    low = pack_int4(q & 0x0F).view(n, k // BLOCK, BLOCK // 2)
+    high = _from_bits(_to_bits(q >> 4).view(n, k // BLOCK, BLOCK, 8)[..., :2].flatten(-2))  # (N, K/32, 8)
+    sc = sub_scales.to(torch.int8).view(torch.uint8).view(n, k // BLOCK, 2)
+    return torch.cat((low, high, sc), dim=-1).reshape(n, -1)
+
+
+def unpack_int6(qweight: torch.Tensor, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K/32 * 26) uint8 -> values (N, K) uint8 in [0, 63], sub-scales (N, K/16) int8."""
+    n = qweight.shape[0]
+    groups = qweight.view(n, in_features // BLOCK, _GROUP_BYTES[6])  # (N, K/32, 26)
+    low = unpack_int4(groups[..., : BLOCK // 2].reshape(n, -1), in_features)
+    high = _to_bits(groups[..., BLOCK // 2 : BLOCK // 2 + 8]).view(n, in_features, 2)  # (N, K, 2)
+    q = low | (high[..., 0] << 4) | (high[..., 1] << 5)
+    sc = groups[..., BLOCK // 2 + 8 :].contiguous().view(torch.int8).reshape(n, -1)  # (N, K/16)
+    return q, sc
+
+
 def unpack(bits: int, qweight: torch.Tensor, in_features: int) -> torch.Tensor:
-    """The stored integers (N, K): uint8 in [0, 15] or [0, 31], or int8."""
+    """The stored integers (N, K): uint8 in [0, 15], [0, 31] or [0, 63] (6 bits), or int8."""
     if bits == 4:
         return unpack_int4(qweight, in_features)
+    if bits == 6:
+        return unpack_int6(qweight, in_features)[0]
     return unpack_int5(qweight, in_features) if bits == 5 else qweight
 
 
@@ -164,8 +198,12 @@ def dequantize(
     bits: int, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, in_features: int
 ) -> torch.Tensor:
     """The reference: the float32 weight (N, K) that a quantized weight stands for."""
-    q = unpack(bits, qweight, in_features)
     n, groups = scales.shape
+    if bits == 6:  # d * sc exactly in float32 (11 by 8 significant bits), times q - 32 exactly, as gguf-py
+        q, sc = unpack_int6(qweight, in_features)
+        step = scales.float().repeat_interleave(sc.shape[1] // groups, dim=1) * sc.float()  # (N, K/16)
+        return ((q.float() - 32).view(n, -1, 16) * step.unsqueeze(-1)).view(n, in_features)
+    q = unpack(bits, qweight, in_features)
     w = q.float().view(n, groups, -1) * scales.float().unsqueeze(-1)  # (N, K/G, G)
     if mins is not None:
         w += mins.float().unsqueeze(-1)
@@ -194,6 +232,25 @@ def _high_bit_order() -> torch.Tensor:
 _HIGH_BIT = _high_bit_order()  # (32 bytes, 8 bits) -> index into a panel group's (8 columns, 32 values)
 
 
+def _high_bits6_order() -> torch.Tensor:
+    """A 6-bit panel group's high-bit plane: bit b of its byte 16 h + 2 i + t is bit 4 + b % 2 of value
+    k of the panel's column i (an index into the panel's (8, 32, 2) high bits), where chunk c = 2 h + b % 4
+    // 2 of the 4-bit stream holds the pair (2c + t, 16 + 2c + t) of column i in its lane 2 i + t: b < 4
+    the low nibble's value (k = 2c + t), b >= 4 the high one's (+ 16). Widened to 16 int16 lanes, chunk
+    h gives each lane of chunks 2h, 2h + 1 its four bits."""
+    order = torch.empty(64, 8, dtype=torch.long)
+    for byte in range(64):
+        h, i, t = byte // 16, byte % 16 // 2, byte % 2
+        for b in range(8):
+            c = 2 * h + b % 4 // 2
+            k = 2 * c + t + (16 if b >= 4 else 0)
+            order[byte, b] = (i * BLOCK + k) * 2 + b % 2
+    return order
+
+
+_HIGH_BITS6 = _high_bits6_order()  # (64 bytes, 8 bits) -> index into a panel group's (8, 32, 2) high bits
+
+
 def to_panels(qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """qweight, scales, mins in the CPU kernel's panels of 8 columns (N padded with zeros):
     a reorder of 2-byte units (and for 5 bits, of the high bits), nothing more
@@ -202,7 +259,14 @@ def to_panels(qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     padded = -(-n // PANEL) * PANEL
     nb = k // BLOCK
     stored = _pad_rows(qw.qweight, padded)
-    if qw.bits == 5:
+    if qw.bits == 6:
+        groups = stored.view(padded, nb, _GROUP_BYTES[6])
+        stored = groups[..., : BLOCK // 2].reshape(padded, -1)
+        values = _to_bits(groups[..., BLOCK // 2 : BLOCK // 2 + 8])  # (N, nb, 64): 2 high bits a value
+        values = values.view(padded // PANEL, PANEL, nb, 2 * BLOCK).transpose(1, 2).reshape(padded // PANEL, nb, -1)
+        sub = groups[..., BLOCK // 2 + 8 :].reshape(padded // PANEL, PANEL, nb, 2).permute(0, 2, 3, 1)  # (P, nb, 2, 8)
+        high = torch.cat((_from_bits(values[..., _HIGH_BITS6].flatten(-2)), sub.reshape(padded // PANEL, nb, -1)), -1)
+    elif qw.bits == 5:
         groups = stored.view(padded, nb, _GROUP_BYTES[5])
         stored = groups[..., : BLOCK // 2].reshape(padded, -1)
         values = _to_bits(groups[..., BLOCK // 2 :])  # (N, nb, 32) high bits
@@ -210,7 +274,7 @@ def to_panels(qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Te
         high = _from_bits(values[..., _HIGH_BIT].flatten(-2))  # (P, nb, 32)
     units = stored.reshape(padded // PANEL, PANEL, nb, -1, 2)  # (P, 8, nb, u, 2)
     qweight = units.permute(0, 2, 3, 1, 4).reshape(padded // PANEL, nb, -1)
-    if qw.bits == 5:
+    if qw.bits in (5, 6):
         qweight = torch.cat((qweight, high), dim=-1)
 
     def factors(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -227,9 +291,18 @@ def panel_rows(
     """Rows `rows` (output columns) of panelled weights, back in the stored layout."""
     panels, nb, _ = qweight.shape
     panel, lane = rows // PANEL, rows % PANEL
-    low = qweight[..., : _PANEL_GROUP_BYTES[4]] if bits == 5 else qweight
+    low = qweight[..., : _PANEL_GROUP_BYTES[4]] if bits in (5, 6) else qweight
     q = low.reshape(panels, nb, -1, PANEL, 2)[panel, :, :, lane, :].reshape(rows.numel(), nb, -1)  # (R, nb, u*2)
-    if bits == 5:
+    if bits == 6:
+        order = torch.empty(PANEL * BLOCK * 2, dtype=torch.long)
+        order[_HIGH_BITS6.flatten()] = torch.arange(PANEL * BLOCK * 2)
+        plane = qweight[panel, :, _PANEL_GROUP_BYTES[4] : _PANEL_GROUP_BYTES[4] + 64]  # (R, nb, 64)
+        values = _to_bits(plane)[..., order].view(rows.numel(), nb, PANEL, 2 * BLOCK)
+        high = _from_bits(values[torch.arange(rows.numel()), :, lane])  # (R, nb, 8)
+        sub = qweight[panel, :, _PANEL_GROUP_BYTES[4] + 64 :].view(rows.numel(), nb, 2, PANEL)
+        sub = sub[torch.arange(rows.numel()), :, :, lane]  # (R, nb, 2)
+        q = torch.cat((q, high, sub), dim=-1)
+    elif bits == 5:
         order = torch.empty(PANEL * BLOCK, dtype=torch.long)
         order[_HIGH_BIT.flatten()] = torch.arange(PANEL * BLOCK)
         values = _to_bits(qweight[panel, :, _PANEL_GROUP_BYTES[4] :])[..., order]  # (R, nb, 8 * 32)
@@ -275,6 +348,19 @@ def quantize_int4(weight: torch.Tensor, group_size: int = BLOCK, bits: int = 4) 
 
 def quantize_int5(weight: torch.Tensor, group_size: int = BLOCK) -> QuantizedWeight:
     return quantize_int4(weight, group_size, bits=5)
+
+
+def quantize_int6(weight: torch.Tensor, group_size: int = INT6_GROUP) -> QuantizedWeight:
+    """Round to nearest in Q6_K's form: per 16 values a scale to +-31 (the sub-block's largest |w|),
+    per `group_size` an fp16 d with each sub-scale an int8 multiple of it, then q to the product."""
+    n, k = weight.shape
+    w = weight.detach().float().view(n, k // group_size, group_size // 16, 16)  # (N, K/G, G/16, 16)
+    step = w.abs().amax(dim=-1) / 31  # (N, K/G, G/16)
+    d = (step.amax(dim=-1) / 127).half()  # (N, K/G)
+    sc = torch.round(step / d.float().clamp(min=torch.finfo(torch.float16).tiny).unsqueeze(-1)).clamp(-128, 127)
+    exact = d.float().unsqueeze(-1) * sc  # (N, K/G, G/16)
+    q = torch.round(w / exact.clamp(min=torch.finfo(torch.float32).tiny).unsqueeze(-1)).clamp(-32, 31) + 32
+    return QuantizedWeight(6, pack_int6(q.view(n, k), sc.to(torch.int8).view(n, -1)), d.contiguous(), None, k)
 
 
 # ---- per-layer methods ------------------------------------------------------------------
@@ -386,13 +472,14 @@ ROWS_DENSE = RowsDenseMethod()
 
 
 class QuantMethod(LinearMethod):
-    """Int8 (`bits=8`, symmetric), int4 or int5 (`bits=4`, `bits=5`: scale + min) weights in groups along K."""
+    """Int8 (`bits=8`, symmetric), int4 or int5 (`bits=4`, `bits=5`: scale + min), int6 (`bits=6`: Q6_K's
+    d per 256 and int8 sub-scales per 16) weights in groups along K."""
 
     def __init__(
         self, bits: int, group_size: int | None, quantize_input: bool = True, scale_dtype: torch.dtype = torch.float32
     ):
         if bits not in BITS:
-            raise ValueError(f"bits must be 4, 5 or 8, got {bits}")
+            raise ValueError(f"bits must be 4, 5, 6 or 8, got {bits}")
         if scale_dtype not in (torch.float32, torch.float16):
             raise ValueError(f"scale_dtype must be float32 or float16, got {scale_dtype}")
         self.bits = bits
@@ -404,6 +491,10 @@ class QuantMethod(LinearMethod):
         self.quantize_input = quantize_input
         self.name = f"int{bits}"
 
+    @property
+    def has_mins(self) -> bool:
+        return self.bits in (4, 5)
+
     def _groups(self, in_features: int) -> int:
         return in_features // (self.group_size or in_features)
 
@@ -413,7 +504,7 @@ class QuantMethod(LinearMethod):
         layer.qweight = nn.Parameter(torch.empty(out_features, cols, dtype=qdtype), requires_grad=False)
         groups = self._groups(in_features)
         layer.scales = nn.Parameter(torch.empty(out_features, groups, dtype=self.scale_dtype), requires_grad=False)
-        if self.bits != 8:
+        if self.has_mins:
             layer.mins = nn.Parameter(torch.empty(out_features, groups, dtype=self.scale_dtype), requires_grad=False)
 
     def _stored(self, layer, rows: torch.Tensor | None = None) -> QuantizedWeight:
@@ -438,7 +529,7 @@ class QuantMethod(LinearMethod):
             return False
         stored = self._stored(layer)
         zero_point = -float(1 << (self.bits - 1))  # -8, -16: Q4_0's, Q5_0's
-        offset = self.bits != 8 and stored.mins is not None and torch.equal(stored.mins, stored.scales * zero_point)
+        offset = self.has_mins and stored.mins is not None and torch.equal(stored.mins, stored.scales * zero_point)
         qweight, scales, mins = to_panels(stored)
         layer.qweight = nn.Parameter(qweight, requires_grad=False)
         layer.scales = nn.Parameter(scales, requires_grad=False)
@@ -461,7 +552,7 @@ class QuantMethod(LinearMethod):
                 x,
                 layer.qweight,
                 layer.scales,
-                layer.mins if self.bits != 8 else None,
+                layer.mins if self.has_mins else None,
                 bias,
                 self.bits,
                 layer.in_features // layer.scales.shape[1],
@@ -485,7 +576,7 @@ class QuantMethod(LinearMethod):
                 x,
                 layer.qweight,
                 layer.scales,
-                layer.mins if self.bits != 8 else None,
+                layer.mins if self.has_mins else None,
                 bias,
                 self.bits,
                 layer.in_features // layer.scales.shape[1],
@@ -513,9 +604,9 @@ class QuantMethod(LinearMethod):
         with torch.no_grad():
             layer.qweight[rows].copy_(weight.qweight)
             layer.scales[rows].copy_(weight.scales)
-            if self.bits != 8:
+            if self.has_mins:
                 layer.mins[rows].copy_(weight.mins if weight.mins is not None else torch.zeros_like(weight.scales))
-            factors = [layer.scales[rows]] + ([layer.mins[rows]] if self.bits != 8 else [])
+            factors = [layer.scales[rows]] + ([layer.mins[rows]] if self.has_mins else [])
             if not all(torch.isfinite(f).all() for f in factors):
                 raise ValueError(f"tensor {name!r}: quantization scales are not finite ({self.scale_dtype})")
 
@@ -530,6 +621,8 @@ class QuantMethod(LinearMethod):
     def quantize(self, weight: torch.Tensor) -> QuantizedWeight:
         if self.bits == 8:
             return quantize_int8(weight, self.group_size)
+        if self.bits == 6:
+            return quantize_int6(weight, self.group_size or INT6_GROUP)
         return quantize_int4(weight, self.group_size or BLOCK, bits=self.bits)
 
     def dense_weight(self, layer):
@@ -540,7 +633,7 @@ class QuantMethod(LinearMethod):
         return rows.dequantize(layer.compute_dtype).view(*ids.shape, layer.in_features)
 
     def weight_names(self):
-        return ("qweight", "scales") if self.bits == 8 else ("qweight", "scales", "mins")
+        return ("qweight", "scales", "mins") if self.has_mins else ("qweight", "scales")
 
 
 def _check_shape_of(shape: tuple, expected: tuple, name: str) -> None:
@@ -557,7 +650,7 @@ def method_for(
     """The method for a layer of `in_features` inputs: quantized when the format fits, else dense."""
     if bits is None:
         return DENSE
-    g = group_size if group_size is not None else (None if bits == 8 else BLOCK)
+    g = group_size if group_size is not None else (None if bits == 8 else INT6_GROUP if bits == 6 else BLOCK)
     if in_features % BLOCK or (g is not None and (g % BLOCK or in_features % g)):
         return DENSE
     return QuantMethod(bits, g, scale_dtype=scale_dtype)

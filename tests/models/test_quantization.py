@@ -45,6 +45,8 @@ def close_in_eps(got: torch.Tensor, want: torch.Tensor, ulps: float, k: int) -> 
 
 def random_quantized(bits: int, n: int, k: int, group: int | None, seed: int = 0) -> Q.QuantizedWeight:
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+    if bits == 6:
+        return Q.quantize_int6(w, group or 256)
     return Q.quantize_int8(w, group) if bits == 8 else Q.quantize_int4(w, group or 32, bits=bits)
 
 
@@ -130,6 +132,8 @@ def test_int16_activation_path_equals_its_emulation(bits, rows, scale_dtype):
         (4, 64, 576, 104),
         (5, 32, 576, 104),
         ("q5_0", 32, 576, 8),
+        (6, 256, 512, 104),
+        (6, 256, 512, 8),
     ],
 )
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16])
@@ -195,6 +199,9 @@ def test_gate_up_product_and_silu_in_one_kernel_equal_the_two_ops(bits, group, k
         (5, 32, 576, 37),
         ("q5_0", 32, 576, 203),
         (5, 32, 3136, 37),
+        (6, 256, 512, 37),
+        (6, 256, 512, 203),
+        (6, 256, 3072, 37),
     ],
 )
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16])
@@ -207,7 +214,8 @@ def test_a_rows_product_is_bit_identical_whatever_the_step_size_and_threads(bits
     tail of groups (18 * 32) cover the kernel's edges; Q4_0 (its -8 folded into the integer
     sums) and a K past what AVX2 builds pre-broadcast (3136: 4 x 2 tiles that broadcast at each
     use, where K = 576 takes the 4 x 3 assembly tiles) too; 203 columns give a task several whole
-    tiles for each 4 rows of a step (AVX2 runs them slice by slice of K, every 4 rows in each)."""
+    tiles for each 4 rows of a step (AVX2 runs them slice by slice of K, every 4 rows in each). Int6
+    (Q6_K: two integer sums a group, its d per 256 groups of 8) on the same edges."""
     needs_kernel()
     variant, bits = bits, ZERO_POINTS.get(bits, (bits,))[0]
     qw = random_quantized(bits, n, k, group)
@@ -278,7 +286,8 @@ def test_serving_formats_of_gguf_types():
     assert serving_format(T.Q5_0) == (5, 32, f16) and serving_format(T.Q5_1) == (5, 32, f16)
     assert serving_format(T.Q5_K) == (5, 32, f32)
     assert serving_format(T.F32) is None and serving_format(T.F16) is None
-    assert serving_format(T.Q6_K) == (8, 32, f32)  # requantized wider
+    assert serving_format(T.Q6_K) == (6, 256, f16)  # as stored: d per 256, sc in the groups' bytes
+    assert serving_format(T.Q8_K) == (8, 32, f32)  # requantized wider
     assert serving_format(T.Q2_K) == (4, 32, f32)
 
 

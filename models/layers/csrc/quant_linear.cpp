@@ -1,11 +1,13 @@
-// Weight-only quantized linear layers: y = x W^T (+ bias) with W stored in 4, 5 or 8 bits.
+// Weight-only quantized linear layers: y = x W^T (+ bias) with W stored in 4, 5, 6 or 8 bits.
 //
-// Weights come in groups of 32 along K (a GGUF Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q5_K/Q8_0 block, or
+// Weights come in groups of 32 along K (a GGUF Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q5_K/Q6_K/Q8_0 block, or
 // what models/layers/quantization.py makes from a dense checkpoint), each with a float scale
 // and, for asymmetric 4 and 5 bits, a float min:
 //
 //     w[n, k] = scale[n, k / G] * q[n, k] + min[n, k / G]      q in [0, 15] (4 bits), [0, 31] (5 bits)
 //     w[n, k] = scale[n, k / G] * q[n, k]                      q in [-127, 127] (8 bits)
+//     w[n, k] = scale[n, k / G] * sc[n, k / 16] * (q[n, k] - 32)   q in [0, 63] (6 bits, Q6_K: the
+//               scale its fp16 d per 256, sc an int8 sub-scale per 16 stored in the group's bytes)
 //
 // with G a multiple of 32.
 //
@@ -45,6 +47,22 @@
 // values their bit 4 by a shift, an `and 0x10` and an `or`, one shift on to the next chunk; then
 // the same madds as 4 bits, on values 0..31. `tile` runs them on every build (plain C++, AVX2,
 // AVX-512); AVX2's 4-bit assembly and the AVX-512 wide tiles are 4 and 8 bits only.
+//
+// 6 bits (Q6_K: q = nibble | two bits << 4, w = d sc (q - 32)) are the 4-bit group's 8 chunks, then
+// its 64 high bits a column in four 16-byte chunks h = 0..3, then its int8 sub-scales (16 bytes:
+// sc of values 0..15 for columns 0..7, then of values 16..31). Byte 2i + t of high chunk h holds,
+// for the 4-bit chunks c = 2h + j (j = 0, 1), bits 4 and 5 of q[i, 2c + t] at bits 2j, 2j + 1 and
+// those of q[i, 16 + 2c + t] at bits 4 + 2j, 4 + 2j + 1. A group is 208 contiguous bytes, and with
+// d (fp16, per 256) 6.5625 bits a weight, Q6_K's own size. A 4-bit chunk's low nibbles are values
+// 0..15 of the group and its high nibbles values 16..31: the two sub-blocks of 16, each with its sc,
+// so each gets an integer sum of its own and the float step takes two:
+//
+//     acc = fma(float(sum over values 0..15) * xscale, d * sc0, acc)
+//     acc = fma(float(sum over values 16..31) * xscale, d * sc1, acc)
+//
+// |a sum| <= 16 * 32 * 32767 = 16,776,704 < 2^24: exact in int32 and in float32. d * sc is exact
+// too (11 by 8 significant bits). One sum for the 32 values with sc inside it would not fit:
+// 32 * 32 * 128 * 32767 > 2^31.
 //
 // Determinism: every output element runs the same instruction sequence, group by group in
 // order, whatever tile it falls in, however many rows the step has and whichever thread
@@ -197,6 +215,9 @@ struct Isa {
   static W bit4(W w) { return _mm256_and_si256(w, _mm256_set1_epi16(0x10)); }
   static W shl4(W w) { return _mm256_slli_epi16(w, 4); }
   static W shr1(W w) { return _mm256_srli_epi16(w, 1); }
+  static W shr2(W w) { return _mm256_srli_epi16(w, 2); }
+  static W bits45(W w) { return _mm256_and_si256(w, _mm256_set1_epi16(0x30)); }
+  static W sub32(W w) { return _mm256_sub_epi16(w, _mm256_set1_epi16(32)); }
   static W bor(W a, W b) { return _mm256_or_si256(a, b); }
   static W pair(const int16_t* x) {  // x[0], x[1] in every lane
     int32_t v;
@@ -249,6 +270,9 @@ struct Isa {
   static F broadcast(float s) { return _mm256_set1_ps(s); }
   static F load(const float* p) { return _mm256_loadu_ps(p); }
   static F load(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static F load_s8(const uint8_t* p) {  // 8 int8 as floats
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static F add(F a, F b) { return _mm256_add_ps(a, b); }
   static F fma(F a, F b, F acc) { return _mm256_fmadd_ps(a, b, acc); }
@@ -275,6 +299,9 @@ struct Isa {  // plain C++: the same lane arithmetic, one lane at a time
   static W bit4(W w) { for (auto& e : w.v) e &= 0x10; return w; }
   static W shl4(W w) { for (auto& e : w.v) e = static_cast<int16_t>(e << 4); return w; }
   static W shr1(W w) { for (auto& e : w.v) e = static_cast<int16_t>(e >> 1); return w; }
+  static W shr2(W w) { for (auto& e : w.v) e = static_cast<int16_t>(e >> 2); return w; }
+  static W bits45(W w) { for (auto& e : w.v) e &= 0x30; return w; }
+  static W sub32(W w) { for (auto& e : w.v) e = static_cast<int16_t>(e - 32); return w; }
   static W bor(W a, W b) { for (int j = 0; j < 2 * kLanes; ++j) a.v[j] |= b.v[j]; return a; }
   static W pair(const int16_t* x) { W w; for (int j = 0; j < 2 * kLanes; ++j) w.v[j] = x[j % 2]; return w; }
   static W load_pair(const int32_t* p) { W w; std::memcpy(w.v, p, sizeof w.v); return w; }
@@ -293,6 +320,9 @@ struct Isa {  // plain C++: the same lane arithmetic, one lane at a time
   static F broadcast(float s) { F f; for (auto& e : f.v) e = s; return f; }
   template <typename S>
   static F load(const S* p) { F f; for (int i = 0; i < kLanes; ++i) f.v[i] = static_cast<float>(p[i]); return f; }
+  static F load_s8(const uint8_t* p) {
+    F f; for (int i = 0; i < kLanes; ++i) f.v[i] = static_cast<float>(static_cast<int8_t>(p[i])); return f;
+  }
   static F mul(F a, F b) { for (int i = 0; i < kLanes; ++i) a.v[i] *= b.v[i]; return a; }
   static F add(F a, F b) { for (int i = 0; i < kLanes; ++i) a.v[i] += b.v[i]; return a; }
   static F fma(F a, F b, F acc) { for (int i = 0; i < kLanes; ++i) acc.v[i] = std::fma(a.v[i], b.v[i], acc.v[i]); return acc; }
@@ -424,10 +454,14 @@ __attribute__((always_inline)) inline void store_output(const Operands<S>& op, i
 // The micro-kernel: output rows m0 .. m0+RM, panels p0 .. p0+RP (8 columns each), over all
 // of K. Each weight chunk is widened once for the RM rows, each row's pair broadcast once
 // for the RP panels; the integer sums live in registers for a group, the float sums too.
-// A panel group's bytes: 4 bits 128, 5 bits 160 (the 4-bit 128, then 32 of high bits), 8 bits 256.
+// A panel group's bytes: 4 bits 128, 5 bits 160 (the 4-bit 128, then 32 of high bits), 6 bits 208 (the
+// 4-bit 128, 64 of high bits, 16 of sub-scales), 8 bits 256.
 template <int Bits>
-constexpr int kPanelGroupBytes = Bits == 4 ? kBlock / 2 * kLanes : Bits == 5 ? kBlock / 2 * kLanes + kBlock / 8 * kLanes
-                                                                             : kBlock * kLanes;
+constexpr int kPanelGroupBytes = Bits == 4   ? kBlock / 2 * kLanes
+                                 : Bits == 5 ? kBlock / 2 * kLanes + kBlock / 8 * kLanes
+                                 : Bits == 6 ? kBlock / 2 * kLanes + kBlock / 4 * kLanes + 2 * kLanes
+                                             : kBlock * kLanes;
+constexpr int kSubScaleOffset = kBlock / 2 * kLanes + kBlock / 4 * kLanes;  // 6 bits: the sub-scales' bytes
 
 template <int Bits, int RM, int RP, bool FromXb, typename S>
 __attribute__((noinline)) void tile(const Operands<S>& op, int64_t m0, int64_t p0) {
@@ -456,11 +490,16 @@ __attribute__((noinline)) void tile(const Operands<S>& op, int64_t m0, int64_t p
   };
   // A lone row's integer sums in two chains a panel, as wide_tile's kSplit, where the dot is fused
   // (AVX2's madd + add in two chains, each held by Isa::order, measured no faster).
-  constexpr bool kSplit = RM == 1 && Isa::kFusedDot;
+  // 6 bits always hold two sums, a sub-block's each (dots: values 0..15, dots6: 16..31).
+  constexpr bool kSplit = RM == 1 && Isa::kFusedDot && Bits != 6;
+  constexpr int kSums6 = Bits == 6 ? 1 : 0;
   for (int64_t g = 0; g < op.nb; ++g) {
-    typename Isa::I dots[RM][RP], dots2[RP];
+    typename Isa::I dots[RM][RP], dots2[RP], dots6[kSums6 ? RM : 1][kSums6 ? RP : 1];
     for (int r = 0; r < RM; ++r)
       for (int p = 0; p < RP; ++p) dots[r][p] = Isa::izero();
+    if constexpr (kSums6)
+      for (int r = 0; r < RM; ++r)
+        for (int p = 0; p < RP; ++p) dots6[r][p] = Isa::izero();
     for (int p = 0; p < RP; ++p) dots2[p] = Isa::izero();
     const uint8_t* chunks = w + g * kGroupBytes;
     // Every cache line of the group kPrefetchGroups ahead in the order the tiles read them: this
@@ -536,6 +575,37 @@ __attribute__((noinline)) void tile(const Operands<S>& op, int64_t m0, int64_t p
           }
         }
       }
+    } else if constexpr (Bits == 6) {
+      // The 4-bit loop with q = nibble | two bits << 4, less 32 (values -32..31). High chunk h (chunks 2h,
+      // 2h + 1) widened once; chunk c's bits at 0-1 and 4-5 after j = c - 2h shifts by 2.
+      for (int h = 0; h < 4; ++h) {
+        typename Isa::W high[RP];
+        for (int p = 0; p < RP; ++p) high[p] = Isa::widen_u8(chunks + p * op.panel_bytes + 128 + h * 16);
+        for (int j = 0; j < 2; ++j) {
+          const int c = 2 * h + j;
+          typename Isa::W lo[RP], hi[RP];
+          for (int p = 0; p < RP; ++p) {
+            const typename Isa::W both = Isa::widen_u8(chunks + p * op.panel_bytes + c * 16);
+            lo[p] = Isa::sub32(Isa::bor(Isa::low_nibbles(both), Isa::bits45(Isa::shl4(high[p]))));
+            hi[p] = Isa::sub32(Isa::bor(Isa::high_nibbles(both), Isa::bits45(high[p])));
+            high[p] = Isa::shr2(high[p]);
+          }
+          for (int r = 0; r < RM; ++r) {
+            const int16_t* x = op.xq + (m0 + r) * op.K + g * kBlock + 2 * c;
+            const typename Isa::W xa = pair(r, x, g * kBlock / 2 + c), xb = pair(r, x + 16, g * kBlock / 2 + c + 8);
+            for (int p = 0; p < RP; ++p) {
+              if constexpr (kSums6) {
+                dots[r][p] = Isa::dot(dots[r][p], lo[p], xa);
+                dots6[r][p] = Isa::dot(dots6[r][p], hi[p], xb);
+                if constexpr (!Isa::kFusedDot || (RM > 1 && Isa::kRegisters < 32)) {
+                  Isa::order(dots[r][p]);
+                  Isa::order(dots6[r][p]);
+                }
+              }
+            }
+          }
+        }
+      }
     } else {
       for (int c = 0; c < 16; c += 2) {  // two chunks a step, as a 4-bit chunk's two halves
         typename Isa::W q0[RP], q1[RP];
@@ -567,6 +637,27 @@ __attribute__((noinline)) void tile(const Operands<S>& op, int64_t m0, int64_t p
     if (op.xmin != nullptr)
       for (int r = 0; r < RM; ++r)
         for (int p = 0; p < RP; ++p) dots[r][p] = Isa::iadd(dots[r][p], op.xmin[(m0 + r) * op.nb + g]);
+    if constexpr (kSums6) {  // two sub-blocks a group, each its d * sc (exact), in order
+      typename Isa::F s0[RP], s1[RP];
+      for (int p = 0; p < RP; ++p) {
+        const typename Isa::F d = Isa::load(scales + p * op.scales_per_row * kLanes + sg * kLanes);
+        s0[p] = Isa::mul(d, Isa::load_s8(chunks + p * op.panel_bytes + kSubScaleOffset));
+        s1[p] = Isa::mul(d, Isa::load_s8(chunks + p * op.panel_bytes + kSubScaleOffset + kLanes));
+      }
+      for (int r = 0; r < RM; ++r) {
+        const typename Isa::F xs = Isa::broadcast(op.xscale[(m0 + r) * op.nb + g]);
+        for (int p = 0; p < RP; ++p) {
+          typename Isa::F a = Isa::fma(Isa::mul(Isa::to_float(dots[r][p]), xs), s0[p], Isa::load(acc[r][p]));
+          Isa::store(acc[r][p], Isa::fma(Isa::mul(Isa::to_float(dots6[r][p]), xs), s1[p], a));
+        }
+      }
+      if constexpr (Isa::kRegisters >= 32) __asm__("" : "+m"(acc));
+      if (--left == 0) {
+        ++sg;
+        left = op.groups_per_scale;
+      }
+      continue;
+    }
     const bool has_min = mins != nullptr || (op.min_per_scale != 0.f && op.xmin == nullptr);
     for (int p = 0; p < RP; ++p) {
       const int64_t at = p * op.scales_per_row * kLanes + sg * kLanes;
@@ -981,8 +1072,8 @@ template <int Bits, typename S>
 void int_qlinear(const Operands<S>& op, float* silu_out = nullptr) {
   // the panels the tasks divide: all of them, or the gate's (each task also takes the same up panels)
   const int64_t panels = (op.N + kLanes - 1) / kLanes / (silu_out != nullptr ? 2 : 1);
-  // 5 bits take `tile` on every build: the wide tiles and AVX2's assembly are 4 and 8 bits only.
-  constexpr bool kWideBits = Bits != 5;
+  // 5 and 6 bits take `tile` on every build: the wide tiles and AVX2's assembly are 4 and 8 bits only.
+  constexpr bool kWideBits = Bits == 4 || Bits == 8;
   const bool wide_enabled = kWideBits && wide_tiles_enabled();  // once, on the calling thread (tasks run on others)
   const bool wide = kWide && op.M > 2 && wide_enabled;
   const bool few_wide = op.M <= kFewWideRows;  // the wide tiles' shape: 6 x 3 or 8 x 2 (above)
@@ -1166,16 +1257,17 @@ void int_qlinear(const Operands<S>& op, float* silu_out = nullptr) {
   }
 }
 
-// x (M, K) float32 or bfloat16; qweight (P, K/32, 128) uint8 (4 bits), (P, K/32, 160) uint8 (5 bits)
-// or (P, K/32, 256) int8 (8 bits), P = ceil(N / 8) panels; scales, mins (P, K/group_size, 8) float32
-// or float16 (mins only for 4 and 5 bits; or none, and min = scale * min_per_scale, a power of two
-// such as Q4_0's -8 or Q5_0's -16, which reads fewer bytes a weight); bias (N,) -> (M, N) in x's dtype.
+// x (M, K) float32 or bfloat16; qweight (P, K/32, 128) uint8 (4 bits), (P, K/32, 160) uint8 (5 bits),
+// (P, K/32, 208) uint8 (6 bits) or (P, K/32, 256) int8 (8 bits), P = ceil(N / 8) panels; scales, mins
+// (P, K/group_size, 8) float32 or float16 (6 bits: scales are Q6_K's d, group_size 256; mins only for 4
+// and 5 bits; or none, and min = scale * min_per_scale, a power of two such as Q4_0's -8 or Q5_0's -16,
+// which reads fewer bytes a weight); bias (N,) -> (M, N) in x's dtype.
 // With silu_mul: x float32, N = 2I a multiple of 16 ([gate | up]) -> silu(gate) * up (M, I) in float32.
 at::Tensor qlinear(
     const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
     const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias, int64_t bits,
     int64_t group_size, int64_t N, double min_per_scale, bool silu_mul) {
-  TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "quant_linear: bits must be 4, 5 or 8");
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, "quant_linear: bits must be 4, 5, 6 or 8");
   TORCH_CHECK(!silu_mul || (x.scalar_type() == at::kFloat && N % (2 * kLanes) == 0),
               "quant_linear_silu_mul: x float32, out_features a multiple of 16 ([gate | up])");
   TORCH_CHECK(x.dim() == 2 && qweight.dim() == 3 && scales.dim() == 3, "quant_linear: x 2-D, panelled weights 3-D");
@@ -1183,7 +1275,10 @@ at::Tensor qlinear(
   TORCH_CHECK(K % kBlock == 0 && group_size % kBlock == 0 && K % group_size == 0,
               "quant_linear: K and group_size must be multiples of 32, K of group_size");
   TORCH_CHECK(N > 0 && (N + kLanes - 1) / kLanes == P, "quant_linear: ", P, " panels do not hold ", N, " columns");
-  const int64_t group_bytes = bits == 4 ? kPanelGroupBytes<4> : bits == 5 ? kPanelGroupBytes<5> : kPanelGroupBytes<8>;
+  const int64_t group_bytes = bits == 4   ? kPanelGroupBytes<4>
+                              : bits == 5 ? kPanelGroupBytes<5>
+                              : bits == 6 ? kPanelGroupBytes<6>
+                                          : kPanelGroupBytes<8>;
   TORCH_CHECK(qweight.size(1) == K / kBlock && qweight.size(2) == group_bytes && qweight.is_contiguous() &&
               qweight.element_size() == 1, "quant_linear: qweight must be (panels, K/32, ", group_bytes,
               ") bytes, K of x");
@@ -1191,10 +1286,10 @@ at::Tensor qlinear(
               scales.is_contiguous() && (scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf),
               "quant_linear: scales must be float32 or float16 (panels, K/group_size, 8)");
   int exponent = 0;
-  TORCH_CHECK(min_per_scale == 0 || (bits != 8 && !mins.has_value() && std::fabs(std::frexp(min_per_scale, &exponent)) == 0.5),
+  TORCH_CHECK(min_per_scale == 0 || ((bits == 4 || bits == 5) && !mins.has_value() && std::fabs(std::frexp(min_per_scale, &exponent)) == 0.5),
               "quant_linear: min_per_scale must be 0, or a power of two for 4 or 5 bits without mins");
   if (mins.has_value()) {
-    TORCH_CHECK(bits != 8 && mins->sizes() == scales.sizes() && mins->scalar_type() == scales.scalar_type() &&
+    TORCH_CHECK((bits == 4 || bits == 5) && mins->sizes() == scales.sizes() && mins->scalar_type() == scales.scalar_type() &&
                 mins->is_contiguous(), "quant_linear: mins must be like scales (4 or 5 bits only)");
   }
   at::Tensor bias_f;
@@ -1250,6 +1345,7 @@ at::Tensor qlinear(
     float* const silu_out = silu_mul ? out.data_ptr<float>() : nullptr;
     if (bits == 4) int_qlinear<4>(op, silu_out);
     else if (bits == 5) int_qlinear<5>(op, silu_out);
+    else if (bits == 6) int_qlinear<6>(op, silu_out);
     else int_qlinear<8>(op, silu_out);
   };
   if (scales.scalar_type() == at::kHalf) {

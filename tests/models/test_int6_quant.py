@@ -1,0 +1,173 @@
+"""GGUF Q6_K served as stored (int6): its blocks against gguf-py, the kernel's products against the
+dequantized float reference, and tiny and real files loaded without requantization.
+
+Row invariance (a row's bits whatever its step and thread count) and the fused gate/up product
+are test_quantization's tests, which take int6 among their types.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize as gguf_dequantize
+
+from models.gguf import quantized_weight, serving_format
+from models.layers import cpu_kernels
+from models.layers import quantization as Q
+from models.layers.linear import Linear
+from models.loader import load_model
+from tests.models.test_gguf import tiny_llama, write_gguf
+from tests.models.test_quantization import PROMPT, close_in_eps, methods, needs_kernel, prompt_logits
+
+T = GGMLQuantizationType
+
+
+def q6_k_blocks(array: np.ndarray, qtype: GGMLQuantizationType = T.Q6_K) -> np.ndarray:
+    """Q6_K blocks of a 2-D float array, rounded to nearest (the gguf package cannot quantize
+    K-quants): per 16 values a step to +-31, an fp16 d per 256 with int8 sub-scales, then
+    llama.cpp's packing: each 128 values' low nibbles in 64 bytes (values j and 64 + j in byte j),
+    their bits 4-5 in 32 (value 32 r + j at bits 2r, 2r + 1 of byte j)."""
+    assert qtype == T.Q6_K
+    rows, cols = array.shape
+    w = array.astype(np.float32).reshape(rows, cols // 256, 16, 16)
+    step = np.abs(w).max(-1) / 31  # (rows, blocks, 16)
+    d = (step.max(-1) / 127).astype(np.float16)  # (rows, blocks)
+    safe = np.maximum(d.astype(np.float32), np.finfo(np.float16).tiny)[..., None]
+    sc = np.clip(np.round(step / safe), -128, 127)
+    exact = np.maximum(np.abs(d.astype(np.float32)[..., None] * sc), np.finfo(np.float32).tiny)[..., None]
+    q = (np.clip(np.round(w / exact), -32, 31) + 32).astype(np.uint8).reshape(rows, cols // 256, 2, 128)
+    ql = (q[..., :64] & 0x0F) | ((q[..., 64:] & 0x0F) << 4)  # (rows, blocks, 2, 64)
+    high = (q >> 4).reshape(rows, cols // 256, 2, 4, 32)
+    qh = high[..., 0, :] | high[..., 1, :] << 2 | high[..., 2, :] << 4 | high[..., 3, :] << 6  # (.., 2, 32)
+    blocks = np.concatenate(
+        (
+            ql.reshape(rows, cols // 256, 128),
+            qh.reshape(rows, cols // 256, 64),
+            sc.astype(np.int8).view(np.uint8),
+            d[..., None].view(np.uint8),
+        ),
+        axis=-1,
+    )
+    return blocks.reshape(rows, -1)
+
+
+def random_q6_k_blocks(rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Random Q6_K blocks: every value and sub-scale, -128 and -32 included, and a finite d."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows, cols // 256, 210), dtype=np.uint8)
+    blocks[..., 208:210] = rng.uniform(1e-3, 3e-2, (rows, cols // 256, 1)).astype(np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def test_q6_k_blocks_map_exactly_onto_int6_in_the_files_bytes():
+    """Every weight is gguf-py's dequantized value bit for bit (d * sc exact in float32, then
+    times q - 32 exactly), from 26 bytes a group of 32 and an fp16 d per 256: 210 bytes a block,
+    Q6_K's own size."""
+    rows, cols = 7, 768
+    data = random_q6_k_blocks(rows, cols)
+    got = quantized_weight(data, T.Q6_K, rows, cols)
+    assert serving_format(T.Q6_K) == (6, 256, torch.float16)
+    assert got.bits == 6 and got.group_size == 256 and got.scales.dtype == torch.float16 and got.mins is None
+    np.testing.assert_array_equal(got.dequantize().numpy(), gguf_dequantize(data, T.Q6_K).reshape(rows, cols))
+    assert got.qweight.numel() + got.scales.numel() * 2 == data.nbytes
+    # our test quantizer writes blocks gguf-py reads back near the weights
+    w = np.random.default_rng(1).standard_normal((rows, cols)).astype(np.float32)
+    back = gguf_dequantize(q6_k_blocks(w), T.Q6_K).reshape(rows, cols)
+    assert np.abs(back - w).max() < 0.05 * np.abs(w).max()
+
+
+@pytest.mark.parametrize("n", [37, 8])
+def test_int6_panels_hold_the_stored_weight_and_give_back_any_rows(n):
+    qw = quantized_weight(random_q6_k_blocks(n, 512, seed=n), T.Q6_K, n, 512)
+    qweight, scales, mins = Q.to_panels(qw)
+    panels = -(-n // Q.PANEL)
+    assert qweight.shape == (panels, 16, 208) and scales.shape == (panels, 2, 8) and mins is None
+    stored = qw.qweight.view(n, 16, 26)
+    low = qweight[..., :128]  # the nibble bytes, reordered by 2-byte units
+    assert sorted(low.flatten().tolist()) == sorted(stored[..., :16].flatten().tolist() + [0] * (low.numel() - n * 256))
+    high = (Q.unpack_int6(qw.qweight, 512)[0] >> 4).to(torch.int64)
+    ones = int((high & 1).sum() + (high >> 1).sum())
+    assert sum(bin(b).count("1") for b in qweight[..., 128:192].flatten().tolist()) == ones
+    sub = qweight[..., 192:].reshape(panels, 16, 2, 8).permute(0, 3, 1, 2).reshape(-1, 32)[:n]
+    assert torch.equal(sub, stored[..., 24:].reshape(n, 32))
+    rows = torch.tensor([n - 1, 0, 3 % n, n - 1])
+    back = Q.panel_rows(6, qweight, scales, mins, rows)
+    assert torch.equal(back.qweight, qw.qweight[rows]) and torch.equal(back.scales, qw.scales[rows])
+    assert torch.equal(back.dequantize(), qw.dequantize()[rows])
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 6, 9])
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
+def test_int6_product_is_the_dequantized_weight_times_the_rounded_activations(rows, scale_dtype):
+    """The kernel's 6-bit product (two integer sums a group, one per sub-scale) is the dequantized
+    weight times x rounded to int16 per 32 values, to float32 rounding, and within 1e-4 of the float
+    product; extreme values (q = 0, i.e. -32, and sc = -128) included by the random blocks."""
+    needs_kernel()
+    n, k = 45, 768
+    qw = quantized_weight(random_q6_k_blocks(n, k, seed=rows), T.Q6_K, n, k)
+    qw = Q.QuantizedWeight(6, qw.qweight, qw.scales.to(scale_dtype), None, k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(3)) * 4
+    x[0, 5] = 70.0
+    blocks = x.view(rows, k // 32, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 32767
+    x_rounded = (torch.round(blocks / d) * d).view(rows, k)
+    got = Q.quantized_linear(x, qw)
+    close_in_eps(got, torch.nn.functional.linear(x_rounded, qw.dequantize()), 64, k)
+    exact = torch.nn.functional.linear(x, qw.dequantize())
+    assert (got - exact).abs().max() < 1e-4 * exact.abs().max()
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(Q.quantized_linear(x, qw, bias), torch.add(got, bias))
+
+
+def test_a_dense_weight_rounds_to_int6_within_half_a_step():
+    w = torch.randn(16, 512, generator=torch.Generator().manual_seed(1)) * 3
+    qw = Q.quantize_int6(w)
+    _, sc = Q.unpack_int6(qw.qweight, 512)
+    step = (qw.scales.float().repeat_interleave(16, dim=1) * sc.float()).abs().repeat_interleave(16, dim=1)
+    assert ((qw.dequantize() - w).abs() <= step / 2 * (1 + 1e-5) + 1e-7).all()
+    layer = Linear(512, 16)
+    layer.set_quant_method(Q.method_for(6, None, 512, torch.float16))
+    layer.load_weight(w, "w")  # a dense weight into an int6 layer: rounded the same way
+    assert torch.equal(layer.quant_method.dense_weight(layer), qw.dequantize())
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_a_q6_k_gguf_is_served_as_its_own_bytes_in_6_5625_bits_a_weight(tmp_path, tie):
+    """A Q6_K file loads as int6 with no requantization: every layer's weight read back from the
+    kernel's panels is the file's blocks' values, a weight costs the file's 6.5625 bits (not
+    int8's 9), a tied embedding looks its rows up from the same panels, and the logits are the
+    dequantized model's."""
+    model = tiny_llama(tie=tie, hidden_size=256, intermediate_size=512, head_dim=64)
+    path = tmp_path / "m.gguf"
+    write_gguf(path, model, T.Q6_K, quantizer=q6_k_blocks)
+    stored = load_model(str(path), dtype="float32")
+    dense = load_model(str(path), dtype="float32", quantization="none")
+    assert set(methods(stored.model).values()) == {"int6"}
+    tensor = next(t for t in GGUFReader(path).tensors if t.name == "blk.1.ffn_down.weight")
+    layer = stored.model.model.layers[1].mlp.down_proj
+    n, k = layer.out_features, layer.in_features
+    blocks = np.asarray(tensor.data)
+    if cpu_kernels.available():
+        assert layer.panelled and layer.qweight.shape == (-(-n // 8), k // 32, 208)
+        assert getattr(layer, "mins", None) is None
+        back = Q.panel_rows(6, layer.qweight, layer.scales, None, torch.arange(n))
+        assert torch.equal(back.qweight, quantized_weight(blocks, T.Q6_K, n, k).qweight)
+        held = sum(t.numel() * t.element_size() for t in (layer.qweight, layer.scales))
+        assert held == blocks.nbytes  # n is a multiple of 8: no padding
+    want = np.asarray(gguf_dequantize(blocks, T.Q6_K)).reshape(n, k)
+    assert np.array_equal(layer.quant_method.dense_weight(layer).numpy(), want)
+    got, want_logits = prompt_logits(stored.model, PROMPT), prompt_logits(dense.model, PROMPT)
+    assert (got - want_logits).abs().max() <= 2e-4 * want_logits.abs().max()
+    assert torch.equal(got.argmax(-1), want_logits.argmax(-1))
+
+
+def test_a_merged_layer_of_q6_k_and_other_types_is_int8_as_before():
+    from models.loader import choose_methods
+
+    formats = {"a.q_proj.weight": serving_format(T.Q4_K), "a.v_proj.weight": serving_format(T.Q6_K)}
+    choose = choose_methods("auto", formats.get)
+    assert choose(["a.q_proj.weight", "a.v_proj.weight"], 512).name == "int8"
+    assert choose(["a.v_proj.weight"], 512).name == "int6"
+    assert choose(["a.v_proj.weight"], 512 + 32).name == "dense"  # K not a multiple of 256
