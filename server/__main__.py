@@ -129,6 +129,21 @@ def build_parser() -> argparse.ArgumentParser:
     pool.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache pool size in blocks")
     p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV blocks of shared prompt prefixes")
     p.add_argument(
+        "--kv-cache-disk",
+        default=None,
+        metavar="DIR",
+        help="keep prefix-cache blocks that leave memory in DIR and read them back on a hit, across "
+        "restarts too (docs/design.md); one server a directory",
+    )
+    p.add_argument(
+        "--kv-cache-disk-size",
+        type=byte_size,
+        default="20G",
+        metavar="SIZE",
+        help="bound of --kv-cache-disk's files, least recently used removed first: bytes, or with "
+        "a K, M, G or T suffix (powers of 1024)",
+    )
+    p.add_argument(
         "--max-waiting",
         type=int,
         default=DEFAULT_MAX_WAITING,
@@ -233,6 +248,38 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"], help="log verbosity"
     )
     return p
+
+
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?", re.IGNORECASE)
+
+
+def byte_size(value: str) -> int:
+    """--kv-cache-disk-size: 20G, 512M, 1.5T, 1000000 -> bytes."""
+    match = _SIZE.fullmatch(value.strip())
+    if match is None or float(match.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive size such as 20G or 512M, got {value!r}")
+    return int(float(match.group(1)) * 1024 ** "_KMGT".index(match.group(2).upper() or "_"))
+
+
+def check_kv_cache_disk(directory: str | None) -> str | None:
+    """Why --kv-cache-disk cannot be used, in one line, before any port is bound: another process
+    holds its lock (engine/kv_disk.py). A directory that cannot be written is no reason: the tier
+    is then off, with a warning, and the server serves from memory."""
+    import fcntl
+
+    if directory is None:
+        return None
+    try:
+        fd = os.open(os.path.join(directory, "lock"), os.O_RDWR)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return f"--kv-cache-disk {directory} is in use by another server; give each server its own directory"
+    finally:
+        os.close(fd)  # the engine takes the lock for good when it starts
+    return None
 
 
 def lora_module(value: str) -> tuple[str, str]:
@@ -361,6 +408,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_waiting=None if args.max_waiting < 0 else args.max_waiting,
         num_threads=args.num_threads,
         kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_disk=args.kv_cache_disk,
+        kv_cache_disk_bytes=args.kv_cache_disk_size,
         speculative=speculative_config(args),
         lora_modules=tuple(args.lora_modules),
         max_lora_rank=args.max_lora_rank,
@@ -437,7 +486,7 @@ def main(argv: list[str] | None = None) -> None:
         parallel, rank = parallel_config(args)
     except ValueError as exc:
         parser.error(str(exc))
-    problem = check_model_arg(args.model)
+    problem = check_kv_cache_disk(args.kv_cache_disk) or check_model_arg(args.model)
     if problem is None and args.lora_modules:
         served_as = (args.served_model_name,) if args.served_model_name else served_names(args.model)
         problem = check_lora_modules(args, served_as)
@@ -490,6 +539,11 @@ def main(argv: list[str] | None = None) -> None:
             f"pagedserve ready: http://{args.host}:{args.port}/v1  model {served}  ({describe.get('model', '')}); "
             f"context {limits.max_model_len} tokens, up to {limits.max_num_seqs} sequences, KV cache "
             f"{limits.num_kv_cache_tokens} tokens"
+            + (
+                f"; KV cache disk tier {args.kv_cache_disk}, up to {args.kv_cache_disk_size / 2**30:.1f} GiB"
+                if args.kv_cache_disk
+                else ""
+            )
             + (
                 f"; speculative {args.speculative}, up to {args.num_speculative_tokens} drafts a step while "
                 f"{args.speculative_max_batch_size} or fewer requests run"

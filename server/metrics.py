@@ -168,6 +168,15 @@ class _EngineCollector:
             "Prompt tokens served from the prefix cache / prompt tokens looked up, since start.",
             value=s.prefix_cache_hits / queries if queries else 0.0,
         )
+        hits = CounterMetricFamily(
+            "pagedserve:prefix_cache_hits",
+            "Prompt tokens served from the prefix cache, by where their blocks were found, since start.",
+            labels=["tier"],
+        )
+        hits.add_metric(["memory"], s.prefix_cache_hits - s.prefix_cache_disk_hits)
+        hits.add_metric(["disk"], s.prefix_cache_disk_hits)
+        yield hits
+        yield from _kv_disk(s.kv_disk)
         yield CounterMetricFamily(
             "pagedserve:num_preemptions", "Requests preempted to free KV blocks.", value=s.num_preemptions
         )
@@ -277,3 +286,33 @@ class _EngineCollector:
         )
         info.add_metric([str(s.kv_block_size), str(s.num_kv_blocks_total), str(self._prefix_caching)], 1.0)
         yield info
+
+
+def _kv_disk(d: object | None) -> Iterator[Metric]:
+    """The prefix cache's disk tier (engine/kv_disk.py's DiskTierStats), when there is one."""
+    from engine.kv_disk import DiskTierStats
+
+    if not isinstance(d, DiskTierStats):
+        return
+    yield GaugeMetricFamily(
+        "pagedserve:kv_disk_enabled", "1 while the disk tier serves, 0 once a write failed.", value=d.enabled
+    )
+    yield GaugeMetricFamily("pagedserve:kv_disk_bytes", "Bytes of block files in the disk tier now.", value=d.num_bytes)
+    yield GaugeMetricFamily("pagedserve:kv_disk_max_bytes", "The disk tier's bound in bytes.", value=d.max_bytes)
+    for name, doc, value in (
+        ("pagedserve:kv_disk_read_bytes", "Bytes read back from the disk tier.", d.bytes_read),
+        ("pagedserve:kv_disk_written_bytes", "Bytes written to the disk tier.", d.bytes_written),
+        ("pagedserve:kv_disk_read_seconds", "Seconds the engine thread spent reading the disk tier.", d.read_seconds),
+        ("pagedserve:kv_disk_write_seconds", "Seconds the writer thread spent writing the disk tier.", d.write_seconds),
+        (
+            "pagedserve:kv_disk_files_rejected",
+            "Disk tier files found torn, truncated, of another model or format version: removed, not served.",
+            d.num_files_rejected,
+        ),
+        (
+            "pagedserve:kv_disk_writes_dropped",
+            "Blocks not written to the disk tier: its queue was full.",
+            d.num_writes_dropped,
+        ),
+    ):
+        yield CounterMetricFamily(name, doc, value=value)
