@@ -7,7 +7,8 @@ sparse layers.
     router         = softmax over all experts in float32, top-k, renormalised if norm_topk_prob
     Qwen2-MoE      + one shared expert on every token, scaled by sigmoid(shared_expert_gate(x))
 
-Checkpoints name the shared expert `mlp.shared_expert.*`; it is the MoE's `shared_experts` here.
+Checkpoints (and PEFT adapters) name the shared expert `mlp.shared_expert.*`; it is the MoE's
+`shared_experts` here.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class QwenMoeDecoderLayer(DecoderLayer):
                 router_config,
                 shared_intermediate_size=shared,
                 shared_gate=bool(shared),
+                shared_name="shared_expert",
             )
         else:
             self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act)

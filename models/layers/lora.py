@@ -39,6 +39,7 @@ from torch import nn
 
 from models.layers.linear import Embedding, Linear, MergedLinear
 from models.layers.lora_weights import LoRAWeights
+from models.layers.moe import FUSED_EXPERT_PARAMS, fused_expert_param, is_fused_expert_path, split_fused_expert_lora
 from models.layers.quantization import DenseMethod
 
 # DeepSeek's MLA adds q_a_proj/q_b_proj (q through a low rank) and kv_a_proj_with_mqa (the latent and
@@ -115,10 +116,15 @@ def read_peft_adapter(name: str, path: str | Path, max_rank: int) -> LoRAAdapter
         raise ValueError(f"{where}: adapter_config.json is not a JSON object")
     if config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{where}: peft_type {config.get('peft_type')!r} is not supported (only LORA)")
-    if config.get("target_parameters"):  # what peft makes of gate/up/down_proj on fused MoE experts
+    # peft's LoRA on transformers 5's fused MoE experts: read as per-expert weights (models/layers/moe.py)
+    parameters = config.get("target_parameters") or []
+    fused = [p.rpartition(".")[2] for p in parameters] if isinstance(parameters, list) else None
+    if fused is None or any(  # peft's own conversion adds bare names
+        p not in FUSED_EXPERT_PARAMS or ("." in q and ".experts." not in f".{q}") for p, q in zip(fused, parameters)
+    ):
         raise ValueError(
-            f"{where}: target_parameters={config['target_parameters']!r} is not supported "
-            "(adapters on MoE experts' fused weights)"
+            f"{where}: target_parameters={parameters!r} is not supported "
+            f"(only MoE experts' fused {' and '.join(FUSED_EXPERT_PARAMS)})"
         )
     for option in _UNSUPPORTED_OPTIONS:
         if config.get(option):
@@ -133,8 +139,8 @@ def read_peft_adapter(name: str, path: str | Path, max_rank: int) -> LoRAAdapter
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
         raise ValueError(f"{where}: lora_alpha must be a number, got {alpha!r}")
     targets = config.get("target_modules")
-    target_list = [targets] if isinstance(targets, str) else targets
-    if not isinstance(target_list, list) or not target_list:
+    target_list = [targets] if isinstance(targets, str) else targets or ([] if fused else None)
+    if not isinstance(target_list, list) or not (target_list or fused):
         raise ValueError(f"{where}: target_modules must name modules, got {targets!r}")
     refused = [t for t in target_list if t in _REFUSED_MODULES]
     if refused:
@@ -153,7 +159,10 @@ def read_peft_adapter(name: str, path: str | Path, max_rank: int) -> LoRAAdapter
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         module, _, kind = key.removeprefix(_PREFIX).rpartition(".lora_")
-        if kind not in ("A.weight", "B.weight") or module.rpartition(".")[2] not in target_list:
+        param = fused_expert_param(module, fused)
+        if param is not None:
+            module = ".".join(param)  # ...mlp.experts.gate_up_proj
+        if kind not in ("A.weight", "B.weight") or (param is None and module.rpartition(".")[2] not in target_list):
             raise ValueError(f"{where}: tensor {key!r} is not a LoRA weight of its target_modules")
         pairs.setdefault(module, {})[kind[0]] = tensor
     weights = {}
@@ -161,6 +170,19 @@ def read_peft_adapter(name: str, path: str | Path, max_rank: int) -> LoRAAdapter
         if set(pair) != {"A", "B"}:
             raise ValueError(f"{where}: {module} has lora_{next(iter(pair))} but not its pair")
         a, b = pair["A"], pair["B"]
+        if is_fused_expert_path(module):  # split per expert once the model is known
+            # peft's own conversion of gate_proj + up_proj targets fuses them at rank 2r, alpha 2 alpha
+            # (rank_pattern, alpha_pattern on gate_up_proj): the same scale, which is all we serve.
+            fused_rank = _pattern_value(config.get("rank_pattern"), module, rank)
+            fused_alpha = _pattern_value(config.get("alpha_pattern"), module, alpha)
+            root = math.sqrt(fused_rank) if config.get("use_rslora") else fused_rank
+            if not isinstance(fused_rank, int) or not math.isclose(fused_alpha / root, scale):
+                raise ValueError(
+                    f"{where}: {module}: rank {fused_rank} and alpha {fused_alpha} (rank_pattern, alpha_pattern) "
+                    "are not supported: one scale for every layer"
+                )
+            weights[module] = (a, b)
+            continue
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != rank or b.shape[1] != rank:
             raise ValueError(
                 f"{where}: {module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not have rank {rank}"
@@ -174,7 +196,10 @@ def read_peft_adapter(name: str, path: str | Path, max_rank: int) -> LoRAAdapter
             raise ValueError(f"{where}: {option} must be an object, got {patterns!r}")
         for pattern in patterns:  # matched as peft's get_pattern_key does
             try:
-                hit = next((m for m in weights if re.match(rf"(.*\.)?({pattern})$", m)), None)
+                hit = next(
+                    (m for m in weights if not is_fused_expert_path(m) and re.match(rf"(.*\.)?({pattern})$", m)),
+                    None,
+                )
             except re.error as e:
                 raise ValueError(f"{where}: {option} {pattern!r} is not a regular expression: {e}") from None
             if hit is not None:
@@ -183,6 +208,17 @@ def read_peft_adapter(name: str, path: str | Path, max_rank: int) -> LoRAAdapter
                     "one rank and alpha for every layer"
                 )
     return LoRAAdapter(name, str(path), rank, float(scale), weights)
+
+
+def _pattern_value(patterns: object, module: str, default: float) -> float:
+    """A rank_pattern / alpha_pattern's value for `module` (matched as peft's get_pattern_key does)."""
+    for pattern, value in (patterns or {}).items() if isinstance(patterns, dict) else ():
+        try:
+            if re.match(rf"(.*\.)?({pattern})$", module):
+                return value
+        except re.error:
+            pass  # reported by the check of every pattern
+    return default
 
 
 def read_gguf_adapter(name: str, path: str | Path, max_rank: int) -> LoRAAdapter:
@@ -287,6 +323,7 @@ class PreparedLoRA:
 
     name: str
     layers: tuple[tuple[Linear, tuple[torch.Tensor, torch.Tensor, float]], ...]
+    path: str = ""  # where it was read (tensor-parallel workers read it there too: engine/parallel.py)
 
     def install(self, slot: int) -> None:
         for layer, weights in self.layers:
@@ -300,8 +337,16 @@ def prepare_lora_adapter(model: nn.Module, adapter: LoRAAdapter, dtype: torch.dt
     """Check that `adapter` fits the model's layers and stack its weights (module docstring);
     a ValueError names what does not fit. Reads the model, changes nothing."""
     linears: dict[str, tuple[Linear, str | None]] = {}  # HF module path -> (our layer, its shard)
+    named: set[int] = set()  # layers a module named by PEFT's paths (MoE.lora_layers: the experts)
     for path, module in model.named_modules():
-        if isinstance(module, MergedLinear):
+        lora_layers = getattr(module, "lora_layers", None)
+        if callable(lora_layers):
+            for hf_path, (layer, shard) in lora_layers(path).items():
+                linears[hf_path] = (layer, shard)
+                named.add(id(layer))
+        elif id(module) in named:
+            continue
+        elif isinstance(module, MergedLinear):
             parent = path.rpartition(".")[0]
             for shard in module.shard_sizes:
                 linears[f"{parent}.{shard}" if parent else shard] = (module, shard)
@@ -309,12 +354,9 @@ def prepare_lora_adapter(model: nn.Module, adapter: LoRAAdapter, dtype: torch.dt
             linears[path] = (module, None)
     name, path = adapter.name, adapter.path
     weights = adapter.weights if adapter.gguf_arch is None else _from_gguf(adapter, model, list(linears))
+    weights = _split_fused_experts(adapter, weights, linears)
     per_layer: dict[int, tuple[Linear, list[tuple[str | None, torch.Tensor, torch.Tensor]]]] = {}
     for module_path, (a, b) in weights.items():
-        if ".experts." in module_path:  # an expert sees some rows of the step: not the batch's rows
-            raise ValueError(
-                f"LoRA adapter {name!r} ({path}): adapters on MoE experts ({module_path}) are not supported"
-            )
         if module_path not in linears:
             raise ValueError(f"LoRA adapter {name!r} ({path}): the model has no layer {module_path}")
         layer, shard = linears[module_path]
@@ -327,8 +369,34 @@ def prepare_lora_adapter(model: nn.Module, adapter: LoRAAdapter, dtype: torch.dt
         a, b = _rank_part(layer, shard, a, b)
         per_layer.setdefault(id(layer), (layer, []))[1].append((shard, a, b))
     return PreparedLoRA(
-        name, tuple((layer, _stack(layer, parts, adapter.scale, dtype)) for layer, parts in per_layer.values())
+        name, tuple((layer, _stack(layer, parts, adapter.scale, dtype)) for layer, parts in per_layer.values()), path
     )
+
+
+def _split_fused_experts(
+    adapter: LoRAAdapter, weights: _Pairs, linears: dict[str, tuple[Linear, str | None]]
+) -> _Pairs:
+    """peft's (A, B) of a fused expert parameter (`mlp.experts.gate_up_proj`) as per-expert pairs
+    (models/layers/moe.py split_fused_expert_lora), its rank by the model's number of experts."""
+    where = f"LoRA adapter {adapter.name!r} ({adapter.path})"
+    found = {}
+    for module, (a, b) in weights.items():
+        experts, _, param = module.rpartition(".")
+        if not is_fused_expert_path(module):
+            found[module] = (a, b)
+            continue
+        num_experts = sum(p.startswith(f"{experts}.") and p.endswith(".down_proj") for p in linears)
+        if not num_experts:
+            raise ValueError(f"{where}: the model has no layer {module}")
+        if a.dim() != 2 or a.shape[0] % num_experts or a.shape[0] // num_experts > 2 * adapter.rank:
+            raise ValueError(
+                f"{where}: {module}: lora_A {tuple(a.shape)} is not {num_experts} experts of rank {adapter.rank}"
+            )
+        try:
+            found.update(split_fused_expert_lora(experts, param, a, b, a.shape[0] // num_experts))
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+    return found
 
 
 def _rank_part(layer: Linear, shard: str | None, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

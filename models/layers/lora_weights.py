@@ -33,6 +33,19 @@ class LoRABatch:
                 groups.append((slot, torch.tensor(found, dtype=torch.int64, device=device)))
         return cls(tuple(groups)) if groups else None
 
+    @classmethod
+    def of_rows(cls, slots: torch.Tensor) -> LoRABatch | None:
+        """Row i takes slots[i] (an int64 tensor; 0: no adapter): a MoE expert's pairs (models/layers/moe.py)."""
+        values = slots.tolist()
+        return cls.build([1] * len(values), values, slots.device)
+
+    def row_slots(self, num_rows: int, device: torch.device) -> torch.Tensor:
+        """Each of the step's `num_rows` rows' slot (0: no adapter), int64."""
+        slots = torch.zeros(num_rows, dtype=torch.int64, device=device)
+        for slot, rows in self.groups:
+            slots[rows] = slot
+        return slots
+
 
 class LoRAWeights:
     """The adapters of one Linear: per slot, A_cat (R, in), B_cat (out, R) and the scale."""

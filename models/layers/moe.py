@@ -15,13 +15,22 @@ Routing, computed in float32 like the reference:
 The chosen weights are optionally renormalised to sum to 1 (norm_topk_prob) and then
 multiplied by routed_scaling_factor (Qwen: 1). Qwen2-MoE scales its shared expert's output
 per token by sigmoid(shared_expert_gate(x)).
+
+LoRA adapters (models/layers/lora.py) reach each routed expert's layers by PEFT's per-expert names
+(`mlp.experts.17.gate_proj`, transformers 4's modules; `lora_layers`) or as peft's LoRA on the fused
+parameters (transformers 5's `mlp.experts.gate_up_proj`: `split_fused_expert_lora`). An expert runs
+on the (token, expert) pairs routed to it, not on the step's rows: its layers get a LoRABatch of
+those pairs, each taking its token's adapter:
+
+    step rows (slots)   t0:a  t1:a  t2:-  t3:b        top_k 2, pairs sorted by expert
+    expert 5's pairs    t0    t3                 ->   its LoRABatch: (a, row 0), (b, row 1)
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import cast
 
 import torch
@@ -32,6 +41,7 @@ from transformers.activations import ACT2FN
 
 from models.layers import cpu_kernels
 from models.layers.linear import Linear, MergedLinear
+from models.layers.lora_weights import LoRABatch
 from models.layers.mlp import GatedMLP, gated
 from models.layers.parallel import TensorParallel
 from models.layers.quantization import QuantizedWeight
@@ -207,6 +217,15 @@ class Experts(nn.Module):
     def down_layers(self) -> Sequence[Linear]:
         return cast("Sequence[Linear]", self.down)
 
+    def lora_layers(self, prefix: str) -> dict[str, tuple[Linear, str | None]]:
+        """PEFT's module path of each expert's projections -> (our layer, its shard in it)."""
+        found: dict[str, tuple[Linear, str | None]] = {}
+        for expert, (gate_up, down) in enumerate(zip(self.gate_up_layers, self.down_layers)):
+            found[f"{prefix}.{expert}.gate_proj"] = (gate_up, "gate_proj")
+            found[f"{prefix}.{expert}.up_proj"] = (gate_up, "up_proj")
+            found[f"{prefix}.{expert}.down_proj"] = (down, None)
+        return found
+
     def load_expert(self, expert: int, proj: str, weight: torch.Tensor | QuantizedWeight, name: str) -> list[str]:
         """One expert's weight from a per-expert checkpoint (`experts.N.{gate,up,down}_proj.weight`);
         returns the parameter names (relative to this module) now fully loaded."""
@@ -260,12 +279,20 @@ class Experts(nn.Module):
         counts = torch.bincount(flat_ids, minlength=len(gate_up)).tolist()
         pairs_in = x[token_of_pair]  # (T * top_k, hidden)
         pairs_out = torch.empty_like(pairs_in)
+        # LoRA: each pair's adapter slot, its token's (0: none); an expert's layers see its pairs only.
+        slot_of_pair = None if kernels.lora is None else kernels.lora.row_slots(x.shape[0], x.device)[token_of_pair]
         start = 0
         for expert, count in enumerate(counts):
             if count == 0:
                 continue
             rows = slice(start, start + count)
-            pairs_out[rows] = gated(gate_up[expert], down[expert], self.act_fn, self.is_silu, pairs_in[rows], kernels)
+            expert_kernels = kernels
+            if slot_of_pair is not None:
+                adapted = gate_up[expert].lora is not None or down[expert].lora is not None
+                expert_kernels = replace(kernels, lora=LoRABatch.of_rows(slot_of_pair[rows]) if adapted else None)
+            pairs_out[rows] = gated(
+                gate_up[expert], down[expert], self.act_fn, self.is_silu, pairs_in[rows], expert_kernels
+            )
             start += count
         pairs_out *= weights.flatten()[order, None].to(pairs_out.dtype)
         return torch.zeros_like(x).index_add_(0, token_of_pair, pairs_out)
@@ -285,8 +312,12 @@ class MoE(nn.Module):
         shared_intermediate_size: int = 0,
         shared_gate: bool = False,
         mlp_bias: bool = False,
+        shared_name: str = "shared_experts",
     ) -> None:
+        """`shared_name`: the checkpoint's name of the shared experts (Qwen2-MoE: shared_expert),
+        under which PEFT adapters name their layers."""
         super().__init__()
+        self.shared_name = shared_name
         self.gate = Router(router_config, hidden_size)
         self.experts = Experts(router_config.num_experts, hidden_size, intermediate_size, hidden_act)
         self.shared_experts = (
@@ -297,6 +328,16 @@ class MoE(nn.Module):
         # Replicated under tensor parallel: each rank scales its partial sum by the same gate.
         self.shared_expert_gate = Linear(hidden_size, 1, bias=False) if shared_gate else None
         self.tp: TensorParallel | None = self.experts.down_layers[0].tp if router_config.num_experts else None
+
+    def lora_layers(self, prefix: str) -> dict[str, tuple[Linear, str | None]]:
+        """PEFT's module paths of the experts' and the shared experts' projections -> (our layer, its shard)."""
+        found = self.experts.lora_layers(f"{prefix}.experts")
+        if self.shared_experts is not None:
+            shared = f"{prefix}.{self.shared_name}"
+            for shard in ("gate_proj", "up_proj"):
+                found[f"{shared}.{shard}"] = (self.shared_experts.gate_up_proj, shard)
+            found[f"{shared}.down_proj"] = (self.shared_experts.down_proj, None)
+        return found
 
     def forward(self, x: torch.Tensor, kernels: StepKernels) -> torch.Tensor:
         weights, expert_ids = self.gate(x)  # float32 logits: no reduced-precision matmul to choose for
@@ -332,3 +373,62 @@ def load_expert_weight(model: nn.Module, name: str, tensor: torch.Tensor | Quant
     if not 0 <= expert < len(experts.gate_up):
         raise ValueError(f"tensor {name!r}: expert index out of range (the model has {len(experts.gate_up)} experts)")
     return [f"{prefix}.{n}" for n in experts.load_expert(expert, proj, tensor, name)]
+
+
+# peft's LoRA on transformers 5's fused expert parameters (LoraConfig.target_parameters), one (A, B)
+# per parameter for all E experts, expert e's rank-r part as peft's ParamWrapper.get_delta_weight
+# reads it (its delta is B_e A_e, of the parameter's (out, in) matrix of expert e):
+#
+#     A (E * r, in)    expert e: rows e*r .. e*r + r - 1
+#     B (out, r * E)   expert e: columns e, E + e, 2E + e, ...   (B viewed as (out, r, E))
+#
+# peft nests one wrapper per parameter in the module's parameter order, the first innermost: with
+# both targeted, gate_up_proj's weights are saved under `experts.base_layer.lora_A`, down_proj's under
+# `experts.lora_A`. gate_up_proj's rows are [gate | up]: each half is that projection's B, with A shared.
+FUSED_EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+
+
+def fused_expert_param(module_path: str, targeted: Sequence[str]) -> tuple[str, str] | None:
+    """(the experts' module path, which fused parameter) of a peft weight's module path
+    (`...mlp.experts` or `...mlp.experts.base_layer`), given the parameters the adapter targets;
+    None for any other module."""
+    depth = 0
+    while module_path.endswith(".base_layer"):
+        module_path, depth = module_path.removesuffix(".base_layer"), depth + 1
+    wrapped = [p for p in FUSED_EXPERT_PARAMS if p in targeted]  # innermost first
+    if not module_path.endswith(".experts") or depth >= len(wrapped):
+        return None
+    return module_path, wrapped[len(wrapped) - 1 - depth]
+
+
+def is_fused_expert_path(path: str) -> bool:
+    """`...mlp.experts.gate_up_proj` or `...mlp.experts.down_proj` (not a shared expert's down_proj)."""
+    parent, _, param = path.rpartition(".")
+    return param in FUSED_EXPERT_PARAMS and parent.endswith(".experts")
+
+
+def split_fused_expert_lora(
+    experts_path: str, param: str, a: torch.Tensor, b: torch.Tensor, rank: int
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """One fused parameter's (A, B) as per-expert (A_e, B_e) under PEFT's per-expert module paths
+    (`experts.7.gate_proj`), as Experts.lora_layers names them; a ValueError names a shape that
+    is not E experts of rank `rank`."""
+    if a.dim() != 2 or b.dim() != 2 or a.shape[0] % rank or b.shape[1] != a.shape[0]:
+        raise ValueError(
+            f"{experts_path}.{param}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} are not "
+            f"experts of rank {rank}"
+        )
+    num_experts = a.shape[0] // rank
+    if param == "gate_up_proj" and b.shape[0] % 2:
+        raise ValueError(f"{experts_path}.gate_up_proj: lora_B {tuple(b.shape)} has an odd number of rows")
+    a_e = a.view(num_experts, rank, a.shape[1])  # (E, r, in)
+    b_e = b.view(b.shape[0], rank, num_experts).permute(2, 0, 1)  # (E, out, r)
+    found = {}
+    for expert in range(num_experts):
+        if param == "down_proj":
+            found[f"{experts_path}.{expert}.down_proj"] = (a_e[expert], b_e[expert])
+            continue
+        gate, up = b_e[expert].chunk(2)
+        found[f"{experts_path}.{expert}.gate_proj"] = (a_e[expert], gate)
+        found[f"{experts_path}.{expert}.up_proj"] = (a_e[expert], up)
+    return found
