@@ -52,6 +52,10 @@ class Ranks(Protocol):
 
     def send(self, inputs: StepInputs | None) -> None: ...
 
+    def load_lora(self, name: str, path: str, slot: int, max_rank: int) -> None: ...
+
+    def remove_lora(self, name: str, slot: int) -> None: ...
+
 
 def resolve_kv_cache_dtype(name: str, loaded: LoadedModel) -> torch.dtype:
     """EngineConfig.kv_cache_dtype -> the cache's torch dtype (see there)."""
@@ -136,18 +140,27 @@ class ModelRunner:
     def prepare_lora(self, name: str, path: str) -> PreparedLoRA:
         """Read an adapter and check it against the model (ValueError naming what is wrong); changes
         nothing, so it may run in another thread while steps run."""
-        if self.ranks is not None:
-            raise ValueError("LoRA adapters under tensor parallelism are not supported")
         self.lora.check_room(name)
         return prepare_lora_adapter(self.model, read_peft_adapter(name, path, self.max_lora_rank), self.lora_dtype)
 
     def install_lora(self, prepared: PreparedLoRA) -> None:
-        """Between two steps (the engine thread): the adapter takes a free slot."""
-        prepared.install(self.lora.add(prepared.name))
+        """Between two steps (the engine thread): the adapter takes a free slot (tensor parallel: on
+        every rank, the workers first, or on none: engine/parallel.py)."""
+        slot = self.lora.add(prepared.name)
+        if self.ranks is not None:
+            try:
+                self.ranks.load_lora(prepared.name, prepared.path, slot, self.max_lora_rank)
+            except ValueError:
+                self.lora.remove(prepared.name)
+                raise
+        prepared.install(slot)
 
     def remove_lora(self, name: str) -> None:
         """Between two steps, once no request uses the adapter: its slot is free again."""
-        remove_lora_adapter(self.model, self.lora.remove(name))
+        slot = self.lora.remove(name)
+        remove_lora_adapter(self.model, slot)
+        if self.ranks is not None:
+            self.ranks.remove_lora(name, slot)
 
     def make_generator(self, seed: int | None) -> torch.Generator | None:
         return make_generator(seed, self.device)

@@ -13,6 +13,11 @@ the next step as long as the server idles. Single node: rank 0 spawns the worker
 nodes: each node's process starts its own ranks (`--nnodes --node-rank --master-addr
 --master-port`, or torchrun's environment, one process per rank).
 
+LoRA adapters loaded or unloaded while serving reach the workers the same way, between two steps:
+rank 0 sends a LoRACommand after checking the adapter itself; each worker reads it from the same
+path and attaches its part, and answers (gathered on the control group). A worker that cannot is
+an adapter refused, dropped again by the ranks that took it, not an engine lost.
+
 Failure: a step whose collectives fail (a rank died: its sockets close) raises
 EngineDeadError, which ends the engine (streams get an error, /health turns 503) rather
 than one batch: the ranks can no longer agree. A monitor thread reports a worker that exits
@@ -119,6 +124,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class LoRACommand:
+    """Rank 0 to the workers, between steps: attach the adapter at `path` in `slot` ("load"), or
+    drop what `slot` holds ("remove")."""
+
+    op: str  # "load" | "remove"
+    name: str
+    slot: int
+    path: str = ""
+    max_rank: int = 0
+
+
+def run_lora_command(model: Any, command: LoRACommand, dtype: torch.dtype) -> str | None:
+    """A worker: carry `command` out on its part of the model; None, or why it could not."""
+    from models.layers.lora import prepare_lora_adapter, read_peft_adapter, remove_lora_adapter
+
+    try:
+        if command.op == "load":
+            adapter = read_peft_adapter(command.name, command.path, command.max_rank)
+            prepare_lora_adapter(model, adapter, dtype).install(command.slot)
+        else:
+            remove_lora_adapter(model, command.slot)
+    except Exception as e:  # noqa: BLE001 - rank 0 reports it as the adapter's refusal
+        return str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+    return None
+
+
 @dataclass
 class WorkerSpec:
     """What a worker needs to load its part of the model and run steps (picklable)."""
@@ -181,12 +213,36 @@ class RankGroup:
         return comm
 
     # ------------------------------------------------------------ rank 0
-    def send(self, inputs: StepInputs | None) -> None:
-        """Rank 0: the next step's inputs to every rank (None: stop)."""
+    def send(self, inputs: StepInputs | LoRACommand | None) -> None:
+        """Rank 0: the next step's inputs (or a LoRACommand) to every rank (None: stop)."""
         try:
             dist.broadcast_object_list([inputs], src=0, group=self.control_group)
         except Exception as e:  # a worker is gone
             raise EngineDeadError(f"tensor-parallel step could not be sent: {e}") from e
+
+    def command(self, command: LoRACommand) -> list[str | None]:
+        """Rank 0: `command` to every worker, then their answers, rank 1 first (None: done)."""
+        self.send(command)
+        answers: list[str | None] = [None] * self.config.tensor_parallel_size
+        try:
+            dist.gather_object(None, answers, dst=0, group=self.control_group)
+        except Exception as e:  # a worker is gone
+            raise EngineDeadError(f"tensor-parallel workers did not answer: {e}") from e
+        return answers[1:]
+
+    def load_lora(self, name: str, path: str, slot: int, max_rank: int) -> None:
+        """Rank 0: every worker attaches its part of the adapter at `path` in `slot`, or none does
+        (ValueError naming the first rank that could not, and why)."""
+        answers = self.command(LoRACommand("load", name, slot, path, max_rank))
+        failed = [(rank, why) for rank, why in enumerate(answers, start=1) if why is not None]
+        if failed:
+            self.remove_lora(name, slot)  # the ranks that took it drop it
+            rank, why = failed[0]
+            raise ValueError(f"tensor-parallel rank {rank} could not load LoRA adapter {name!r}: {why}")
+
+    def remove_lora(self, name: str, slot: int) -> None:
+        """Rank 0: every worker drops the adapter in `slot`."""
+        self.command(LoRACommand("remove", name, slot))
 
     def on_failure(self, listener: Callable[[str], object]) -> None:
         """Call `listener(message)` (from a monitor thread) when a worker this rank started exits unasked."""
@@ -234,10 +290,14 @@ class RankGroup:
             logger.debug("destroy_process_group failed", exc_info=True)
 
     # ------------------------------------------------------------ workers
-    def receive(self) -> StepInputs | None:
+    def receive(self) -> StepInputs | LoRACommand | None:
         box = [None]
         dist.broadcast_object_list(box, src=0, group=self.control_group)
         return box[0]
+
+    def reply(self, answer: str | None) -> None:
+        """A worker's answer to rank 0's last command (RankGroup.command)."""
+        dist.gather_object(answer, None, dst=0, group=self.control_group)
 
 
 def start_ranks(spec: WorkerSpec, rank: int = 0) -> RankGroup:
@@ -322,7 +382,10 @@ def serve_steps(group: RankGroup, spec: WorkerSpec) -> None:
     freeze_heap()  # this process holds its model for its whole life (engine/heap.py)
     try:
         while (inputs := group.receive()) is not None:
-            runner.forward_logits(inputs)
+            if isinstance(inputs, LoRACommand):
+                group.reply(run_lora_command(runner.model, inputs, runner.lora_dtype))
+            else:
+                runner.forward_logits(inputs)
     except Exception as e:  # rank 0 is gone or failed: nothing to serve
         logger.error("rank %d: stopping: %s: %s", group.rank, type(e).__name__, e)
         os._exit(1)

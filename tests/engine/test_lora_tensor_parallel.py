@@ -42,3 +42,37 @@ def test_tp2_adapters_and_base_mixed_match_peft(arch, tmp_path):
         results = llm.generate([p for p, _ in jobs], [greedy(name) for _, name in jobs])
     for (prompt, name), result in zip(jobs, results):
         check(result, reference(arch, None if name is None else adapters[name], prompt))
+
+
+def test_tp2_adapters_loaded_and_unloaded_while_serving_reach_every_rank(tmp_path):
+    """Runtime loads go to the workers over the control channel, between steps: each rank attaches its
+    part, or (a worker that cannot read the adapter) none does and the engine serves on; an unload
+    frees the slot on every rank, so the next adapter in it is that adapter alone."""
+    import shutil
+
+    arch = "llama"
+    checkpoint = str(save_checkpoint(make_hf_model(arch), tmp_path / "base"))
+    first = make_adapter(arch, tmp_path / "first", seed=1)
+    second = make_adapter(arch, tmp_path / "second", seed=2, targets=["k_proj", "o_proj", "up_proj", "down_proj"])
+    doomed = shutil.copytree(first, tmp_path / "doomed")
+    with LLM(checkpoint, dtype="float32", tensor_parallel_size=2, num_kv_blocks=128, block_size=4, max_loras=2) as llm:
+        engine = llm.engine
+        engine.load_lora_adapter(engine.runner.prepare_lora("first", first))
+        jobs = [(prompt, name) for prompt in PROMPTS[:2] for name in (None, "first")]
+        results = llm.generate([p for p, _ in jobs], [greedy(name) for _, name in jobs])
+        for (prompt, name), result in zip(jobs, results):
+            check(result, reference(arch, first if name else None, prompt))
+
+        prepared = engine.runner.prepare_lora("doomed", str(doomed))  # rank 0 read it; the workers cannot
+        shutil.rmtree(doomed)
+        with pytest.raises(ValueError, match="tensor-parallel rank 1 could not load LoRA adapter 'doomed'.*no such"):
+            engine.load_lora_adapter(prepared)
+        assert set(engine.runner.lora_slots) == {"first"}
+
+        engine.unload_lora_adapter("first")
+        engine.load_lora_adapter(engine.runner.prepare_lora("second", second))
+        assert engine.runner.lora_slots == {"second": 1}  # the slot "first" (and "doomed") held, on every rank
+        jobs = [(prompt, name) for prompt in PROMPTS[:2] for name in (None, "second")]
+        results = llm.generate([p for p, _ in jobs], [greedy(name) for _, name in jobs])
+        for (prompt, name), result in zip(jobs, results):
+            check(result, reference(arch, second if name else None, prompt))
