@@ -294,3 +294,74 @@ def test_mla_int8_latents_start_warm(tmp_path):
     [warm], stats = serve(loaded, [long], kv_cache_disk=str(tmp_path / "kv"), **config)
     same_output(warm, cold)
     assert stats.prefix_cache_disk_hits == 149 // 16 * 16
+
+
+# ------------------------------------------------------- the block manager's side
+class DictTier:
+    """A lower tier in a dict; a block read back records the key whose bytes it would hold."""
+
+    def __init__(self):
+        self.saved: dict[tuple[int, int], int] = {}
+        self.contents: dict[int, tuple[int, int]] = {}  # block id -> the key whose bytes it holds
+
+    def contains(self, key):
+        return key in self.saved
+
+    def save(self, block_id, key, wait=False):
+        self.saved[key] = block_id
+
+    def load(self, block_id, key):
+        self.contents[block_id] = key
+        return key in self.saved
+
+
+def test_evicted_blocks_go_down_and_come_back_as_hits():
+    from engine.block_manager import BlockManager
+    from engine.request import Request
+
+    tier = DictTier()
+    bm = BlockManager(num_blocks=6, block_size=4, lower_tier=tier)
+    a = Request("a", list(range(17)), SamplingParams(max_tokens=1))
+    tables = bm.allocate(a, bm.get_computed_blocks(a), 17)
+    bm.cache_blocks(a, 17)
+    bm.free(a)
+    assert tables is not None and not tier.saved
+    b = Request("b", list(range(100, 124)), SamplingParams(max_tokens=1))  # takes every block: a's evicted
+    assert bm.allocate(b, bm.get_computed_blocks(b), 24) is not None
+    assert len(tier.saved) == 4  # a's four full blocks, saved as they were evicted
+    bm.free(b)
+    again = Request("a2", list(range(17)), SamplingParams(max_tokens=1))
+    hits = bm.get_computed_blocks(again)
+    assert len(hits[0]) == 4 and all(tier.contents[block] == (0, h) for block, h in zip(hits[0], again.block_hashes))
+    assert bm.allocate(again, hits, 17) is not None and bm.audit() == []
+    assert bm.num_prefix_lower_tier_hits == 16
+
+
+def test_lora_blocks_never_leave_memory():
+    from engine.block_manager import BlockManager
+    from engine.request import Request
+
+    tier = DictTier()
+    bm = BlockManager(num_blocks=6, block_size=4, lower_tier=tier)
+    a = Request("a", list(range(17)), SamplingParams(max_tokens=1), lora_cache_key="adapter#1")
+    bm.allocate(a, bm.get_computed_blocks(a), 17)
+    bm.cache_blocks(a, 17)
+    bm.free(a)
+    b = Request("b", list(range(100, 124)), SamplingParams(max_tokens=1))
+    bm.allocate(b, bm.get_computed_blocks(b), 24)
+    bm.save_cached()
+    assert not tier.saved
+
+
+def test_no_read_back_when_the_pool_has_no_room():
+    from engine.block_manager import BlockManager
+    from engine.request import Request
+
+    tier = DictTier()
+    bm = BlockManager(num_blocks=4, block_size=4, lower_tier=tier)
+    holder = Request("h", list(range(200, 212)), SamplingParams(max_tokens=1))
+    bm.allocate(holder, [], 12)  # three of four blocks held
+    a = Request("a", list(range(17)), SamplingParams(max_tokens=1))
+    bm._hash_blocks(a)
+    tier.saved = {(0, h): 0 for h in a.block_hashes}
+    assert bm.get_computed_blocks(a) == [[]] and not tier.contents and bm.audit() == []
