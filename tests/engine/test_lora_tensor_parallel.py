@@ -76,3 +76,33 @@ def test_tp2_adapters_loaded_and_unloaded_while_serving_reach_every_rank(tmp_pat
         results = llm.generate([p for p, _ in jobs], [greedy(name) for _, name in jobs])
         for (prompt, name), result in zip(jobs, results):
             check(result, reference(arch, second if name else None, prompt))
+
+
+def test_tp2_moe_expert_adapters_match_peft(tmp_path):
+    """Qwen2-MoE's routed experts (each split along its intermediate size) and its shared expert hold
+    their part of an adapter on every rank, as the dense layers do."""
+    from tests.models.test_lora_coverage import check as check_close
+    from tests.models.test_lora_coverage import greedy as greedy_n
+    from tests.models.test_lora_coverage import make_adapter as make_adapter_over
+    from tests.models.test_lora_coverage import reference as reference_of
+    from tests.models.test_lora_coverage import with_adapter
+    from tests.models.test_lora_moe import FUSED, TARGETS, qwen_moe
+
+    checkpoint = str(save_checkpoint(qwen_moe("qwen2_moe"), tmp_path / "base"))
+    adapter = make_adapter_over(
+        qwen_moe("qwen2_moe"), tmp_path / "experts", seed=1, targets=TARGETS["qwen2_moe"], target_parameters=FUSED
+    )
+    with LLM(
+        checkpoint,
+        dtype="float32",
+        tensor_parallel_size=2,
+        num_kv_blocks=64,
+        block_size=4,
+        lora_modules=(("experts", adapter),),
+    ) as llm:
+        results = llm.generate(PROMPTS[:2] * 2, [greedy_n("experts")] * 2 + [greedy_n(None)] * 2)
+    peft_model, base = with_adapter(qwen_moe("qwen2_moe"), adapter), qwen_moe("qwen2_moe")
+    for prompt, result in zip(PROMPTS[:2], results[:2]):
+        check_close(result, reference_of(peft_model, prompt))
+    for prompt, result in zip(PROMPTS[:2], results[2:]):
+        check_close(result, reference_of(base, prompt))
