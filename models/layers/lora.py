@@ -21,6 +21,10 @@ output's rows, zeros where a projection is not adapted, so a merged layer is sti
             [ 0     0  ]   k rows (not adapted)
             [ 0    B_v ]   v rows
 
+B_cat is held transposed, with the blocks of it that are not zero (AdapterWeights): on CPU one op
+a layer (csrc/lora_ops.cpp) multiplies by A_cat and then by those blocks only, and a Llama layer
+whose step has one adapter's rows runs as one op with its adapter (models/llama.py one_op_lora).
+
 A LoRA GGUF (convert_lora_to_gguf.py's output) names its weights as the base model's GGUF does
 (blk.0.attn_q.weight.lora_a); they are renamed to the model's module paths by gguf-py's table when
 attached, and scaled as llama.cpp does: alpha / r (1 when alpha is 0).
@@ -38,7 +42,7 @@ import torch
 from torch import nn
 
 from models.layers.linear import Embedding, Linear, MergedLinear
-from models.layers.lora_weights import LoRAWeights
+from models.layers.lora_weights import AdapterWeights, LoRAWeights
 from models.layers.moe import FUSED_EXPERT_PARAMS, fused_expert_param, is_fused_expert_path, split_fused_expert_lora
 from models.layers.quantization import DenseMethod
 
@@ -239,11 +243,15 @@ def read_gguf_adapter(name: str, path: str | Path, max_rank: int) -> LoRAAdapter
         if not weight.startswith("blk.") or kind not in _GGUF_TARGETS:
             why = _GGUF_REFUSED.get(kind, f"supported: {', '.join(sorted(_GGUF_TARGETS))} of each blk.N")
             raise ValueError(f"{where}: tensor {weight!r}: no LoRA on this weight ({why})")
-        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
+        # The routed experts' (ffn_*_exps) come stacked: lora_a (E, r, in), lora_b (E, out, r).
+        stacked = kind.endswith("_exps") and a.dim() == b.dim() == 3 and a.shape[0] == b.shape[0]
+        if not stacked and (a.dim() != 2 or b.dim() != 2):
+            raise ValueError(f"{where}: {weight}: lora_a {tuple(a.shape)} and lora_b {tuple(b.shape)} are not matrices")
+        if a.shape[-2] != b.shape[-1]:
             raise ValueError(
                 f"{where}: {weight}: lora_a {tuple(a.shape)} and lora_b {tuple(b.shape)} do not share a rank"
             )
-        ranks.add(a.shape[0])
+        ranks.add(a.shape[-2])
     if len(ranks) != 1:
         raise ValueError(f"{where}: weights of different ranks {sorted(ranks)} are not supported")
     rank = ranks.pop()
@@ -268,15 +276,16 @@ _GGUF_TARGETS = (
     "attn_q_a",
     "attn_q_b",
     "attn_kv_a_mqa",
+    "ffn_gate_exps",
+    "ffn_up_exps",
+    "ffn_down_exps",
 )
 _GGUF_REFUSED = {
     "attn_kv_b": _REFUSED_MODULES["kv_b_proj"],
     "attn_k_b": _REFUSED_MODULES["k_b_proj"],
     "attn_v_b": _REFUSED_MODULES["v_b_proj"],
-    "ffn_gate_exps": "adapters on MoE experts",
-    "ffn_up_exps": "adapters on MoE experts",
-    "ffn_down_exps": "adapters on MoE experts",
 }
+_EXPERT_PATH = re.compile(r"(.+\.experts)\.\d+\.(gate_proj|up_proj|down_proj)$")  # one expert's layer
 
 
 def _from_gguf(adapter: LoRAAdapter, model: nn.Module, module_paths: list[str]) -> _Pairs:
@@ -291,12 +300,22 @@ def _from_gguf(adapter: LoRAAdapter, model: nn.Module, module_paths: list[str]) 
             f"{where}: the adapter is for architecture {adapter.gguf_arch!r}, "
             f"the model is {base_arch or getattr(config, 'model_type', None)!r}"
         )
-    names = lora_target_names(adapter.gguf_arch, module_paths, config.num_hidden_layers)
+    # gguf-py names the experts' layers all at once (mlp.experts.gate_proj -> ffn_gate_exps)
+    experts = {f"{m[1]}.{m[2]}": m[1] for m in map(_EXPERT_PATH.match, module_paths) if m is not None}
+    names = lora_target_names(adapter.gguf_arch, [*module_paths, *experts], config.num_hidden_layers)
     weights = {}
     for weight, (a, b) in adapter.weights.items():
         if weight not in names:
             raise ValueError(f"{where}: the model has no layer for tensor {weight!r}")
-        weights[names[weight]] = (a, lora_b_rows(adapter.gguf_arch, config, weight, b))
+        module = names[weight]
+        if module not in experts:
+            weights[module] = (a, lora_b_rows(adapter.gguf_arch, config, weight, b))
+            continue
+        if a.dim() != 3:
+            raise ValueError(f"{where}: {weight}: lora_a {tuple(a.shape)} is not stacked by expert")
+        projection = module.rpartition(".")[2]
+        for index in range(a.shape[0]):  # the experts' FFN rows are as stored: nothing to reorder
+            weights[f"{experts[module]}.{index}.{projection}"] = (a[index], b[index])
     return weights
 
 
@@ -322,7 +341,7 @@ class PreparedLoRA:
     assigns, so a server may prepare it beside running steps and install it between two."""
 
     name: str
-    layers: tuple[tuple[Linear, tuple[torch.Tensor, torch.Tensor, float]], ...]
+    layers: tuple[tuple[Linear, AdapterWeights], ...]
     path: str = ""  # where it was read (tensor-parallel workers read it there too: engine/parallel.py)
 
     def install(self, slot: int) -> None:
@@ -423,14 +442,18 @@ def remove_lora_adapter(model: nn.Module, slot: int) -> None:
 
 def _stack(
     layer: Linear, parts: list[tuple[str | None, torch.Tensor, torch.Tensor]], scale: float, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """One layer's A_cat and B_cat (see the module docstring), on the layer's device."""
+) -> AdapterWeights:
+    """One layer's A_cat and B_cat (see the module docstring), B_cat held transposed, on the layer's
+    device, with the blocks of it that are not zero."""
     device = next(t for t in (layer.bias, getattr(layer, layer.weight_param_names()[0])) if t is not None).device
     a_cat = torch.cat([a for _, a, _ in parts]).to(device=device, dtype=dtype)  # (R, in)
-    b_cat = torch.zeros(layer.out_features, a_cat.shape[0], dtype=dtype, device=device)  # (out, R)
+    bt_cat = torch.zeros(a_cat.shape[0], layer.out_features, dtype=dtype, device=device)  # (R, out)
+    blocks: list[int] = []
     col = 0
     for shard, a, b in parts:
-        rows = layer.shard_rows(shard) if shard is not None else slice(None)
-        b_cat[rows, col : col + a.shape[0]] = b.to(dtype)
+        rows = layer.shard_rows(shard) if isinstance(layer, MergedLinear) and shard is not None else slice(None)
+        first, stop, _ = rows.indices(layer.out_features)
+        bt_cat[col : col + a.shape[0], first:stop] = b.t().to(dtype)
+        blocks += [first, stop - first, col, a.shape[0]]
         col += a.shape[0]
-    return a_cat, b_cat, scale
+    return AdapterWeights(a_cat, bt_cat, scale, tuple(blocks))

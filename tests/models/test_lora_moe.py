@@ -149,3 +149,28 @@ def test_an_expert_adapter_of_the_wrong_shape_is_refused_by_name(tmp_path):
     open(f"{adapter}/adapter_config.json", "w").write(json.dumps(config))
     with pytest.raises(ValueError, match="target_parameters=.*is not supported \\(only MoE experts' fused"):
         LLM(str(checkpoint), dtype="float32", num_kv_blocks=32, lora_modules=(("a", adapter),))
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe"])
+def test_a_gguf_of_expert_adapters_serves_its_peft_twins_tokens(arch, tmp_path):
+    """llama.cpp's convert_lora_to_gguf.py (tests/models/llama_cpp.py) on the per-expert form stacks
+    each layer's experts (ffn_*_exps: lora_a (E, r, in), lora_b (E, out, r)); served, it gives the
+    PEFT directory's tokens and logprobs, and peft's."""
+    from tests.models.llama_cpp import convert_lora
+
+    checkpoint = save_checkpoint(MODELS[arch](), tmp_path / "base")
+    fused = make_adapter(MODELS[arch](), tmp_path / "fused", seed=1, targets=TARGETS[arch], target_parameters=FUSED)
+    v4 = per_expert_form(fused, tmp_path / "v4")
+    gguf = convert_lora(checkpoint, tmp_path / "v4", tmp_path / "experts.gguf")
+    llm = LLM(
+        str(checkpoint),
+        dtype="float32",
+        num_kv_blocks=64,
+        block_size=4,
+        lora_modules=(("gguf", str(gguf)), ("peft", v4)),
+    )
+    from_gguf, from_peft = llm.generate(PROMPTS[:1] * 2, [greedy("gguf"), greedy("peft")])
+    check(from_gguf, reference(with_adapter(MODELS[arch](), fused), PROMPTS[0]))
+    assert [lp.logprob for lp in from_gguf.logprobs] == pytest.approx(
+        [lp.logprob for lp in from_peft.logprobs], abs=1e-6
+    )
