@@ -407,7 +407,7 @@ def _split_fused_experts(
         num_experts = sum(p.startswith(f"{experts}.") and p.endswith(".down_proj") for p in linears)
         if not num_experts:
             raise ValueError(f"{where}: the model has no layer {module}")
-        if a.dim() != 2 or a.shape[0] % num_experts or a.shape[0] // num_experts > 2 * adapter.rank:
+        if a.dim() != 2 or a.shape[0] % num_experts or not 0 < a.shape[0] // num_experts <= 2 * adapter.rank:
             raise ValueError(
                 f"{where}: {module}: lora_A {tuple(a.shape)} is not {num_experts} experts of rank {adapter.rank}"
             )

@@ -144,6 +144,12 @@ def test_an_expert_adapter_of_the_wrong_shape_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match=r"the model has no layer model\.layers\.0\.mlp\.experts\.9\.down_proj"):
         LLM(str(checkpoint), dtype="float32", num_kv_blocks=32, lora_modules=(("v4", v4),))
     shutil.rmtree(v4)
+    fused = load_file(f"{adapter}/adapter_model.safetensors")
+    key = "base_model.model.model.layers.1.mlp.experts.lora_A.weight"  # down_proj's: 4 experts of rank 4
+    save_file({**fused, key: fused[key][:-1].clone()}, f"{adapter}/adapter_model.safetensors")
+    with pytest.raises(ValueError, match=r"layers\.1\.mlp\.experts\.down_proj: lora_A \(15, 16\) is not 4 experts"):
+        LLM(str(checkpoint), dtype="float32", num_kv_blocks=32, lora_modules=(("a", adapter),))
+    save_file(fused, f"{adapter}/adapter_model.safetensors")
     config = json.loads(open(f"{adapter}/adapter_config.json").read())
     config["target_parameters"] = ["mlp.gate.weight"]
     open(f"{adapter}/adapter_config.json", "w").write(json.dumps(config))
