@@ -13,7 +13,8 @@ from typing import TypeVar
 
 from loadtest.benchmark import run_benchmark, run_sweep
 from loadtest.config import BenchmarkConfig
-from loadtest.report import format_sweep_table, format_table, plot, require_matplotlib, write_json
+from loadtest.multi_turn import run_multi_turn
+from loadtest.report import format_sweep_table, format_table, format_turn_table, plot, require_matplotlib, write_json
 
 EXAMPLES = """examples:
   # closed loop, 16 in flight, 512-token prompts, exactly 128 output tokens
@@ -26,6 +27,12 @@ EXAMPLES = """examples:
   # open loop: Poisson arrivals at 8 req/s for at most 60 s, goodput under SLOs
   python -m loadtest --url http://127.0.0.1:8000 --model M --request-rate 8 --duration 60 \\
       --slo-ttft 500 --slo-tpot 50
+
+  # multi-turn chats: 8 conversations of 4 turns over one 1000-token system prompt, TTFT by turn;
+  # then the same requests again after the server is restarted by a command
+  python -m loadtest --url http://127.0.0.1:8000 --model M --endpoint chat --workload multi-turn \\
+      --conversations 8 --turns 4 --system-prompt-tokens 1000 --input-len 64 --output-len 32 \\
+      --restart-cmd "systemctl restart pagedserve"
 
   # prefix caching: 4 shared 256-token prefixes (hit rate 1 - 4/200), a tenth of streams cut
   python -m loadtest --url http://127.0.0.1:8000 --model M --concurrency 8 --num-requests 200 \\
@@ -116,6 +123,30 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="JSON",
         help='fields merged into every request, e.g. \'{"response_format": {"type": "json_object"}}\'',
     )
+    work.add_argument(
+        "--workload",
+        choices=["single-turn", "multi-turn"],
+        default="single-turn",
+        help="multi-turn: conversations over a shared system prompt, each turn sent after the previous "
+        "reply arrived (--input-len is then each user message's tokens); the report adds TTFT by turn",
+    )
+    work.add_argument(
+        "--conversations", type=int, default=8, help="multi-turn: conversations (in flight: --concurrency)"
+    )
+    work.add_argument("--turns", type=int, default=4, help="multi-turn: user messages a conversation")
+    work.add_argument("--system-prompt-tokens", type=int, default=1000, help="multi-turn: the shared system prompt")
+    work.add_argument(
+        "--replay",
+        action="store_true",
+        help="multi-turn: then send the same requests again (the first pass's replies as history)",
+    )
+    work.add_argument(
+        "--restart-cmd",
+        metavar="CMD",
+        help="multi-turn: a shell command run between the pass and its replay (e.g. one that restarts the "
+        "server); it must exit 0, then the server is waited for on /health (--restart-timeout)",
+    )
+    work.add_argument("--restart-timeout", type=float, default=600.0, help="seconds to wait for /health after it")
     work.add_argument("--disconnect-fraction", type=float, default=0.0, help="close this fraction of streams mid-way")
 
     out = p.add_argument_group("results")
@@ -176,7 +207,28 @@ def _run(args: argparse.Namespace) -> int:
         server_metrics=not args.no_server_metrics,
         idle_timeout=args.idle_timeout,
         progress=not args.quiet,
+        workload=args.workload,
+        conversations=args.conversations,
+        turns=args.turns,
+        system_prompt_tokens=args.system_prompt_tokens,
+        replay=args.replay,
+        restart_cmd=args.restart_cmd,
+        restart_timeout=args.restart_timeout,
     )
+    if config.workload == "multi-turn":
+        if len(concurrency) > 1 or len(rates) > 1:
+            raise ValueError("--workload multi-turn runs one load point: no --concurrency or --request-rate sweep")
+        result = asyncio.run(run_multi_turn(config))
+        print(format_table(result))
+        print(format_turn_table(result))
+        if result["replay"] is not None:
+            print(f"replay{' after --restart-cmd' if config.restart_cmd else ''}:")
+            print(format_table(result["replay"]))
+        if args.json:
+            write_json(result, args.json)
+        if args.plot:
+            plot(result, args.plot)
+        return 0 if result["summary"]["completed"] else 1
     if len(concurrency) > 1 or len(rates) > 1:
         field, values = ("concurrency", concurrency) if len(concurrency) > 1 else ("request_rate", rates)
         result = asyncio.run(run_sweep(config, field, values))

@@ -43,6 +43,7 @@ class RequestRecord:
     error: str = ""
     violations: list[str] = field(default_factory=list)
     stale_retries: int = 0  # sends that met a kept-alive connection the server had closed (see send_request)
+    text: str = ""  # the generated text as streamed (a multi-turn conversation's next history)
 
     @property
     def itl(self) -> list[float]:
@@ -140,6 +141,7 @@ async def send_request(
 
 def _measure(record: RequestRecord, validator: StreamValidator, end: float) -> None:
     record.chunk_times = [t - record.start for t in validator.content_times]
+    record.text = "".join(validator.content)
     record.ttft = record.chunk_times[0] if record.chunk_times else None
     record.e2e = end - record.start
 

@@ -10,6 +10,7 @@ import math
 from dataclasses import asdict, dataclass
 
 ENDPOINTS = ("completions", "chat")
+WORKLOADS = ("single-turn", "multi-turn")
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,18 @@ class BenchmarkConfig:
     extra_body: dict | None = None  # merged into every request body (e.g. response_format)
 
     disconnect_fraction: float = 0.0  # chaos: close this fraction of streams mid-way
+
+    # multi-turn: `conversations` conversations of `turns` user messages of `input_len` tokens, after
+    # one shared system prompt of `system_prompt_tokens`; each turn is sent once the previous reply
+    # has arrived. `replay`: then the same requests again (the first pass's replies as history),
+    # after `restart_cmd` (a shell command that restarts the server) if given.
+    workload: str = "single-turn"
+    conversations: int = 8
+    turns: int = 4
+    system_prompt_tokens: int = 1000
+    replay: bool = False
+    restart_cmd: str | None = None
+    restart_timeout: float = 600.0  # seconds for the server to answer /health after restart_cmd
 
     # Goodput SLOs, milliseconds.
     slo_ttft_ms: float | None = None
@@ -93,6 +106,19 @@ class BenchmarkConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"--{name[:-3].replace('_', '-')} must be > 0, got {value}")
+        if self.workload not in WORKLOADS:
+            raise ValueError(f"--workload must be one of {WORKLOADS}, got {self.workload!r}")
+        if self.workload == "multi-turn":
+            if self.conversations < 1 or self.turns < 1 or self.system_prompt_tokens < 0:
+                raise ValueError("--conversations and --turns must be >= 1, --system-prompt-tokens >= 0")
+            if self.dataset is not None or self.prefix_len > 0 or self.disconnect_fraction > 0:
+                raise ValueError(
+                    "--workload multi-turn builds its own prompts: no --dataset, --prefix-len, --disconnect-fraction"
+                )
+        elif self.replay or self.restart_cmd:
+            raise ValueError("--replay and --restart-cmd replay conversations: they need --workload multi-turn")
+        if not self.restart_timeout > 0:
+            raise ValueError(f"--restart-timeout must be > 0, got {self.restart_timeout}")
         if not self.request_timeout > 0 or self.idle_timeout < 0:
             raise ValueError("--request-timeout must be > 0 and --idle-timeout >= 0")
 

@@ -111,6 +111,27 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def format_turn_table(result: dict) -> str:
+    """A multi-turn run's TTFT by turn index (loadtest.multi_turn), and its replay's beside it."""
+    replay = result.get("replay")
+    header = f"{'turn':>4} {'done':>5} {'prompt tok':>10} {'TTFT p50':>9} {'TTFT mean':>9}"
+    if replay:
+        header += f" {'replay p50':>10} {'replay mean':>11} {'replay/first':>12}"
+    lines = [" TTFT by turn (ms) ".center(len(header), "-"), header]
+    for i, t in enumerate(result["turns"]):
+        line = (
+            f"{t['turn']:>4} {t['completed']:>5} {_fmt(t['mean_prompt_tokens'], 0):>10} "
+            f"{_fmt(t['ttft_ms']['p50'], 1):>9} {_fmt(t['ttft_ms']['mean'], 1):>9}"
+        )
+        if replay:
+            r = replay["turns"][i]["ttft_ms"]
+            first = t["ttft_ms"]["p50"]
+            ratio = r["p50"] / first if r["p50"] is not None and first else None
+            line += f" {_fmt(r['p50'], 1):>10} {_fmt(r['mean'], 1):>11} {_fmt(ratio, 3):>12}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
 def format_sweep_table(sweep: dict) -> str:
     """One row per sweep point."""
     header = (

@@ -107,6 +107,7 @@ class StreamValidator:
     done: bool = False
     usage: dict | None = None
     content_times: list[float] = field(default_factory=list)  # arrival of each content-bearing chunk
+    content: list[str] = field(default_factory=list)  # the text of each content-bearing chunk
     finish_reason: str | None = None
     error_message: str | None = None
 
@@ -148,8 +149,9 @@ class StreamValidator:
             if not isinstance(choice, dict):
                 self._violation(BAD_CHUNK)
                 continue
-            if _content(choice, self.endpoint):
+            if text := _content(choice, self.endpoint):
                 self.content_times.append(event.time)
+                self.content.append(text)
             if choice.get("finish_reason"):
                 self.finish_reason = choice["finish_reason"]
 

@@ -248,3 +248,52 @@ async def dataset_workload(
             prompt_len = len(prompt)
         specs.append(RequestSpec(i, prompt, prompt_len, int(row.get("output_len", output_len))))
     return Workload(specs, tokenizer.name if tokenizer else "none")
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """One multi-turn chat: the system prompt every conversation shares, then its user messages, each
+    sent once the reply to the one before has arrived (the replies become the history)."""
+
+    index: int
+    system: str
+    users: list[str]
+    output_len: int
+
+
+async def multi_turn_workload(
+    tokenizer: Tokenizer, num_conversations: int, turns: int, system_len: int, user_len: int, output_len: int, seed: int
+) -> list[Conversation]:
+    """`num_conversations` conversations of `turns` user messages of `user_len` tokens each, after one
+    shared system prompt of `system_len` tokens (none at 0): the long prefix every request repeats."""
+    pool = await token_pool(tokenizer)
+    system = ""
+    if system_len > 0:
+        system, _ = await fit_prompt(tokenizer, pool, system_len + pool.num_special, random.Random(f"{seed}:system"))
+    semaphore = asyncio.Semaphore(_TOKENIZE_CONCURRENCY)
+
+    async def user(c: int, t: int) -> str:
+        async with semaphore:
+            text, _ = await fit_prompt(tokenizer, pool, user_len + pool.num_special, random.Random(f"{seed}:{c}:{t}"))
+        return text
+
+    messages = await asyncio.gather(*(user(c, t) for c in range(num_conversations) for t in range(turns)))
+    return [
+        Conversation(c, system, list(messages[c * turns : (c + 1) * turns]), output_len)
+        for c in range(num_conversations)
+    ]
+
+
+def conversation_prompt(conversation: Conversation, replies: list[str], endpoint: str) -> str | list[dict]:
+    """The request of turn len(replies): the system prompt, every earlier user message and its reply,
+    then this turn's user message; chat messages, or one text in a plain User/Assistant framing."""
+    turn = len(replies)
+    if endpoint == "chat":
+        messages = [{"role": "system", "content": conversation.system}] if conversation.system else []
+        for user, reply in zip(conversation.users[:turn], replies):
+            messages += [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
+        return messages + [{"role": "user", "content": conversation.users[turn]}]
+    text = conversation.system + "\n\n" if conversation.system else ""
+    for user, reply in zip(conversation.users[:turn], replies):
+        text += f"User: {user}\nAssistant:{reply}\n\n"
+    return text + f"User: {conversation.users[turn]}\nAssistant:"
