@@ -23,6 +23,7 @@ round's ratio compares two runs seconds apart, and the report is the median over
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import time
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"model {args.model} {loaded.config.dtype} weights {loaded.quantization}, threads {torch.get_num_threads()}, "
         f"{args.adapters} adapters rank {args.rank} on {args.targets}, {args.rounds} rounds x {args.repeats} steps, "
-        f"{args.clock} clock"
+        f"{args.clock} clock, load average {_load()}"
     )
     print(f"{'step':<14}{'median ms':>10}{'tok/s':>9}{'lora/base tok/s':>17}{'lora/base ms':>14}")
     rng = random.Random(0)
@@ -136,6 +137,12 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{f'b{n} base':<14}{base:>10.2f}{n * 1e3 / base:>9.1f}")
             print(f"{f'b{n} lora':<14}{lora:>10.2f}{n * 1e3 / lora:>9.1f}")
             print(f"{f'b{n} ratio':<14}{'':>19}{1 / ratio:>17.3f}{ratio:>14.3f}", flush=True)
+    print(f"load average {_load()}")
+
+
+def _load() -> str:
+    """The 1, 5 and 15 minute load averages (what `uptime` prints): the figures' context on a shared machine."""
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 if __name__ == "__main__":

@@ -112,6 +112,11 @@ class DecoderLayer(nn.Module):
         None: module by module. A model class with a one-op form overrides both."""
         return None
 
+    def one_op_lora(self, slot: int) -> tuple | None:
+        """The adapter in `slot` as `call_one_op` adds it (its `lora`, less the rows), where this
+        layer's one-op form has adapters; None: module by module."""
+        return None
+
     @staticmethod
     def call_one_op(
         x: torch.Tensor,
@@ -119,6 +124,7 @@ class DecoderLayer(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
+        lora: tuple | None = None,
     ) -> torch.Tensor:
         raise NotImplementedError
 
@@ -168,11 +174,25 @@ class DecoderModel(nn.Module):
                 x = layer(ropes[layer.layer_type], x, kv_cache, meta)
             return self.norm(x)
         rope = self.rotary_emb.cos_sin(positions, x.dtype)  # once per step, not once per layer
-        stack = None if attn_metadata.kernels.lora is not None else self._one_ops(x, kv_caches)
+        lora = attn_metadata.kernels.lora  # one adapter's rows (and the base's) can take the one op too
+        stack = self._one_ops(x, kv_caches) if lora is None or len(lora.groups) == 1 else None
         if stack is not None:  # every layer one kernel call, without the modules' Python between them
             call = type(layers[0]).call_one_op
-            for args, kv_cache, meta in zip(stack, kv_caches, metas, strict=True):
-                x = call(x, args, rope, kv_cache, meta)
+            if lora is None:
+                for args, kv_cache, meta in zip(stack, kv_caches, metas, strict=True):
+                    x = call(x, args, rope, kv_cache, meta)
+                return self.norm(x)
+            slot, rows = lora.groups[0]
+            picked = rows  # the op takes a row list, or None for all of them
+            if isinstance(rows, slice):
+                picked = None if rows.indices(x.shape[0])[:2] == (0, x.shape[0]) else torch.arange(x.shape[0])[rows]
+            for layer, args, kv_cache, meta in zip(layers, stack, kv_caches, metas, strict=True):
+                adapter = layer.one_op_lora(slot)
+                x = (
+                    layer(rope, x, kv_cache, meta)
+                    if adapter is None
+                    else call(x, args, rope, kv_cache, meta, (*adapter, picked))
+                )
             return self.norm(x)
         for layer, kv_cache, meta in zip(layers, kv_caches, metas, strict=True):
             x = layer(rope, x, kv_cache, meta)

@@ -141,12 +141,28 @@ class LlamaDecoderLayer(DecoderLayer):
         rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
+        lora: tuple | None = None,
     ) -> torch.Tensor:
         # The same kernels in the same order as the modules below, in one call: bit-identical
-        # results without ~14 ops' worth of Python and dispatch (csrc/decoder_layer.cpp).
+        # results without ~14 ops' worth of Python and dispatch (csrc/decoder_layer.cpp; with an
+        # adapter's rows, csrc/lora_ops.cpp).
         layer: _OneOpLayer
         layer, scale, window = args
         meta = attn_metadata
+        if lora is not None:
+            return torch.ops.pagedserve.llama_decoder_layer_lora(
+                x,
+                *layer,
+                *rope,
+                kv_cache,
+                meta.slot_mapping,
+                meta.block_table,
+                meta.seq_lens,
+                meta.query_start,
+                scale,
+                window if window is not None else 0,
+                *lora,
+            )
         return cpu_kernels.llama_decoder_layer(
             x,
             *layer,
@@ -171,6 +187,27 @@ class LlamaDecoderLayer(DecoderLayer):
         if self._one_op is None:  # the kernels are loaded by now (kernel_serves)
             self._one_op = self._gather_one_op_args() or ()
         return self._one_op or None
+
+    def one_op_lora(self, slot: int) -> tuple | None:
+        """Per projection (qkv, o, gate_up, down) the adapter's A_cat and B_cat^T (None, None where
+        it adds nothing), its blocks ([count, then o, n, c, r each]) and scale: as the modules add it."""
+        if not hasattr(torch.ops.pagedserve, "llama_decoder_layer_lora"):
+            return None
+        tensors: list[torch.Tensor | None] = []
+        blocks: list[int] = []
+        scales: list[float] = []
+        attn, mlp = self.self_attn, self.mlp
+        for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            found = None if linear.lora is None else linear.lora.slots.get(slot)
+            if found is None:
+                tensors += [None, None]
+                blocks.append(0)
+                scales.append(0.0)
+            else:
+                tensors += [found.a, found.bt]
+                blocks += [len(found.blocks) // 4, *found.blocks]
+                scales.append(found.scale)
+        return tensors, blocks, scales
 
     def _gather_one_op_args(self) -> tuple | None:
         attn = self.self_attn

@@ -51,6 +51,7 @@ _SOURCES = [
         "decode_ops.cpp",
         "decoder_layer.cpp",
         "rows_matmul.cpp",
+        "lora_ops.cpp",
     )
 ]
 _HEADERS = [Path(__file__).parent / "csrc" / "vec8.h"]  # not compiled alone; a build is stale when one is newer

@@ -4,6 +4,7 @@ kernels hold, apart from models/layers/lora.py (which reads adapters and imports
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -47,13 +48,24 @@ class LoRABatch:
         return slots
 
 
+class AdapterWeights(NamedTuple):
+    """One adapter of one Linear: A_cat (R, in) and B_cat transposed, `bt` (R, out), zeros where a
+    merged layer's projection is not adapted; `blocks` the parts of bt that are not, (o, n, c, r)
+    each: outputs o .. o+n from ranks c .. c+r (csrc/lora_ops.cpp reads only those)."""
+
+    a: torch.Tensor
+    bt: torch.Tensor
+    scale: float
+    blocks: tuple[int, ...]
+
+
 class LoRAWeights:
-    """The adapters of one Linear: per slot, A_cat (R, in), B_cat (out, R) and the scale."""
+    """The adapters of one Linear, by slot."""
 
     def __init__(self, row_invariant: bool = False):
-        self.slots: dict[int, tuple[torch.Tensor, torch.Tensor, float]] = {}
+        self.slots: dict[int, AdapterWeights] = {}
         # The base layer computes each row alone (quantized kernels, --batch-invariant): so do the
-        # adapter's products, on CPU (rows_matmul); else torch's GEMMs, faster from tens of rows.
+        # adapter's products, on CPU (csrc/lora_ops.cpp); else torch's GEMMs, faster from tens of rows.
         self.row_invariant = row_invariant
 
     def apply(self, x: torch.Tensor, out: torch.Tensor, batch: LoRABatch | None) -> torch.Tensor:
@@ -64,15 +76,21 @@ class LoRAWeights:
             found = self.slots.get(slot)
             if found is None:  # this adapter leaves the layer alone
                 continue
-            a, b, scale = found
+            a, bt, scale, blocks = found
             if self.row_invariant and x.device.type == "cpu" and cpu_kernels.available():
                 # Each row summed in an order of its own: an adapter's row is the same whatever the
                 # step's size (speculative verification, batching), as the base layer's rows are.
+                if out.dtype == torch.float32 and hasattr(torch.ops.pagedserve, "lora_add"):
+                    if isinstance(rows, slice):  # views of the rows: no gather
+                        torch.ops.pagedserve.lora_add(out[rows], x[rows], None, a, bt, blocks, scale)
+                    else:
+                        torch.ops.pagedserve.lora_add(out, x, rows, a, bt, blocks, scale)
+                    continue
                 hidden = cpu_kernels.rows_matmul(x[rows], a, kn=False)  # (num_rows, R) float32
-                delta = cpu_kernels.rows_matmul(hidden, b, kn=False) * scale  # PEFT's order: B(A x) * scale
+                delta = cpu_kernels.rows_matmul(hidden, bt, kn=True) * scale  # PEFT's order: B(A x) * scale
             else:
                 x_rows = x[rows].to(a.dtype)  # (num_rows, in)
-                delta = ((x_rows @ a.t()) @ b.t()) * scale  # (num_rows, out), PEFT's order: B(A x) * scale
+                delta = ((x_rows @ a.t()) @ bt) * scale  # (num_rows, out), PEFT's order: B(A x) * scale
             if isinstance(rows, slice):
                 out[rows] += delta.to(out.dtype)
             else:
