@@ -183,9 +183,11 @@ class DecoderModel(nn.Module):
                     x = call(x, args, rope, kv_cache, meta)
                 return self.norm(x)
             slot, rows = lora.groups[0]
-            picked = rows  # the op takes a row list, or None for all of them
-            if isinstance(rows, slice):
-                picked = None if rows.indices(x.shape[0])[:2] == (0, x.shape[0]) else torch.arange(x.shape[0])[rows]
+            picked: torch.Tensor | None = None  # the op takes a row list, or None for all of them
+            if not isinstance(rows, slice):
+                picked = rows
+            elif rows.indices(x.shape[0])[:2] != (0, x.shape[0]):
+                picked = torch.arange(x.shape[0])[rows]
             for layer, args, kv_cache, meta in zip(layers, stack, kv_caches, metas, strict=True):
                 adapter = layer.one_op_lora(slot)
                 x = (
