@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from models.layers.lora_weights import LoRAWeights
 
 PARALLEL_MODES = (None, "column", "row")
+Checkpoint = torch.Tensor | QuantizedWeight  # a checkpoint tensor, as stored or quantized
 
 
 class Linear(nn.Module):
@@ -39,6 +40,7 @@ class Linear(nn.Module):
     caller reduces a sum of several, as MoE does).
     """
 
+    weight: torch.Tensor  # the dense method's; other methods hold theirs (quant_method.weight_names())
     packed_weight: torch.Tensor | None = None
     lora: LoRAWeights | None = None  # its LoRA adapters (models/layers/lora.py); None: none touches it
 
@@ -96,26 +98,30 @@ class Linear(nn.Module):
 
     forward = linear
 
-    def load_weight(self, weight, name: str, rows: slice = slice(None), part: tuple[slice, int] | None = None) -> None:
+    def load_weight(
+        self, weight: Checkpoint, name: str, rows: slice = slice(None), part: tuple[slice, int] | None = None
+    ) -> None:
         """Copy a checkpoint weight (a tensor or a QuantizedWeight) into rows `rows` of W:
         this rank's part of it (`part`: its output rows in `weight` and the rows `weight`
         has; default `out_part` of the layer's checkpoint rows)."""
         self.quant_method.load(self, rows, self.rank_part(weight, name, part), name)
 
     def load_bias(
-        self, bias: torch.Tensor, name: str, rows: slice = slice(None), part: tuple[slice, int] | None = None
+        self, bias: Checkpoint, name: str, rows: slice = slice(None), part: tuple[slice, int] | None = None
     ) -> None:
         if self.bias is None:
             raise ValueError(f"tensor {name!r}: the layer has no bias")
         if self.parallel == "column" or part is not None:
-            bias = _narrow_rows(bias, *(part or (self.out_part, self.checkpoint_out_features)), name)
+            own, num_rows = part or (self.out_part, self.checkpoint_out_features)
+            bias = _narrow_rows(bias, own, num_rows, name)
         copy_weight(self.bias[rows], bias, name)
 
-    def rank_part(self, weight, name: str, part: tuple[slice, int] | None = None):
+    def rank_part(self, weight: Checkpoint, name: str, part: tuple[slice, int] | None = None) -> Checkpoint:
         """This rank's part of a checkpoint weight: its output rows (column-parallel) or its
         input columns (row-parallel: whole quantization groups only)."""
         if self.parallel == "column" or part is not None:
-            weight = _narrow_rows(weight, *(part or (self.out_part, self.checkpoint_out_features)), name)
+            own, num_rows = part or (self.out_part, self.checkpoint_out_features)
+            weight = _narrow_rows(weight, own, num_rows, name)
         if self.parallel == "row":
             if not isinstance(weight, QuantizedWeight) and hasattr(self.quant_method, "quantize"):
                 # Quantized at load: the whole weight, as one rank would, then this rank's inputs
@@ -151,7 +157,7 @@ class Embedding(Linear):
             tp_state.current().split(num_embeddings, "vocab_size")  # the error names it
         super().__init__(embedding_dim, num_embeddings, bias=False, parallel=parallel)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]  # looks rows up
         if self.parallel is None:
             return self.quant_method.embedding(self, ids)
         # This rank's rows of the vocabulary; the other ids look up zeros, and the all-reduce
@@ -256,12 +262,12 @@ class MergedLinear(Linear):
     def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return out.split(list(self.shard_sizes.values()), dim=-1)
 
-    def load_shard(self, shard: str, weight, name: str) -> None:
+    def load_shard(self, shard: str, weight: Checkpoint, name: str) -> None:
         """Checkpoint projection `shard` (its whole weight) into this rank's rows of it."""
         part = (self.shard_parts[shard], self.checkpoint_shard_sizes[shard])
         self.load_weight(weight, name, self.shard_rows(shard), part)
 
-    def load_shard_bias(self, shard: str, bias: torch.Tensor, name: str) -> None:
+    def load_shard_bias(self, shard: str, bias: Checkpoint, name: str) -> None:
         part = (self.shard_parts[shard], self.checkpoint_shard_sizes[shard])
         self.load_bias(bias, name, self.shard_rows(shard), part)
 
@@ -270,7 +276,7 @@ def _length(part: slice) -> int:
     return part.stop - part.start
 
 
-def _narrow_rows(weight, part: slice, expected_rows: int, name: str):
+def _narrow_rows(weight: Checkpoint, part: slice, expected_rows: int, name: str) -> Checkpoint:
     if weight.shape[0] != expected_rows:
         expected = (expected_rows, *tuple(weight.shape)[1:])
         raise ValueError(f"tensor {name!r}: checkpoint shape {tuple(weight.shape)} != model shape {expected}")
@@ -282,7 +288,7 @@ def _check_columns(weight: torch.Tensor, expected: int, name: str) -> None:
         raise ValueError(f"tensor {name!r}: checkpoint shape {tuple(weight.shape)}, expected {expected} columns")
 
 
-def copy_weight(dst: torch.Tensor, src, name: str) -> None:
+def copy_weight(dst: torch.Tensor, src: Checkpoint, name: str) -> None:
     """Copy (and cast to the serving dtype) one checkpoint tensor, refusing shape mismatches."""
     if isinstance(src, QuantizedWeight):  # a norm or router weight stored quantized: rare, small
         src = src.dequantize()

@@ -300,6 +300,7 @@ def _from_gguf(adapter: LoRAAdapter, model: nn.Module, module_paths: list[str]) 
             f"{where}: the adapter is for architecture {adapter.gguf_arch!r}, "
             f"the model is {base_arch or getattr(config, 'model_type', None)!r}"
         )
+    assert adapter.gguf_arch is not None and config is not None  # a GGUF adapter, of the model's architecture
     # gguf-py names the experts' layers all at once (mlp.experts.gate_proj -> ffn_gate_exps)
     experts = {f"{m[1]}.{m[2]}": m[1] for m in map(_EXPERT_PATH.match, module_paths) if m is not None}
     names = lora_target_names(adapter.gguf_arch, [*module_paths, *experts], config.num_hidden_layers)
@@ -379,7 +380,8 @@ def prepare_lora_adapter(model: nn.Module, adapter: LoRAAdapter, dtype: torch.dt
         if module_path not in linears:
             raise ValueError(f"LoRA adapter {name!r} ({path}): the model has no layer {module_path}")
         layer, shard = linears[module_path]
-        out = layer.checkpoint_shard_sizes[shard] if shard is not None else layer.checkpoint_out_features
+        merged = layer if isinstance(layer, MergedLinear) else None
+        out = layer.checkpoint_out_features if merged is None or shard is None else merged.checkpoint_shard_sizes[shard]
         if a.shape[1] != layer.checkpoint_in_features or b.shape[0] != out:
             raise ValueError(
                 f"LoRA adapter {name!r} ({path}): {module_path}: lora_A {tuple(a.shape)} and "
@@ -433,10 +435,9 @@ def remove_lora_adapter(model: nn.Module, slot: int) -> None:
     """Drop the adapter in `slot` from every layer (its weights are freed with the last step that
     used them); a layer left with no adapter is back on the base path (`Linear.lora` None)."""
     for module in model.modules():
-        lora = getattr(module, "lora", None)
-        if isinstance(lora, LoRAWeights) and slot in lora.slots:
-            del lora.slots[slot]
-            if not lora.slots:
+        if isinstance(module, Linear) and module.lora is not None and slot in module.lora.slots:
+            del module.lora.slots[slot]
+            if not module.lora.slots:
                 module.lora = None
 
 

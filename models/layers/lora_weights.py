@@ -26,7 +26,7 @@ class LoRABatch:
             if slot:
                 rows.setdefault(slot, []).extend(range(start, start + num))
             start += num
-        groups = []
+        groups: list[tuple[int, slice | torch.Tensor]] = []
         for slot, found in rows.items():
             if found[-1] - found[0] + 1 == len(found):
                 groups.append((slot, slice(found[0], found[-1] + 1)))
