@@ -1074,6 +1074,12 @@ void int_qlinear(const Operands<S>& op, float* silu_out = nullptr) {
   const int64_t panels = (op.N + kLanes - 1) / kLanes / (silu_out != nullptr ? 2 : 1);
   // 5 and 6 bits take `tile` on every build: the wide tiles and AVX2's assembly are 4 and 8 bits only.
   constexpr bool kWideBits = Bits == 4 || Bits == 8;
+  // 6 bits hold two integer sums an output and a plane of high bits a panel: with 32 registers, half the
+  // panels a tile (a 1 x 6 tile's 12 sums, 6 high planes and 12 widened chunks spilled), still dividing
+  // the tasks' whole tiles below.
+  constexpr bool kHalfTiles = Bits == 6 && Isa::kRegisters >= 32;
+  constexpr int kDecodeTile = kHalfTiles ? kDecodePanels / 2 : kDecodePanels;
+  constexpr int kRowsTile = kHalfTiles ? kTilePanels / 2 : kTilePanels;
   const bool wide_enabled = kWideBits && wide_tiles_enabled();  // once, on the calling thread (tasks run on others)
   const bool wide = kWide && op.M > 2 && wide_enabled;
   const bool few_wide = op.M <= kFewWideRows;  // the wide tiles' shape: 6 x 3 or 8 x 2 (above)
@@ -1152,9 +1158,9 @@ void int_qlinear(const Operands<S>& op, float* silu_out = nullptr) {
         return;
       }
 #endif
-      for (int64_t p0 = p_begin; p0 < p_end; p0 += kDecodePanels)
-        tile_upto<Bits, 2, kDecodePanels>(op, m_begin, p0, static_cast<int>(m_end - m_begin),
-                                          static_cast<int>(std::min<int64_t>(kDecodePanels, p_end - p0)));
+      for (int64_t p0 = p_begin; p0 < p_end; p0 += kDecodeTile)
+        tile_upto<Bits, 2, kDecodeTile>(op, m_begin, p0, static_cast<int>(m_end - m_begin),
+                                        static_cast<int>(std::min<int64_t>(kDecodeTile, p_end - p0)));
       return;
     }
 #if defined(PAGEDSERVE_HAS_WIDE_TILES)
@@ -1222,11 +1228,11 @@ void int_qlinear(const Operands<S>& op, float* silu_out = nullptr) {
           tile_upto<Bits, kTileRows, RP, true>(rows, m0, p0, rm, static_cast<int>(std::min<int64_t>(RP, p_end - p0)));
       }
     } else {
-      for (int64_t p0 = p_begin; p0 < p_end; p0 += kTilePanels) {
-        const int rp = static_cast<int>(std::min<int64_t>(kTilePanels, p_end - p0));
+      for (int64_t p0 = p_begin; p0 < p_end; p0 += kRowsTile) {
+        const int rp = static_cast<int>(std::min<int64_t>(kRowsTile, p_end - p0));
         for (int64_t m0 = m_begin; m0 < m_end; m0 += kTileRows)
-          tile_upto<Bits, kTileRows, kTilePanels>(op, m0, p0, static_cast<int>(std::min<int64_t>(kTileRows, m_end - m0)),
-                                                  rp);
+          tile_upto<Bits, kTileRows, kRowsTile>(op, m0, p0, static_cast<int>(std::min<int64_t>(kTileRows, m_end - m0)),
+                                                rp);
       }
     }
   };
