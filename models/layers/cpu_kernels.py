@@ -105,16 +105,17 @@ def available() -> bool:
     Called for every layer of every step: after the first call, one dict lookup."""
     loaded = _state.get("loaded")
     if loaded is not None:
-        return loaded
+        return bool(loaded)
     with _lock:
         if "loaded" not in _state:
             _state["loaded"] = enabled() and _load()
-    return _state["loaded"]
+    return bool(_state["loaded"])
 
 
 def loaded_target() -> str | None:
     """The target whose build this process loaded (None: none, or not asked for yet)."""
-    return _state.get("target")
+    target = _state.get("target")
+    return target if isinstance(target, str) else None
 
 
 def build_directory(target: str) -> Path:
