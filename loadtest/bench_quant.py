@@ -83,6 +83,9 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     shapes, num_layers = linear_shapes(args.shape)
+    if any(k % Q.INT6_GROUP for _, k in shapes) and INT6 in args.columns:
+        print(f"{INT6}: left out, {args.shape}'s inputs are not multiples of {Q.INT6_GROUP} (Q6_K's block)")
+        args.columns.remove(INT6)
     args.layers = args.layers or num_layers
     if not cpu_kernels.available():
         raise SystemExit("our CPU kernels are not built here (no compiler, or PAGEDSERVE_CPU_KERNELS=0)")
@@ -152,6 +155,7 @@ def _run_q5_0(w: tuple, x: dict) -> torch.Tensor:
     return cpu_kernels.quant_linear(x[qw.in_features], qweight, scales, None, None, 5, Q.BLOCK, qw.shape[0], -16.0)
 
 
+INT6 = "ours int6 (q6_k)"
 # name -> (weight (N, K) float32 -> what the product keeps, (kept, x by K, bf16 x by K) -> product)
 COLUMNS = {
     "dense f32": (lambda w: w, lambda w, x, xb: F.linear(x[w.shape[1]], w)),
@@ -175,7 +179,7 @@ COLUMNS = {
         lambda w, x, xb: Q.quantized_linear(x[w[0].in_features], w[0], panels=w[1]),
     ),
     "ours q5_0 (f16 scales)": (_q5_0, lambda w, x, xb: _run_q5_0(w, x)),
-    "ours int6 (q6_k)": (
+    INT6: (
         lambda w: _panels(Q.quantize_int6(w)),
         lambda w, x, xb: Q.quantized_linear(x[w[0].in_features], w[0], panels=w[1]),
     ),
