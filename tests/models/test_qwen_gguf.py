@@ -1,7 +1,8 @@
 """The real Qwen2.5 Coder 0.5B Instruct (Q4_K_M GGUF, fetched by name) as served, against transformers.
 
 transformers reads the same GGUF file and dequantizes every tensor exactly into float32; we
-serve it as the server does (`--quantization auto`: Q4_K kept as int4, Q5_0/Q6_K/Q8_0 as int8).
+serve it as the server does (`--quantization auto`: Q4_K kept as int4, Q6_K as int6,
+Q5_0/Q8_0 as int8).
 The reference is computed here, from the file, never written down.
 """
 
