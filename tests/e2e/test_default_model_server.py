@@ -7,7 +7,6 @@ import contextlib
 import io
 import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Literal
 
@@ -16,7 +15,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from tests.docs.runnable_blocks import documents, runnable
-from tests.server.conftest import free_port, stop_server, wait_healthy
+from tests.server.conftest import served
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "SmolLM2-135M-Instruct"
@@ -28,32 +27,8 @@ def server():
     from models.fetch import default_model_path
 
     default_model_path()  # fetch (once) before the clock starts
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "server",
-            "--port",
-            str(port),
-            "--max-model-len",
-            "2048",
-            "--kv-cache-memory",
-            "0.25",
-            "--log-level",
-            "warning",
-        ],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(proc, url, timeout=600)
+    with served("--max-model-len", "2048", "--kv-cache-memory", "0.25", "--log-level", "warning") as url:
         yield url
-    finally:
-        stop_server(proc, proc.stdout.read)
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,6 @@ cache dtype in this process."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -13,9 +11,8 @@ import openai
 import pytest
 import torch
 
-from tests.server.conftest import free_port, stop_server, wait_healthy
+from tests.server.conftest import served
 
-REPO = Path(__file__).resolve().parents[2]
 MODEL = "SmolLM2-135M-Instruct"
 KV_CACHE_GIB = 0.25
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
@@ -30,34 +27,17 @@ def model_path() -> Path:
 
 @pytest.fixture(scope="module")
 def server(model_path):
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "server",
-            "--port",
-            str(port),
-            "--max-model-len",
-            "2048",
-            "--kv-cache-memory",
-            str(KV_CACHE_GIB),
-            "--kv-cache-dtype",
-            "int8",
-            "--log-level",
-            "warning",
-        ],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(proc, url, timeout=600)
+    with served(
+        "--max-model-len",
+        "2048",
+        "--kv-cache-memory",
+        str(KV_CACHE_GIB),
+        "--kv-cache-dtype",
+        "int8",
+        "--log-level",
+        "warning",
+    ) as url:
         yield url
-    finally:
-        stop_server(proc, proc.stdout.read)
 
 
 @pytest.fixture(scope="module")

@@ -9,12 +9,15 @@ is stopped through its own handle (never by a signal to the test process).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -123,6 +126,26 @@ def wait_healthy(proc, url: str, timeout: float, output=None) -> None:
             pass
         assert time.monotonic() < deadline, f"{url} did not become healthy in {timeout}s"
         time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def served(*args: str, timeout: float = 600) -> Iterator[str]:
+    """`python -m server ARGS` on a free 127.0.0.1 port, from the repository root: its URL once
+    /health answers, stopped by its own PID (`stop_server`) when the block ends."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "server", "--port", str(port), *args],
+        cwd=Path(__file__).resolve().parents[2],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, url, timeout=timeout)
+        yield url
+    finally:
+        stop_server(proc, proc.stdout.read)
 
 
 class StreamReader:
