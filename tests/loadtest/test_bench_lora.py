@@ -32,7 +32,8 @@ def test_reports_base_adapter_steps_and_their_ratio(tmp_path, capsys):
         ]
     )
     lines = capsys.readouterr().out.splitlines()
-    rows = {line.split()[0] + " " + line.split()[1]: line.split()[2:] for line in lines[2:]}
+    assert lines[-1].startswith("load average")  # the figures' context, after them as before them
+    rows = {line.split()[0] + " " + line.split()[1]: line.split()[2:] for line in lines[2:-1]}
     assert list(rows) == ["b1 base", "b1 lora", "b1 ratio", "b3 base", "b3 lora", "b3 ratio"]
     for n in (1, 3):
         base_ms, lora_ms = float(rows[f"b{n} base"][0]), float(rows[f"b{n} lora"][0])
