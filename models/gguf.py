@@ -118,8 +118,10 @@ _ROPE_FREQS = "rope_freqs.weight"
 
 # GGUF types kept as stored (models/layers/quantization.py): -> (bits, group size, scale dtype).
 # Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 keep their fp16 factors; the K-quants' d * sc products need float32 to stay exact,
-# but Q6_K, whose sc (int8, per 16) stay in the int6 groups' bytes and its fp16 d (per 256) is the scale.
+# but Q3_K and Q6_K, whose sc (int8, per 16) stay in the int6 groups' bytes and their fp16 d (per 256) is the
+# scale. Q3_K's q3 in [-4, 3] is int6's q - 32: served as int6, exact, 6.5625 bits a weight for its 3.4375.
 EXACT_FORMATS = {
+    GGMLQuantizationType.Q3_K: (6, 256, torch.float16),
     GGMLQuantizationType.Q4_0: (4, 32, torch.float16),
     GGMLQuantizationType.Q4_1: (4, 32, torch.float16),
     GGMLQuantizationType.Q4_K: (4, 32, torch.float32),
@@ -465,9 +467,10 @@ class GGUFWeights:
 def serving_format(qtype: GGMLQuantizationType) -> tuple[int, int, torch.dtype] | None:
     """(bits, group size, scale dtype) that a tensor of this type is served in by `--quantization auto`
     (None: dense). Q4_0/Q4_1/Q4_K (int4), Q5_0/Q5_1/Q5_K (int5: int4 plus a plane of high bits),
-    Q6_K (int6: int4 plus two planes of high bits and its sub-scales) and Q8_0 (int8) are served as
-    stored, every weight the same number (EXACT_FORMATS). Types with no exact mapping are requantized
-    from their dequantized values: 5 bits and more (Q8_1, Q8_K) to int8, fewer (Q2_K, Q3_K, IQ*) to int4."""
+    Q3_K and Q6_K (int6: int4 plus two planes of high bits and the sub-scales; Q3_K's 3-bit values
+    and 6-bit scales are a subset of Q6_K's) and Q8_0 (int8) are served as stored, every weight the
+    same number (EXACT_FORMATS). Types with no exact mapping are requantized from their dequantized
+    values: 5 bits and more (Q8_1, Q8_K) to int8, fewer (Q2_K, IQ*) to int4."""
     if qtype in EXACT_FORMATS:
         return EXACT_FORMATS[qtype]
     if qtype in _DENSE_TYPES:
@@ -491,6 +494,9 @@ def quantized_weight(data: np.ndarray, qtype: GGMLQuantizationType, rows: int, c
               as Q4_K; sub-block s's bit 4 of value j: bit s of qh[j]
         Q6_K  [ql 128 bytes | qh 64 bytes | 16 x int8 sc | d f16]
               16 sub-blocks of 16:                         w = d sc (q - 32)
+        Q3_K  [hmask 32 bytes | qs 64 bytes | 12 bytes of 6-bit sc x 16 | d f16]
+              16 sub-blocks of 16:                         w = d (sc - 32) q3, q3 in [-4, 3]
+              -> int6 with q = q3 + 32 and sub-scale sc - 32
     Q4_0/Q4_1 pack a block as we do (low nibbles: values 0-15), Q5_0/Q5_1 too with their qh
     moved behind the nibbles; the K-quants pack two sub-blocks per 32 bytes (low nibbles: the
     first, high: the second) and are repacked.
@@ -555,6 +561,23 @@ def quantized_weight(data: np.ndarray, qtype: GGMLQuantizationType, rows: int, c
         values = torch.from_numpy(np.ascontiguousarray((ql | (qh << 4)).reshape(rows, cols)))
         sc = torch.from_numpy(np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).reshape(rows, -1))
         return QuantizedWeight(6, pack_int6(values, sc), tensor(f16(208)), None, cols)
+    if qtype == GGMLQuantizationType.Q3_K:
+        # gguf-py's own unpacking (quants.Q3_K): value 128 c + 32 s + j has bits 2s, 2s + 1 of qs[32 c + j]
+        # as its low 2 bits and bit 4 c + s of hmask[j] as its third (q3 = low - 4 where that bit is 0).
+        qs = blocks[..., 32:96].reshape(rows, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(
+            1, 1, 1, 4, 1
+        )
+        hmask = blocks[..., :32].reshape(rows, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
+        q = (qs & 0x03).reshape(rows, -1, 256) | ((hmask & 1).reshape(rows, -1, 256) << 2)  # q3 + 4 in [0, 7]
+        values = torch.from_numpy(np.ascontiguousarray((q + 28).reshape(rows, cols)))  # q3 + 32
+        # 16 6-bit scales: low nibbles in bytes 0-7 (scale k: byte k % 8, nibble k // 8), 2 high bits in
+        # bytes 8-11 (scale k: byte k % 4, bits 2 (k // 4)); stored + 32.
+        low = blocks[..., 96:104].reshape(rows, -1, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        high = blocks[..., 104:108].reshape(rows, -1, 1, 4) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(
+            1, 1, 4, 1
+        )
+        sc = ((low & 0x0F).reshape(rows, -1, 16) | ((high & 0x03).reshape(rows, -1, 16) << 4)).astype(np.int8) - 32
+        return QuantizedWeight(6, pack_int6(values, tensor(sc.reshape(rows, -1))), tensor(f16(108)), None, cols)
     raise GGUFError(f"GGUF type {qtype.name} is not kept quantized")
 
 

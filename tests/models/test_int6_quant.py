@@ -1,4 +1,4 @@
-"""GGUF Q6_K served as stored (int6): its blocks against gguf-py, the kernel's products against the
+"""GGUF Q6_K and Q3_K served as stored (int6): their blocks against gguf-py, the kernel's products against the
 dequantized float reference, and tiny and real files loaded without requantization.
 
 Row invariance (a row's bits whatever its step and thread count) and the fused gate/up product
@@ -59,6 +59,76 @@ def random_q6_k_blocks(rows: int, cols: int, seed: int = 0) -> np.ndarray:
     blocks = rng.integers(0, 256, (rows, cols // 256, 210), dtype=np.uint8)
     blocks[..., 208:210] = rng.uniform(1e-3, 3e-2, (rows, cols // 256, 1)).astype(np.float16).view(np.uint8)
     return blocks.reshape(rows, -1)
+
+
+def q3_k_blocks(array: np.ndarray, qtype: GGMLQuantizationType = T.Q3_K) -> np.ndarray:
+    """Q3_K blocks of a 2-D float array, rounded to nearest (the gguf package cannot quantize
+    K-quants): per 16 values a step to -4..3, an fp16 d per 256 with 6-bit sub-scales (stored + 32),
+    then llama.cpp's packing (block_q3_K): hmask (bit b of byte j: value 32 b + j's bit 2), qs (value
+    128 c + 32 s + j's low 2 bits at bits 2 s of byte 32 c + j), the scales' low nibbles (scale k:
+    byte k % 8, nibble k // 8) and high 2 bits (byte 8 + k % 4, bits 2 (k // 4)), d."""
+    assert qtype == T.Q3_K
+    rows, cols = array.shape
+    nb = cols // 256
+    w = array.astype(np.float32).reshape(rows, nb, 16, 16)
+    # as llama.cpp: the step's sign puts each sub-block's largest |w| on -4, the one end with no twin
+    largest = np.take_along_axis(w, np.abs(w).argmax(-1)[..., None], -1)[..., 0]
+    step = -largest / 4  # (rows, blocks, 16)
+    d = (np.abs(step).max(-1) / 31).astype(np.float16)  # (rows, blocks)
+    safe = np.maximum(d.astype(np.float32), np.finfo(np.float16).tiny)[..., None]
+    sc = np.clip(np.round(step / safe), -32, 31)
+    exact = d.astype(np.float32)[..., None] * sc
+    exact = np.where(exact == 0, np.float32(1), exact)[..., None]
+    q = (np.clip(np.round(w / exact), -4, 3) + 4).astype(np.uint8).reshape(rows, nb, 256)
+    hmask = ((q >> 2).reshape(rows, nb, 8, 32) << np.arange(8, dtype=np.uint8).reshape(8, 1)).sum(-2, dtype=np.uint8)
+    low = (q & 3).reshape(rows, nb, 2, 4, 32) << np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)
+    qs = low.sum(-2, dtype=np.uint8).reshape(rows, nb, 64)
+    s6 = (sc + 32).astype(np.uint8)  # (rows, blocks, 16)
+    nibbles = (s6[..., :8] & 0x0F) | ((s6[..., 8:] & 0x0F) << 4)
+    tops = ((s6 >> 4).reshape(rows, nb, 4, 4) << np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)).sum(
+        -2, dtype=np.uint8
+    )
+    blocks = np.concatenate((hmask, qs, nibbles, tops, d[..., None].view(np.uint8)), axis=-1)
+    return blocks.reshape(rows, -1)
+
+
+def random_q3_k_blocks(rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Random Q3_K blocks: every 3-bit value and 6-bit scale (-32 and 31 included), a finite d, and
+    d's extremes: fp16's largest (65504, so |d sc q| = 2^23-ish, still exact in float32) and
+    smallest subnormal."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows, cols // 256, 110), dtype=np.uint8)
+    d = rng.uniform(1e-3, 3e-2, (rows, cols // 256, 1)).astype(np.float16)
+    d[0, 0], d[-1, -1] = np.float16(65504), np.float16(2**-24)
+    blocks[..., 108:110] = d.view(np.uint8)
+    blocks[0, -1, 96:108] = [0x00] * 8 + [0x00] * 4  # every scale -32
+    blocks[-1, 0, 96:108] = [0xFF] * 8 + [0xFF] * 4  # every scale 31
+    return blocks.reshape(rows, -1)
+
+
+def test_q3_k_blocks_map_exactly_onto_int6():
+    """Q3_K's w = d (sc - 32) q3 is int6's w = d sc (q - 32) with q = q3 + 32: every weight is
+    gguf-py's dequantized value bit for bit, extreme scales and d included, from 26 bytes a group of
+    32 and the file's fp16 d per 256 (6.5625 bits a weight against the file's 3.4375)."""
+    rows, cols = 7, 1024
+    data = random_q3_k_blocks(rows, cols)
+    got = quantized_weight(data, T.Q3_K, rows, cols)
+    assert serving_format(T.Q3_K) == serving_format(T.Q6_K) == (6, 256, torch.float16)
+    assert got.bits == 6 and got.group_size == 256 and got.scales.dtype == torch.float16 and got.mins is None
+    want = gguf_dequantize(data, T.Q3_K).reshape(rows, cols)
+    np.testing.assert_array_equal(got.dequantize().numpy(), want)
+    assert np.abs(want).max() > 2**22 and 0 < np.abs(want[want != 0]).min() < 2**-20  # the extremes were there
+    q, sc = Q.unpack_int6(got.qweight, cols)
+    assert 28 <= int(q.min()) and int(q.max()) <= 35 and int(sc.min()) == -32 and int(sc.max()) == 31
+    assert torch.equal(
+        got.scales.view(torch.int16),
+        torch.from_numpy(data.reshape(rows, -1, 110)[..., 108:].copy()).view(torch.int16)[..., 0],
+    )
+    assert (got.qweight.numel() + got.scales.numel() * 2) * 110 == data.nbytes * 210
+    # our test quantizer writes blocks gguf-py reads back near the weights
+    w = np.random.default_rng(1).standard_normal((rows, cols)).astype(np.float32)
+    back = gguf_dequantize(q3_k_blocks(w), T.Q3_K).reshape(rows, cols)
+    assert np.sqrt(np.mean((back - w) ** 2)) < 0.2  # 8 levels a sub-block: ~0.1 of w's spread
 
 
 def test_q6_k_blocks_map_exactly_onto_int6_in_the_files_bytes():
@@ -163,6 +233,32 @@ def test_a_q6_k_gguf_is_served_as_its_own_bytes_in_6_5625_bits_a_weight(tmp_path
     assert torch.equal(got.argmax(-1), want_logits.argmax(-1))
 
 
+def test_a_q3_k_gguf_is_served_as_int6_holding_the_files_values(tmp_path):
+    """A Q3_K file loads as int6 with no requantization (it was int4, rounded from the dequantized
+    weights): every layer's weight read back from the kernel's panels is the file's blocks' values
+    and the logits are the dequantized model's."""
+    model = tiny_llama(hidden_size=256, intermediate_size=512, head_dim=64)
+    path = tmp_path / "m.gguf"
+    write_gguf(path, model, T.Q3_K, quantizer=q3_k_blocks)
+    stored = load_model(str(path), dtype="float32")
+    dense = load_model(str(path), dtype="float32", quantization="none")
+    assert set(methods(stored.model).values()) == {"int6"}
+    tensor = next(t for t in GGUFReader(path).tensors if t.name == "blk.1.ffn_down.weight")
+    layer = stored.model.model.layers[1].mlp.down_proj
+    n, k = layer.out_features, layer.in_features
+    blocks = np.asarray(tensor.data)
+    if cpu_kernels.available():
+        back = Q.panel_rows(6, layer.qweight, layer.scales, None, torch.arange(n))
+        assert torch.equal(back.qweight, quantized_weight(blocks, T.Q3_K, n, k).qweight)
+        held = sum(t.numel() * t.element_size() for t in (layer.qweight, layer.scales))
+        assert held * 110 == blocks.nbytes * 210  # 6.5625 bits a weight for the file's 3.4375
+    want = np.asarray(gguf_dequantize(blocks, T.Q3_K)).reshape(n, k)
+    assert np.array_equal(layer.quant_method.dense_weight(layer).numpy(), want)
+    got, want_logits = prompt_logits(stored.model, PROMPT), prompt_logits(dense.model, PROMPT)
+    assert (got - want_logits).abs().max() <= 2e-4 * want_logits.abs().max()
+    assert torch.equal(got.argmax(-1), want_logits.argmax(-1))
+
+
 def test_a_merged_layer_of_q6_k_and_other_types_is_int8_as_before():
     from models.loader import choose_methods
 
@@ -171,3 +267,5 @@ def test_a_merged_layer_of_q6_k_and_other_types_is_int8_as_before():
     assert choose(["a.q_proj.weight", "a.v_proj.weight"], 512).name == "int8"
     assert choose(["a.v_proj.weight"], 512).name == "int6"
     assert choose(["a.v_proj.weight"], 512 + 32).name == "dense"  # K not a multiple of 256
+    formats["a.k_proj.weight"] = serving_format(T.Q3_K)  # Q3_K beside Q6_K: both int6, exactly
+    assert choose(["a.k_proj.weight", "a.v_proj.weight"], 512).name == "int6"
