@@ -14,9 +14,11 @@ weights as stored, the KV cache in float16. Each round takes a fresh prompt of r
     engine B (a new engine on the same directory: a restart)  the same prompt, TTFT timed
 
 Each engine serves a two-token request first, as the server's warm-up does. The weights are loaded
-once and shared by the engines (a restart reloads them; that is not part of a request's TTFT). The
-files are read back from wherever the kernel has them: written a moment before, that is its page
-cache. Medians over rounds, and the median of the rounds' ratios.
+once and shared by the engines (a restart reloads them; that is not part of a request's TTFT). Before
+the restart the tier's files are synced and dropped from the kernel's page cache
+(`posix_fadvise(DONTNEED)`), so engine B reads them from the disk, as a server restarted after its
+files have aged out of memory would; `--page-cache` keeps them there instead. Medians over rounds,
+and the median of the rounds' ratios.
 """
 
 from __future__ import annotations
@@ -62,6 +64,21 @@ def ttft(core: EngineCore, request_id: str, prompt: list[int]) -> float:
     return first
 
 
+def drop_from_page_cache(directory: str) -> int:
+    """Write back and evict every file under `directory` from the page cache; returns the bytes dropped."""
+    os.sync()
+    dropped = 0
+    for path in Path(directory).rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                dropped += os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+    return dropped
+
+
 def engine(loaded: LoadedModel, directory: str, num_blocks: int, threads: int) -> EngineCore:
     from engine.config import EngineConfig
     from engine.core import EngineCore
@@ -79,6 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dir", default=None, help="the disk tier's parent directory (default: a temporary one)")
+    p.add_argument("--page-cache", action="store_true", help="leave the tier's files in the page cache for the restart")
     args = p.parse_args(argv)
 
     import torch
@@ -94,7 +112,8 @@ def main(argv: list[str] | None = None) -> None:
     num_blocks = -(-(args.tokens + 16) // 16) + 4
     print(
         f"CPU: {cpu_description()}; {args.threads} threads; load {os.getloadavg()[0]:.1f}; model {Path(model).name}; "
-        f"prompt {args.tokens} tokens, {args.rounds} rounds"
+        f"prompt {args.tokens} tokens, {args.rounds} rounds; files read "
+        f"{'from the page cache' if args.page_cache else 'from the disk (dropped from the page cache)'}"
     )
     cold, warm, ratios = [], [], []
     with tempfile.TemporaryDirectory(dir=args.dir) as parent:
@@ -107,6 +126,7 @@ def main(argv: list[str] | None = None) -> None:
             start = time.perf_counter()
             first.close()
             written = time.perf_counter() - start
+            dropped = 0 if args.page_cache else drop_from_page_cache(directory)
             second = engine(loaded, directory, num_blocks, args.threads)
             warm.append(ttft(second, "warm", prompt))
             stats = second.stats()
@@ -117,7 +137,8 @@ def main(argv: list[str] | None = None) -> None:
             print(
                 f"round {r}: cold {cold[-1]:.3f} s, after restart {warm[-1]:.3f} s (ratio {ratios[-1]:.4f}); "
                 f"{stats.prefix_cache_disk_hits} tokens from disk, {disk.bytes_read / 2**20:.1f} MiB read in "
-                f"{disk.read_seconds:.3f} s; shutdown wrote for {written:.2f} s; load {os.getloadavg()[0]:.1f}",
+                f"{disk.read_seconds:.3f} s ({dropped / 2**20:.1f} MiB dropped from the page cache before); "
+                f"shutdown wrote for {written:.2f} s; load {os.getloadavg()[0]:.1f}",
                 flush=True,
             )
     print(
