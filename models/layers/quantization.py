@@ -357,7 +357,10 @@ def quantize_int6(weight: torch.Tensor, group_size: int = INT6_GROUP) -> Quantiz
     w = weight.detach().float().view(n, k // group_size, group_size // 16, 16)  # (N, K/G, G/16, 16)
     step = w.abs().amax(dim=-1) / 31  # (N, K/G, G/16)
     d = (step.amax(dim=-1) / 127).half()  # (N, K/G)
-    sc = torch.round(step / d.float().clamp(min=torch.finfo(torch.float16).tiny).unsqueeze(-1)).clamp(-128, 127)
+    # Divided by d itself, subnormal or not (trained weights' d is often below fp16's smallest normal):
+    # only an all-zero group (d = 0) takes 1, for sub-scales 0.
+    divisor = torch.where(d == 0, 1.0, d.float()).unsqueeze(-1)
+    sc = torch.round(step / divisor).clamp(-128, 127)
     exact = d.float().unsqueeze(-1) * sc  # (N, K/G, G/16)
     q = torch.round(w / exact.clamp(min=torch.finfo(torch.float32).tiny).unsqueeze(-1)).clamp(-32, 31) + 32
     return QuantizedWeight(6, pack_int6(q.view(n, k), sc.to(torch.int8).view(n, -1)), d.contiguous(), None, k)

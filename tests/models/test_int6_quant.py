@@ -191,8 +191,11 @@ def test_int6_product_is_the_dequantized_weight_times_the_rounded_activations(ro
     assert torch.equal(Q.quantized_linear(x, qw, bias), torch.add(got, bias))
 
 
-def test_a_dense_weight_rounds_to_int6_within_half_a_step():
-    w = torch.randn(16, 512, generator=torch.Generator().manual_seed(1)) * 3
+@pytest.mark.parametrize("spread", [3.0, 0.01], ids=["normal-d", "subnormal-d"])
+def test_a_dense_weight_rounds_to_int6_within_half_a_step(spread):
+    """Also where d falls below fp16's smallest normal, as a trained layer's (|w| ~ 0.01) does: the
+    sub-scales are taken against d as stored (a dense MoE expert of a Q6_K or Q3_K file comes here)."""
+    w = torch.randn(16, 512, generator=torch.Generator().manual_seed(1)) * spread
     qw = Q.quantize_int6(w)
     _, sc = Q.unpack_int6(qw.qweight, 512)
     step = (qw.scales.float().repeat_interleave(16, dim=1) * sc.float()).abs().repeat_interleave(16, dim=1)
