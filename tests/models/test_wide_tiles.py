@@ -1,6 +1,6 @@
 """The quantized kernel's 16-lane tiles (AVX-512 VNNI builds: two panels a vector, for a lone row
-and for steps of more) give every row the bits the 8-lane tiles give it alone, for 4 and 8
-bits (and 5 bits, which the planner keeps on the 8-lane tiles), Q4_0's folded -8 (Q5_0's -16),
+and for steps of more) give every row the bits the 8-lane tiles give it alone, for 4, 5, 6 (Q6_K:
+two sub-blocks a group, one pass or two) and 8 bits, Q4_0's folded -8 (Q5_0's -16),
 float16 and float32 factors, groups of 32 and 64, and every edge (rows and panels not multiples
 of the tile, N not a multiple of 8, K past one group). Where the CPU has no
 AVX-512, the same source is built with its 512-bit intrinsics emulated lane by lane
@@ -42,10 +42,15 @@ CHECK = textwrap.dedent(
                                               (8, False, 576, 37, 32, torch.float16), (4, False, 256, 64, 64, torch.float16),
                                               (4, True, 3136, 48, 32, torch.float16), (8, False, 128, 40, 32, torch.float32),
                                               (4, False, 128, 200, 32, torch.float32), (5, False, 576, 37, 32, torch.float32),
-                                              (5, True, 256, 64, 32, torch.float16)]:
+                                              (5, True, 256, 64, 32, torch.float16), (5, False, 3136, 48, 64, torch.float16),
+                                              (6, False, 512, 37, 256, torch.float16), (6, False, 768, 48, 256, torch.float32),
+                                              (6, False, 256, 203, 256, torch.float16)]:
         gen = torch.Generator().manual_seed(k + n)
         w = torch.randn(n, k, generator=gen)
-        qw = Q.quantize_int8(w, group) if bits == 8 else Q.quantize_int4(w, group, bits=bits)
+        if bits == 6:
+            qw = Q.quantize_int6(w, group)
+        else:
+            qw = Q.quantize_int8(w, group) if bits == 8 else Q.quantize_int4(w, group, bits=bits)
         qw = Q.QuantizedWeight(qw.bits, qw.qweight, qw.scales.to(factors), None if qw.mins is None else qw.mins.to(factors), k)
         zero_point = -float(1 << (bits - 1))  # Q4_0's -8, Q5_0's -16
         if q4_0:
@@ -55,6 +60,7 @@ CHECK = textwrap.dedent(
         bias = torch.randn(n, generator=gen)
         x = torch.randn(300, k, generator=gen) * 3
         x[0, 5] = 70.0
+        case = (bits, "q4_0" if q4_0 else "", k, n, group, str(factors))
         f = lambda xs: op(xs, qweight, scales, mins, bias, bits, qw.group_size, n, min_per_scale)
         os.environ["PAGEDSERVE_WIDE_TILES"] = "0"  # read at every product
         alone = torch.cat([f(x[i : i + 1]) for i in range(300)])  # the 8-lane tiles
@@ -66,7 +72,6 @@ CHECK = textwrap.dedent(
         x_rounded = (torch.round(blocks / d) * d).view(300, k)
         want = torch.nn.functional.linear(x_rounded.double(), qw.dequantize().double(), bias.double())
         error = ((alone.double() - want).abs().max() / want.abs().max()).item()
-        case = (bits, "q4_0" if q4_0 else "", k, n, group, str(factors))
         if error > 1e-5:
             failures.append((case, "off the reference", error))
         for rows in (2, 3, 4, 5, 6, 7, 8, 11, 12, 13, 64, 65, 300):

@@ -864,6 +864,12 @@ inline __m512 two_factors(const float* a, const float* b) {
 inline __m512 two_factors(const c10::Half* a, const c10::Half* b) {
   return _mm512_cvtph_ps(two_chunks(reinterpret_cast<const uint8_t*>(a), reinterpret_cast<const uint8_t*>(b)));
 }
+// Two panels' 8 int8 sub-scales (6 bits) as floats, as Isa::load_s8 makes each panel's.
+inline __m512 two_subscales(const uint8_t* a, const uint8_t* b) {
+  const __m128i both = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a)),
+                                          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(both));
+}
 inline __m512i pair16(const int16_t* x) {
   int32_t v;
   std::memcpy(&v, x, sizeof v);
@@ -882,10 +888,86 @@ MinKind min_kind(const Operands<S>& op) {
   return op.min_per_scale != 0.f ? kScaledMins : kNoMin;
 }
 
+// A 6-bit group of RM rows x 2 * RZ panels into the float sums: `tile`'s 6-bit loop and float step, lane for
+// lane. Two rows or fewer (decodes) take both sub-blocks in one pass, two integer sums an output, as `tile`;
+// more rows take the group's first sub-block (values 0..15: the chunks' low nibbles) and its float step,
+// then the second's: one sum an output, so that 6 x 3 and 8 x 2 tiles fit the 32 registers (36 and 32 sums
+// in one pass), each chunk widened twice. The float steps are `tile`'s, in its order.
+template <int RM, int RZ, typename S>
+__attribute__((always_inline)) inline void wide_group6(const Operands<S>& op, float (&acc)[RM][RZ][2 * kLanes], const uint8_t* chunks,
+                                                       const S* scales, const int16_t* x, const float* xscale) {
+  const int64_t pb = op.panel_bytes, fs = op.scales_per_row * kLanes, nb = op.nb;
+  constexpr bool kOnePass = RM <= 2;
+  __m512 s0[RZ], s1[RZ];
+  for (int z = 0; z < RZ; ++z) {
+    const __m512 d = two_factors(scales + 2 * z * fs, scales + (2 * z + 1) * fs);
+    s0[z] = _mm512_mul_ps(d, two_subscales(chunks + 2 * z * pb + kSubScaleOffset, chunks + (2 * z + 1) * pb + kSubScaleOffset));
+    s1[z] = _mm512_mul_ps(d, two_subscales(chunks + 2 * z * pb + kSubScaleOffset + kLanes,
+                                           chunks + (2 * z + 1) * pb + kSubScaleOffset + kLanes));
+  }
+  // Pass 0: both sub-blocks (into dots and dots6); 1: the first alone; 2: the second alone.
+  const auto pass = [&](auto which) {
+    constexpr int kWhich = decltype(which)::value;
+    constexpr bool kLow = kWhich != 2, kHigh = kWhich != 1;
+    __m512i dots[RM][RZ], dots6[kWhich == 0 ? RM : 1][RZ];
+    for (int r = 0; r < RM; ++r)
+      for (int z = 0; z < RZ; ++z) dots[r][z] = _mm512_setzero_si512();
+    if constexpr (kWhich == 0)
+      for (int r = 0; r < RM; ++r)
+        for (int z = 0; z < RZ; ++z) dots6[r][z] = _mm512_setzero_si512();
+    for (int h = 0; h < 4; ++h) {
+      __m256i high[RZ];
+      for (int z = 0; z < RZ; ++z) high[z] = two_chunks(chunks + 2 * z * pb + 128 + h * 16, chunks + (2 * z + 1) * pb + 128 + h * 16);
+      for (int j = 0; j < 2; ++j) {
+        const int c = 2 * h + j;
+        __m512i lo[RZ], hi[RZ];
+        for (int z = 0; z < RZ; ++z) {
+          // In bytes, 32 a 256-bit operation (a 512-bit one costs two on Zen 4), then widened with the sign:
+          // the same int16 as `tile`'s. A 16-bit shift carries bits across bytes only where the masks drop them.
+          const __m256i both = two_chunks(chunks + 2 * z * pb + c * 16, chunks + (2 * z + 1) * pb + c * 16);
+          const __m256i nibble = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30), bias = _mm256_set1_epi8(32);
+          if constexpr (kLow)
+            lo[z] = _mm512_cvtepi8_epi16(_mm256_sub_epi8(
+                _mm256_or_si256(_mm256_and_si256(both, nibble), _mm256_and_si256(_mm256_slli_epi16(high[z], 4), bits45)), bias));
+          if constexpr (kHigh)
+            hi[z] = _mm512_cvtepi8_epi16(_mm256_sub_epi8(
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(both, 4), nibble), _mm256_and_si256(high[z], bits45)), bias));
+          high[z] = _mm256_srli_epi16(high[z], 2);
+        }
+        for (int r = 0; r < RM; ++r) {
+          for (int z = 0; z < RZ; ++z) {
+            if constexpr (kLow) dots[r][z] = _mm512_dpwssd_epi32(dots[r][z], lo[z], pair16(x + r * op.K + 2 * c));
+            if constexpr (kWhich == 0) dots6[r][z] = _mm512_dpwssd_epi32(dots6[r][z], hi[z], pair16(x + r * op.K + 16 + 2 * c));
+            if constexpr (kWhich == 2) dots[r][z] = _mm512_dpwssd_epi32(dots[r][z], hi[z], pair16(x + r * op.K + 16 + 2 * c));
+            wide_order(dots[r][z]);
+            if constexpr (kWhich == 0) wide_order(dots6[r][z]);
+          }
+        }
+      }
+    }
+    for (int r = 0; r < RM; ++r) {
+      const __m512 xs = _mm512_set1_ps(xscale[r * nb]);
+      for (int z = 0; z < RZ; ++z) {
+        __m512 a = _mm512_load_ps(acc[r][z]);
+        a = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dots[r][z]), xs), kWhich == 2 ? s1[z] : s0[z], a);
+        if constexpr (kWhich == 0) a = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dots6[r][z]), xs), s1[z], a);
+        _mm512_store_ps(acc[r][z], a);
+      }
+    }
+    __asm__("" : "+m"(acc));
+  };
+  if constexpr (kOnePass) {
+    pass(std::integral_constant<int, 0>{});
+  } else {
+    pass(std::integral_constant<int, 1>{});
+    pass(std::integral_constant<int, 2>{});
+  }
+}
+
 // Rows m0 .. m0+RM, panels p0 .. p0+2*RZ: `tile`'s loop with a vector for each two panels.
 template <int Bits, int RM, int RZ, MinKind Min, typename S>
 __attribute__((noinline)) void wide_tile(const Operands<S>& op, int64_t m0, int64_t p0) {
-  static_assert(Bits == 4 || Bits == 8, "wide tiles: 4 or 8 bits (int_qlinear takes 5 bits to `tile`)");
+
   constexpr int kGroupBytes = kPanelGroupBytes<Bits>;
   constexpr int RP = 2 * RZ;
   constexpr bool kFloatMin = Min == kStoredMins || Min == kScaledMins;
@@ -934,6 +1016,14 @@ __attribute__((noinline)) void wide_tile(const Operands<S>& op, int64_t m0, int6
       }
     }
     const int16_t* x = x0 + g * kBlock;
+    if constexpr (Bits == 6) {
+      wide_group6<RM, RZ>(op, acc, chunks, scales + sg * kLanes, x, xscale + g);
+      if (--left == 0) {
+        ++sg;
+        left = groups_per_scale;
+      }
+      continue;
+    }
     if constexpr (Bits == 4) {
       for (int c = 0; c < 8; ++c) {
         __m512i lo[RZ], hi[RZ];
@@ -945,6 +1035,26 @@ __attribute__((noinline)) void wide_tile(const Operands<S>& op, int64_t m0, int6
         for (int r = 0; r < RM; ++r) {
           const __m512i xa = pair16(x + r * op.K + 2 * c), xb = pair16(x + r * op.K + 16 + 2 * c);
           for (int z = 0; z < RZ; ++z) dot_pair<kSplit>(dots[r][z], dots2[z], lo[z], xa, hi[z], xb);
+        }
+      }
+    } else if constexpr (Bits == 5) {  // `tile`'s 5-bit loop, two panels a vector
+      for (int h = 0; h < 2; ++h) {
+        __m256i high[RZ];
+        for (int z = 0; z < RZ; ++z) high[z] = two_chunks(chunks + 2 * z * pb + 128 + h * 16, chunks + (2 * z + 1) * pb + 128 + h * 16);
+        for (int j = 0; j < 4; ++j) {
+          const int c = 4 * h + j;
+          __m512i lo[RZ], hi[RZ];
+          for (int z = 0; z < RZ; ++z) {  // in bytes, then widened, as 6 bits (wide_group6)
+            const __m256i both = two_chunks(chunks + 2 * z * pb + c * 16, chunks + (2 * z + 1) * pb + c * 16);
+            const __m256i nibble = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
+            lo[z] = _mm512_cvtepu8_epi16(_mm256_or_si256(_mm256_and_si256(both, nibble), _mm256_and_si256(_mm256_slli_epi16(high[z], 4), bit4)));
+            hi[z] = _mm512_cvtepu8_epi16(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(both, 4), nibble), _mm256_and_si256(high[z], bit4)));
+            high[z] = _mm256_srli_epi16(high[z], 1);
+          }
+          for (int r = 0; r < RM; ++r) {
+            const __m512i xa = pair16(x + r * op.K + 2 * c), xb = pair16(x + r * op.K + 16 + 2 * c);
+            for (int z = 0; z < RZ; ++z) dot_pair<kSplit>(dots[r][z], dots2[z], lo[z], xa, hi[z], xb);
+          }
         }
       }
     } else {
@@ -1016,7 +1126,7 @@ void wide_tile_upto(const Operands<S>& op, int64_t m0, int64_t p0, int rm, int r
 
 template <int Bits, int RM, int RZ, typename S>
 void wide_tile_upto(const Operands<S>& op, int64_t m0, int64_t p0, int rm, int rz) {
-  if constexpr (Bits == 8) {  // qlinear takes no mins with 8 bits
+  if constexpr (Bits == 8 || Bits == 6) {  // qlinear takes no mins with 6 or 8 bits
     wide_tile_upto<Bits, RM, RZ, kNoMin>(op, m0, p0, rm, rz);
   } else {
     switch (min_kind(op)) {
@@ -1072,8 +1182,8 @@ template <int Bits, typename S>
 void int_qlinear(const Operands<S>& op, float* silu_out = nullptr) {
   // the panels the tasks divide: all of them, or the gate's (each task also takes the same up panels)
   const int64_t panels = (op.N + kLanes - 1) / kLanes / (silu_out != nullptr ? 2 : 1);
-  // 5 and 6 bits take `tile` on every build: the wide tiles and AVX2's assembly are 4 and 8 bits only.
-  constexpr bool kWideBits = Bits == 4 || Bits == 8;
+  // Every format takes the wide tiles where the build has them (AVX2's assembly is 4 bits only).
+  constexpr bool kWideBits = true;
   // 6 bits hold two integer sums an output and a plane of high bits a panel: with 32 registers, half the
   // panels a tile (a 1 x 6 tile's 12 sums, 6 high planes and 12 widened chunks spilled), still dividing
   // the tasks' whole tiles below.

@@ -31,6 +31,16 @@ static inline emu512i emu_and_si512(emu512i a, emu512i b) { for (int i = 0; i < 
 static inline emu512i emu_srli_epi16(emu512i a, int n) {
   for (auto& e : a.i16) e = static_cast<int16_t>(static_cast<uint16_t>(e) >> n); return a;
 }
+static inline emu512i emu_or_si512(emu512i a, emu512i b) { for (int i = 0; i < 16; ++i) a.i32[i] |= b.i32[i]; return a; }
+static inline emu512i emu_slli_epi16(emu512i a, int n) {
+  for (auto& e : a.i16) e = static_cast<int16_t>(static_cast<uint16_t>(e) << n); return a;
+}
+static inline emu512i emu_sub_epi16(emu512i a, emu512i b) {
+  for (int i = 0; i < 32; ++i) a.i16[i] = static_cast<int16_t>(a.i16[i] - b.i16[i]); return a;
+}
+static inline emu512i emu_cvtepi8_epi32(__m128i a) {
+  int8_t b[16]; std::memcpy(b, &a, 16); emu512i r; for (int i = 0; i < 16; ++i) r.i32[i] = b[i]; return r;
+}
 static inline emu512i emu_add_epi32(emu512i a, emu512i b) { for (int i = 0; i < 16; ++i) a.i32[i] += b.i32[i]; return a; }
 static inline emu512i emu_dpwssd_epi32(emu512i acc, emu512i a, emu512i b) {  // no saturation, as vpdpwssd
   for (int i = 0; i < 16; ++i)
@@ -65,6 +75,10 @@ static inline emu512 emu_fmadd_ps(emu512 a, emu512 b, emu512 c) {
 #define _mm512_cvtepi8_epi16 emu_cvtepi8_epi16
 #define _mm512_and_si512 emu_and_si512
 #define _mm512_srli_epi16 emu_srli_epi16
+#define _mm512_or_si512 emu_or_si512
+#define _mm512_slli_epi16 emu_slli_epi16
+#define _mm512_sub_epi16 emu_sub_epi16
+#define _mm512_cvtepi8_epi32 emu_cvtepi8_epi32
 #define _mm512_add_epi32 emu_add_epi32
 #define _mm512_dpwssd_epi32 emu_dpwssd_epi32
 #define _mm512_castpd256_pd512 emu_castpd256_pd512
