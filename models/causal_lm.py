@@ -174,26 +174,28 @@ class DecoderModel(nn.Module):
                 x = layer(ropes[layer.layer_type], x, kv_cache, meta)
             return self.norm(x)
         rope = self.rotary_emb.cos_sin(positions, x.dtype)  # once per step, not once per layer
-        lora = attn_metadata.kernels.lora  # one adapter's rows (and the base's) can take the one op too
-        stack = self._one_ops(x, kv_caches) if lora is None or len(lora.groups) == 1 else None
+        lora = attn_metadata.kernels.lora  # steps with adapters' rows (and the base's) take the one op too
+        stack = self._one_ops(x, kv_caches)
         if stack is not None:  # every layer one kernel call, without the modules' Python between them
             call = type(layers[0]).call_one_op
             if lora is None:
                 for args, kv_cache, meta in zip(stack, kv_caches, metas, strict=True):
                     x = call(x, args, rope, kv_cache, meta)
                 return self.norm(x)
-            slot, rows = lora.groups[0]
-            picked: torch.Tensor | None = None  # the op takes a row list, or None for all of them
-            if not isinstance(rows, slice):
-                picked = rows
-            elif rows.indices(x.shape[0])[:2] != (0, x.shape[0]):
-                picked = torch.arange(x.shape[0])[rows]
+            picked: list[torch.Tensor | None] = []  # per adapter, its rows: a row list, or None for all of them
+            for _, rows in lora.groups:
+                if not isinstance(rows, slice):
+                    picked.append(rows)
+                elif rows.indices(x.shape[0])[:2] != (0, x.shape[0]):
+                    picked.append(torch.arange(x.shape[0])[rows])
+                else:
+                    picked.append(None)
             for layer, args, kv_cache, meta in zip(layers, stack, kv_caches, metas, strict=True):
-                adapter = layer.one_op_lora(slot)
+                adapters = [layer.one_op_lora(slot) for slot, _ in lora.groups]
                 x = (
                     layer(rope, x, kv_cache, meta)
-                    if adapter is None
-                    else call(x, args, rope, kv_cache, meta, (*adapter, picked))
+                    if any(adapter is None for adapter in adapters)
+                    else call(x, args, rope, kv_cache, meta, (*_concat_lora(adapters), picked))
                 )
             return self.norm(x)
         for layer, kv_cache, meta in zip(layers, kv_caches, metas, strict=True):
@@ -216,6 +218,20 @@ class DecoderModel(nn.Module):
             complete = [args for args in stack if args is not None]
             self._one_op_stack = complete if same_kind and len(complete) == len(stack) else []
         return self._one_op_stack or None
+
+
+def _concat_lora(adapters: list[tuple | None]) -> tuple[list[torch.Tensor | None], list[int], list[float]]:
+    """Each adapter's `one_op_lora` (tensors, blocks, scales) in one list of each, in step order."""
+    tensors: list[torch.Tensor | None] = []
+    blocks: list[int] = []
+    scales: list[float] = []
+    for adapter in adapters:
+        assert adapter is not None
+        t, b, s = adapter
+        tensors += t
+        blocks += b
+        scales += s
+    return tensors, blocks, scales
 
 
 class CausalLM(nn.Module):

@@ -23,7 +23,7 @@ output's rows, zeros where a projection is not adapted, so a merged layer is sti
 
 B_cat is held transposed, with the blocks of it that are not zero (AdapterWeights): on CPU one op
 a layer (csrc/lora_ops.cpp) multiplies by A_cat and then by those blocks only, and a Llama layer
-whose step has one adapter's rows runs as one op with its adapter (models/llama.py one_op_lora).
+runs as one op with the adapters of its step's rows (models/llama.py one_op_lora).
 
 A LoRA GGUF (convert_lora_to_gguf.py's output) names its weights as the base model's GGUF does
 (blk.0.attn_q.weight.lora_a); they are renamed to the model's module paths by gguf-py's table when
