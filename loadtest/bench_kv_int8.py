@@ -33,7 +33,8 @@ from loadtest.bench_step import BLOCK_SIZE, Batch
 from loadtest.compare import cpu_description
 from models.causal_lm import CausalLM
 from models.layers import cpu_kernels
-from models.layers.attention import AttentionMetadata, paged_attention, quantize_rows
+from models.kv_int8 import calibrate_key_offsets
+from models.layers.attention import KV_SCALE_BYTES, AttentionMetadata, paged_attention, quantize_rows
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
 
@@ -41,11 +42,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def fill_random(cache: torch.Tensor, gen: torch.Generator) -> None:
     """Random keys and values in every row of `cache`; an int8 cache's rows quantized with their scales."""
     if cache.dtype == torch.int8:
-        rows = cache.view(-1, cache.shape[-1])  # (rows, D + 4): a row's bytes are contiguous in every layout
+        rows = cache.view(-1, cache.shape[-1])  # (rows, D + 2): a row's bytes are contiguous in every layout
         chunk = 1 << 16
         for start in range(0, rows.shape[0], chunk):
             n = min(chunk, rows.shape[0] - start)
-            rows[start : start + n] = quantize_rows(torch.randn(n, cache.shape[-1] - 4, generator=gen))
+            rows[start : start + n] = quantize_rows(torch.randn(n, cache.shape[-1] - KV_SCALE_BYTES, generator=gen))
     else:
         cache.copy_(torch.randn(cache.shape, generator=gen))
 
@@ -89,6 +90,7 @@ def bench_model(name: str, args: argparse.Namespace, clock: Callable[[], float])
     from models.loader import load_model
 
     loaded = load_model(name, dtype="float32", quantization="auto")
+    calibrate_key_offsets(loaded)  # the int8 step's keys less their offsets, as the server writes them
     model = loaded.model
     specs = {d: model.kv_cache_spec(DTYPES[d]) for d in DTYPES}
     heads, (_, kv_heads, head_dim) = loaded.config.hf_config.num_attention_heads, specs["float32"].entry_shape

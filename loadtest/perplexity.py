@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from models.kv_int8 import calibrate_key_offsets
 from models.layers.attention import AttentionMetadata
 from models.layers.quantization import QUANTIZATIONS
 
@@ -59,6 +60,8 @@ def next_token_logits(
     n = len(ids)
     num_blocks = -(-n // block_size)
     spec = loaded.model.kv_cache_spec(kv_cache_dtype or loaded.config.dtype)
+    if spec.dtype == torch.int8:  # as the server: keys stored less their calibrated offsets
+        calibrate_key_offsets(loaded)
     kv_caches = spec.allocate(num_blocks, block_size, "cpu")
     meta = AttentionMetadata.build([n], [n], [list(range(num_blocks))], block_size)
     hidden = loaded.model(torch.tensor(ids), torch.arange(n), kv_caches, meta)

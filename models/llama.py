@@ -76,6 +76,16 @@ class LlamaAttention(nn.Module):
                 f"head_dim {self.head_dim})"
             )
         self.rotary_emb = rotary_emb  # shared by all layers; holds no parameters
+        # (Hk, head_dim) float32, subtracted from the keys an int8 cache stores (models/kv_int8.py)
+        self.key_offset: torch.Tensor | None = None
+
+    def stored_key_offset(self, kv_cache: torch.Tensor) -> torch.Tensor | None:
+        """What is subtracted from the keys before they go into `kv_cache`: the calibrated offset for
+        an int8 cache (the softmax takes q . offset out of every score of a query; soft-capped scores
+        would not lose it), else None."""
+        if kv_cache.dtype != torch.int8 or self.softcap is not None:
+            return None
+        return self.key_offset
 
     @property
     def kv_entry_shape(self) -> tuple[int, ...]:
@@ -100,9 +110,10 @@ class LlamaAttention(nn.Module):
             qk = qkv[:, : H + Hk]
         # q and k heads are adjacent in the qkv output: rotate them in one pass.
         qk = self.rotary_emb.rotate(qk, *rope)  # (num_tokens, H + Hk, head_dim)
+        offset = self.stored_key_offset(kv_cache)
         out = paged_attention(
             qk[:, :H],
-            qk[:, H:],
+            qk[:, H:] if offset is None else qk[:, H:] - offset,
             qkv[:, H + Hk :],
             kv_cache,
             attn_metadata,
@@ -147,9 +158,11 @@ class LlamaDecoderLayer(DecoderLayer):
         # results without ~14 ops' worth of Python and dispatch (csrc/decoder_layer.cpp; with an
         # adapter's rows, csrc/lora_ops.cpp).
         layer: _OneOpLayer
-        layer, scale, window = args
+        layer, scale, window, attn = args
         meta = attn_metadata
+        key_offset = attn.stored_key_offset(kv_cache)
         if lora is not None:
+            assert key_offset is None, "the adapters' one op writes keys as they are (one_op_lora)"
             return torch.ops.pagedserve.llama_decoder_layer_lora(
                 x,
                 *layer,
@@ -174,6 +187,7 @@ class LlamaDecoderLayer(DecoderLayer):
             meta.query_start,
             scale,
             window,
+            key_offset,
         )
 
     def one_op_args(self, x: torch.Tensor, kv_cache: torch.Tensor) -> tuple | None:
@@ -191,8 +205,8 @@ class LlamaDecoderLayer(DecoderLayer):
     def one_op_lora(self, slot: int) -> tuple | None:
         """Per projection (qkv, o, gate_up, down) the adapter's A_cat and B_cat^T (None, None where
         it adds nothing), its blocks ([count, then o, n, c, r each]) and scale: as the modules add it."""
-        if not hasattr(torch.ops.pagedserve, "llama_decoder_layer_lora"):
-            return None
+        if not hasattr(torch.ops.pagedserve, "llama_decoder_layer_lora") or self.self_attn.key_offset is not None:
+            return None  # (its op writes keys as they come: with an int8 cache's offset, module by module)
         tensors: list[torch.Tensor | None] = []
         blocks: list[int] = []
         scales: list[float] = []
@@ -226,7 +240,7 @@ class LlamaDecoderLayer(DecoderLayer):
             info,
             (attn.num_heads, attn.num_kv_heads, attn.head_dim),
         )
-        return layer, attn.scale, attn.window
+        return layer, attn.scale, attn.window, attn
 
     def _weights_for_one_op(self) -> tuple | None:
         attn, mlp = self.self_attn, self.mlp

@@ -330,32 +330,41 @@ def _build_group(
 
 
 # An int8 cache (--kv-cache-dtype int8) stores each row (a token's key or value of one KV head, or
-# an MLA latent) as D int8 numbers round(x * 127 / absmax) followed by the 4 bytes of its float32
-# scale absmax / 127: symmetric, one scale per token per KV head, so a row's error is at most
-# absmax / 254 whatever else is in its block. The scale sits in the row itself rather than in a
-# parallel tensor: a layer's cache stays one tensor (every model, the block-major layout, the
-# huge-page arena and the fused decoder layer keep their signatures), and the kernel finds a row's
-# scale where it reads the row. A row of 64 numbers is 68 bytes: 3.8x fewer than float32's 256,
-# 1.9x fewer than bfloat16's 128.
-KV_SCALE_BYTES = 4
+# an MLA latent) as D int8 numbers round(x / scale) followed by the 2 bytes of its float16 scale
+# absmax / 127: symmetric, one scale per token per KV head, so a row's error is at most half a step
+# of its own scale whatever else is in its block. The scale is rounded to float16 first and the row
+# quantized against the rounded scale, so the scale read back is the one the numbers were made with.
+# The scale sits in the row itself rather than in a parallel tensor: a layer's cache stays one tensor
+# (every model, the block-major layout, the huge-page arena and the fused decoder layer keep their
+# signatures), and the kernel finds a row's scale where it reads the row. A row of 64 numbers is 66
+# bytes: 3.88x fewer than float32's 256, 1.94x fewer than bfloat16's 128 (a float32 scale made it
+# 68 bytes, 1.88x).
+#
+# Keys may be stored less a per-channel offset of their layer and KV head (LlamaAttention.key_offset,
+# calibrated by models/kv_int8.py): a query's scores over its keys then all move by q . offset, which
+# the softmax takes out exactly, while the rows keep their levels for what varies from token to token
+# (Qwen2.5's keys carry a few channels with a large constant part from k_proj's bias).
+KV_SCALE_BYTES = 2
+_FLOAT16_MAX = 65504.0
 
 
 def quantize_rows(x: torch.Tensor) -> torch.Tensor:
-    """x (..., D) floating -> (..., D + 4) int8 rows with their scales (see KV_SCALE_BYTES); the same
+    """x (..., D) floating -> (..., D + 2) int8 rows with their scales (see KV_SCALE_BYTES); the same
     arithmetic as csrc/decode_ops.cpp's write_kv_blocks, so both write the same bytes."""
     x = x.float()
     amax = x.abs().amax(dim=-1, keepdim=True)
-    # Divisions of whole tensors: `127.0 / amax` is amax.reciprocal() * 127, another rounding.
-    full = torch.full_like(amax, 127.0)
-    inv = torch.where(amax > 0, full / amax, torch.zeros_like(amax))
+    # Divisions of whole tensors: `x / 127.0` is x * (1 / 127), another rounding.
+    scale = (amax / torch.full_like(amax, 127.0)).clamp_(max=_FLOAT16_MAX).half()
+    wide = scale.float()
+    inv = torch.where(wide > 0, torch.full_like(wide, 1.0) / wide, torch.zeros_like(wide))
     q = torch.round(x * inv).clamp_(-127, 127).to(torch.int8)
-    return torch.cat([q, (amax / full).view(torch.int8)], dim=-1)
+    return torch.cat([q, scale.view(torch.int8)], dim=-1)
 
 
 def dequantize_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(..., D + 4) int8 rows of quantize_rows -> (..., D) in `dtype` (computed in float32)."""
+    """(..., D + 2) int8 rows of quantize_rows -> (..., D) in `dtype` (computed in float32)."""
     width = rows.shape[-1] - KV_SCALE_BYTES
-    scale = rows[..., width:].contiguous().view(torch.float32)  # (..., 1)
+    scale = rows[..., width:].contiguous().view(torch.float16).float()  # (..., 1)
     return (rows[..., :width].to(torch.float32) * scale).to(dtype)
 
 

@@ -382,10 +382,12 @@ def llama_decoder_layer(
     query_start: torch.Tensor,
     scale: float,
     window: int | None = None,
+    key_offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A Llama decoder layer whose 4 projections run on quant_linear, as one op (csrc/decoder_layer.cpp):
     weights = [qweight, scales, mins, bias] x (qkv, o, gate_up, down), info = [bits, group_size, out_features,
-    min_per_scale] x 4, heads = (H, Hk, head_dim) -> the layer's output (T, hidden)."""
+    min_per_scale] x 4, heads = (H, Hk, head_dim) -> the layer's output (T, hidden). key_offset (Hk, head_dim):
+    subtracted from the keys before they are written (an int8 cache's, see attention.py)."""
     return torch.ops.pagedserve.llama_decoder_layer(
         x,
         input_norm,
@@ -403,6 +405,7 @@ def llama_decoder_layer(
         query_start,
         scale,
         window or 0,
+        key_offset,
     )
 
 

@@ -96,7 +96,7 @@ def test_streamed_chat_answers_and_equals_the_whole_reply(client):
 
 def test_metrics_show_the_int8_cache_capacity(server, offline):
     """/metrics: the pool's blocks x block size are the tokens held; its bytes a token are the int8
-    rows' (scales included), ~1.9x fewer than a 16-bit cache's for SmolLM2's head dim of 64."""
+    rows' (float16 scales included), 1.94x fewer than a 16-bit cache's for SmolLM2's head dim of 64."""
     from models.layers.attention import KVCacheSpec
 
     spec: KVCacheSpec = offline.engine.runner.kv_cache_spec
@@ -113,4 +113,4 @@ def test_metrics_show_the_int8_cache_capacity(server, offline):
     kv_bytes = metric(server, "pagedserve:kv_cache_bytes")
     assert kv_bytes == tokens * spec.bytes_per_token <= KV_CACHE_GIB * 2**30
     sixteen_bit = KVCacheSpec(spec.num_layers, spec.entry_shape, torch.bfloat16).bytes_per_token
-    assert tokens / (KV_CACHE_GIB * 2**30 / sixteen_bit) > 1.85  # 128 / 68 bytes a row
+    assert tokens / (KV_CACHE_GIB * 2**30 / sixteen_bit) >= 1.9  # 128 / 66 bytes a row, less a block's rounding

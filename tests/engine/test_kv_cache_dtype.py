@@ -57,8 +57,8 @@ def test_unknown_kv_cache_dtype_is_refused():
 
 
 def test_an_int8_cache_holds_about_four_times_the_float32_tokens(loaded):
-    """The same --kv-cache-memory holds (4 D) / (D + 4) times the float32 tokens (the tiny model's
-    head dim is 16: 3.2x; SmolLM2's 64: 3.8x), the scales counted; the pool's bytes are its blocks'."""
+    """The same --kv-cache-memory holds (4 D) / (D + 2) times the float32 tokens (the tiny model's
+    head dim is 16: 3.6x; SmolLM2's 64: 3.9x), the float16 scales counted; the pool's bytes are its blocks'."""
     sized = {}
     for dtype in ("float32", "bfloat16", "int8"):
         runner = LLM.from_loaded(loaded, kv_cache_memory_gib=0.001, kv_cache_dtype=dtype).engine.runner
@@ -67,8 +67,8 @@ def test_an_int8_cache_holds_about_four_times_the_float32_tokens(loaded):
         assert runner.kv_cache_bytes <= 0.001 * 2**30
         sized[dtype] = runner.num_tokens_capacity
     head_dim = loaded.model.kv_cache_spec(torch.float32).entry_shape[-1]
-    assert sized["int8"] / sized["float32"] == pytest.approx(4 * head_dim / (head_dim + 4), rel=0.02)
-    assert sized["int8"] / sized["bfloat16"] == pytest.approx(2 * head_dim / (head_dim + 4), rel=0.02)
+    assert sized["int8"] / sized["float32"] == pytest.approx(4 * head_dim / (head_dim + 2), rel=0.02)
+    assert sized["int8"] / sized["bfloat16"] == pytest.approx(2 * head_dim / (head_dim + 2), rel=0.02)
 
 
 def test_int8_cache_logits_stay_near_float32(loaded):
@@ -125,7 +125,10 @@ def test_int8_latent_cache_serves_mla(tmp_path, monkeypatch):
     prompts in chunks beside decodes. Against transformers (the float32 cache is within 1e-4 there,
     tests/models/test_deepseek.py) most positions' logits are within 3% of the largest; a few move
     more, where the tiny random MoE's router picks another expert from a near tie. The C++ kernel
-    and the PyTorch path read the int8 cache alike (1e-4)."""
+    and the PyTorch path read the int8 cache alike: most positions' logits to 1e-5, a few to 5e-3 where a
+    latent's number fell near a rounding boundary of its row's int8 grid and, its float32 bits differing
+    in the last place between the paths, rounded one way on one and the other way on the other (a step of
+    1/127 of its row; docs/benchmarks.md)."""
     from models.layers import cpu_kernels
     from models.loader import load_model
     from tests.models.conftest import paged_forward, save_checkpoint, shuffled_block_tables
@@ -142,7 +145,7 @@ def test_int8_latent_cache_serves_mla(tmp_path, monkeypatch):
 
     def run() -> torch.Tensor:
         caches = model.kv_cache_spec(torch.int8).allocate(num_blocks, block_size, "cpu")
-        assert caches[0].shape[-1] == model.kv_cache_spec(torch.float32).entry_shape[0] + 4  # its scale
+        assert caches[0].shape[-1] == model.kv_cache_spec(torch.float32).entry_shape[0] + 2  # its float16 scale
         done, outputs = [0] * len(prompts), [[] for _ in prompts]
         while any(d < len(p) for d, p in zip(done, prompts)):
             chunks = [
@@ -161,4 +164,5 @@ def test_int8_latent_cache_serves_mla(tmp_path, monkeypatch):
     relative = (eager - reference).abs().amax(-1) / reference.abs().max()
     assert (relative < 3e-2).float().mean().item() >= 0.85 and relative.median().item() < 2e-2
     if kernel is not None:
-        assert ((kernel - eager).abs().max() / reference.abs().max()).item() < 1e-4
+        gap = (kernel - eager).abs().amax(-1) / reference.abs().max()
+        assert gap.median().item() < 1e-5 and gap.max().item() < 5e-3, gap

@@ -79,6 +79,27 @@ def test_tiny_layers_as_one_op_give_the_same_bits(monkeypatch, make_checkpoint, 
         assert torch.equal(a, b)
 
 
+def test_int8_cache_keys_less_their_offsets_give_the_same_bits(monkeypatch, make_checkpoint):
+    """An int8 cache stores each layer's keys less its calibrated per-channel offset (models/kv_int8.py):
+    the one op subtracts it as the modules do."""
+    from models.kv_int8 import calibrate_key_offsets
+
+    path, hf_model = make_checkpoint("qwen2")
+    loaded = load_model(str(path), dtype="float32", quantization="int4")
+    calibrate_key_offsets(loaded)
+    config = hf_model.config
+    shape = (config.num_key_value_heads, config.hidden_size // config.num_attention_heads)
+    offsets = [layer.self_attn.key_offset for layer in loaded.model.model.decoder_layers]
+    assert all(o is not None and o.shape == shape and o.abs().sum() > 0 for o in offsets)
+    calls = one_op_calls(monkeypatch)
+    fused = three_steps(loaded.model, torch.int8, hf_model.config.vocab_size)
+    assert len(calls) == 3 * hf_model.config.num_hidden_layers
+    monkeypatch.setattr(LlamaDecoderLayer, "one_op_args", lambda self, x, kv_cache: None)
+    modules = three_steps(loaded.model, torch.int8, hf_model.config.vocab_size)
+    for a, b in zip(fused, modules, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_dense_and_qk_norm_layers_keep_the_module_path(monkeypatch, make_checkpoint):
     calls = one_op_calls(monkeypatch)
     for arch, quantization in (("llama", "none"), ("qwen3", "int4")):

@@ -229,8 +229,8 @@ def int8_step_outputs(seqs, plan, tables, num_blocks, block_size, scale, num_kv_
 @pytest.mark.parametrize("head_dim", [8, 64])
 @pytest.mark.parametrize("block_size,window", [(16, None), (5, None), (16, 9)])
 def test_int8_cache_is_attention_over_its_dequantized_rows(block_size, window, head_dim):
-    """An int8 cache (--kv-cache-dtype int8) holds each key and value row as round(x * 127 / absmax)
-    and its scale absmax / 127; every path attends exactly (to float32 rounding) what dense
+    """An int8 cache (--kv-cache-dtype int8) holds each key and value row as round(x / scale) and
+    its float16 scale absmax / 127; every path attends exactly (to float32 rounding) what dense
     attention gives over those dequantized rows, and within the quantization's own bound of dense
     attention over the float rows: each number moves by at most absmax / 254 of its row, so an output
     (a convex mix of values) by at most max absmax / 254 through the values, plus what the keys'
@@ -323,9 +323,32 @@ def test_int8_rows_do_not_depend_on_their_step(attention_path, threads):
 
 
 def test_int8_cache_sizes():
-    """An int8 entry is its numbers and a float32 scale a row: (D + 4) / (4 D) of float32's bytes."""
+    """An int8 entry is its numbers and a float16 scale a row: (D + 2) / (4 D) of float32's bytes, so
+    at head dim 64 a cache holds 1.94x the tokens of a 16-bit one (at least the 1.9x it aims at)."""
     f32 = KVCacheSpec(2, (2, 5, 64), torch.float32)
+    bf16 = KVCacheSpec(2, (2, 5, 64), torch.bfloat16)
     i8 = KVCacheSpec(2, (2, 5, 64), torch.int8)
-    assert i8.stored_shape == (2, 5, 68) and i8.bytes_per_entry == 2 * 5 * 68
-    assert f32.bytes_per_entry / i8.bytes_per_entry == pytest.approx(256 / 68)
-    assert i8.allocate(3, 16, "cpu")[0].shape == (3, 16, 2, 5, 68)
+    assert i8.stored_shape == (2, 5, 66) and i8.bytes_per_entry == 2 * 5 * 66
+    assert f32.bytes_per_entry / i8.bytes_per_entry == pytest.approx(256 / 66)
+    assert bf16.bytes_per_entry / i8.bytes_per_entry >= 1.9
+    assert i8.allocate(3, 16, "cpu")[0].shape == (3, 16, 2, 5, 66)
+
+
+def test_int8_scales_are_float16_and_the_numbers_made_against_them():
+    """A row's scale is absmax / 127 rounded to float16, and its numbers round(x / scale) with that
+    rounded scale, so dequantizing moves no number by more than half a step; rows of zeros, of tiny
+    numbers (a float16 subnormal scale) and of large ones (up to float16's range) survive; a row too
+    small for a float16 scale (absmax below ~4e-6) reads back as zeros."""
+    from models.layers.attention import dequantize_rows, quantize_rows
+
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 64, generator=gen) * torch.tensor([1.0, 0.0, 1e-3, 1e3, 1e6, 30.0])[:, None]
+    rows = quantize_rows(x)
+    assert rows.shape == (6, 66) and rows.dtype == torch.int8
+    scale = rows[:, 64:].contiguous().view(torch.float16).float()
+    assert torch.equal(scale, (x.abs().amax(-1, keepdim=True) / 127).clamp(max=65504).half().float())
+    back = dequantize_rows(rows, torch.float32)
+    assert ((back - x).abs() <= scale / 2 * (1 + 1e-6) + 1e-30).all()
+    assert torch.equal(back[1], torch.zeros(64))
+    tiny = torch.randn(64, generator=gen) * 1e-7
+    assert torch.equal(dequantize_rows(quantize_rows(tiny), torch.float32), torch.zeros(64))

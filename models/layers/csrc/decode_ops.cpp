@@ -50,10 +50,11 @@ at::Tensor rope_neox(const at::Tensor& x, const at::Tensor& cos, const at::Tenso
 // kv_cache (num_blocks, block_size, 2, Hk, D) used block-major as (num_blocks, 2, Hk, block_size, D)
 // (see attention.py); k, v (T, Hk, D), any strides with unit stride along D; slot_mapping (T,)
 // int64. Writes token t's keys and values at slot slot_mapping[t] (block slot / block_size, offset
-// slot % block_size), cast to the cache's dtype; an int8 cache's rows of W = D + 4 bytes get each
-// row quantized as attention.py's quantize_rows does (the same float32 operations: the same bytes).
+// slot % block_size), cast to the cache's dtype; an int8 cache's rows of W = D + 2 bytes get each
+// row quantized as attention.py's quantize_rows does (the same float32 operations: the same bytes):
+// the float16 scale absmax / 127 after the numbers, each number round(x / scale) against that scale.
 void write_kv_int8(at::Tensor& kv_cache, const at::Tensor& k, const at::Tensor& v, const int64_t* sp, int64_t T) {
-  const int64_t Hk = kv_cache.size(3), W = kv_cache.size(4), D = W - 4, block_size = kv_cache.size(1);
+  const int64_t Hk = kv_cache.size(3), W = kv_cache.size(4), D = W - 2, block_size = kv_cache.size(1);
   const int64_t run = block_size * W;
   int8_t* cache = kv_cache.data_ptr<int8_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv_int8", [&] {
@@ -68,13 +69,14 @@ void write_kv_int8(at::Tensor& kv_cache, const at::Tensor& k, const at::Tensor& 
             int8_t* to = block + (p * Hk + h) * run;
             float amax = 0.f;
             for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(static_cast<float>(from[d])));
-            const float inv = amax > 0.f ? 127.f / amax : 0.f;
+            volatile float divisor = 127.f;  // amax / 127 as Python divides, not times a rounded 1 / 127
+            const c10::Half scale(std::min(amax / divisor, 65504.f));  // to nearest even, as Tensor.half()
+            const float wide = static_cast<float>(scale);
+            const float inv = wide > 0.f ? 1.f / wide : 0.f;
             for (int64_t d = 0; d < D; ++d) {
               const float x = std::nearbyint(static_cast<float>(from[d]) * inv);  // to nearest even, as torch.round
               to[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, x)));
             }
-            volatile float divisor = 127.f;  // amax / 127 as Python divides, not times a rounded 1 / 127
-            const float scale = amax / divisor;
             std::memcpy(to + D, &scale, sizeof(scale));
           }
         }
@@ -86,7 +88,7 @@ void write_kv_int8(at::Tensor& kv_cache, const at::Tensor& k, const at::Tensor& 
 void write_kv_blocks(at::Tensor& kv_cache, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_mapping) {
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(2) == 2 && kv_cache.is_contiguous(), "write_kv_blocks: bad cache");
   const bool int8 = kv_cache.scalar_type() == at::kChar;
-  const int64_t T = k.size(0), Hk = kv_cache.size(3), D = kv_cache.size(4) - (int8 ? 4 : 0);
+  const int64_t T = k.size(0), Hk = kv_cache.size(3), D = kv_cache.size(4) - (int8 ? 2 : 0);
   const int64_t block_size = kv_cache.size(1), slots = kv_cache.size(0) * block_size, run = block_size * D;
   TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == Hk && k.size(2) == D && k.stride(2) == 1 &&
               v.stride(2) == 1 && k.scalar_type() == v.scalar_type(), "write_kv_blocks: k, v (T, Hk, D)");

@@ -42,7 +42,7 @@ at::Tensor llama_decoder_layer(
     const c10::List<Opt>& weights, at::IntArrayRef info, at::IntArrayRef heads, const at::Tensor& cos,
     const at::Tensor& signed_sin, at::Tensor& kv_cache, const at::Tensor& slot_mapping,
     const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& query_start, double scale,
-    int64_t window) {
+    int64_t window, const Opt& key_offset) {
   static auto rms_norm = c10::Dispatcher::singleton().findSchemaOrThrow("pagedserve::rms_norm", "")
                              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
   static auto rope = c10::Dispatcher::singleton().findSchemaOrThrow("pagedserve::rope_neox", "")
@@ -60,7 +60,9 @@ at::Tensor llama_decoder_layer(
   const int64_t T = x.size(0), H = heads[0], Hk = heads[1], D = heads[2];
   const at::Tensor qkv = quant_linear(rms_norm.call(x, input_norm, eps), weights, info, 0).view({T, H + 2 * Hk, D});
   const at::Tensor qk = rope.call(qkv.slice(1, 0, H + Hk), cos, signed_sin);  // q and k heads are adjacent
-  write_kv.call(kv_cache, qk.slice(1, H, H + Hk), qkv.slice(1, H + Hk, H + 2 * Hk), slot_mapping);
+  // An int8 cache's keys less their layer's per-channel offset (key_offset (Hk, D); see attention.py)
+  const at::Tensor k = key_offset.has_value() ? qk.slice(1, H, H + Hk) - *key_offset : qk.slice(1, H, H + Hk);
+  write_kv.call(kv_cache, k, qkv.slice(1, H + Hk, H + 2 * Hk), slot_mapping);
   const at::Tensor out =
       attention.call(qk.slice(1, 0, H), kv_cache, block_table, seq_lens, query_start, scale, 0, window, 0.);
   const at::Tensor h = x + quant_linear(out.reshape({T, H * D}), weights, info, 1);
@@ -76,7 +78,8 @@ at::Tensor llama_decoder_layer(
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("llama_decoder_layer(Tensor x, Tensor input_norm, Tensor post_norm, float eps, Tensor?[] weights, "
         "int[] info, int[] heads, Tensor cos, Tensor signed_sin, Tensor(a!) kv_cache, Tensor slot_mapping, "
-        "Tensor block_table, Tensor seq_lens, Tensor query_start, float scale, int window=0) -> Tensor");
+        "Tensor block_table, Tensor seq_lens, Tensor query_start, float scale, int window=0, "
+        "Tensor? key_offset=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {

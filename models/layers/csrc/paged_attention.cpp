@@ -34,8 +34,8 @@
 //        a block's keys and values for every KV head are one run of memory
 //   MLA  (num_blocks, block_size, E): one latent per token for all heads (Hk = 1); keys are the
 //        whole entry, values its first `value_dim` numbers (the absorbed form)
-// An int8 cache (attention.py's quantize_rows) has rows of D int8 numbers and their float32 scale
-// (D + 4 bytes, the last dim of its shape). Its rows are read as they lie, the integers widened
+// An int8 cache (attention.py's quantize_rows) has rows of D int8 numbers and their float16 scale
+// (D + 2 bytes, the last dim of its shape). Its rows are read as they lie, the integers widened
 // exactly as a 16-bit cache's are, and the scales applied on the fly: a key's to its score
 // (s_t = k_scale_t * (scale q . k_t)), a value's to its weight once the softmax has summed the
 // weights (acc = fma(p_t * v_scale_t, v_t, acc)). Each is one more rounding in an order fixed by
@@ -227,16 +227,20 @@ inline const float* row_as_float(const cache_t* row, int64_t n, float* buf) {
   }
 }
 
-// An int8 cache row's scale: the float32 after its `n` numbers.
+// An int8 cache row's scale: the float16 after its `n` numbers, widened (exactly).
 inline float row_scale(const int8_t* row, int64_t n) {
-  float scale;
-  std::memcpy(&scale, row + n, sizeof(scale));
-  return scale;
+  uint16_t bits;
+  std::memcpy(&bits, row + n, sizeof(bits));
+#if defined(__F16C__)
+  return _cvtsh_ss(bits);
+#else
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
 }
 
 // Numbers of a cache row past its values that are read with it: an int8 row's scale.
 template <typename cache_t>
-constexpr int64_t kRowExtra = std::is_same_v<cache_t, int8_t> ? 4 : 0;
+constexpr int64_t kRowExtra = std::is_same_v<cache_t, int8_t> ? 2 : 0;
 
 // Where key / value rows lie: the key row of KV head h, token o of block b is
 // base + h * head_stride + b * block_stride + o * slot_stride; its value row v_offset further on.
@@ -667,7 +671,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
   const bool int8 = kv_cache.scalar_type() == at::kChar;
   TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() || mixed || int8,
               "kv_cache must have q's dtype, be float16/bfloat16 under float32 q, or int8");
-  const int64_t extra = int8 ? 4 : 0;  // an int8 row's scale, after its numbers
+  const int64_t extra = int8 ? 2 : 0;  // an int8 row's float16 scale, after its numbers
   TORCH_CHECK(block_table.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
               query_start.scalar_type() == at::kLong, "int64 tables");
   const int64_t n = seq_lens.numel(), T = q.size(0), H = q.size(1);
