@@ -46,7 +46,7 @@
 // bytes (5 bits a weight). Widened once for 4 chunks, a high chunk gives each 4-bit chunk's
 // values their bit 4 by a shift, an `and 0x10` and an `or`, one shift on to the next chunk; then
 // the same madds as 4 bits, on values 0..31. `tile` runs them on every build (plain C++, AVX2,
-// AVX-512); AVX2's 4-bit assembly and the AVX-512 wide tiles are 4 and 8 bits only.
+// AVX-512), and AVX-512 VNNI builds on the wide tiles as well (below); AVX2's assembly is 4 bits only.
 //
 // 6 bits (Q6_K: q = nibble | two bits << 4, w = d sc (q - 32)) are the 4-bit group's 8 chunks, then
 // its 64 high bits a column in four 16-byte chunks h = 0..3, then its int8 sub-scales (16 bytes:
@@ -62,7 +62,8 @@
 //
 // |a sum| <= 16 * 32 * 32767 = 16,776,704 < 2^24: exact in int32 and in float32. d * sc is exact
 // too (11 by 8 significant bits). One sum for the 32 values with sc inside it would not fit:
-// 32 * 32 * 128 * 32767 > 2^31.
+// 32 * 32 * 128 * 32767 > 2^31. The wide tiles (AVX-512 VNNI) run the same two sums and float steps;
+// with more than two rows, one sub-block after the other (wide_group6).
 //
 // Determinism: every output element runs the same instruction sequence, group by group in
 // order, whatever tile it falls in, however many rows the step has and whichever thread
@@ -807,7 +808,8 @@ void sliced_tiles_4x3(const Operands<S>& op, int64_t m_begin, int64_t row_tiles,
 // a 256-bit one in the same slot; on one that splits 512-bit operations in two (Zen 4) it costs two
 // and the count of everything else halves. Tiles of two rows or more (prompts, mixed steps,
 // verification, decodes) therefore run 16 lanes: the chunks of panels p and p + 1 side by side, so lanes
-// 0-7 are panel p's 8 columns and 8-15 panel p + 1's, the pair broadcast to all 16. Each lane
+// 0-7 are panel p's 8 columns and 8-15 panel p + 1's, the pair broadcast to all 16, for every format
+// (4, 5, 6 and 8 bits; 5 and 6 bits unpack their bit planes in bytes, then widen). Each lane
 // runs exactly the arithmetic of `tile` above (the integer dot is exact, then the same convert,
 // multiply and fused multiply-adds, group by group in order), so a row's bits do not depend on
 // which of the two it fell in (a task's last odd panel takes `tile`). PAGEDSERVE_WIDE_TILES=0 turns them off (to
@@ -964,7 +966,9 @@ __attribute__((always_inline)) inline void wide_group6(const Operands<S>& op, fl
   }
 }
 
-// Rows m0 .. m0+RM, panels p0 .. p0+2*RZ: `tile`'s loop with a vector for each two panels.
+// Rows m0 .. m0+RM, panels p0 .. p0+2*RZ: `tile`'s loop with a vector for each two panels. The high-bit
+// planes (5 and 6 bits) are unpacked 32 bytes at a time in 256-bit operations (a 512-bit one costs two
+// on Zen 4), then widened: the same int16 as `tile`'s.
 template <int Bits, int RM, int RZ, MinKind Min, typename S>
 __attribute__((noinline)) void wide_tile(const Operands<S>& op, int64_t m0, int64_t p0) {
 
