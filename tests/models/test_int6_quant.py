@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
 
 from models.gguf import quantized_weight, serving_format
@@ -206,15 +206,20 @@ def test_a_dense_weight_rounds_to_int6_within_half_a_step(spread):
     assert torch.equal(layer.quant_method.dense_weight(layer), qw.dequantize())
 
 
-@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
-def test_a_q6_k_gguf_is_served_as_its_own_bytes_in_6_5625_bits_a_weight(tmp_path, tie):
-    """A Q6_K file loads as int6 with no requantization: every layer's weight read back from the
-    kernel's panels is the file's blocks' values, a weight costs the file's 6.5625 bits (not
-    int8's 9), a tied embedding looks its rows up from the same panels, and the logits are the
-    dequantized model's."""
+@pytest.mark.parametrize(
+    "qtype, tie",
+    [(T.Q6_K, True), (T.Q6_K, False), (T.Q3_K, False)],
+    ids=["q6_k-tied", "q6_k-untied", "q3_k"],
+)
+def test_a_q6_k_or_q3_k_gguf_is_served_as_int6_holding_the_files_values(tmp_path, qtype, tie):
+    """A Q6_K or Q3_K file loads as int6 with no requantization (Q3_K was int4, rounded from the
+    dequantized weights): every layer's weight read back from the kernel's panels is the file's
+    blocks' values, a weight costs 6.5625 bits (Q6_K's own size, not int8's 9; Q3_K's 3.4375 in
+    its 6-bit form), a tied embedding looks its rows up from the same panels, and the logits are
+    the dequantized model's."""
     model = tiny_llama(tie=tie, hidden_size=256, intermediate_size=512, head_dim=64)
     path = tmp_path / "m.gguf"
-    write_gguf(path, model, T.Q6_K, quantizer=q6_k_blocks)
+    write_gguf(path, model, qtype, quantizer=q6_k_blocks if qtype == T.Q6_K else q3_k_blocks)
     stored = load_model(str(path), dtype="float32")
     dense = load_model(str(path), dtype="float32", quantization="none")
     assert set(methods(stored.model).values()) == {"int6"}
@@ -226,36 +231,11 @@ def test_a_q6_k_gguf_is_served_as_its_own_bytes_in_6_5625_bits_a_weight(tmp_path
         assert layer.panelled and layer.qweight.shape == (-(-n // 8), k // 32, 208)
         assert getattr(layer, "mins", None) is None
         back = Q.panel_rows(6, layer.qweight, layer.scales, None, torch.arange(n))
-        assert torch.equal(back.qweight, quantized_weight(blocks, T.Q6_K, n, k).qweight)
+        assert torch.equal(back.qweight, quantized_weight(blocks, qtype, n, k).qweight)
         held = sum(t.numel() * t.element_size() for t in (layer.qweight, layer.scales))
-        assert held == blocks.nbytes  # n is a multiple of 8: no padding
-    want = np.asarray(gguf_dequantize(blocks, T.Q6_K)).reshape(n, k)
-    assert np.array_equal(layer.quant_method.dense_weight(layer).numpy(), want)
-    got, want_logits = prompt_logits(stored.model, PROMPT), prompt_logits(dense.model, PROMPT)
-    assert (got - want_logits).abs().max() <= 2e-4 * want_logits.abs().max()
-    assert torch.equal(got.argmax(-1), want_logits.argmax(-1))
-
-
-def test_a_q3_k_gguf_is_served_as_int6_holding_the_files_values(tmp_path):
-    """A Q3_K file loads as int6 with no requantization (it was int4, rounded from the dequantized
-    weights): every layer's weight read back from the kernel's panels is the file's blocks' values
-    and the logits are the dequantized model's."""
-    model = tiny_llama(hidden_size=256, intermediate_size=512, head_dim=64)
-    path = tmp_path / "m.gguf"
-    write_gguf(path, model, T.Q3_K, quantizer=q3_k_blocks)
-    stored = load_model(str(path), dtype="float32")
-    dense = load_model(str(path), dtype="float32", quantization="none")
-    assert set(methods(stored.model).values()) == {"int6"}
-    tensor = next(t for t in GGUFReader(path).tensors if t.name == "blk.1.ffn_down.weight")
-    layer = stored.model.model.layers[1].mlp.down_proj
-    n, k = layer.out_features, layer.in_features
-    blocks = np.asarray(tensor.data)
-    if cpu_kernels.available():
-        back = Q.panel_rows(6, layer.qweight, layer.scales, None, torch.arange(n))
-        assert torch.equal(back.qweight, quantized_weight(blocks, T.Q3_K, n, k).qweight)
-        held = sum(t.numel() * t.element_size() for t in (layer.qweight, layer.scales))
-        assert held * 110 == blocks.nbytes * 210  # 6.5625 bits a weight for the file's 3.4375
-    want = np.asarray(gguf_dequantize(blocks, T.Q3_K)).reshape(n, k)
+        # 210 bytes per 256 weights (n is a multiple of 8: no padding); the file's block is 210 or 110.
+        assert held * GGML_QUANT_SIZES[qtype][1] == blocks.nbytes * 210
+    want = np.asarray(gguf_dequantize(blocks, qtype)).reshape(n, k)
     assert np.array_equal(layer.quant_method.dense_weight(layer).numpy(), want)
     got, want_logits = prompt_logits(stored.model, PROMPT), prompt_logits(dense.model, PROMPT)
     assert (got - want_logits).abs().max() <= 2e-4 * want_logits.abs().max()
