@@ -95,7 +95,8 @@ class ModelRunner:
         # LoRA adapters: name -> slot in the layers (models/layers/lora.py); empty: none served.
         self.lora = LoRASlots(config.resolved_max_loras)
         self.lora_slots = self.lora.slots
-        self.lora_dtype = loaded.config.dtype  # an adapter's weights, as PEFT loads them
+        # an adapter's weights: the model's dtype (as PEFT loads them), or EngineConfig.lora_dtype's
+        self.lora_dtype = loaded.config.dtype if config.lora_dtype == "auto" else getattr(torch, config.lora_dtype)
         self.max_lora_rank = config.max_lora_rank
         if config.lora_modules:  # under tensor parallelism every rank attaches its part of each
             for name, slot in add_lora_adapters(

@@ -2,21 +2,23 @@
 
     python -m loadtest.bench_lora [--model smollm2-135m:q4_0] [--streams 1 16] [--adapters 4] [--rank 16]
                                   [--targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]
-                                  [--threads 2] [--clock wall] [--rounds 5] [--repeats 5]
+                                  [--lora-dtype auto [bfloat16 ...]] [--threads 2] [--clock wall]
+                                  [--rounds 5] [--repeats 5]
 
 The model is built once (a path, a model name, or a loadtest.make_gguf shape such as
 `smollm2-1.7b:q4_0`, written on first use), as `python -m server` loads it. `--adapters` random
 adapters of rank `--rank` on `--targets` are prepared and installed through the API the server's
-runner uses (models/layers/lora.py prepare_lora_adapter, PreparedLoRA.install) in the model's dtype.
+runner uses (models/layers/lora.py prepare_lora_adapter, PreparedLoRA.install), in each
+`--lora-dtype` (the server's flag; auto: the model's dtype), a set of slots per dtype.
 
 One step is what the runner does for a batch of decodes: LoRABatch.build (adapter steps only),
 AttentionMetadata.build, the forward and the logits of every row. For each `--streams` count,
-the base step and the adapter step (row i under adapter i mod N) take turns: each round times
-`--repeats` of one, then of the other, and keeps each median. The machine may be shared, so a
-round's ratio compares two runs seconds apart, and the report is the median over rounds:
+the base step and the adapter step (row i under adapter i mod N) of each dtype take turns: each
+round times `--repeats` of one, then of the next, and keeps each median. The machine may be
+shared, so a round's ratio compares runs seconds apart, and the report is the median over rounds:
 
     b16 base      median ms, tok/s
-    b16 lora      median ms, tok/s
+    b16 lora      median ms, tok/s               (several dtypes: b16 lora:bfloat16 ...)
     b16 ratio     tok/s lora / base  (and per-token latency lora / base)
 """
 
@@ -33,6 +35,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from engine.config import LORA_DTYPES
 from loadtest.bench_step import BLOCK_SIZE, Batch, timeit
 from models.layers.linear import Embedding, Linear, MergedLinear
 from models.layers.lora import TARGET_MODULES, LoRAAdapter, prepare_lora_adapter
@@ -79,6 +82,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--adapters", type=int, default=4, help="adapters the rows are spread over")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--targets", default=ALL_LINEAR, help=f"comma list of: {','.join(TARGET_MODULES)}")
+    parser.add_argument(
+        "--lora-dtype",
+        nargs="+",
+        default=["auto"],
+        choices=LORA_DTYPES,
+        help="the adapters' dtype (the server's --lora-dtype); several: each timed against the same base steps",
+    )
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (0 = leave as is)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved base / adapter rounds")
     parser.add_argument("--repeats", type=int, default=5, help="steps timed per round and side")
@@ -97,10 +107,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     model, device = loaded.model, next(loaded.model.parameters()).device
     targets = set(args.targets.split(","))
-    for n in range(args.adapters):  # the server's dtype for adapters: the model's (engine/model_runner.py)
-        prepare_lora_adapter(
-            model, random_adapter(model, f"a{n}", args.rank, targets, seed=n), loaded.config.dtype
-        ).install(n + 1)
+    names = list(dict.fromkeys(args.lora_dtype))
+    for d, name in enumerate(names):  # as engine/model_runner.py resolves --lora-dtype
+        dtype = loaded.config.dtype if name == "auto" else getattr(torch, name)
+        for n in range(args.adapters):  # the same adapters in each dtype, slots of their own
+            adapter = random_adapter(model, f"a{n}", args.rank, targets, seed=n)
+            prepare_lora_adapter(model, adapter, dtype).install(1 + d * args.adapters + n)
     max_seqs, max_len = max(args.streams), 257
     num_blocks = max_seqs * ((max_len + BLOCK_SIZE - 1) // BLOCK_SIZE) + 1
     kv_caches = model.kv_cache_spec(resolve_kv_cache_dtype("auto", loaded)).allocate(num_blocks, BLOCK_SIZE, device)
@@ -108,35 +120,43 @@ def main(argv: list[str] | None = None) -> None:
         cache.normal_()
     print(
         f"model {args.model} {loaded.config.dtype} weights {loaded.quantization}, threads {torch.get_num_threads()}, "
-        f"{args.adapters} adapters rank {args.rank} on {args.targets}, {args.rounds} rounds x {args.repeats} steps, "
+        f"{args.adapters} adapters rank {args.rank} on {args.targets} in {' '.join(names)}, "
+        f"{args.rounds} rounds x {args.repeats} steps, "
         f"{args.clock} clock, load average {_load()}"
     )
-    print(f"{'step':<14}{'median ms':>10}{'tok/s':>9}{'lora/base tok/s':>17}{'lora/base ms':>14}")
+    width = 14 if len(names) == 1 else 22  # the step column: "b16 ratio:bfloat16"
+    print(f"{'step':<{width}}{'median ms':>10}{'tok/s':>9}{'lora/base tok/s':>17}{'lora/base ms':>14}")
     rng = random.Random(0)
     with torch.inference_mode():
         for n in args.streams:
             batch = Batch([1] * n, [rng.randint(128, 256) for _ in range(n)], num_blocks, device, seed=n)
-            slots = [1 + i % args.adapters for i in range(n)] if args.adapters else [0] * n
 
-            def step(lora: bool) -> torch.Tensor:
+            def step(first_slot: int | None) -> torch.Tensor:
+                """One decode step: the base model's (None), or row i under slot first_slot + i mod N."""
                 meta = batch.build()
-                if lora:
-                    meta = replace(
-                        meta, kernels=replace(meta.kernels, lora=LoRABatch.build(batch.query_lens, slots, device))
-                    )
+                if first_slot is not None:
+                    slots = [first_slot + i % args.adapters if args.adapters else 0 for i in range(n)]
+                    lora = LoRABatch.build(batch.query_lens, slots, device)
+                    meta = replace(meta, kernels=replace(meta.kernels, lora=lora))
                 return model.compute_logits(model(batch.input_ids, batch.positions, kv_caches, meta), meta.kernels)
 
-            base_ms, lora_ms, ratios = [], [], []
+            base_ms: list[float] = []
+            lora_ms: list[list[float]] = [[] for _ in names]
+            ratios: list[list[float]] = [[] for _ in names]
             for _ in range(args.rounds):
-                base = timeit(lambda: step(False), args.repeats, 1, clock)[0]
-                lora = timeit(lambda: step(True), args.repeats, 1, clock)[0]
+                base = timeit(lambda: step(None), args.repeats, 1, clock)[0]
                 base_ms.append(base * 1e3)
-                lora_ms.append(lora * 1e3)
-                ratios.append(lora / base)
-            base, lora, ratio = statistics.median(base_ms), statistics.median(lora_ms), statistics.median(ratios)
-            print(f"{f'b{n} base':<14}{base:>10.2f}{n * 1e3 / base:>9.1f}")
-            print(f"{f'b{n} lora':<14}{lora:>10.2f}{n * 1e3 / lora:>9.1f}")
-            print(f"{f'b{n} ratio':<14}{'':>19}{1 / ratio:>17.3f}{ratio:>14.3f}", flush=True)
+                for d in range(len(names)):
+                    lora = timeit(lambda: step(1 + d * args.adapters), args.repeats, 1, clock)[0]
+                    lora_ms[d].append(lora * 1e3)
+                    ratios[d].append(lora / base)
+            base = statistics.median(base_ms)
+            print(f"{f'b{n} base':<{width}}{base:>10.2f}{n * 1e3 / base:>9.1f}")
+            for d, name in enumerate(names):
+                tag = "" if len(names) == 1 else f":{name}"
+                lora, ratio = statistics.median(lora_ms[d]), statistics.median(ratios[d])
+                print(f"{f'b{n} lora{tag}':<{width}}{lora:>10.2f}{n * 1e3 / lora:>9.1f}")
+                print(f"{f'b{n} ratio{tag}':<{width}}{'':>19}{1 / ratio:>17.3f}{ratio:>14.3f}", flush=True)
     print(f"load average {_load()}")
 
 

@@ -89,8 +89,10 @@ class LoRAWeights:
                 hidden = cpu_kernels.rows_matmul(x[rows], a, kn=False)  # (num_rows, R) float32
                 delta = cpu_kernels.rows_matmul(hidden, bt, kn=True) * scale  # PEFT's order: B(A x) * scale
             else:
-                x_rows = x[rows].to(a.dtype)  # (num_rows, in)
-                delta = ((x_rows @ a.t()) @ bt) * scale  # (num_rows, out), PEFT's order: B(A x) * scale
+                # 16-bit adapters (--lora-dtype) on float32 activations: computed in float32
+                dtype = torch.promote_types(x.dtype, a.dtype)
+                x_rows = x[rows].to(dtype)  # (num_rows, in)
+                delta = ((x_rows @ a.t().to(dtype)) @ bt.to(dtype)) * scale  # (num_rows, out), PEFT's order
             if isinstance(rows, slice):
                 out[rows] += delta.to(out.dtype)
             else:

@@ -38,7 +38,7 @@ def reference(out, x, a, bt, blocks, scale) -> torch.Tensor:
     return expected
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_lora_add_is_the_products_and_never_reads_a_zero_block(dtype):
     gen = torch.Generator().manual_seed(0)
     num_rows, hidden_size, out_features = 5, 70, 150
@@ -105,11 +105,12 @@ def steps(model, slots_of: list[int]) -> list[torch.Tensor]:
     [[1, 1, 1], [1, 0, 1], [2, 1, 0]],
     ids=["one adapter", "one adapter beside the base", "two adapters"],
 )
-def test_smollm2_layers_with_an_adapter_as_one_op_give_the_same_bits(monkeypatch, slots_of):
+@pytest.mark.parametrize("lora_dtype", [torch.float32, torch.bfloat16])
+def test_smollm2_layers_with_an_adapter_as_one_op_give_the_same_bits(monkeypatch, slots_of, lora_dtype):
     model = load_model(str(default_model_path()), dtype="float32").model
     for slot in (1, 2):
         adapter = random_adapter(model, f"a{slot}", 8, set(ALL_LINEAR.split(",")) - {"k_proj"}, seed=slot)
-        prepare_lora_adapter(model, adapter).install(slot)
+        prepare_lora_adapter(model, adapter, lora_dtype).install(slot)
     calls = []
     real = LlamaDecoderLayer.call_one_op
     monkeypatch.setattr(

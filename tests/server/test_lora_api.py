@@ -143,3 +143,10 @@ def test_max_loras_defaults_to_the_adapters_given(flags, max_loras):
     from server.__main__ import build_parser, engine_config
 
     assert engine_config(build_parser().parse_args(["--model", "m", *flags])).max_loras == max_loras
+
+
+@pytest.mark.parametrize(("flags", "lora_dtype"), [([], "auto"), (["--lora-dtype", "bfloat16"], "bfloat16")])
+def test_the_lora_dtype_flag_reaches_the_engine_config(flags, lora_dtype):
+    from server.__main__ import build_parser, engine_config
+
+    assert engine_config(build_parser().parse_args(["--model", "m", *flags])).lora_dtype == lora_dtype
