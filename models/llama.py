@@ -144,6 +144,7 @@ class LlamaDecoderLayer(DecoderLayer):
         mlp_bias = bool(getattr(config, "mlp_bias", False))
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, bias=mlp_bias)
         self._one_op: tuple | None = None  # the one-op form's weight arguments, once known
+        self._lora_linears: tuple[Linear, ...] | None = None  # one_op_lora's four layers, once looked up
 
     @staticmethod
     def call_one_op(
@@ -207,11 +208,13 @@ class LlamaDecoderLayer(DecoderLayer):
         it adds nothing), its blocks ([count, then o, n, c, r each]) and scale: as the modules add it."""
         if not hasattr(torch.ops.pagedserve, "llama_decoder_layer_lora") or self.self_attn.key_offset is not None:
             return None  # (its op writes keys as they come: with an int8 cache's offset, module by module)
+        if self._lora_linears is None:  # at every step of every layer: no nn.Module lookups
+            attn, mlp = self.self_attn, self.mlp
+            self._lora_linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         tensors: list[torch.Tensor | None] = []
         blocks: list[int] = []
         scales: list[float] = []
-        attn, mlp = self.self_attn, self.mlp
-        for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+        for linear in self._lora_linears:
             found = None if linear.lora is None else linear.lora.slots.get(slot)
             if found is None:
                 tensors += [None, None]
