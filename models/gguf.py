@@ -49,7 +49,7 @@ from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CO
 from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from models.layers.quantization import QuantizedWeight, pack_int4, pack_int5, pack_int6
+from models.layers.quantization import StoredFormat, QuantizedWeight, pack_int4, pack_int5, pack_int6, with_sub_scales
 from models.registry import MODEL_REGISTRY
 
 # GGUF `general.architecture` -> the key of transformers' GGUF_CONFIG_MAPPING, and -> the
@@ -116,20 +116,21 @@ _KV_B_HALF = re.compile(r"(.+)\.(k|v)_b_proj\.weight$")
 # Tensors that carry metadata rather than weights; read into the config.
 _ROPE_FREQS = "rope_freqs.weight"
 
-# GGUF types kept as stored (models/layers/quantization.py): -> (bits, group size, scale dtype).
-# Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 keep their fp16 factors; the K-quants' d * sc products need float32 to stay exact,
-# but Q3_K and Q6_K, whose sc (int8, per 16) stay in the int6 groups' bytes and their fp16 d (per 256) is the
-# scale. Q3_K's q3 in [-4, 3] is int6's q - 32: served as int6, exact, 6.5625 bits a weight for its 3.4375.
+# GGUF types kept as stored (models/layers/quantization.py). Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 keep their fp16 factors.
+# The K-quants keep their fp16 d (and -dmin) per 256 as the scales and their 6-bit sub-scales in the groups'
+# bytes: Q4_K's uint8 sc and mn behind each 32 values' nibbles (4.625 bits a weight for its 4.5), Q3_K's and
+# Q6_K's int8 sc (per 16) in int6's groups. Q5_K multiplies its d * sc, -dmin * mn out, exactly, in float32.
+# Q3_K's q3 in [-4, 3] is int6's q - 32: served as int6, exact, 6.5625 bits a weight for its 3.4375.
 EXACT_FORMATS = {
-    GGMLQuantizationType.Q3_K: (6, 256, torch.float16),
-    GGMLQuantizationType.Q4_0: (4, 32, torch.float16),
-    GGMLQuantizationType.Q4_1: (4, 32, torch.float16),
-    GGMLQuantizationType.Q4_K: (4, 32, torch.float32),
-    GGMLQuantizationType.Q5_0: (5, 32, torch.float16),
-    GGMLQuantizationType.Q5_1: (5, 32, torch.float16),
-    GGMLQuantizationType.Q5_K: (5, 32, torch.float32),
-    GGMLQuantizationType.Q6_K: (6, 256, torch.float16),
-    GGMLQuantizationType.Q8_0: (8, 32, torch.float16),
+    GGMLQuantizationType.Q3_K: StoredFormat(6, 256, torch.float16),
+    GGMLQuantizationType.Q4_0: StoredFormat(4, 32, torch.float16),
+    GGMLQuantizationType.Q4_1: StoredFormat(4, 32, torch.float16),
+    GGMLQuantizationType.Q4_K: StoredFormat(4, 256, torch.float16, sub_scales=True),
+    GGMLQuantizationType.Q5_0: StoredFormat(5, 32, torch.float16),
+    GGMLQuantizationType.Q5_1: StoredFormat(5, 32, torch.float16),
+    GGMLQuantizationType.Q5_K: StoredFormat(5, 32, torch.float32),
+    GGMLQuantizationType.Q6_K: StoredFormat(6, 256, torch.float16),
+    GGMLQuantizationType.Q8_0: StoredFormat(8, 32, torch.float16),
 }
 _DENSE_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
 _REQUIRED = object()  # _field default: the key must be present
@@ -464,9 +465,9 @@ class GGUFWeights:
         return torch.from_numpy(array)
 
 
-def serving_format(qtype: GGMLQuantizationType) -> tuple[int, int, torch.dtype] | None:
-    """(bits, group size, scale dtype) that a tensor of this type is served in by `--quantization auto`
-    (None: dense). Q4_0/Q4_1/Q4_K (int4), Q5_0/Q5_1/Q5_K (int5: int4 plus a plane of high bits),
+def serving_format(qtype: GGMLQuantizationType) -> StoredFormat | None:
+    """The format that a tensor of this type is served in by `--quantization auto` (None: dense).
+    Q4_0/Q4_1/Q4_K (int4; Q4_K with its sub-scales), Q5_0/Q5_1/Q5_K (int5: int4 plus a plane of high bits),
     Q3_K and Q6_K (int6: int4 plus two planes of high bits and the sub-scales; Q3_K's 3-bit values
     and 6-bit scales are a subset of Q6_K's) and Q8_0 (int8) are served as stored, every weight the
     same number (EXACT_FORMATS). Types with no exact mapping are requantized from their dequantized
@@ -476,12 +477,13 @@ def serving_format(qtype: GGMLQuantizationType) -> tuple[int, int, torch.dtype] 
     if qtype in _DENSE_TYPES:
         return None
     block_values, block_bytes = GGML_QUANT_SIZES[qtype]
-    return (8, 32, torch.float32) if block_bytes * 8 / block_values >= 5 else (4, 32, torch.float32)
+    return StoredFormat(8 if block_bytes * 8 / block_values >= 5 else 4, 32, torch.float32)
 
 
 def quantized_weight(data: np.ndarray, qtype: GGMLQuantizationType, rows: int, cols: int) -> QuantizedWeight:
     """Raw GGUF blocks (rows, bytes per row) uint8 of an EXACT_FORMATS tensor -> the same
-    numbers as a QuantizedWeight (scales and mins multiplied out in float32, exactly).
+    numbers as a QuantizedWeight (Q4_K: d, -dmin and its sc, mn as stored; Q5_K: scales and mins
+    multiplied out in float32, exactly).
 
         Q8_0  [d f16 | 32 x int8]                          w = d q
         Q4_0  [d f16 | 16 bytes]                           w = d q - 8 d
@@ -519,16 +521,12 @@ def quantized_weight(data: np.ndarray, qtype: GGMLQuantizationType, rows: int, c
         qs = blocks[..., 2:] if qtype == GGMLQuantizationType.Q4_0 else blocks[..., 4:]
         return QuantizedWeight(4, tensor(qs.reshape(rows, cols // 2)), tensor(d), tensor(m), cols)
     if qtype == GGMLQuantizationType.Q4_K:
-        d, dmin = f16(0).astype(np.float32)[..., None], f16(2).astype(np.float32)[..., None]  # (rows, sb, 1)
-        sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(blocks[..., 4:16]).reshape(-1, 12))
-        sc = sc.reshape(rows, -1, 8).astype(np.float32)
-        mn = mn.reshape(rows, -1, 8).astype(np.float32)
+        sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(blocks[..., 4:16]).reshape(-1, 12))  # (rows * sb, 8)
         qs = blocks[..., 16:].reshape(rows, -1, 4, 1, 32)  # 4 pairs of sub-blocks of 32 bytes
         values = (qs >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)) & 0x0F  # (rows, sb, 4, 2, 32)
         packed = pack_int4(torch.from_numpy(np.ascontiguousarray(values.reshape(rows, cols))))
-        return QuantizedWeight(
-            4, packed, tensor((d * sc).reshape(rows, -1)), tensor((-dmin * mn).reshape(rows, -1)), cols
-        )
+        packed = with_sub_scales(packed, tensor(sc.reshape(rows, -1)), tensor(mn.reshape(rows, -1)))
+        return QuantizedWeight(4, packed, tensor(f16(0)), tensor(-f16(2)), cols, sub_scales=True)
     if qtype in (GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1):
         d = f16(0)
         m = (d.astype(np.float32) * -16.0).astype(np.float16) if qtype == GGMLQuantizationType.Q5_0 else f16(2)

@@ -44,6 +44,7 @@ from models.layers.quantization import (
     DenseMethod,
     LinearMethod,
     QuantizedWeight,
+    StoredFormat,
     method_for,
 )
 from models.registry import MODEL_REGISTRY, get_model_class
@@ -87,11 +88,9 @@ class LoadedModel:
 MethodChoice = Callable[[list[str], int], LinearMethod]
 
 
-def choose_methods(
-    quantization: str, stored: Callable[[str], tuple[int, int, torch.dtype] | None] | None = None
-) -> MethodChoice:
-    """`--quantization`: 'auto' serves what the checkpoint stores (`stored(name)`: the (bits,
-    group, scale dtype) a tensor is kept in, None for dense; no `stored`: dense checkpoint), 'none' dense,
+def choose_methods(quantization: str, stored: Callable[[str], StoredFormat | None] | None = None) -> MethodChoice:
+    """`--quantization`: 'auto' serves what the checkpoint stores (`stored(name)`: the format a tensor
+    is kept in, None for dense; no `stored`: dense checkpoint), 'none' dense,
     'int8' per output channel, 'int4' in groups of 32, rounding to nearest at load."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
@@ -107,11 +106,16 @@ def choose_methods(
         formats = [f for f in found if f is not None]
         if len(formats) < len(found):
             return DENSE  # a merged layer with a dense part stays dense
-        bits = max(f[0] for f in formats)
+        if len(set(formats)) == 1 and formats[0].sub_scales:  # Q4_K parts alone: as stored
+            return method_for(formats[0].bits, formats[0].group_size, in_features, formats[0].scale_dtype, True)
+        bits = max(f.bits for f in formats)
         if bits == 6 and len(set(formats)) > 1:
             bits = 8  # a Q6_K part with other types (Q4_K q/k, Q6_K v): int8 for all; int6 is Q6_K's alone
-        scale_dtypes = {f[2] for f in formats if f[0] == bits}
-        group = formats[0][1] if bits == 6 else 32
+        # The parts kept exactly (4 bits join 5 as the same values) bring their factors' dtype; a K-quant part
+        # joins in groups of 32 with its d * sc, -dmin * mn multiplied out, exact in float32 only.
+        exact = [f for f in formats if f.bits == bits or (bits == 5 and f.bits == 4)]
+        scale_dtypes = {torch.float32 if f.sub_scales else f.scale_dtype for f in exact}
+        group = formats[0].group_size if bits == 6 else 32
         return method_for(bits, group, in_features, scale_dtypes.pop() if len(scale_dtypes) == 1 else torch.float32)
 
     return choose

@@ -12,13 +12,18 @@ model files never branch on it:
     int6          qweight (N, K/32 * 26) uint8: int4's 16 bytes a group,  w = s sc (q - 32)
                   its 64 high bits (8 bytes), its two int8 sub-scales sc
                   (values 0..15, 16..31); scales (N, K/G) float16, G = 256
+    int4 with     qweight (N, K/32 * 18) uint8: int4's 16 bytes a group,  w = s sc q + m mn
+    sub-scales    then its uint8 sc and mn (6-bit values); scales, mins
+                  (N, K/G) float16, G = 256 (Q4_K's d and -dmin)
     (QuantMethod) scales and mins float32, or float16 where a GGUF stores them so (a sixth
                   fewer bytes to read per 4-bit weight)
 
 G is the group size along K, a multiple of 32. The layouts hold GGUF's blocks exactly
-(models/gguf.py): Q8_0 is int8 with G = 32; Q4_0 (w = d (q - 8)), Q4_1 (w = d q + m) and
-Q4_K (w = d sc q - dmin mn, 32-wide sub-blocks) are int4 with G = 32; Q5_0 (w = d (q - 16)),
-Q5_1 and Q5_K are int5 the same way; their fp16 and 6-bit factors multiply exactly in float32.
+(models/gguf.py): Q8_0 is int8 with G = 32; Q4_0 (w = d (q - 8)) and Q4_1 (w = d q + m) are
+int4 with G = 32; Q4_K (w = d sc q - dmin mn, 32-wide sub-blocks) is int4 with sub-scales (4.625
+bits a weight), or where it joins other types int4 with G = 32 and d sc, -dmin mn multiplied out
+(exact in float32: 11 by 6 significant bits); Q5_0 (w = d (q - 16)), Q5_1 and Q5_K are int5 the
+same way.
 Q6_K (w = d sc (q - 32), an int8 sc per 16 values, an fp16 d per 256) is int6 with its d as the
 scale (G = 256) and its sc inside the groups' bytes: the file's 6.5625 bits a weight. A dense
 checkpoint is quantized at load by rounding to nearest (`quantize_int8`, `quantize_int4`): int8
@@ -30,6 +35,7 @@ per output channel (G = K), int4 with G = 32 (asymmetric, the min at the group's
         bit j of h = bit 4 of q[g*32 + j] (Q5_0's qh, behind its nibbles rather than before)
     6-bit row layout: [ group 0: its 4-bit 16 bytes, 8 bytes h, int8 sc0, int8 sc1 | group 1: ... ],
         bits 2j, 2j + 1 of h (little-endian) = bits 4, 5 of q[g*32 + j]
+    with sub-scales: [ group 0: its 4-bit 16 bytes (or 5-bit 20), uint8 sc, uint8 mn | group 1: ... ]
 
 On CPU the products run in models/layers/csrc/quant_linear.cpp (integer dot products, the
 activations rounded to int16 per 32 values), over the weights reordered once into panels of
@@ -40,7 +46,8 @@ its first product):
             8p .. 8p+7's 2-byte units of group g, unit-major: [unit 0 of column 0..7 | unit 1 ...];
             5 bits: the 4-bit 128 bytes, then the group's high bits in 32 bytes (`_HIGH_BIT`);
             6 bits: the 4-bit 128 bytes, the high bits in 64 (`_HIGH_BITS6`), then sc0 of the 8
-            columns and sc1 of the 8 columns (16 bytes)
+            columns and sc1 of the 8 columns (16 bytes); with sub-scales: the group's bytes as
+            without, then sc of the 8 columns and mn of the 8 columns (16 bytes: 144 for 4 bits)
     scales, mins (P, K/G, 8)
 
 `dequantize` + F.linear is the reference that the kernel is tested against and the path
@@ -50,6 +57,7 @@ where it is not built, or for activations kept in float (`quantize_input=False`)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -66,6 +74,23 @@ BITS = (4, 5, 6, 8)
 _GROUP_BYTES = {4: BLOCK // 2, 5: BLOCK // 2 + BLOCK // 8, 6: BLOCK // 2 + BLOCK // 4 + 2, 8: BLOCK}
 _PANEL_GROUP_BYTES = {bits: PANEL * size for bits, size in _GROUP_BYTES.items()}  # 128, 160, 208, 256
 INT6_GROUP = 256  # int6's scale (Q6_K's d) covers 256 values
+K_GROUP = 256  # a K-quant's super-block: its d and dmin cover 256 values
+_SUB_SCALE_BYTES = 2  # a K-quant group's uint8 sub-scale and sub-min, behind its value bytes
+
+
+def group_bytes(bits: int, sub_scales: bool = False) -> int:
+    """A stored row's bytes per 32 values (with `sub_scales`: the group's sc and mn behind them)."""
+    return _GROUP_BYTES[bits] + (_SUB_SCALE_BYTES if sub_scales else 0)
+
+
+class StoredFormat(NamedTuple):
+    """How a checkpoint tensor is kept: `bits`, the scales' `group_size` and dtype, and for 4 and 5
+    bits whether each group of 32 carries its K-quant sub-scale and sub-min (`sub_scales`)."""
+
+    bits: int
+    group_size: int
+    scale_dtype: torch.dtype
+    sub_scales: bool = False
 
 
 @dataclass
@@ -81,6 +106,9 @@ class QuantizedWeight:
     scales: torch.Tensor  # (N, K/G) float32 or float16
     mins: torch.Tensor | None  # (N, K/G) like scales, 4 and 5 bits only
     in_features: int
+    # 4 and 5 bits (Q4_K, Q5_K as stored): each group's bytes end in its uint8 sc and mn (the 6-bit
+    # sub-scale and sub-min), scales and mins are the super-block's d and -dmin: w = d sc q + (-dmin) mn
+    sub_scales: bool = False
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -92,12 +120,28 @@ class QuantizedWeight:
 
     def rows(self, index: torch.Tensor | slice) -> QuantizedWeight:
         mins = None if self.mins is None else self.mins[index]
-        return QuantizedWeight(self.bits, self.qweight[index], self.scales[index], mins, self.in_features)
+        return QuantizedWeight(
+            self.bits, self.qweight[index], self.scales[index], mins, self.in_features, self.sub_scales
+        )
+
+    def without_sub_scales(self) -> QuantizedWeight:
+        """The same numbers in groups of 32 with float32 scales d * sc and mins -dmin * mn, both exact
+        (11 by 6 significant bits): the form a K-quant part takes in a layer of other types."""
+        if not self.sub_scales:
+            return self
+        values, sc, mn = split_sub_scales(self.qweight, self.bits, self.in_features)
+        per_group = self.group_size // BLOCK
+        scales = self.scales.float().repeat_interleave(per_group, dim=1) * sc.float()  # (N, K/32)
+        assert self.mins is not None
+        mins = self.mins.float().repeat_interleave(per_group, dim=1) * mn.float()
+        return QuantizedWeight(self.bits, values, scales, mins, self.in_features)
 
     def columns(self, part: slice, name: str) -> QuantizedWeight:
         """Inputs `part` of every row (a row-parallel rank's share): whole groups only, or any
         32-aligned part of a weight with one scale per row (int8 per channel keeps its scale)."""
         g = self.group_size
+        if self.sub_scales and (part.start % g or part.stop % g) and not (part.start % BLOCK or part.stop % BLOCK):
+            return self.without_sub_scales().columns(part, name)  # a cut super-block: its groups of 32
         if self.scales.shape[1] == 1 and self.bits == 8 and not (part.start % BLOCK or part.stop % BLOCK):
             return QuantizedWeight(8, self.qweight[:, part], self.scales, None, part.stop - part.start)
         if part.start % g or part.stop % g:
@@ -106,7 +150,7 @@ class QuantizedWeight:
                 f"{part.start}..{part.stop} cuts its quantization groups of {g}; choose a tensor parallel "
                 f"size that divides {self.in_features // g} groups, or load it with --quantization none"
             )
-        size = _GROUP_BYTES[self.bits]  # a row's bytes per 32 values
+        size = group_bytes(self.bits, self.sub_scales)  # a row's bytes per 32 values
         groups = slice(part.start // g, part.stop // g)
         return QuantizedWeight(
             self.bits,
@@ -114,10 +158,12 @@ class QuantizedWeight:
             self.scales[:, groups],
             None if self.mins is None else self.mins[:, groups],
             part.stop - part.start,
+            self.sub_scales,
         )
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return dequantize(self.bits, self.qweight, self.scales, self.mins, self.in_features).to(dtype)
+        qw = self.without_sub_scales()  # d * sc q + (-dmin) mn: gguf-py's d * sc * q - dmin * mn, bit for bit
+        return dequantize(qw.bits, qw.qweight, qw.scales, qw.mins, qw.in_features).to(dtype)
 
 
 def unpack_int4(qweight: torch.Tensor, in_features: int) -> torch.Tensor:
@@ -183,6 +229,26 @@ def unpack_int6(qweight: torch.Tensor, in_features: int) -> tuple[torch.Tensor, 
     q = low | (high[..., 0] << 4) | (high[..., 1] << 5)
     sc = groups[..., BLOCK // 2 + 8 :].contiguous().view(torch.int8).reshape(n, -1)  # (N, K/16)
     return q, sc
+
+
+def with_sub_scales(qweight: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
+    """(N, K/32 * B) stored values and (N, K/32) uint8 sc, mn -> (N, K/32 * (B + 2)): each group's
+    B bytes, then its sc and mn."""
+    n, groups = sc.shape
+    parts = (
+        qweight.reshape(n, groups, -1),
+        sc.to(torch.uint8).view(n, groups, 1),
+        mn.to(torch.uint8).view(n, groups, 1),
+    )
+    return torch.cat(parts, dim=-1).reshape(n, -1)
+
+
+def split_sub_scales(qweight: torch.Tensor, bits: int, in_features: int) -> tuple[torch.Tensor, ...]:
+    """The inverse of with_sub_scales: (values (N, K/32 * B), sc (N, K/32), mn (N, K/32))."""
+    n = qweight.shape[0]
+    groups = qweight.reshape(n, in_features // BLOCK, group_bytes(bits, True))
+    size = _GROUP_BYTES[bits]
+    return groups[..., :size].reshape(n, -1), groups[..., size], groups[..., size + 1]
 
 
 def unpack(bits: int, qweight: torch.Tensor, in_features: int) -> torch.Tensor:
@@ -259,6 +325,11 @@ def to_panels(qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     padded = -(-n // PANEL) * PANEL
     nb = k // BLOCK
     stored = _pad_rows(qw.qweight, padded)
+    k_factors = None
+    if qw.sub_scales:  # (P, nb, 16): the 8 columns' sc, then their mn, behind the panel group's values
+        stored, sc, mn = split_sub_scales(stored, qw.bits, k)
+        k_factors = torch.stack((sc, mn), dim=-1).view(padded // PANEL, PANEL, nb, 2).permute(0, 2, 3, 1)
+        k_factors = k_factors.reshape(padded // PANEL, nb, 2 * PANEL)
     if qw.bits == 6:
         groups = stored.view(padded, nb, _GROUP_BYTES[6])
         stored = groups[..., : BLOCK // 2].reshape(padded, -1)
@@ -276,6 +347,8 @@ def to_panels(qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     qweight = units.permute(0, 2, 3, 1, 4).reshape(padded // PANEL, nb, -1)
     if qw.bits in (5, 6):
         qweight = torch.cat((qweight, high), dim=-1)
+    if k_factors is not None:
+        qweight = torch.cat((qweight, k_factors), dim=-1)
 
     def factors(t: torch.Tensor | None) -> torch.Tensor | None:
         if t is None:
@@ -286,10 +359,21 @@ def to_panels(qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 
 def panel_rows(
-    bits: int, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, rows: torch.Tensor
+    bits: int,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    rows: torch.Tensor,
+    sub_scales: bool = False,
 ) -> QuantizedWeight:
     """Rows `rows` (output columns) of panelled weights, back in the stored layout."""
     panels, nb, _ = qweight.shape
+    if sub_scales:  # the values as without, then each row's sc and mn from the panel group's last 16 bytes
+        values = panel_rows(bits, qweight[..., : -2 * PANEL], scales, mins, rows)
+        sub = qweight[rows // PANEL, :, -2 * PANEL :].view(rows.numel(), nb, 2, PANEL)
+        sub = sub[torch.arange(rows.numel()), :, :, rows % PANEL]  # (R, nb, 2)
+        packed = with_sub_scales(values.qweight, sub[..., 0], sub[..., 1])
+        return QuantizedWeight(bits, packed, values.scales, values.mins, values.in_features, True)
     panel, lane = rows // PANEL, rows % PANEL
     low = qweight[..., : _PANEL_GROUP_BYTES[4]] if bits in (5, 6) else qweight
     q = low.reshape(panels, nb, -1, PANEL, 2)[panel, :, :, lane, :].reshape(rows.numel(), nb, -1)  # (R, nb, u*2)
@@ -348,6 +432,26 @@ def quantize_int4(weight: torch.Tensor, group_size: int = BLOCK, bits: int = 4) 
 
 def quantize_int5(weight: torch.Tensor, group_size: int = BLOCK) -> QuantizedWeight:
     return quantize_int4(weight, group_size, bits=5)
+
+
+def quantize_k(weight: torch.Tensor, group_size: int = K_GROUP, bits: int = 4) -> QuantizedWeight:
+    """Round to nearest in Q4_K's (`bits` 5: Q5_K's) form: each 32 values' asymmetric scale and min
+    (as quantize_int4, the min clamped to <= 0) as 6-bit multiples sc, mn of an fp16 d and dmin per
+    `group_size`, then q to the rounded factors."""
+    n, k = weight.shape
+    top = (1 << bits) - 1
+    w = weight.detach().float().view(n, k // group_size, group_size // BLOCK, BLOCK)  # (N, K/G, G/32, 32)
+    lo = w.amin(dim=-1).clamp(max=0)
+    step = (w.amax(dim=-1) - lo) / top  # (N, K/G, G/32)
+    d, dmin = (step.amax(dim=-1) / 63).half(), (-lo.amin(dim=-1) / 63).half()  # (N, K/G)
+    sc = torch.round(step / torch.where(d == 0, 1.0, d.float()).unsqueeze(-1)).clamp(0, 63)
+    mn = torch.round(-lo / torch.where(dmin == 0, 1.0, dmin.float()).unsqueeze(-1)).clamp(0, 63)
+    scale, low = d.float().unsqueeze(-1) * sc, -dmin.float().unsqueeze(-1) * mn  # exact, as the kernel's
+    q = torch.round((w - low.unsqueeze(-1)) / scale.clamp(min=torch.finfo(torch.float32).tiny).unsqueeze(-1))
+    q = q.clamp(0, top).view(n, k)
+    values = pack_int4(q) if bits == 4 else pack_int5(q)
+    packed = with_sub_scales(values, sc.to(torch.uint8).view(n, -1), mn.to(torch.uint8).view(n, -1))
+    return QuantizedWeight(bits, packed, d.contiguous(), (-dmin).contiguous(), k, True)
 
 
 def quantize_int6(weight: torch.Tensor, group_size: int = INT6_GROUP) -> QuantizedWeight:
@@ -475,24 +579,33 @@ ROWS_DENSE = RowsDenseMethod()
 
 
 class QuantMethod(LinearMethod):
-    """Int8 (`bits=8`, symmetric), int4 or int5 (`bits=4`, `bits=5`: scale + min), int6 (`bits=6`: Q6_K's
-    d per 256 and int8 sub-scales per 16) weights in groups along K."""
+    """Int8 (`bits=8`, symmetric), int4 or int5 (`bits=4`, `bits=5`: scale + min; with `sub_scales`,
+    Q4_K's d and -dmin per group and uint8 sc, mn per 32), int6 (`bits=6`: Q6_K's d per 256 and int8
+    sub-scales per 16) weights in groups along K."""
 
     def __init__(
-        self, bits: int, group_size: int | None, quantize_input: bool = True, scale_dtype: torch.dtype = torch.float32
+        self,
+        bits: int,
+        group_size: int | None,
+        quantize_input: bool = True,
+        scale_dtype: torch.dtype = torch.float32,
+        sub_scales: bool = False,
     ):
         if bits not in BITS:
             raise ValueError(f"bits must be 4, 5, 6 or 8, got {bits}")
         if scale_dtype not in (torch.float32, torch.float16):
             raise ValueError(f"scale_dtype must be float32 or float16, got {scale_dtype}")
+        if sub_scales and (bits != 4 or group_size is None or group_size % BLOCK):
+            raise ValueError("sub_scales are for 4 bits in groups of a multiple of 32 (Q4_K's d per 256)")
         self.bits = bits
+        self.sub_scales = sub_scales  # Q4_K / Q5_K as stored: d, -dmin per group, sc and mn per 32 in the bytes
         self.group_size = group_size  # None: one group per row (int8 per channel)
         self.scale_dtype = scale_dtype
         # quantize_input: round activations to int16 per 32 values for integer dot products
         # (csrc/quant_linear.cpp says why int16, not llama.cpp's int8); else the reference,
         # F.linear over the dequantized weight.
         self.quantize_input = quantize_input
-        self.name = f"int{bits}"
+        self.name = f"int{bits}" + ("-k" if sub_scales else "")
 
     @property
     def has_mins(self) -> bool:
@@ -502,7 +615,7 @@ class QuantMethod(LinearMethod):
         return in_features // (self.group_size or in_features)
 
     def create_weights(self, layer, out_features, in_features):
-        cols = in_features // BLOCK * _GROUP_BYTES[self.bits]
+        cols = in_features // BLOCK * group_bytes(self.bits, self.sub_scales)
         qdtype = torch.int8 if self.bits == 8 else torch.uint8
         layer.qweight = nn.Parameter(torch.empty(out_features, cols, dtype=qdtype), requires_grad=False)
         groups = self._groups(in_features)
@@ -517,8 +630,8 @@ class QuantMethod(LinearMethod):
             mins = layer.scales * layer.min_per_scale  # exact: a power of two
         if getattr(layer, "panelled", False):
             rows = torch.arange(layer.out_features) if rows is None else rows
-            return panel_rows(self.bits, layer.qweight, layer.scales, mins, rows)
-        weight = QuantizedWeight(self.bits, layer.qweight, layer.scales, mins, layer.in_features)
+            return panel_rows(self.bits, layer.qweight, layer.scales, mins, rows, self.sub_scales)
+        weight = QuantizedWeight(self.bits, layer.qweight, layer.scales, mins, layer.in_features, self.sub_scales)
         return weight if rows is None else weight.rows(rows)
 
     def process_weights_after_loading(self, layer) -> bool:
@@ -532,7 +645,12 @@ class QuantMethod(LinearMethod):
             return False
         stored = self._stored(layer)
         zero_point = -float(1 << (self.bits - 1))  # -8, -16: Q4_0's, Q5_0's
-        offset = self.has_mins and stored.mins is not None and torch.equal(stored.mins, stored.scales * zero_point)
+        offset = (
+            self.has_mins
+            and not self.sub_scales  # -dmin multiplies mn, not q: never a zero point
+            and stored.mins is not None
+            and torch.equal(stored.mins, stored.scales * zero_point)
+        )
         qweight, scales, mins = to_panels(stored)
         layer.qweight = nn.Parameter(qweight, requires_grad=False)
         layer.scales = nn.Parameter(scales, requires_grad=False)
@@ -593,6 +711,9 @@ class QuantMethod(LinearMethod):
             raise RuntimeError(f"tensor {name!r}: the layer's weights are already reordered for the CPU kernel")
         expected = (len(range(*rows.indices(layer.out_features))), layer.in_features)
         _check_shape_of(tuple(weight.shape), expected, name)
+        if isinstance(weight, QuantizedWeight) and weight.sub_scales and not self.sub_scales:
+            # a K-quant part of a layer of other types (or of --quantization int4): exactly, float32 factors
+            weight = weight.without_sub_scales()
         if isinstance(weight, QuantizedWeight) and weight.bits == 4 and self.bits == 5:
             # exactly: the same numbers with the high bits 0 (a merged layer of Q4 and Q5 parts)
             weight = QuantizedWeight(
@@ -616,6 +737,7 @@ class QuantMethod(LinearMethod):
     def _compatible(self, weight: QuantizedWeight, in_features: int) -> bool:
         return (
             weight.bits == self.bits
+            and weight.sub_scales == self.sub_scales
             and weight.in_features == in_features
             and weight.scales.shape[1] == self._groups(in_features)
             and (weight.scales.dtype == self.scale_dtype or self.scale_dtype == torch.float32)
@@ -626,6 +748,8 @@ class QuantMethod(LinearMethod):
             return quantize_int8(weight, self.group_size)
         if self.bits == 6:
             return quantize_int6(weight, self.group_size or INT6_GROUP)
+        if self.sub_scales:
+            return quantize_k(weight, self.group_size or K_GROUP, bits=self.bits)
         return quantize_int4(weight, self.group_size or BLOCK, bits=self.bits)
 
     def dense_weight(self, layer):
@@ -648,11 +772,21 @@ DENSE = DenseMethod()
 
 
 def method_for(
-    bits: int | None, group_size: int | None, in_features: int, scale_dtype: torch.dtype = torch.float32
+    bits: int | None,
+    group_size: int | None,
+    in_features: int,
+    scale_dtype: torch.dtype = torch.float32,
+    sub_scales: bool = False,
 ) -> LinearMethod:
-    """The method for a layer of `in_features` inputs: quantized when the format fits, else dense."""
+    """The method for a layer of `in_features` inputs: quantized when the format fits, else dense.
+    A K-quant's super-blocks that do not fit (a tensor-parallel share) fall back to its groups of 32."""
     if bits is None:
         return DENSE
+    if sub_scales:
+        g = group_size or K_GROUP
+        if in_features % g == 0:
+            return QuantMethod(bits, g, scale_dtype=scale_dtype, sub_scales=True)
+        return method_for(bits, BLOCK, in_features)
     g = group_size if group_size is not None else (None if bits == 8 else INT6_GROUP if bits == 6 else BLOCK)
     if in_features % BLOCK or (g is not None and (g % BLOCK or in_features % g)):
         return DENSE

@@ -113,7 +113,7 @@ def test_q3_k_blocks_map_exactly_onto_int6():
     rows, cols = 7, 1024
     data = random_q3_k_blocks(rows, cols)
     got = quantized_weight(data, T.Q3_K, rows, cols)
-    assert serving_format(T.Q3_K) == serving_format(T.Q6_K) == (6, 256, torch.float16)
+    assert serving_format(T.Q3_K) == serving_format(T.Q6_K) == Q.StoredFormat(6, 256, torch.float16)
     assert got.bits == 6 and got.group_size == 256 and got.scales.dtype == torch.float16 and got.mins is None
     want = gguf_dequantize(data, T.Q3_K).reshape(rows, cols)
     np.testing.assert_array_equal(got.dequantize().numpy(), want)
@@ -138,7 +138,7 @@ def test_q6_k_blocks_map_exactly_onto_int6_in_the_files_bytes():
     rows, cols = 7, 768
     data = random_q6_k_blocks(rows, cols)
     got = quantized_weight(data, T.Q6_K, rows, cols)
-    assert serving_format(T.Q6_K) == (6, 256, torch.float16)
+    assert serving_format(T.Q6_K) == Q.StoredFormat(6, 256, torch.float16)
     assert got.bits == 6 and got.group_size == 256 and got.scales.dtype == torch.float16 and got.mins is None
     np.testing.assert_array_equal(got.dequantize().numpy(), gguf_dequantize(data, T.Q6_K).reshape(rows, cols))
     assert got.qweight.numel() + got.scales.numel() * 2 == data.nbytes

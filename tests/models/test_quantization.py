@@ -275,20 +275,21 @@ def test_gguf_blocks_map_exactly_onto_quantized_weights(qtype):
         data = gguf_quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype)
     want = gguf_dequantize(data, qtype).reshape(rows, cols)
     got = quantized_weight(data, qtype, rows, cols)
-    assert got.bits == serving_format(qtype)[0] and got.group_size == 32
+    assert got.bits == serving_format(qtype).bits and got.group_size == serving_format(qtype).group_size
     np.testing.assert_array_equal(got.dequantize().numpy(), want)
 
 
 def test_serving_formats_of_gguf_types():
-    f16, f32 = torch.float16, torch.float32
-    assert serving_format(T.Q4_1) == (4, 32, f16) and serving_format(T.Q8_0) == (8, 32, f16)
-    assert serving_format(T.Q4_K) == (4, 32, f32)  # d * sc is exact in float32, not float16
-    assert serving_format(T.Q5_0) == (5, 32, f16) and serving_format(T.Q5_1) == (5, 32, f16)
-    assert serving_format(T.Q5_K) == (5, 32, f32)
+    f16, f32, F = torch.float16, torch.float32, Q.StoredFormat
+    assert serving_format(T.Q4_1) == F(4, 32, f16) and serving_format(T.Q8_0) == F(8, 32, f16)
+    # as stored: d and -dmin per 256, sc and mn in the groups' bytes (d * sc is exact in float32, not float16)
+    assert serving_format(T.Q4_K) == F(4, 256, f16, sub_scales=True)
+    assert serving_format(T.Q5_0) == F(5, 32, f16) and serving_format(T.Q5_1) == F(5, 32, f16)
+    assert serving_format(T.Q5_K) == F(5, 32, f32)
     assert serving_format(T.F32) is None and serving_format(T.F16) is None
-    assert serving_format(T.Q6_K) == (6, 256, f16)  # as stored: d per 256, sc in the groups' bytes
-    assert serving_format(T.Q8_K) == (8, 32, f32)  # requantized wider
-    assert serving_format(T.Q2_K) == (4, 32, f32)
+    assert serving_format(T.Q6_K) == F(6, 256, f16)  # as stored: d per 256, sc in the groups' bytes
+    assert serving_format(T.Q8_K) == F(8, 32, f32)  # requantized wider
+    assert serving_format(T.Q2_K) == F(4, 32, f32)
 
 
 def methods(model) -> dict[str, str]:

@@ -9,7 +9,10 @@
 //     w[n, k] = scale[n, k / G] * sc[n, k / 16] * (q[n, k] - 32)   q in [0, 63] (6 bits, Q6_K: the
 //               scale its fp16 d per 256, sc an int8 sub-scale per 16 stored in the group's bytes)
 //
-// with G a multiple of 32.
+// with G a multiple of 32, or with Q4_K's factors as stored (4 bits with sub-scales, below):
+//
+//     w[n, k] = scale[n, k / G] * sc[n, k / 32] * q[n, k] + min[n, k / G] * mn[n, k / 32]
+//               (scale its fp16 d, min its fp16 -dmin, G = 256; sc, mn uint8 in the group's bytes)
 //
 // Activations are rounded to int16 per 32 values with one float scale, so a group's inner
 // product is an integer dot product:
@@ -64,6 +67,12 @@
 // too (11 by 8 significant bits). One sum for the 32 values with sc inside it would not fit:
 // 32 * 32 * 128 * 32767 > 2^31. The wide tiles (AVX-512 VNNI) run the same two sums and float steps;
 // with more than two rows, one sub-block after the other (wide_group6).
+//
+// 4 bits with sub-scales (Q4_K: w = d sc q - dmin mn) are the 4-bit group's 8 chunks, then the 8 columns'
+// uint8 sc (8 bytes), then their mn (8 bytes): 144 bytes a group, with d and -dmin (fp16, per 256) 4.625
+// bits a weight, where multiplied-out float32 factors made 6. The integer sums are 4 bits', and the float
+// step makes the factors first, scale = d * float(sc) and min = (-dmin) * float(mn), both exact (11 by 6
+// significant bits): the float32 numbers the multiplied-out form stores, so the same arithmetic and bits.
 //
 // Determinism: every output element runs the same instruction sequence, group by group in
 // order, whatever tile it falls in, however many rows the step has and whichever thread
@@ -274,6 +283,9 @@ struct Isa {
   static F load_s8(const uint8_t* p) {  // 8 int8 as floats
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }
+  static F load_u8(const uint8_t* p) {  // 8 uint8 as floats
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static F add(F a, F b) { return _mm256_add_ps(a, b); }
   static F fma(F a, F b, F acc) { return _mm256_fmadd_ps(a, b, acc); }
@@ -324,6 +336,7 @@ struct Isa {  // plain C++: the same lane arithmetic, one lane at a time
   static F load_s8(const uint8_t* p) {
     F f; for (int i = 0; i < kLanes; ++i) f.v[i] = static_cast<float>(static_cast<int8_t>(p[i])); return f;
   }
+  static F load_u8(const uint8_t* p) { F f; for (int i = 0; i < kLanes; ++i) f.v[i] = static_cast<float>(p[i]); return f; }
   static F mul(F a, F b) { for (int i = 0; i < kLanes; ++i) a.v[i] *= b.v[i]; return a; }
   static F add(F a, F b) { for (int i = 0; i < kLanes; ++i) a.v[i] += b.v[i]; return a; }
   static F fma(F a, F b, F acc) { for (int i = 0; i < kLanes; ++i) acc.v[i] = std::fma(a.v[i], b.v[i], acc.v[i]); return acc; }
@@ -457,12 +470,18 @@ __attribute__((always_inline)) inline void store_output(const Operands<S>& op, i
 // for the RP panels; the integer sums live in registers for a group, the float sums too.
 // A panel group's bytes: 4 bits 128, 5 bits 160 (the 4-bit 128, then 32 of high bits), 6 bits 208 (the
 // 4-bit 128, 64 of high bits, 16 of sub-scales), 8 bits 256.
+// The `Bits` of a format: 4, 5, 6, 8, or 4 bits with sub-scales (k4K: Q4_K's sc and mn behind each group).
+constexpr int kSubScaled = 0x100;
+constexpr int k4K = 4 | kSubScaled;
+constexpr bool four_bit(int bits) { return (bits & 0xFF) == 4; }  // 4 bits' integer loop, with or without
 template <int Bits>
 constexpr int kPanelGroupBytes = Bits == 4   ? kBlock / 2 * kLanes
+                                 : Bits == k4K ? kBlock / 2 * kLanes + 2 * kLanes
                                  : Bits == 5 ? kBlock / 2 * kLanes + kBlock / 8 * kLanes
                                  : Bits == 6 ? kBlock / 2 * kLanes + kBlock / 4 * kLanes + 2 * kLanes
                                              : kBlock * kLanes;
 constexpr int kSubScaleOffset = kBlock / 2 * kLanes + kBlock / 4 * kLanes;  // 6 bits: the sub-scales' bytes
+constexpr int kKScaleOffset = kBlock / 2 * kLanes;  // k4K: the 8 columns' sc, then (+ 8) their mn
 
 template <int Bits, int RM, int RP, bool FromXb, typename S>
 __attribute__((noinline)) void tile(const Operands<S>& op, int64_t m0, int64_t p0) {
@@ -524,7 +543,7 @@ __attribute__((noinline)) void tile(const Operands<S>& op, int64_t m0, int64_t p
         ++ahead_sg, ahead_left = op.groups_per_scale;
       }
     }
-    if constexpr (Bits == 4) {
+    if constexpr (four_bit(Bits)) {
       for (int c = 0; c < 8; ++c) {
         typename Isa::W lo[RP], hi[RP];
         for (int p = 0; p < RP; ++p) {
@@ -665,6 +684,11 @@ __attribute__((noinline)) void tile(const Operands<S>& op, int64_t m0, int64_t p
       ws[p] = Isa::load(scales + at);
       if (mins != nullptr) mn[p] = Isa::load(mins + at);
       else if (has_min) mn[p] = Isa::mul(ws[p], Isa::broadcast(op.min_per_scale));
+      if constexpr (Bits == k4K) {  // d * sc and -dmin * mn, exact: the multiplied-out form's numbers
+        const uint8_t* k_factors = chunks + p * op.panel_bytes + kKScaleOffset;
+        ws[p] = Isa::mul(ws[p], Isa::load_u8(k_factors));
+        mn[p] = Isa::mul(mn[p], Isa::load_u8(k_factors + kLanes));
+      }
     }
     for (int r = 0; r < RM; ++r) {
       const typename Isa::F xs = Isa::broadcast(op.xscale[(m0 + r) * op.nb + g]);
@@ -717,10 +741,13 @@ constexpr int kSlicedTileFloats = 4 * 3 * kLanes;
 // panels, or the up half's after the gate's): without it every task began on weights still in
 // memory, which at a few rows (decodes) the other rows do not hide. (Prefetching a task's whole first
 // slice at its start as well gained nothing.)
-template <typename S>
+//
+// 4 bits with sub-scales (k4K) make each group's factors d * sc, -dmin * mn for the tile's 3 panels first
+// (`tile`'s float step, exact), and group_4x3 reads them as float32 factors: the same bits as stored ones.
+template <int Bits, typename S>
 void sliced_tiles_4x3(const Operands<S>& op, int64_t m_begin, int64_t row_tiles, int64_t p_begin, int64_t tiles, float* acc,
                       int32_t* xb, float* xf, int64_t next_p) {
-  constexpr int kGroupBytes = kBlock / 2 * kLanes;
+  constexpr int kGroupBytes = kPanelGroupBytes<Bits>;
   std::fill(acc, acc + row_tiles * tiles * kSlicedTileFloats, 0.f);
   const int64_t pb = op.panel_bytes, fs = op.scales_per_row * kLanes;
   const int64_t total_panels = (op.N + kLanes - 1) / kLanes;
@@ -787,8 +814,19 @@ void sliced_tiles_4x3(const Operands<S>& op, int64_t m_begin, int64_t row_tiles,
               for (int64_t q = q0; q < std::min(q0 + 3, total_panels); ++q) prefetch_group(q, j, factor_first[j]);
           }
           const int64_t at = factor_at[g - g0];
-          group_4x3(row_acc + t * kSlicedTileFloats, w + g * kGroupBytes, pb, xb + (g - g0) * kBlock / 2 * kLanes,
-                    kSlicePairs * kLanes, xf + (g - g0) * 12, scales + at, mins != nullptr ? mins + at : nullptr, fs);
+          if constexpr (Bits == k4K) {
+            alignas(32) float factors[2][3][kLanes];  // the 3 panels' scales, then their mins
+            for (int p = 0; p < 3; ++p) {
+              const uint8_t* k_factors = w + p * pb + g * kGroupBytes + kKScaleOffset;
+              Isa::store(factors[0][p], Isa::mul(Isa::load(scales + p * fs + at), Isa::load_u8(k_factors)));
+              Isa::store(factors[1][p], Isa::mul(Isa::load(mins + p * fs + at), Isa::load_u8(k_factors + kLanes)));
+            }
+            group_4x3(row_acc + t * kSlicedTileFloats, w + g * kGroupBytes, pb, xb + (g - g0) * kBlock / 2 * kLanes,
+                      kSlicePairs * kLanes, xf + (g - g0) * 12, &factors[0][0][0], &factors[1][0][0], int64_t{kLanes});
+          } else {
+            group_4x3(row_acc + t * kSlicedTileFloats, w + g * kGroupBytes, pb, xb + (g - g0) * kBlock / 2 * kLanes,
+                      kSlicePairs * kLanes, xf + (g - g0) * 12, scales + at, mins != nullptr ? mins + at : nullptr, fs);
+          }
         }
       }
     }
@@ -871,6 +909,12 @@ inline __m512 two_subscales(const uint8_t* a, const uint8_t* b) {
   const __m128i both = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a)),
                                           _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(both));
+}
+// Two panels' 8 uint8 K factors (k4K's sc or mn) as floats.
+inline __m512 two_k_factors(const uint8_t* a, const uint8_t* b) {
+  const __m128i both = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a)),
+                                          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(both));
 }
 inline __m512i pair16(const int16_t* x) {
   int32_t v;
@@ -1028,7 +1072,7 @@ __attribute__((noinline)) void wide_tile(const Operands<S>& op, int64_t m0, int6
       }
       continue;
     }
-    if constexpr (Bits == 4) {
+    if constexpr (four_bit(Bits)) {
       for (int c = 0; c < 8; ++c) {
         __m512i lo[RZ], hi[RZ];
         for (int z = 0; z < RZ; ++z) {
@@ -1082,6 +1126,11 @@ __attribute__((noinline)) void wide_tile(const Operands<S>& op, int64_t m0, int6
       ws[z] = two_factors(scales + at, scales + at + fs);
       if constexpr (Min == kStoredMins) mn[z] = two_factors(mins + at, mins + at + fs);
       if constexpr (Min == kScaledMins) mn[z] = _mm512_mul_ps(ws[z], _mm512_set1_ps(op.min_per_scale));
+      if constexpr (Bits == k4K && Min == kStoredMins) {  // as `tile`: d * sc, -dmin * mn, exact
+        const uint8_t* k_factors = chunks + 2 * z * pb + kKScaleOffset;
+        ws[z] = _mm512_mul_ps(ws[z], two_k_factors(k_factors, k_factors + pb));
+        mn[z] = _mm512_mul_ps(mn[z], two_k_factors(k_factors + kLanes, k_factors + pb + kLanes));
+      }
     }
     for (int r = 0; r < RM; ++r) {
       const __m512 xs = _mm512_set1_ps(xscale[r * nb + g]);
@@ -1132,6 +1181,8 @@ template <int Bits, int RM, int RZ, typename S>
 void wide_tile_upto(const Operands<S>& op, int64_t m0, int64_t p0, int rm, int rz) {
   if constexpr (Bits == 8 || Bits == 6) {  // qlinear takes no mins with 6 or 8 bits
     wide_tile_upto<Bits, RM, RZ, kNoMin>(op, m0, p0, rm, rz);
+  } else if constexpr (Bits == k4K) {  // always its -dmin (qlinear checks)
+    wide_tile_upto<Bits, RM, RZ, kStoredMins>(op, m0, p0, rm, rz);
   } else {
     switch (min_kind(op)) {
       case kNoMin: return wide_tile_upto<Bits, RM, RZ, kNoMin>(op, m0, p0, rm, rz);
@@ -1212,7 +1263,7 @@ void int_qlinear(const Operands<S>& op, float* silu_out = nullptr) {
   // broadcast the pairs at each use, panels outer, are the faster, with the same bits (docs/benchmarks.md);
   // from 8 rows the sliced ones win, and the pre-broadcast tiles were slower than either below 8. At 3 rows
   // the sliced path had no whole 4-row tile and took these already.
-  const bool group_asm = Bits == 4 && (op.mins != nullptr || op.xmin != nullptr || op.min_per_scale == 0.f);
+  const bool group_asm = four_bit(Bits) && (op.mins != nullptr || op.xmin != nullptr || op.min_per_scale == 0.f);
   const bool sliced = group_asm && op.M >= kSlicedMinRows;
   each_use = group_asm && op.M > 2 && !sliced;
   if (sliced) {
@@ -1235,7 +1286,7 @@ void int_qlinear(const Operands<S>& op, float* silu_out = nullptr) {
   // that only the last task of a row block ends in a narrower tile (which broadcasts at each use).
   // (AVX2's 4 bits: group_4x3 or the pre-broadcast tiles, 3 panels either way; below kSlicedMinRows, 2.)
   int64_t tile_panels = op.M <= 2 ? kDecodePanels : !wide ? kTilePanels : 2 * (few_wide ? kFewWideVectors : kWideVectors);
-  if (op.M > 2 && Isa::kPrebroadcast && Bits == 4 && !each_use) tile_panels = kPrebroadcastPanels4;
+  if (op.M > 2 && Isa::kPrebroadcast && four_bit(Bits) && !each_use) tile_panels = kPrebroadcastPanels4;
   int64_t panel_blocks = (panels + block_panels - 1) / block_panels;
   if (row_blocks == 1) {  // one row block (decodes): as many blocks for each thread, of about equal size
     // Tiles of more than 2 rows broadcast each K slice's pairs once a task (sliced_tiles_4x3,
@@ -1310,7 +1361,7 @@ void int_qlinear(const Operands<S>& op, float* silu_out = nullptr) {
       int32_t* const xb = reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
       float* const xf = reinterpret_cast<float*>(xb + 4 * kSlicePairs * kLanes);
       float* const acc = xf + kSliceGroups * 12;  // 64-byte aligned: the pairs and factors are multiples of 64 bytes
-      if (row_tiles > 0 && tiles > 0) sliced_tiles_4x3(op, m_begin, row_tiles, p_begin, tiles, acc, xb, xf, next_p);
+      if (row_tiles > 0 && tiles > 0) sliced_tiles_4x3<Bits>(op, m_begin, row_tiles, p_begin, tiles, acc, xb, xf, next_p);
       for (int64_t m0 = m_begin; m0 < m_end; m0 += kTileRows) {  // the edges: panels past whole tiles, rows past 4s
         const int rm = static_cast<int>(std::min<int64_t>(kTileRows, m_end - m0));
         int64_t p0 = rm == kTileRows ? p_begin + 3 * tiles : p_begin;
@@ -1337,7 +1388,7 @@ void int_qlinear(const Operands<S>& op, float* silu_out = nullptr) {
         for (int r = 0; r < rm; ++r) Isa::broadcast_pairs(broadcast + r * pairs * kLanes, op.xq + (m0 + r) * op.K, pairs);
         Operands<S> rows = op;
         rows.xb = broadcast;
-        constexpr int RP = Bits == 4 ? kPrebroadcastPanels4 : kTilePanels;
+        constexpr int RP = four_bit(Bits) ? kPrebroadcastPanels4 : kTilePanels;
         for (int64_t p0 = p_begin; p0 < p_end; p0 += RP)
           tile_upto<Bits, kTileRows, RP, true>(rows, m0, p0, rm, static_cast<int>(std::min<int64_t>(RP, p_end - p0)));
       }
@@ -1395,7 +1446,10 @@ at::Tensor qlinear(
   TORCH_CHECK(K % kBlock == 0 && group_size % kBlock == 0 && K % group_size == 0,
               "quant_linear: K and group_size must be multiples of 32, K of group_size");
   TORCH_CHECK(N > 0 && (N + kLanes - 1) / kLanes == P, "quant_linear: ", P, " panels do not hold ", N, " columns");
-  const int64_t group_bytes = bits == 4   ? kPanelGroupBytes<4>
+  // 4 bits come in two layouts, told apart by their groups' bytes: 128, or 144 with Q4_K's sub-scales.
+  const bool sub_scaled = bits == 4 && qweight.dim() == 3 && qweight.size(2) == kPanelGroupBytes<k4K>;
+  const int64_t group_bytes = sub_scaled  ? kPanelGroupBytes<k4K>
+                              : bits == 4 ? kPanelGroupBytes<4>
                               : bits == 5 ? kPanelGroupBytes<5>
                               : bits == 6 ? kPanelGroupBytes<6>
                                           : kPanelGroupBytes<8>;
@@ -1408,6 +1462,8 @@ at::Tensor qlinear(
   int exponent = 0;
   TORCH_CHECK(min_per_scale == 0 || ((bits == 4 || bits == 5) && !mins.has_value() && std::fabs(std::frexp(min_per_scale, &exponent)) == 0.5),
               "quant_linear: min_per_scale must be 0, or a power of two for 4 or 5 bits without mins");
+  TORCH_CHECK(!sub_scaled || (mins.has_value() && min_per_scale == 0),
+              "quant_linear: 4 bits with sub-scales take their mins (-dmin) and no min_per_scale");
   if (mins.has_value()) {
     TORCH_CHECK((bits == 4 || bits == 5) && mins->sizes() == scales.sizes() && mins->scalar_type() == scales.scalar_type() &&
                 mins->is_contiguous(), "quant_linear: mins must be like scales (4 or 5 bits only)");
@@ -1463,7 +1519,8 @@ at::Tensor qlinear(
                    K / group_size};
     op.out_stride = N;
     float* const silu_out = silu_mul ? out.data_ptr<float>() : nullptr;
-    if (bits == 4) int_qlinear<4>(op, silu_out);
+    if (sub_scaled) int_qlinear<k4K>(op, silu_out);
+    else if (bits == 4) int_qlinear<4>(op, silu_out);
     else if (bits == 5) int_qlinear<5>(op, silu_out);
     else if (bits == 6) int_qlinear<6>(op, silu_out);
     else int_qlinear<8>(op, silu_out);
