@@ -369,9 +369,13 @@ def panel_rows(
     """Rows `rows` (output columns) of panelled weights, back in the stored layout."""
     panels, nb, _ = qweight.shape
     if sub_scales:  # the values as without, then each row's sc and mn from the panel group's last 16 bytes
-        values = panel_rows(bits, qweight[..., : -2 * PANEL], scales, mins, rows)
-        sub = qweight[rows // PANEL, :, -2 * PANEL :].view(rows.numel(), nb, 2, PANEL)
-        sub = sub[torch.arange(rows.numel()), :, :, rows % PANEL]  # (R, nb, 2)
+        # The rows' own panels first (row i in panel i), so that cutting off the sc and mn copies only those:
+        # an embedding lookup reads a few rows of a large table.
+        own = qweight[rows // PANEL]  # (R, nb, bytes)
+        lane, r = rows % PANEL, torch.arange(rows.numel())
+        factors = [None if f is None else f[rows // PANEL] for f in (scales, mins)]
+        values = panel_rows(bits, own[..., : -2 * PANEL], factors[0], factors[1], r * PANEL + lane)
+        sub = own[..., -2 * PANEL :].reshape(rows.numel(), nb, 2, PANEL)[r, :, :, lane]  # (R, nb, 2)
         packed = with_sub_scales(values.qweight, sub[..., 0], sub[..., 1])
         return QuantizedWeight(bits, packed, values.scales, values.mins, values.in_features, True)
     panel, lane = rows // PANEL, rows % PANEL
