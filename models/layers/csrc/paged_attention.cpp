@@ -22,9 +22,9 @@
 // still run in an order fixed by p and W alone.
 //
 // A task is (sequence, KV head, up to kMaxVecs query vectors: queries x the query heads of that KV
-// head); it reads each key block once for all its vectors, two vectors at a time, and one thread
+// head); it reads each key block once for all its vectors, a few vectors at a time, and one thread
 // computes it whole. Tasks are split across threads by their cost. Neither the tiling, the
-// pairing nor the split enters a row's sums: they are written on explicit vector types with FMA
+// grouping nor the split enters a row's sums: they are written on explicit vector types with FMA
 // intrinsics (no loop for the compiler to vectorize and peel by address, no chain for -ffast-math
 // to reassociate), so each is the same sequence of roundings whichever vectors share its task.
 //
@@ -83,26 +83,41 @@ constexpr int kShareRows = 3;
 #else
 constexpr int kShareRows = 2;
 #endif
+// A decode's few rows (up to kFewRows) go in the fewest groups of at most kFewShare, as even as can
+// be: Qwen2.5's 7 and 6 query heads a KV head as 4 + 3 and 3 + 3, not 3 + 3 + 1, whose lone row
+// widened every key and value once more for one row's FMAs (4 rows' outputs, a value and the
+// weight are 21 of AVX-512's 32 registers).
+#if defined(__AVX512F__)
+constexpr int kFewShare = 4;
+#else
+constexpr int kFewShare = 2;
+#endif
 
 
-// Dot products of kRows (1 or 2) query rows with 4 key rows, D numbers each: s[x][i] = q[x] . k[i].
+// Dot products of kRows (1 to 4) query rows with 4 key rows, D numbers each: s[x][i] = q[x] . k[i].
 // Each is the same computation whatever kRows and order: one 8-lane FMA chain along D, the lanes
-// summed by sum_lanes4, then the D % 8 tail in order. Two rows share the loads of the keys.
+// summed by sum_lanes4, then the D % 8 tail in order. The rows share the loads of the keys.
 // kKeyMajor: key after key, each read front to back (consecutive keys of a cache block are
 // consecutive in memory: a decode's keys stream in the order the hardware prefetcher follows);
 // else all 4 keys at each step along D (a prompt's keys are in cache: fewer loads per FMA).
 template <int kRows, int64_t kD, bool kKeyMajor, typename kv_t>
 inline void dots(const float* const* q, const kv_t* const* k, int64_t head_dim, float* const* s) {
   const int64_t D = kD > 0 ? kD : head_dim, D8 = D / 8 * 8;
-  f32x8 a[kRows][4] = {};
+  f32x8 a[kRows][4];
   if constexpr (kKeyMajor) {
+    // A key's chains start from zeros in registers: the whole array zeroed at once went to memory
+    // (a `rep stos` at every call) and its chains through loads and stores.
     for (int i = 0; i < 4; ++i) {
+      f32x8 r[kRows];
+      for (int x = 0; x < kRows; ++x) r[x] = f32x8{};
       for (int64_t d = 0; d < D8; d += 8) {
         const f32x8 kv = load8(k[i] + d);
-        for (int x = 0; x < kRows; ++x) a[x][i] = fma8(load8(q[x] + d), kv, a[x][i]);
+        for (int x = 0; x < kRows; ++x) r[x] = fma8(load8(q[x] + d), kv, r[x]);
       }
+      for (int x = 0; x < kRows; ++x) a[x][i] = r[x];
     }
   } else {
+    for (int x = 0; x < kRows; ++x) a[x][0] = a[x][1] = a[x][2] = a[x][3] = f32x8{};
     for (int64_t d = 0; d < D8; d += 8) {
       const f32x8 k0 = load8(k[0] + d), k1 = load8(k[1] + d), k2 = load8(k[2] + d), k3 = load8(k[3] + d);
       for (int x = 0; x < kRows; ++x) {
@@ -203,6 +218,15 @@ inline void accumulate(float* const* acc, const float* const* p, const kv_t* con
       acc[x][d] = r;
     }
   }
+}
+
+// accumulate for kRows rows whose keys end at n[0] <= n[1] <= ...: each row's keys in order, the
+// group split at the rows' ends (rows past their end drop out).
+template <int kRows, int64_t kD, typename kv_t>
+inline void accumulate_split(float* const* acc, const float* const* p, const kv_t* const* v, int64_t from,
+                             const int64_t* n, int64_t value_dim) {
+  accumulate<kRows, kD>(acc, p, v, from, n[0], value_dim);
+  if constexpr (kRows > 1) accumulate_split<kRows - 1, kD>(acc + 1, p + 1, v, n[0], n + 1, value_dim);
 }
 
 // A cache row's lines, asked for now, read later. A decode's rows stream (keys kAhead ahead of their scores,
@@ -376,6 +400,8 @@ struct Attention {
       int64_t n[kMaxVecs], first[kMaxVecs];  // each row's keys in this block: first..n-1
       for (int64_t r = r0; r < r1; ++r) n[r] = std::min(nk, len[r] - b0), first[r] = std::max<int64_t>(lo[r] - b0, 0);
       const bool few = r1 - r0 <= kFewRows;
+      const int64_t groups = (r1 - r0 + kFewShare - 1) / kFewShare;
+      const int64_t share = few ? (r1 - r0 + groups - 1) / groups : kShareRows;  // rows a group
       const bool widen = !few && !std::is_same_v<cache_t, float>;  // keys widened into kbuf first
       // A decode's rows come from memory (the layers' weights went through the cache since), and
       // read one by one their misses queue behind each other: rows are asked for ahead of use.
@@ -401,15 +427,20 @@ struct Attention {
             if (row != nullptr && !(widen && u < b0 + nk)) prefetch_row(row, Dk + kRowExtra<cache_t>);  // a widened block's: above
           }
           for (int64_t r = r0; r < r1;) {
-            const int64_t together = std::min<int64_t>(kShareRows, r1 - r);
+            const int64_t together = std::min<int64_t>(share, r1 - r);
             const int64_t last = r + together - 1;
             if (n[last] <= t) {
               r += together;
               continue;
             }
-            const float* qs[3] = {qf + r * Dk, qf + std::min(r + 1, last) * Dk, qf + last * Dk};
-            float* out[3] = {s + r * kKeys + t, s + std::min(r + 1, last) * kKeys + t, s + last * kKeys + t};
-            if (together == 3) {
+            const float* qs[4];
+            float* out[4];
+            for (int64_t x = 0; x < 4; ++x) {
+              qs[x] = qf + std::min(r + x, last) * Dk, out[x] = s + std::min(r + x, last) * kKeys + t;
+            }
+            if (together == 4) {
+              dots<4, kD, true>(qs, rows + t, Dk, out);  // few rows only (kFewShare)
+            } else if (together == 3) {
               if (few) dots<3, kD, true>(qs, rows + t, Dk, out);
               else dots<3, kD, false>(qs, rows + t, Dk, out);
             } else if (together == 2) {
@@ -422,8 +453,13 @@ struct Attention {
           }
         }
         if constexpr (std::is_same_v<cache_t, int8_t>) {  // the keys' scales, on the scores
+          // Each key's scale read once for all the rows of its KV head, then one multiply a score
+          // in a loop the compiler vectorizes: read per row and score, they were among a GQA
+          // decode's hottest instructions (perf).
+          float ks[kKeys];
+          for (int64_t t = t0; t < nk; ++t) ks[t] = row_scale(kbase + slots[t], Dk);
           for (int64_t r = r0; r < r1; ++r) {
-            for (int64_t t = first[r]; t < n[r]; ++t) s[r * kKeys + t] *= row_scale(kbase + slots[t], Dk);
+            for (int64_t t = first[r]; t < n[r]; ++t) s[r * kKeys + t] *= ks[t];
           }
         }
         for (int64_t r = r0; r < r1; ++r) {
@@ -451,19 +487,21 @@ struct Attention {
         // that waited on them took a third of a GQA decode's time, and the rows are in L1 or L2
         // by then, asked for above.)
         for (int64_t r = r0; r < r1;) {
-          const int64_t together = std::min<int64_t>(kShareRows, r1 - r);
-          float* accs[3] = {acc + r * Dv, acc + std::min(r + 1, r1 - 1) * Dv, acc + std::min(r + 2, r1 - 1) * Dv};
-          const float* ps[3] = {s + r * kKeys, s + std::min(r + 1, r1 - 1) * kKeys, s + std::min(r + 2, r1 - 1) * kKeys};
-          // Keys before a row's window weigh 0 in it: every row of a pair or triple runs from ts.
-          if (together == 3) {  // n[r] <= n[r + 1] <= n[r + 2]: each row's keys in order, split at the others' ends
-            accumulate<3, kD>(accs, ps, rows, ts, n[r], Dv);
-            accumulate<2, kD>(accs + 1, ps + 1, rows, n[r], n[r + 1], Dv);
-            accumulate<1, kD>(accs + 2, ps + 2, rows, n[r + 1], n[r + 2], Dv);
+          const int64_t together = std::min<int64_t>(share, r1 - r);
+          float* accs[4];
+          const float* ps[4];
+          for (int64_t x = 0; x < 4; ++x) {
+            accs[x] = acc + std::min(r + x, r1 - 1) * Dv, ps[x] = s + std::min(r + x, r1 - 1) * kKeys;
+          }
+          // Keys before a row's window weigh 0 in it: every row of a group runs from ts.
+          if (together == 4) {
+            accumulate_split<4, kD>(accs, ps, rows, ts, n + r, Dv);
+          } else if (together == 3) {
+            accumulate_split<3, kD>(accs, ps, rows, ts, n + r, Dv);
           } else if (together == 2) {
-            accumulate<2, kD>(accs, ps, rows, ts, n[r], Dv);
-            accumulate<1, kD>(accs + 1, ps + 1, rows, n[r], n[r + 1], Dv);  // n[r + 1] >= n[r]
+            accumulate_split<2, kD>(accs, ps, rows, ts, n + r, Dv);
           } else {
-            accumulate<1, kD>(accs, ps, rows, ts, n[r], Dv);
+            accumulate_split<1, kD>(accs, ps, rows, ts, n + r, Dv);
           }
           r += together;
         }
