@@ -239,6 +239,13 @@ ops = [cpu_kernels.rms_norm(x, x[0], 1e-6), cpu_kernels.silu_and_mul(x[:, :1000]
        cpu_kernels.draw_rows(x * 8, torch.full((7,), 0.7), torch.arange(7) / 7.0).float(),
        cpu_kernels.draw_rows(x, torch.full((7,), 0.7), torch.arange(7) / 7.0, torch.full((7,), 40),
                              torch.full((7,), 0.9)).float()]
+# LoRA's products on float32 and 16-bit adapter weights (--lora-dtype): csrc/lora_ops.cpp's loads widen them
+a = ((torch.arange(12 * 1003) * 4099 % 1000 - 500) / 211.0).view(12, 1003)
+bt = ((torch.arange(12 * 300) * 3571 % 1000 - 500) / 331.0).view(12, 300)
+for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    out = x[:, :300].clone()
+    torch.ops.pagedserve.lora_add(out, x, None, a.to(dtype), bt.to(dtype), [0, 300, 0, 12], 0.5)
+    ops.append(out)
 print("OPS", json.dumps([[v.hex() for v in op.flatten().tolist()] for op in ops]))
 llm = LLM(str(default_model_path()))
 params = [SamplingParams(temperature=1.0, seed=123, max_tokens=16, logprobs=3),
