@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
 ALIGN = 64  # every tensor starts on a cache line
+_TRIM_EVERY = 256 << 20  # move_to_arena hands freed heap pages back to the OS after this many bytes
 
 
 def enabled() -> bool:
@@ -75,6 +76,7 @@ def move_to_arena(model: nn.Module) -> Arena | None:
     if not storages:
         return None
     arena = Arena(sum(_padded(ts[0].untyped_storage().nbytes()) for ts in storages.values()))
+    moved = 0  # bytes copied since the heap was last trimmed
     with torch.no_grad():
         for tensors in storages.values():
             old = tensors[0].untyped_storage()
@@ -83,6 +85,12 @@ def move_to_arena(model: nn.Module) -> Arena | None:
             base = region.data_ptr() - arena.memory.untyped_storage().data_ptr()  # bytes into the mapping
             for t in {id(t): t for t in tensors}.values():
                 t.set_(region.untyped_storage(), base // t.element_size() + t.storage_offset(), t.size(), t.stride())
+            moved += old.nbytes()
+            del old  # the last reference to the old copy: freed here
+            if moved >= _TRIM_EVERY:
+                # as we go, not once at the end: else the process holds the weights twice at its peak
+                _release_freed_memory()
+                moved = 0
     _release_freed_memory()
     logger.info(
         "weights: %.1f MiB in one arena (%s)",

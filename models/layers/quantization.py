@@ -181,6 +181,7 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
 
 
 _BIT = torch.tensor([1 << b for b in range(8)], dtype=torch.uint8)
+_TWO_BIT_SHIFTS = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
 
 
 def _to_bits(t: torch.Tensor) -> torch.Tensor:
@@ -189,8 +190,13 @@ def _to_bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _from_bits(bits: torch.Tensor) -> torch.Tensor:
-    """The inverse of _to_bits: (..., 8 B) of 0 / 1 -> (..., B) uint8."""
-    return (bits.view(*bits.shape[:-1], -1, 8).to(torch.int32) << torch.arange(8)).sum(-1).to(torch.uint8)
+    """The inverse of _to_bits: (..., 8 B) of 0 / 1 -> (..., B) uint8 (in uint8 throughout: a
+    wider intermediate is 8 bytes a bit of a whole layer's weights)."""
+    planes = bits.view(*bits.shape[:-1], -1, 8)
+    out = planes[..., 0].clone()
+    for j in range(1, 8):
+        out |= planes[..., j] << j
+    return out
 
 
 def unpack_int5(qweight: torch.Tensor, in_features: int) -> torch.Tensor:
@@ -215,7 +221,9 @@ def pack_int6(q: torch.Tensor, sub_scales: torch.Tensor) -> torch.Tensor:
     n, k = q.shape
     q = q.to(torch.uint8)
     low = pack_int4(q & 0x0F).view(n, k // BLOCK, BLOCK // 2)
-    high = _from_bits(_to_bits(q >> 4).view(n, k // BLOCK, BLOCK, 8)[..., :2].flatten(-2))  # (N, K/32, 8)
+    # bits 2j, 2j + 1 of a group's 8 high bytes: bits 4, 5 of its value j (four values a byte)
+    two = (q >> 4).view(n, k // BLOCK, BLOCK // 4, 4)
+    high = two[..., 0] | (two[..., 1] << 2) | (two[..., 2] << 4) | (two[..., 3] << 6)  # (N, K/32, 8)
     sc = sub_scales.to(torch.int8).view(torch.uint8).view(n, k // BLOCK, 2)
     return torch.cat((low, high, sc), dim=-1).reshape(n, -1)
 
@@ -225,8 +233,8 @@ def unpack_int6(qweight: torch.Tensor, in_features: int) -> tuple[torch.Tensor, 
     n = qweight.shape[0]
     groups = qweight.view(n, in_features // BLOCK, _GROUP_BYTES[6])  # (N, K/32, 26)
     low = unpack_int4(groups[..., : BLOCK // 2].reshape(n, -1), in_features)
-    high = _to_bits(groups[..., BLOCK // 2 : BLOCK // 2 + 8]).view(n, in_features, 2)  # (N, K, 2)
-    q = low | (high[..., 0] << 4) | (high[..., 1] << 5)
+    high = groups[..., BLOCK // 2 : BLOCK // 2 + 8].unsqueeze(-1) >> _TWO_BIT_SHIFTS  # (N, K/32, 8, 4)
+    q = low | ((high & 0x03).view(n, in_features) << 4)
     sc = groups[..., BLOCK // 2 + 8 :].contiguous().view(torch.int8).reshape(n, -1)  # (N, K/16)
     return q, sc
 
@@ -320,7 +328,30 @@ _HIGH_BITS6 = _high_bits6_order()  # (64 bytes, 8 bits) -> index into a panel gr
 def to_panels(qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """qweight, scales, mins in the CPU kernel's panels of 8 columns (N padded with zeros):
     a reorder of 2-byte units (and for 5 bits, of the high bits), nothing more
-    (csrc/quant_linear.cpp draws it)."""
+    (csrc/quant_linear.cpp draws it). Reordered a slice of rows at a time into the result, so
+    that loading needs the layer's bytes plus a bounded scratch, whatever the layer's size (the
+    bit planes take a byte a bit: a 150k-row output layer at once took ~10 GB)."""
+    rows = max(PANEL, _PANEL_CHUNK_BYTES // max(1, qw.qweight[:1].nbytes) // PANEL * PANEL)
+    if qw.shape[0] <= rows:
+        return _to_panels(qw)
+    panels = -(-qw.shape[0] // PANEL)
+    out: list[torch.Tensor | None] = []
+    for start in range(0, qw.shape[0], rows):
+        part = _to_panels(qw.rows(slice(start, start + rows)))
+        if not out:
+            out = [None if t is None else t.new_empty(panels, *t.shape[1:]) for t in part]
+        for whole, t in zip(out, part):
+            if whole is not None and t is not None:
+                whole[start // PANEL : start // PANEL + t.shape[0]] = t
+    qweight, scales, mins = out
+    assert qweight is not None and scales is not None
+    return qweight, scales, mins
+
+
+_PANEL_CHUNK_BYTES = 4 << 20  # stored bytes reordered at a time by `to_panels`
+
+
+def _to_panels(qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     n, k = qw.shape
     padded = -(-n // PANEL) * PANEL
     nb = k // BLOCK
