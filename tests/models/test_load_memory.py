@@ -19,7 +19,13 @@ from models.layers import quantization as Q
 
 
 def _weight(bits: int, n: int, k: int) -> Q.QuantizedWeight:
-    w = torch.randn(n, k, generator=torch.Generator().manual_seed(n * k + bits))
+    g = torch.Generator().manual_seed(n * k + bits)
+    w = torch.randn(n, k, generator=g)
+    if bits == -4:  # Q4_K's form: sc and mn in each group's bytes, d and -dmin per 256
+        q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+        sc, mn = (torch.randint(0, 64, (n, k // 32), dtype=torch.uint8, generator=g) for _ in range(2))
+        d = torch.rand(n, k // 256, generator=g).half()
+        return Q.QuantizedWeight(4, Q.with_sub_scales(Q.pack_int4(q), sc, mn), d, -d, k, sub_scales=True)
     if bits == 8:
         return Q.quantize_int8(w, 32)
     if bits == 6:
@@ -27,7 +33,7 @@ def _weight(bits: int, n: int, k: int) -> Q.QuantizedWeight:
     return Q.quantize_int4(w, bits=bits)
 
 
-@pytest.mark.parametrize("bits", Q.BITS)
+@pytest.mark.parametrize("bits", [*Q.BITS, -4])  # -4: 4 bits with K-quant sub-scales
 @pytest.mark.parametrize("n", [1, 37, 64, 203])
 def test_panels_made_a_slice_of_rows_at_a_time_equal_the_layer_at_once(monkeypatch, bits, n):
     qw = _weight(bits, n, 512)
