@@ -41,6 +41,9 @@ static inline emu512i emu_sub_epi16(emu512i a, emu512i b) {
 static inline emu512i emu_cvtepi8_epi32(__m128i a) {
   int8_t b[16]; std::memcpy(b, &a, 16); emu512i r; for (int i = 0; i < 16; ++i) r.i32[i] = b[i]; return r;
 }
+static inline emu512i emu_cvtepu8_epi32(__m128i a) {
+  uint8_t b[16]; std::memcpy(b, &a, 16); emu512i r; for (int i = 0; i < 16; ++i) r.i32[i] = b[i]; return r;
+}
 static inline emu512i emu_add_epi32(emu512i a, emu512i b) { for (int i = 0; i < 16; ++i) a.i32[i] += b.i32[i]; return a; }
 static inline emu512i emu_dpwssd_epi32(emu512i acc, emu512i a, emu512i b) {  // no saturation, as vpdpwssd
   for (int i = 0; i < 16; ++i)
@@ -79,6 +82,7 @@ static inline emu512 emu_fmadd_ps(emu512 a, emu512 b, emu512 c) {
 #define _mm512_slli_epi16 emu_slli_epi16
 #define _mm512_sub_epi16 emu_sub_epi16
 #define _mm512_cvtepi8_epi32 emu_cvtepi8_epi32
+#define _mm512_cvtepu8_epi32 emu_cvtepu8_epi32
 #define _mm512_add_epi32 emu_add_epi32
 #define _mm512_dpwssd_epi32 emu_dpwssd_epi32
 #define _mm512_castpd256_pd512 emu_castpd256_pd512
