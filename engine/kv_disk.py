@@ -76,7 +76,7 @@ class DiskTierStats:
 def model_fingerprint(loaded: LoadedModel, spec: KVCacheSpec, layout: KVCacheLayout, block_size: int) -> bytes:
     """16 bytes naming what a block's bytes depend on: the model's configuration, its weights (the
     names, shapes and dtypes of every tensor, and the first and last bytes of each), the KV
-    cache's dtype, entry shape, layout and block size (and an int8 cache's key offsets)."""
+    cache's dtype, entry shape, layout and block size (and an int8 cache's key offsets and scales)."""
     h = hashlib.blake2b(digest_size=16)
     h.update(f"pagedserve-kv-disk {FORMAT_VERSION}".encode())
     config = loaded.config
@@ -93,11 +93,12 @@ def model_fingerprint(loaded: LoadedModel, spec: KVCacheSpec, layout: KVCacheLay
             h.update(ends.view(torch.uint8).numpy().tobytes())
         except (RuntimeError, TypeError):  # a tensor type with no plain bytes: its shape stands in
             pass
-    if spec.dtype == torch.int8:  # its keys are stored less these (models/kv_int8.py)
+    if spec.dtype == torch.int8:  # its keys are stored with these (models/kv_int8.py)
         for module in loaded.model.modules():
-            offset = getattr(module, "key_offset", None)
-            if isinstance(offset, torch.Tensor):
-                h.update(offset.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            for name in ("key_offset", "key_scale"):
+                found = getattr(module, name, None)
+                if isinstance(found, torch.Tensor):
+                    h.update(found.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.digest()
 
 

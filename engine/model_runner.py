@@ -26,7 +26,7 @@ from engine.sampler import TokenHistory, make_generator, prompt_logprobs
 from engine.step import EngineDeadError, RunnerOutput, ScheduledRequest, SchedulerOutput, StepInputs
 from engine.threads import StepTuner, applied, candidate_settings
 from engine.verification import sample_requests
-from models.kv_int8 import calibrate_key_offsets
+from models.kv_int8 import calibrate_int8_keys
 from models.layers import cpu_kernels
 from models.layers.attention import AttentionMetadata
 from engine.lora import LoRASlots
@@ -78,8 +78,8 @@ class ModelRunner:
         self.device = next(self.model.parameters()).device
         self.max_model_len = config.resolve_max_model_len(loaded.config.max_model_len)
         self.kv_cache_spec = self.model.kv_cache_spec(resolve_kv_cache_dtype(config.kv_cache_dtype, loaded))
-        if self.kv_cache_spec.dtype == torch.int8:  # keys stored less their per-channel offsets (every rank)
-            calibrate_key_offsets(loaded)
+        if self.kv_cache_spec.dtype == torch.int8:  # keys stored with per-channel offsets and scales (every rank)
+            calibrate_int8_keys(loaded)
         # Layers grouped by how they attend: a sliding group's tables drop what leaves its window.
         self.kv_layout = self.kv_cache_spec.layout(self.max_model_len)
         bytes_per_token = self.kv_cache_spec.bytes_per_entry * self.kv_layout.num_slots  # in one block id

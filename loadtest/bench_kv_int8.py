@@ -33,7 +33,7 @@ from loadtest.bench_step import BLOCK_SIZE, Batch
 from loadtest.compare import cpu_description
 from models.causal_lm import CausalLM
 from models.layers import cpu_kernels
-from models.kv_int8 import calibrate_key_offsets
+from models.kv_int8 import calibrate_int8_keys
 from models.layers.attention import KV_SCALE_BYTES, AttentionMetadata, paged_attention, quantize_rows
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
@@ -90,7 +90,7 @@ def bench_model(name: str, args: argparse.Namespace, clock: Callable[[], float])
     from models.loader import load_model
 
     loaded = load_model(name, dtype="float32", quantization="auto")
-    calibrate_key_offsets(loaded)  # the int8 step's keys less their offsets, as the server writes them
+    calibrate_int8_keys(loaded)  # the int8 step's keys and queries as the server makes them
     model = loaded.model
     specs = {d: model.kv_cache_spec(DTYPES[d]) for d in DTYPES}
     heads, (_, kv_heads, head_dim) = loaded.config.hf_config.num_attention_heads, specs["float32"].entry_shape

@@ -1,18 +1,23 @@
-"""Per-channel key offsets for an int8 KV cache (`--kv-cache-dtype int8`), calibrated at load.
+"""Per-channel key offsets and scales for an int8 KV cache (`--kv-cache-dtype int8`), calibrated at load.
 
-An int8 row keeps 255 levels between its own -absmax and +absmax (attention.py's quantize_rows).
-Qwen2.5's keys carry a few channels with a large part that is the same for every token (k_proj's
-bias, in slow rotary dimensions): the row's scale follows those channels and the others keep a few
-levels. One token's float32 key less a vector c of its layer and KV head changes every score of a
-query by the same q . c, which the softmax takes out exactly: so the cache stores k - c, with c the
-mean key of a short calibration text (this module's), and the rows' levels go to what varies from
-token to token. Qwen2.5-Coder-0.5B's perplexity with an int8 cache went from +9.2% of float32's to
-within 0.5% (docs/benchmarks.md).
+An int8 row keeps 255 levels between its own -absmax and +absmax (attention.py's quantize_rows), so
+the channel with the largest keys sets every channel's step. Two exact rewrites of the scores move
+the levels to where they count, per layer, KV head and channel:
 
-The offsets are computed once, from one prefill of CALIBRATION_TEXT into a float32 cache (the keys
-after RoPE, as the cache holds them), and are the same bits on every run of a model on a machine:
-a row's bytes depend on its token and position alone, as without them. Soft-capped scores (Gemma 2)
-are not shifted alike by q . c: those layers store their keys as they are (LlamaAttention.stored_key_offset).
+- Offsets. Qwen2.5's keys carry a few channels with a large part that is the same for every token
+  (k_proj's bias, in slow rotary dimensions). A key less a vector c changes every score of a query
+  by the same q . c, which the softmax takes out: the cache stores k - c, c the mean key of a short
+  calibration text (this module's). Only for keys with a bias; soft-capped scores (Gemma 2) would
+  keep the shift, so those layers store none (LlamaAttention.int8_keys).
+- Scales. q . k = (q * s) . (k / s) for any s > 0 per channel: the cache stores the keys divided by
+  s = sqrt(absmax of the channel's calibration keys), normalized to a geometric mean of 1, and the
+  queries are multiplied by it. Wide channels get narrower and narrow ones wider (SmoothQuant's
+  balance with alpha 0.5), so one outlier channel no longer leaves the others a few levels.
+
+Both are computed once, from one prefill of CALIBRATION_TEXT into a float32 cache (the keys after
+RoPE, as the cache holds them), and are the same bits on every run of a model on a machine: a row's
+bytes depend on its token and position alone, as without them. Their effect on perplexity and on
+the next-token distributions is in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -69,17 +74,22 @@ In 1887 the observatory recorded a total of 214 clear nights; the average temper
 CALIBRATION_TOKENS = 512  # at most
 
 
+# A channel's scale comes from no less than this fraction of its head's widest channel: a channel
+# that was near zero in the calibration text keeps a bounded scale if a prompt makes it wide.
+_MIN_CHANNEL_FRACTION = 0.01
+
+
 @torch.inference_mode()
-def calibrate_key_offsets(loaded: LoadedModel, block_size: int = 16) -> None:
-    """Set `key_offset` (Hk, head_dim) float32 on every attention module that has one (LlamaAttention)
-    and whose keys have a bias (Qwen2), from the mean key after RoPE of CALIBRATION_TEXT; once per model.
-    Keys without a bias (SmolLM2) keep none: their int8 perplexity was no closer to float32's with one
-    (+0.68% against -0.33% without, PyTorch paths; within the spread a key's rounding gives)."""
+def calibrate_int8_keys(loaded: LoadedModel, block_size: int = 16) -> None:
+    """Set `key_offset` (Hk, head_dim; where the keys have a bias, as Qwen2's), `key_scale` (Hk, head_dim)
+    and `query_scale` (H, head_dim), float32, on every attention module that has them (LlamaAttention),
+    from the keys after RoPE of CALIBRATION_TEXT; once per model. Keys without a bias (SmolLM2) keep no
+    offset: their int8 perplexity was no closer to float32's with one."""
     model = loaded.model
     layers = list(model.model.decoder_layers)
     attns = [getattr(layer, "self_attn", None) for layer in layers]
-    attns = [a if hasattr(a, "key_offset") and getattr(a, "qkv_proj").bias is not None else None for a in attns]
-    if not any(a is not None and getattr(a, "key_offset") is None for a in attns):
+    attns = [a if hasattr(a, "key_scale") else None for a in attns]
+    if not any(a is not None and getattr(a, "key_scale") is None for a in attns):
         return
     ids = loaded.tokenizer(CALIBRATION_TEXT).input_ids[: min(CALIBRATION_TOKENS, loaded.config.max_model_len)]
     n = len(ids)
@@ -92,5 +102,17 @@ def calibrate_key_offsets(loaded: LoadedModel, block_size: int = 16) -> None:
         if attn is None or cache.dim() != 5:
             continue
         keys = kv_blocks(cache)[:, 0]  # (num_blocks, Hk, block_size, D)
-        keys = keys.transpose(0, 1).reshape(keys.shape[1], -1, keys.shape[-1])[:, :n]  # (Hk, n, D)
-        attn.key_offset = keys.mean(dim=1).float().contiguous()  # type: ignore[union-attr]
+        keys = keys.transpose(0, 1).reshape(keys.shape[1], -1, keys.shape[-1])[:, :n].float()  # (Hk, n, D)
+        if getattr(attn, "qkv_proj").bias is not None:
+            offset = keys.mean(dim=1)
+            attn.key_offset = offset.contiguous()  # type: ignore[union-attr]
+            if attn.softcap is None:  # type: ignore[union-attr]
+                keys = keys - offset[:, None]
+        amax = keys.abs().amax(dim=1)  # (Hk, D)
+        widest = amax.amax(dim=-1, keepdim=True)
+        amax = torch.maximum(amax, widest * _MIN_CHANNEL_FRACTION).clamp_min(torch.finfo(torch.float32).tiny)
+        s = amax.sqrt()
+        s = s / s.log().mean(dim=-1, keepdim=True).exp()
+        group = attn.num_heads // attn.num_kv_heads  # type: ignore[union-attr]
+        attn.key_scale = (1 / s).contiguous()  # type: ignore[union-attr]
+        attn.query_scale = s.repeat_interleave(group, dim=0).contiguous()  # type: ignore[union-attr]

@@ -76,16 +76,19 @@ class LlamaAttention(nn.Module):
                 f"head_dim {self.head_dim})"
             )
         self.rotary_emb = rotary_emb  # shared by all layers; holds no parameters
-        # (Hk, head_dim) float32, subtracted from the keys an int8 cache stores (models/kv_int8.py)
-        self.key_offset: torch.Tensor | None = None
+        # An int8 cache stores (k - key_offset) * key_scale and its queries read it as q * query_scale
+        # (key_scale's inverse, by KV head); calibrated per channel by models/kv_int8.py, float32.
+        self.key_offset: torch.Tensor | None = None  # (Hk, head_dim)
+        self.key_scale: torch.Tensor | None = None  # (Hk, head_dim)
+        self.query_scale: torch.Tensor | None = None  # (H, head_dim)
 
-    def stored_key_offset(self, kv_cache: torch.Tensor) -> torch.Tensor | None:
-        """What is subtracted from the keys before they go into `kv_cache`: the calibrated offset for
-        an int8 cache (the softmax takes q . offset out of every score of a query; soft-capped scores
-        would not lose it), else None."""
-        if kv_cache.dtype != torch.int8 or self.softcap is not None:
-            return None
-        return self.key_offset
+    def int8_keys(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """(key_offset, key_scale, query_scale) for the keys and queries of `kv_cache`: the calibrated
+        ones for an int8 cache, else None each. The softmax takes q . offset out of every score of a
+        query, but soft-capped scores would keep it: those layers store no offset."""
+        if kv_cache.dtype != torch.int8:
+            return None, None, None
+        return None if self.softcap is not None else self.key_offset, self.key_scale, self.query_scale
 
     @property
     def kv_entry_shape(self) -> tuple[int, ...]:
@@ -110,10 +113,15 @@ class LlamaAttention(nn.Module):
             qk = qkv[:, : H + Hk]
         # q and k heads are adjacent in the qkv output: rotate them in one pass.
         qk = self.rotary_emb.rotate(qk, *rope)  # (num_tokens, H + Hk, head_dim)
-        offset = self.stored_key_offset(kv_cache)
+        q, k = qk[:, :H], qk[:, H:]
+        offset, key_scale, query_scale = self.int8_keys(kv_cache)
+        if offset is not None:
+            k = k - offset
+        if key_scale is not None and query_scale is not None:  # csrc/decoder_layer.cpp: the same ops
+            k, q = k * key_scale, q * query_scale
         out = paged_attention(
-            qk[:, :H],
-            qk[:, H:] if offset is None else qk[:, H:] - offset,
+            q,
+            k,
             qkv[:, H + Hk :],
             kv_cache,
             attn_metadata,
@@ -161,9 +169,9 @@ class LlamaDecoderLayer(DecoderLayer):
         layer: _OneOpLayer
         layer, scale, window, attn = args
         meta = attn_metadata
-        key_offset = attn.stored_key_offset(kv_cache)
+        int8_keys = attn.int8_keys(kv_cache)
         if lora is not None:
-            assert key_offset is None, "the adapters' one op writes keys as they are (one_op_lora)"
+            assert int8_keys[1] is None, "the adapters' one op writes keys as they are (one_op_lora)"
             return torch.ops.pagedserve.llama_decoder_layer_lora(
                 x,
                 *layer,
@@ -188,7 +196,7 @@ class LlamaDecoderLayer(DecoderLayer):
             meta.query_start,
             scale,
             window,
-            key_offset,
+            *int8_keys,
         )
 
     def one_op_args(self, x: torch.Tensor, kv_cache: torch.Tensor) -> tuple | None:
@@ -206,8 +214,8 @@ class LlamaDecoderLayer(DecoderLayer):
     def one_op_lora(self, slot: int) -> tuple | None:
         """Per projection (qkv, o, gate_up, down) the adapter's A_cat and B_cat^T (None, None where
         it adds nothing), its blocks ([count, then o, n, c, r each]) and scale: as the modules add it."""
-        if not hasattr(torch.ops.pagedserve, "llama_decoder_layer_lora") or self.self_attn.key_offset is not None:
-            return None  # (its op writes keys as they come: with an int8 cache's offset, module by module)
+        if not hasattr(torch.ops.pagedserve, "llama_decoder_layer_lora") or self.self_attn.key_scale is not None:
+            return None  # (its op writes keys as they come: with an int8 cache's scales, module by module)
         if self._lora_linears is None:  # at every step of every layer: no nn.Module lookups
             attn, mlp = self.self_attn, self.mlp
             self._lora_linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)

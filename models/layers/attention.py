@@ -340,10 +340,10 @@ def _build_group(
 # bytes: 3.88x fewer than float32's 256, 1.94x fewer than bfloat16's 128 (a float32 scale made it
 # 68 bytes, 1.88x).
 #
-# Keys may be stored less a per-channel offset of their layer and KV head (LlamaAttention.key_offset,
-# calibrated by models/kv_int8.py): a query's scores over its keys then all move by q . offset, which
-# the softmax takes out exactly, while the rows keep their levels for what varies from token to token
-# (Qwen2.5's keys carry a few channels with a large constant part from k_proj's bias).
+# Keys may be stored less a per-channel offset and divided by a per-channel scale of their layer and
+# KV head, the queries multiplied by it (LlamaAttention.int8_keys, calibrated by models/kv_int8.py):
+# the scores are the same but for a shift the softmax takes out, while the rows' levels go to what
+# varies from token to token rather than to one wide channel.
 KV_SCALE_BYTES = 2
 _FLOAT16_MAX = 65504.0
 

@@ -383,11 +383,14 @@ def llama_decoder_layer(
     scale: float,
     window: int | None = None,
     key_offset: torch.Tensor | None = None,
+    key_scale: torch.Tensor | None = None,
+    query_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A Llama decoder layer whose 4 projections run on quant_linear, as one op (csrc/decoder_layer.cpp):
     weights = [qweight, scales, mins, bias] x (qkv, o, gate_up, down), info = [bits, group_size, out_features,
-    min_per_scale] x 4, heads = (H, Hk, head_dim) -> the layer's output (T, hidden). key_offset (Hk, head_dim):
-    subtracted from the keys before they are written (an int8 cache's, see attention.py)."""
+    min_per_scale] x 4, heads = (H, Hk, head_dim) -> the layer's output (T, hidden). key_offset and key_scale
+    (Hk, head_dim), query_scale (H, head_dim): an int8 cache's keys are written as (k - key_offset) * key_scale,
+    read by q * query_scale (LlamaAttention.int8_keys)."""
     return torch.ops.pagedserve.llama_decoder_layer(
         x,
         input_norm,
@@ -406,6 +409,8 @@ def llama_decoder_layer(
         scale,
         window or 0,
         key_offset,
+        key_scale,
+        query_scale,
     )
 
 

@@ -79,18 +79,28 @@ def test_tiny_layers_as_one_op_give_the_same_bits(monkeypatch, make_checkpoint, 
         assert torch.equal(a, b)
 
 
-def test_int8_cache_keys_less_their_offsets_give_the_same_bits(monkeypatch, make_checkpoint):
-    """An int8 cache stores each layer's keys less its calibrated per-channel offset (models/kv_int8.py):
-    the one op subtracts it as the modules do."""
-    from models.kv_int8 import calibrate_key_offsets
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_int8_cache_keys_with_their_offsets_and_scales_give_the_same_bits(monkeypatch, make_checkpoint, arch):
+    """An int8 cache stores each layer's keys less its calibrated per-channel offset (where k_proj has a
+    bias: Qwen2) and times its per-channel scale, the queries times the inverse (models/kv_int8.py): the
+    one op makes them as the modules do."""
+    from models.kv_int8 import calibrate_int8_keys
 
-    path, hf_model = make_checkpoint("qwen2")
+    path, hf_model = make_checkpoint(arch)
     loaded = load_model(str(path), dtype="float32", quantization="int4")
-    calibrate_key_offsets(loaded)
+    calibrate_int8_keys(loaded)
     config = hf_model.config
-    shape = (config.num_key_value_heads, config.hidden_size // config.num_attention_heads)
-    offsets = [layer.self_attn.key_offset for layer in loaded.model.model.decoder_layers]
-    assert all(o is not None and o.shape == shape and o.abs().sum() > 0 for o in offsets)
+    head_dim = config.hidden_size // config.num_attention_heads
+    shape = (config.num_key_value_heads, head_dim)
+    attns = [layer.self_attn for layer in loaded.model.model.decoder_layers]
+    for attn in attns:
+        assert (attn.key_offset is not None) == (arch == "qwen2")
+        assert attn.key_offset is None or (attn.key_offset.shape == shape and attn.key_offset.abs().sum() > 0)
+        assert attn.key_scale is not None and attn.key_scale.shape == shape
+        assert attn.query_scale is not None and attn.query_scale.shape == (config.num_attention_heads, head_dim)
+        group = config.num_attention_heads // config.num_key_value_heads
+        assert torch.equal(attn.key_scale, 1 / attn.query_scale[::group])  # both from one s
+        assert not torch.all(attn.key_scale == 1)
     calls = one_op_calls(monkeypatch)
     fused = three_steps(loaded.model, torch.int8, hf_model.config.vocab_size)
     assert len(calls) == 3 * hf_model.config.num_hidden_layers

@@ -42,7 +42,7 @@ at::Tensor llama_decoder_layer(
     const c10::List<Opt>& weights, at::IntArrayRef info, at::IntArrayRef heads, const at::Tensor& cos,
     const at::Tensor& signed_sin, at::Tensor& kv_cache, const at::Tensor& slot_mapping,
     const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& query_start, double scale,
-    int64_t window, const Opt& key_offset) {
+    int64_t window, const Opt& key_offset, const Opt& key_scale, const Opt& query_scale) {
   static auto rms_norm = c10::Dispatcher::singleton().findSchemaOrThrow("pagedserve::rms_norm", "")
                              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
   static auto rope = c10::Dispatcher::singleton().findSchemaOrThrow("pagedserve::rope_neox", "")
@@ -60,11 +60,15 @@ at::Tensor llama_decoder_layer(
   const int64_t T = x.size(0), H = heads[0], Hk = heads[1], D = heads[2];
   const at::Tensor qkv = quant_linear(rms_norm.call(x, input_norm, eps), weights, info, 0).view({T, H + 2 * Hk, D});
   const at::Tensor qk = rope.call(qkv.slice(1, 0, H + Hk), cos, signed_sin);  // q and k heads are adjacent
-  // An int8 cache's keys less their layer's per-channel offset (key_offset (Hk, D); see attention.py)
-  const at::Tensor k = key_offset.has_value() ? qk.slice(1, H, H + Hk) - *key_offset : qk.slice(1, H, H + Hk);
+  // An int8 cache's keys: (k - key_offset) * key_scale, read by q * query_scale, in LlamaAttention's order
+  at::Tensor q = qk.slice(1, 0, H), k = qk.slice(1, H, H + Hk);
+  if (key_offset.has_value()) k = k - *key_offset;
+  if (key_scale.has_value() && query_scale.has_value()) {
+    k = k * *key_scale;
+    q = q * *query_scale;
+  }
   write_kv.call(kv_cache, k, qkv.slice(1, H + Hk, H + 2 * Hk), slot_mapping);
-  const at::Tensor out =
-      attention.call(qk.slice(1, 0, H), kv_cache, block_table, seq_lens, query_start, scale, 0, window, 0.);
+  const at::Tensor out = attention.call(q, kv_cache, block_table, seq_lens, query_start, scale, 0, window, 0.);
   const at::Tensor h = x + quant_linear(out.reshape({T, H * D}), weights, info, 1);
   const at::Tensor post = rms_norm.call(h, post_norm, eps);
   // [gate | up] of whole panels: the product and silu * up in one op, as models/layers/mlp.py runs it
@@ -79,7 +83,7 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("llama_decoder_layer(Tensor x, Tensor input_norm, Tensor post_norm, float eps, Tensor?[] weights, "
         "int[] info, int[] heads, Tensor cos, Tensor signed_sin, Tensor(a!) kv_cache, Tensor slot_mapping, "
         "Tensor block_table, Tensor seq_lens, Tensor query_start, float scale, int window=0, "
-        "Tensor? key_offset=None) -> Tensor");
+        "Tensor? key_offset=None, Tensor? key_scale=None, Tensor? query_scale=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
