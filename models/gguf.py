@@ -118,8 +118,8 @@ _ROPE_FREQS = "rope_freqs.weight"
 
 # GGUF types kept as stored (models/layers/quantization.py). Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 keep their fp16 factors.
 # The K-quants keep their fp16 d (and -dmin) per 256 as the scales and their 6-bit sub-scales in the groups'
-# bytes: Q4_K's uint8 sc and mn behind each 32 values' nibbles (4.625 bits a weight for its 4.5), Q3_K's and
-# Q6_K's int8 sc (per 16) in int6's groups. Q5_K multiplies its d * sc, -dmin * mn out, exactly, in float32.
+# bytes: Q4_K's and Q5_K's uint8 sc and mn behind each 32 values' nibbles (and Q5_K's high bits): 4.625 bits a
+# weight for Q4_K's 4.5, 5.625 for Q5_K's 5.5; Q3_K's and Q6_K's int8 sc (per 16) in int6's groups.
 # Q3_K's q3 in [-4, 3] is int6's q - 32: served as int6, exact, 6.5625 bits a weight for its 3.4375.
 EXACT_FORMATS = {
     GGMLQuantizationType.Q3_K: StoredFormat(6, 256, torch.float16),
@@ -128,7 +128,7 @@ EXACT_FORMATS = {
     GGMLQuantizationType.Q4_K: StoredFormat(4, 256, torch.float16, sub_scales=True),
     GGMLQuantizationType.Q5_0: StoredFormat(5, 32, torch.float16),
     GGMLQuantizationType.Q5_1: StoredFormat(5, 32, torch.float16),
-    GGMLQuantizationType.Q5_K: StoredFormat(5, 32, torch.float32),
+    GGMLQuantizationType.Q5_K: StoredFormat(5, 256, torch.float16, sub_scales=True),
     GGMLQuantizationType.Q6_K: StoredFormat(6, 256, torch.float16),
     GGMLQuantizationType.Q8_0: StoredFormat(8, 32, torch.float16),
 }
@@ -467,9 +467,9 @@ class GGUFWeights:
 
 def serving_format(qtype: GGMLQuantizationType) -> StoredFormat | None:
     """The format that a tensor of this type is served in by `--quantization auto` (None: dense).
-    Q4_0/Q4_1/Q4_K (int4; Q4_K with its sub-scales), Q5_0/Q5_1/Q5_K (int5: int4 plus a plane of high bits),
-    Q3_K and Q6_K (int6: int4 plus two planes of high bits and the sub-scales; Q3_K's 3-bit values
-    and 6-bit scales are a subset of Q6_K's) and Q8_0 (int8) are served as stored, every weight the
+    Q4_0/Q4_1/Q4_K (int4), Q5_0/Q5_1/Q5_K (int5: int4 plus a plane of high bits; the K-quants with their
+    sub-scales), Q3_K and Q6_K (int6: int4 plus two planes of high bits and the sub-scales; Q3_K's 3-bit
+    values and 6-bit scales are a subset of Q6_K's) and Q8_0 (int8) are served as stored, every weight the
     same number (EXACT_FORMATS). Types with no exact mapping are requantized from their dequantized
     values: 5 bits and more (Q8_1, Q8_K) to int8, fewer (Q2_K, IQ*) to int4."""
     if qtype in EXACT_FORMATS:
@@ -482,8 +482,7 @@ def serving_format(qtype: GGMLQuantizationType) -> StoredFormat | None:
 
 def quantized_weight(data: np.ndarray, qtype: GGMLQuantizationType, rows: int, cols: int) -> QuantizedWeight:
     """Raw GGUF blocks (rows, bytes per row) uint8 of an EXACT_FORMATS tensor -> the same
-    numbers as a QuantizedWeight (Q4_K: d, -dmin and its sc, mn as stored; Q5_K: scales and mins
-    multiplied out in float32, exactly).
+    numbers as a QuantizedWeight (Q4_K, Q5_K: d, -dmin and their sc, mn as stored).
 
         Q8_0  [d f16 | 32 x int8]                          w = d q
         Q4_0  [d f16 | 16 bytes]                           w = d q - 8 d
@@ -534,19 +533,15 @@ def quantized_weight(data: np.ndarray, qtype: GGMLQuantizationType, rows: int, c
         packed = np.concatenate((body[..., 4:], body[..., :4]), axis=-1)  # [qs 16 | qh 4]: our int5 group
         return QuantizedWeight(5, tensor(packed.reshape(rows, -1)), tensor(d), tensor(m), cols)
     if qtype == GGMLQuantizationType.Q5_K:
-        d, dmin = f16(0).astype(np.float32)[..., None], f16(2).astype(np.float32)[..., None]  # (rows, sb, 1)
-        sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(blocks[..., 4:16]).reshape(-1, 12))
-        sc = sc.reshape(rows, -1, 8).astype(np.float32)
-        mn = mn.reshape(rows, -1, 8).astype(np.float32)
+        sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(blocks[..., 4:16]).reshape(-1, 12))  # (rows * sb, 8)
         qh = blocks[..., 16:48].reshape(rows, -1, 1, 32)  # bit s of byte j: sub-block s, value j
         high = (qh >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1  # (rows, sb, 8, 32)
         qs = blocks[..., 48:].reshape(rows, -1, 4, 1, 32)
         low = (qs >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)) & 0x0F  # (rows, sb, 4, 2, 32)
         values = low.reshape(rows, -1, 8, 32) | (high << 4)
         packed = pack_int5(torch.from_numpy(np.ascontiguousarray(values.reshape(rows, cols))))
-        return QuantizedWeight(
-            5, packed, tensor((d * sc).reshape(rows, -1)), tensor((-dmin * mn).reshape(rows, -1)), cols
-        )
+        packed = with_sub_scales(packed, tensor(sc.reshape(rows, -1)), tensor(mn.reshape(rows, -1)))
+        return QuantizedWeight(5, packed, tensor(f16(0)), tensor(-f16(2)), cols, sub_scales=True)
     if qtype == GGMLQuantizationType.Q6_K:
         # gguf-py's own unpacking (quants.Q6_K): each 128 values take 64 bytes of ql (low nibbles, then
         # high) and 32 of qh (2 bits each of 4 runs of 32).

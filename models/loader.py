@@ -106,7 +106,7 @@ def choose_methods(quantization: str, stored: Callable[[str], StoredFormat | Non
         formats = [f for f in found if f is not None]
         if len(formats) < len(found):
             return DENSE  # a merged layer with a dense part stays dense
-        if len(set(formats)) == 1 and formats[0].sub_scales:  # Q4_K parts alone: as stored
+        if len(set(formats)) == 1 and formats[0].sub_scales:  # Q4_K or Q5_K parts alone: as stored
             return method_for(formats[0].bits, formats[0].group_size, in_features, formats[0].scale_dtype, True)
         bits = max(f.bits for f in formats)
         if bits == 6 and len(set(formats)) > 1:

@@ -12,9 +12,10 @@ model files never branch on it:
     int6          qweight (N, K/32 * 26) uint8: int4's 16 bytes a group,  w = s sc (q - 32)
                   its 64 high bits (8 bytes), its two int8 sub-scales sc
                   (values 0..15, 16..31); scales (N, K/G) float16, G = 256
-    int4 with     qweight (N, K/32 * 18) uint8: int4's 16 bytes a group,  w = s sc q + m mn
-    sub-scales    then its uint8 sc and mn (6-bit values); scales, mins
-                  (N, K/G) float16, G = 256 (Q4_K's d and -dmin)
+    int4 / int5   qweight (N, K/32 * 18 | 22) uint8: int4's 16 bytes a      w = s sc q + m mn
+    with          group (int5's 20), then its uint8 sc and mn (6-bit
+    sub-scales    values); scales, mins (N, K/G) float16, G = 256 (Q4_K's
+                  and Q5_K's d and -dmin)
     (QuantMethod) scales and mins float32, or float16 where a GGUF stores them so (a sixth
                   fewer bytes to read per 4-bit weight)
 
@@ -23,7 +24,7 @@ G is the group size along K, a multiple of 32. The layouts hold GGUF's blocks ex
 int4 with G = 32; Q4_K (w = d sc q - dmin mn, 32-wide sub-blocks) is int4 with sub-scales (4.625
 bits a weight), or where it joins other types int4 with G = 32 and d sc, -dmin mn multiplied out
 (exact in float32: 11 by 6 significant bits); Q5_0 (w = d (q - 16)), Q5_1 and Q5_K are int5 the
-same way.
+same way (Q5_K with sub-scales: 5.5 bits a weight).
 Q6_K (w = d sc (q - 32), an int8 sc per 16 values, an fp16 d per 256) is int6 with its d as the
 scale (G = 256) and its sc inside the groups' bytes: the file's 6.5625 bits a weight. A dense
 checkpoint is quantized at load by rounding to nearest (`quantize_int8`, `quantize_int4`): int8
@@ -47,7 +48,8 @@ its first product):
             5 bits: the 4-bit 128 bytes, then the group's high bits in 32 bytes (`_HIGH_BIT`);
             6 bits: the 4-bit 128 bytes, the high bits in 64 (`_HIGH_BITS6`), then sc0 of the 8
             columns and sc1 of the 8 columns (16 bytes); with sub-scales: the group's bytes as
-            without, then sc of the 8 columns and mn of the 8 columns (16 bytes: 144 for 4 bits)
+            without, then sc of the 8 columns and mn of the 8 columns (16 bytes: 144 for 4 bits,
+            176 for 5)
     scales, mins (P, K/G, 8)
 
 `dequantize` + F.linear is the reference that the kernel is tested against and the path
@@ -615,8 +617,8 @@ ROWS_DENSE = RowsDenseMethod()
 
 class QuantMethod(LinearMethod):
     """Int8 (`bits=8`, symmetric), int4 or int5 (`bits=4`, `bits=5`: scale + min; with `sub_scales`,
-    Q4_K's d and -dmin per group and uint8 sc, mn per 32), int6 (`bits=6`: Q6_K's d per 256 and int8
-    sub-scales per 16) weights in groups along K."""
+    Q4_K's or Q5_K's d and -dmin per group and uint8 sc, mn per 32), int6 (`bits=6`: Q6_K's d per 256
+    and int8 sub-scales per 16) weights in groups along K."""
 
     def __init__(
         self,
@@ -630,8 +632,8 @@ class QuantMethod(LinearMethod):
             raise ValueError(f"bits must be 4, 5, 6 or 8, got {bits}")
         if scale_dtype not in (torch.float32, torch.float16):
             raise ValueError(f"scale_dtype must be float32 or float16, got {scale_dtype}")
-        if sub_scales and (bits != 4 or group_size is None or group_size % BLOCK):
-            raise ValueError("sub_scales are for 4 bits in groups of a multiple of 32 (Q4_K's d per 256)")
+        if sub_scales and (bits not in (4, 5) or group_size is None or group_size % BLOCK):
+            raise ValueError("sub_scales are for 4 or 5 bits in groups of a multiple of 32 (a K-quant's d per 256)")
         self.bits = bits
         self.sub_scales = sub_scales  # Q4_K / Q5_K as stored: d, -dmin per group, sc and mn per 32 in the bytes
         self.group_size = group_size  # None: one group per row (int8 per channel)

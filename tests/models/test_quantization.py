@@ -285,7 +285,7 @@ def test_serving_formats_of_gguf_types():
     # as stored: d and -dmin per 256, sc and mn in the groups' bytes (d * sc is exact in float32, not float16)
     assert serving_format(T.Q4_K) == F(4, 256, f16, sub_scales=True)
     assert serving_format(T.Q5_0) == F(5, 32, f16) and serving_format(T.Q5_1) == F(5, 32, f16)
-    assert serving_format(T.Q5_K) == F(5, 32, f32)
+    assert serving_format(T.Q5_K) == F(5, 256, f16, sub_scales=True)
     assert serving_format(T.F32) is None and serving_format(T.F16) is None
     assert serving_format(T.Q6_K) == F(6, 256, f16)  # as stored: d per 256, sc in the groups' bytes
     assert serving_format(T.Q8_K) == F(8, 32, f32)  # requantized wider
@@ -375,34 +375,34 @@ def test_gguf_is_served_as_stored_and_equals_its_dequantized_model(tmp_path, qty
 
 
 @pytest.mark.parametrize("qtype", [T.Q5_0, T.Q5_1, T.Q5_K], ids=["Q5_0", "Q5_1", "Q5_K"])
-def test_a_5_bit_gguf_is_served_as_its_own_bytes_in_5_to_7_bits_a_weight(tmp_path, qtype):
+def test_a_5_bit_gguf_is_served_as_its_own_bytes_in_5_5_to_6_bits_a_weight(tmp_path, qtype):
     """Q5_0 / Q5_1 / Q5_K load as int5 with no requantization: every layer's weight, read back from
     the kernel's panels, is the file's 5-bit values (the panels hold the file's nibble bytes and as
     many high bits, padding aside), and a weight costs its 5 bits plus its factors (Q5_0 5.5 bits:
-    the -16 d min is made from the scale; Q5_1 6; Q5_K 7: its d * sc and dmin * mn in float32,
-    exact), not int8's 9. Its logits are the dequantized model's."""
+    the -16 d min is made from the scale; Q5_1 6; Q5_K 5.625: its fp16 d, dmin per 256 and its sc,
+    mn a byte each per 32), not int8's 9. Its logits are the dequantized model's."""
     k_quant = qtype == T.Q5_K
     model = tiny_llama(**({"hidden_size": 256, "intermediate_size": 512, "head_dim": 64} if k_quant else {}))
     path = tmp_path / "m.gguf"
     write_gguf(path, model, qtype, quantizer=random_k_blocks if k_quant else gguf_quantize)
     stored = load_model(str(path), dtype="float32")
     dense = load_model(str(path), dtype="float32", quantization="none")
-    assert set(methods(stored.model).values()) == {"int5"}
+    assert set(methods(stored.model).values()) == {"int5-k" if k_quant else "int5"}
     tensor = next(t for t in GGUFReader(path).tensors if t.name == "blk.1.ffn_down.weight")
     layer = stored.model.model.layers[1].mlp.down_proj  # no row permutation: the file's row order
     n, k = layer.out_features, layer.in_features
     blocks = np.asarray(tensor.data)
     want = np.asarray(gguf_dequantize(blocks, qtype)).reshape(n, k)
     if cpu_kernels.available():
-        assert layer.panelled and layer.qweight.shape == (-(-n // 8), k // 32, 160)
-        back = Q.panel_rows(5, layer.qweight, layer.scales, layer.mins, torch.arange(n))
+        assert layer.panelled and layer.qweight.shape == (-(-n // 8), k // 32, 176 if k_quant else 160)
+        back = Q.panel_rows(5, layer.qweight, layer.scales, layer.mins, torch.arange(n), sub_scales=k_quant)
         assert torch.equal(back.qweight, quantized_weight(blocks, qtype, n, k).qweight)
         if not k_quant:  # the file's nibble bytes, reordered: the same multiset
             nibbles = blocks.reshape(n, k // 32, -1)[..., -16:].reshape(-1)
             assert sorted(layer.qweight[..., :128].flatten().tolist()) == sorted(nibbles.tolist())
-        high = int((Q.unpack_int5(back.qweight, k) >> 4).sum())
-        assert sum(bin(b).count("1") for b in layer.qweight[..., 128:].flatten().tolist()) == high
-        bits_a_weight = {T.Q5_0: 5.5, T.Q5_1: 6.0, T.Q5_K: 7.0}[qtype]
+        high = int((Q.unpack_int5(back.without_sub_scales().qweight, k) >> 4).sum())
+        assert sum(bin(b).count("1") for b in layer.qweight[..., 128:160].flatten().tolist()) == high
+        bits_a_weight = {T.Q5_0: 5.5, T.Q5_1: 6.0, T.Q5_K: 5.625}[qtype]
         held = sum(t.numel() * t.element_size() for t in (layer.qweight, layer.scales, layer.mins) if t is not None)
         assert held * 8 == bits_a_weight * n * k
     assert np.array_equal(layer.quant_method.dense_weight(layer).numpy(), want)  # the file's numbers exactly

@@ -1,8 +1,8 @@
 """The quantized kernel's 16-lane tiles (AVX-512 VNNI builds: two panels a vector, for a lone row
 and for steps of more) give every row the bits the 8-lane tiles give it alone, for 4, 5, 6 (Q6_K:
-two sub-blocks a group, one pass or two) and 8 bits, Q4_0's folded -8 (Q5_0's -16),
-float16 and float32 factors, groups of 32 and 64, and every edge (rows and panels not multiples
-of the tile, N not a multiple of 8, K past one group). Where the CPU has no
+two sub-blocks a group, one pass or two) and 8 bits, Q4_0's folded -8 (Q5_0's -16), Q4_K's and
+Q5_K's sub-scales, float16 and float32 factors, groups of 32 and 64, and every edge (rows and panels
+not multiples of the tile, N not a multiple of 8, K past one group). Where the CPU has no
 AVX-512, the same source is built with its 512-bit intrinsics emulated lane by lane
 (csrc/wide_tiles_emulated.cpp); where it has, test_quantization's row-invariance test runs them on
 the real instructions (rows alone on the 8-lane tiles, PAGEDSERVE_WIDE_TILES=0, against the wide ones)."""
@@ -44,14 +44,18 @@ CHECK = textwrap.dedent(
                                               (4, False, 128, 200, 32, torch.float32), (5, False, 576, 37, 32, torch.float32),
                                               (5, True, 256, 64, 32, torch.float16), (5, False, 3136, 48, 64, torch.float16),
                                               (6, False, 512, 37, 256, torch.float16), (6, False, 768, 48, 256, torch.float32),
-                                              (6, False, 256, 203, 256, torch.float16)]:
+                                              (6, False, 256, 203, 256, torch.float16),
+                                              (4, "k", 768, 37, 256, torch.float16), (5, "k", 512, 203, 256, torch.float16)]:
         gen = torch.Generator().manual_seed(k + n)
         w = torch.randn(n, k, generator=gen)
-        if bits == 6:
+        if q4_0 == "k":  # Q4_K's, Q5_K's form: fp16 d and -dmin per 256, sc and mn in the groups' bytes
+            qw, q4_0 = Q.quantize_k(w, group, bits=bits), False
+        elif bits == 6:
             qw = Q.quantize_int6(w, group)
         else:
             qw = Q.quantize_int8(w, group) if bits == 8 else Q.quantize_int4(w, group, bits=bits)
-        qw = Q.QuantizedWeight(qw.bits, qw.qweight, qw.scales.to(factors), None if qw.mins is None else qw.mins.to(factors), k)
+        mins = None if qw.mins is None else qw.mins.to(factors)
+        qw = Q.QuantizedWeight(qw.bits, qw.qweight, qw.scales.to(factors), mins, k, qw.sub_scales)
         zero_point = -float(1 << (bits - 1))  # Q4_0's -8, Q5_0's -16
         if q4_0:
             qw = Q.QuantizedWeight(bits, qw.qweight, qw.scales, qw.scales * zero_point, k)
@@ -60,7 +64,7 @@ CHECK = textwrap.dedent(
         bias = torch.randn(n, generator=gen)
         x = torch.randn(300, k, generator=gen) * 3
         x[0, 5] = 70.0
-        case = (bits, "q4_0" if q4_0 else "", k, n, group, str(factors))
+        case = (bits, "q4_0" if q4_0 else "k" if qw.sub_scales else "", k, n, group, str(factors))
         f = lambda xs: op(xs, qweight, scales, mins, bias, bits, qw.group_size, n, min_per_scale)
         os.environ["PAGEDSERVE_WIDE_TILES"] = "0"  # read at every product
         alone = torch.cat([f(x[i : i + 1]) for i in range(300)])  # the 8-lane tiles

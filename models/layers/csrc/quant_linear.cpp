@@ -9,7 +9,7 @@
 //     w[n, k] = scale[n, k / G] * sc[n, k / 16] * (q[n, k] - 32)   q in [0, 63] (6 bits, Q6_K: the
 //               scale its fp16 d per 256, sc an int8 sub-scale per 16 stored in the group's bytes)
 //
-// with G a multiple of 32, or with Q4_K's factors as stored (4 bits with sub-scales, below):
+// with G a multiple of 32, or with Q4_K's and Q5_K's factors as stored (4 and 5 bits with sub-scales, below):
 //
 //     w[n, k] = scale[n, k / G] * sc[n, k / 32] * q[n, k] + min[n, k / G] * mn[n, k / 32]
 //               (scale its fp16 d, min its fp16 -dmin, G = 256; sc, mn uint8 in the group's bytes)
@@ -73,6 +73,9 @@
 // bits a weight, where multiplied-out float32 factors made 6. The integer sums are 4 bits', and the float
 // step makes the factors first, scale = d * float(sc) and min = (-dmin) * float(mn), both exact (11 by 6
 // significant bits): the float32 numbers the multiplied-out form stores, so the same arithmetic and bits.
+// 5 bits with sub-scales (Q5_K) are the same: the 5-bit group's 160 bytes, then the sc and mn (176 bytes a
+// group, with d and -dmin 5.625 bits a weight where the float32 factors made 7), 5 bits' integer sums and the
+// same float step.
 //
 // Determinism: every output element runs the same instruction sequence, group by group in
 // order, whatever tile it falls in, however many rows the step has and whichever thread
@@ -469,19 +472,27 @@ __attribute__((always_inline)) inline void store_output(const Operands<S>& op, i
 // of K. Each weight chunk is widened once for the RM rows, each row's pair broadcast once
 // for the RP panels; the integer sums live in registers for a group, the float sums too.
 // A panel group's bytes: 4 bits 128, 5 bits 160 (the 4-bit 128, then 32 of high bits), 6 bits 208 (the
-// 4-bit 128, 64 of high bits, 16 of sub-scales), 8 bits 256.
-// The `Bits` of a format: 4, 5, 6, 8, or 4 bits with sub-scales (k4K: Q4_K's sc and mn behind each group).
+// 4-bit 128, 64 of high bits, 16 of sub-scales), 8 bits 256; with sc and mn behind, 4 bits 144, 5 bits 176.
+// The `Bits` of a format: 4, 5, 6, 8, or 4 and 5 bits with sub-scales (k4K, k5K: Q4_K's and Q5_K's sc and
+// mn behind each group).
 constexpr int kSubScaled = 0x100;
 constexpr int k4K = 4 | kSubScaled;
+constexpr int k5K = 5 | kSubScaled;
 constexpr bool four_bit(int bits) { return (bits & 0xFF) == 4; }  // 4 bits' integer loop, with or without
+constexpr bool five_bit(int bits) { return (bits & 0xFF) == 5; }  // 5 bits' integer loop, with or without
+constexpr bool k_factors_in(int bits) { return (bits & kSubScaled) != 0; }  // sc and mn in the group's bytes
+constexpr int panel_group_bytes(int bits) {
+  return k_factors_in(bits) ? panel_group_bytes(bits & 0xFF) + 2 * kLanes
+         : bits == 4        ? kBlock / 2 * kLanes
+         : bits == 5        ? kBlock / 2 * kLanes + kBlock / 8 * kLanes
+         : bits == 6        ? kBlock / 2 * kLanes + kBlock / 4 * kLanes + 2 * kLanes
+                            : kBlock * kLanes;
+}
 template <int Bits>
-constexpr int kPanelGroupBytes = Bits == 4   ? kBlock / 2 * kLanes
-                                 : Bits == k4K ? kBlock / 2 * kLanes + 2 * kLanes
-                                 : Bits == 5 ? kBlock / 2 * kLanes + kBlock / 8 * kLanes
-                                 : Bits == 6 ? kBlock / 2 * kLanes + kBlock / 4 * kLanes + 2 * kLanes
-                                             : kBlock * kLanes;
+constexpr int kPanelGroupBytes = panel_group_bytes(Bits);
 constexpr int kSubScaleOffset = kBlock / 2 * kLanes + kBlock / 4 * kLanes;  // 6 bits: the sub-scales' bytes
-constexpr int kKScaleOffset = kBlock / 2 * kLanes;  // k4K: the 8 columns' sc, then (+ 8) their mn
+template <int Bits>
+constexpr int kKScaleOffset = kPanelGroupBytes<Bits & 0xFF>;  // k4K, k5K: the 8 columns' sc, then (+ 8) their mn
 
 template <int Bits, int RM, int RP, bool FromXb, typename S>
 __attribute__((noinline)) void tile(const Operands<S>& op, int64_t m0, int64_t p0) {
@@ -565,7 +576,7 @@ __attribute__((noinline)) void tile(const Operands<S>& op, int64_t m0, int64_t p
           }
         }
       }
-    } else if constexpr (Bits == 5) {
+    } else if constexpr (five_bit(Bits)) {
       // The 4-bit loop with q = nibble | bit << 4 (values 0..31), the same madds. Half h's high chunk
       // (chunks 4h .. 4h + 3) widened once; chunk c's two bits at 0 and 4 after j = c - 4h shifts.
       for (int h = 0; h < 2; ++h) {
@@ -684,8 +695,8 @@ __attribute__((noinline)) void tile(const Operands<S>& op, int64_t m0, int64_t p
       ws[p] = Isa::load(scales + at);
       if (mins != nullptr) mn[p] = Isa::load(mins + at);
       else if (has_min) mn[p] = Isa::mul(ws[p], Isa::broadcast(op.min_per_scale));
-      if constexpr (Bits == k4K) {  // d * sc and -dmin * mn, exact: the multiplied-out form's numbers
-        const uint8_t* k_factors = chunks + p * op.panel_bytes + kKScaleOffset;
+      if constexpr (k_factors_in(Bits)) {  // d * sc and -dmin * mn, exact: the multiplied-out form's numbers
+        const uint8_t* k_factors = chunks + p * op.panel_bytes + kKScaleOffset<Bits>;
         ws[p] = Isa::mul(ws[p], Isa::load_u8(k_factors));
         mn[p] = Isa::mul(mn[p], Isa::load_u8(k_factors + kLanes));
       }
@@ -817,7 +828,7 @@ void sliced_tiles_4x3(const Operands<S>& op, int64_t m_begin, int64_t row_tiles,
           if constexpr (Bits == k4K) {
             alignas(32) float factors[2][3][kLanes];  // the 3 panels' scales, then their mins
             for (int p = 0; p < 3; ++p) {
-              const uint8_t* k_factors = w + p * pb + g * kGroupBytes + kKScaleOffset;
+              const uint8_t* k_factors = w + p * pb + g * kGroupBytes + kKScaleOffset<Bits>;
               Isa::store(factors[0][p], Isa::mul(Isa::load(scales + p * fs + at), Isa::load_u8(k_factors)));
               Isa::store(factors[1][p], Isa::mul(Isa::load(mins + p * fs + at), Isa::load_u8(k_factors + kLanes)));
             }
@@ -910,7 +921,7 @@ inline __m512 two_subscales(const uint8_t* a, const uint8_t* b) {
                                           _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(both));
 }
-// Two panels' 8 uint8 K factors (k4K's sc or mn) as floats.
+// Two panels' 8 uint8 K factors (k4K's or k5K's sc or mn) as floats.
 inline __m512 two_k_factors(const uint8_t* a, const uint8_t* b) {
   const __m128i both = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a)),
                                           _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));
@@ -1085,7 +1096,7 @@ __attribute__((noinline)) void wide_tile(const Operands<S>& op, int64_t m0, int6
           for (int z = 0; z < RZ; ++z) dot_pair<kSplit>(dots[r][z], dots2[z], lo[z], xa, hi[z], xb);
         }
       }
-    } else if constexpr (Bits == 5) {  // `tile`'s 5-bit loop, two panels a vector
+    } else if constexpr (five_bit(Bits)) {  // `tile`'s 5-bit loop, two panels a vector
       for (int h = 0; h < 2; ++h) {
         __m256i high[RZ];
         for (int z = 0; z < RZ; ++z) high[z] = two_chunks(chunks + 2 * z * pb + 128 + h * 16, chunks + (2 * z + 1) * pb + 128 + h * 16);
@@ -1126,8 +1137,8 @@ __attribute__((noinline)) void wide_tile(const Operands<S>& op, int64_t m0, int6
       ws[z] = two_factors(scales + at, scales + at + fs);
       if constexpr (Min == kStoredMins) mn[z] = two_factors(mins + at, mins + at + fs);
       if constexpr (Min == kScaledMins) mn[z] = _mm512_mul_ps(ws[z], _mm512_set1_ps(op.min_per_scale));
-      if constexpr (Bits == k4K && Min == kStoredMins) {  // as `tile`: d * sc, -dmin * mn, exact
-        const uint8_t* k_factors = chunks + 2 * z * pb + kKScaleOffset;
+      if constexpr (k_factors_in(Bits) && Min == kStoredMins) {  // as `tile`: d * sc, -dmin * mn, exact
+        const uint8_t* k_factors = chunks + 2 * z * pb + kKScaleOffset<Bits>;
         ws[z] = _mm512_mul_ps(ws[z], two_k_factors(k_factors, k_factors + pb));
         mn[z] = _mm512_mul_ps(mn[z], two_k_factors(k_factors + kLanes, k_factors + pb + kLanes));
       }
@@ -1181,7 +1192,7 @@ template <int Bits, int RM, int RZ, typename S>
 void wide_tile_upto(const Operands<S>& op, int64_t m0, int64_t p0, int rm, int rz) {
   if constexpr (Bits == 8 || Bits == 6) {  // qlinear takes no mins with 6 or 8 bits
     wide_tile_upto<Bits, RM, RZ, kNoMin>(op, m0, p0, rm, rz);
-  } else if constexpr (Bits == k4K) {  // always its -dmin (qlinear checks)
+  } else if constexpr (k_factors_in(Bits)) {  // always its -dmin (qlinear checks)
     wide_tile_upto<Bits, RM, RZ, kStoredMins>(op, m0, p0, rm, rz);
   } else {
     switch (min_kind(op)) {
@@ -1428,11 +1439,11 @@ void int_qlinear(const Operands<S>& op, float* silu_out = nullptr) {
   }
 }
 
-// x (M, K) float32 or bfloat16; qweight (P, K/32, 128) uint8 (4 bits), (P, K/32, 160) uint8 (5 bits),
-// (P, K/32, 208) uint8 (6 bits) or (P, K/32, 256) int8 (8 bits), P = ceil(N / 8) panels; scales, mins
-// (P, K/group_size, 8) float32 or float16 (6 bits: scales are Q6_K's d, group_size 256; mins only for 4
-// and 5 bits; or none, and min = scale * min_per_scale, a power of two such as Q4_0's -8 or Q5_0's -16,
-// which reads fewer bytes a weight); bias (N,) -> (M, N) in x's dtype.
+// x (M, K) float32 or bfloat16; qweight (P, K/32, 128) uint8 (4 bits; 144 with sub-scales), (P, K/32, 160)
+// uint8 (5 bits; 176 with sub-scales), (P, K/32, 208) uint8 (6 bits) or (P, K/32, 256) int8 (8 bits),
+// P = ceil(N / 8) panels; scales, mins (P, K/group_size, 8) float32 or float16 (6 bits: scales are Q6_K's d,
+// group_size 256; mins only for 4 and 5 bits; or none, and min = scale * min_per_scale, a power of two such
+// as Q4_0's -8 or Q5_0's -16, which reads fewer bytes a weight); bias (N,) -> (M, N) in x's dtype.
 // With silu_mul: x float32, N = 2I a multiple of 16 ([gate | up]) -> silu(gate) * up (M, I) in float32.
 at::Tensor qlinear(
     const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
@@ -1446,9 +1457,11 @@ at::Tensor qlinear(
   TORCH_CHECK(K % kBlock == 0 && group_size % kBlock == 0 && K % group_size == 0,
               "quant_linear: K and group_size must be multiples of 32, K of group_size");
   TORCH_CHECK(N > 0 && (N + kLanes - 1) / kLanes == P, "quant_linear: ", P, " panels do not hold ", N, " columns");
-  // 4 bits come in two layouts, told apart by their groups' bytes: 128, or 144 with Q4_K's sub-scales.
-  const bool sub_scaled = bits == 4 && qweight.dim() == 3 && qweight.size(2) == kPanelGroupBytes<k4K>;
-  const int64_t group_bytes = sub_scaled  ? kPanelGroupBytes<k4K>
+  // 4 and 5 bits come in two layouts each, told apart by their groups' bytes: 128 or 160, or 144 or 176 with
+  // Q4_K's or Q5_K's sub-scales.
+  const bool sub_scaled = (bits == 4 && qweight.size(2) == kPanelGroupBytes<k4K>) ||
+                          (bits == 5 && qweight.size(2) == kPanelGroupBytes<k5K>);
+  const int64_t group_bytes = sub_scaled  ? (bits == 4 ? kPanelGroupBytes<k4K> : kPanelGroupBytes<k5K>)
                               : bits == 4 ? kPanelGroupBytes<4>
                               : bits == 5 ? kPanelGroupBytes<5>
                               : bits == 6 ? kPanelGroupBytes<6>
@@ -1463,7 +1476,7 @@ at::Tensor qlinear(
   TORCH_CHECK(min_per_scale == 0 || ((bits == 4 || bits == 5) && !mins.has_value() && std::fabs(std::frexp(min_per_scale, &exponent)) == 0.5),
               "quant_linear: min_per_scale must be 0, or a power of two for 4 or 5 bits without mins");
   TORCH_CHECK(!sub_scaled || (mins.has_value() && min_per_scale == 0),
-              "quant_linear: 4 bits with sub-scales take their mins (-dmin) and no min_per_scale");
+              "quant_linear: 4 or 5 bits with sub-scales take their mins (-dmin) and no min_per_scale");
   if (mins.has_value()) {
     TORCH_CHECK((bits == 4 || bits == 5) && mins->sizes() == scales.sizes() && mins->scalar_type() == scales.scalar_type() &&
                 mins->is_contiguous(), "quant_linear: mins must be like scales (4 or 5 bits only)");
@@ -1519,7 +1532,8 @@ at::Tensor qlinear(
                    K / group_size};
     op.out_stride = N;
     float* const silu_out = silu_mul ? out.data_ptr<float>() : nullptr;
-    if (sub_scaled) int_qlinear<k4K>(op, silu_out);
+    if (sub_scaled && bits == 4) int_qlinear<k4K>(op, silu_out);
+    else if (sub_scaled) int_qlinear<k5K>(op, silu_out);
     else if (bits == 4) int_qlinear<4>(op, silu_out);
     else if (bits == 5) int_qlinear<5>(op, silu_out);
     else if (bits == 6) int_qlinear<6>(op, silu_out);
