@@ -10,9 +10,10 @@ GEMM over the weights dequantized beforehand (what steps of many rows ran before
 kernel took every step). Columns: dense float32 and bfloat16
 (F.linear), torch's int8 per-channel and int4 group-32 weight-only kernels (what torchao's CPU
 layouts call; fast only with bf16 activations), and ours (models/layers/csrc/quant_linear.cpp,
-float32 activations rounded to int16 inside) in int4, int5 (GGUF Q5_K's form: float32 scale and
-min; Q5_0's: float16 scales, min = -16 x scale), int6 (GGUF Q6_K's form: an fp16 d per 256, int8
-sub-scales per 16) and int8, groups of 32. `--shape qwen2.5-1.5b`: Qwen2.5-1.5B's layers (hidden
+float32 activations rounded to int16 inside) in int4, int5 (float32 scale and min, the form a Q4_K or
+Q5_K part takes beside other types; Q5_0's: float16 scales, min = -16 x scale), int4 and int5 with
+sub-scales (GGUF Q4_K's and Q5_K's form: an fp16 d and -dmin per 256, 6-bit sc and mn per 32), int6
+(GGUF Q6_K's form: an fp16 d per 256, int8 sub-scales per 16) and int8, groups of 32. `--shape qwen2.5-1.5b`: Qwen2.5-1.5B's layers (hidden
 1536, intermediate 8960, 12 heads of 128, 2 KV heads, 28 layers). `--interleave`: the columns
 take turns, one run each a round, so that a shared machine's load falls on all of them alike.
 """
@@ -47,20 +48,24 @@ def linear_shapes(name: str) -> tuple[list[tuple[int, int]], int]:
     return shapes, s.num_layers
 
 
-def best_ms(fn: Callable[[], object], repeats: int, stat: str = "best") -> float:
-    return interleaved_ms([fn], repeats, stat)[0]
+def best_ms(
+    fn: Callable[[], object], repeats: int, stat: str = "best", clock: Callable[[], float] = time.perf_counter
+) -> float:
+    return interleaved_ms([fn], repeats, stat, clock)[0]
 
 
-def interleaved_ms(fns: list[Callable[[], object]], repeats: int, stat: str = "best") -> list[float]:
+def interleaved_ms(
+    fns: list[Callable[[], object]], repeats: int, stat: str = "best", clock: Callable[[], float] = time.perf_counter
+) -> list[float]:
     """Each fn's best or median of `repeats` runs, in ms, the fns taking turns (one warm-up each)."""
     for fn in fns:
         fn()
     times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
         for fn, kept in zip(fns, times):
-            start = time.perf_counter()
+            start = clock()
             fn()
-            kept.append(time.perf_counter() - start)
+            kept.append(clock() - start)
     return [(min(t) if stat == "best" else statistics.median(t)) * 1e3 for t in times]
 
 
@@ -73,6 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--stat", choices=("best", "median"), default="best", help="of the repeats: the best or the median")
     p.add_argument("--interleave", action="store_true", help="the columns take turns, a run each a round")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="cpu: process CPU time (a busy machine)")
     p.add_argument(
         "--columns",
         nargs="+",
@@ -83,9 +89,10 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     shapes, num_layers = linear_shapes(args.shape)
-    if any(k % Q.INT6_GROUP for _, k in shapes) and INT6 in args.columns:
-        print(f"{INT6}: left out, {args.shape}'s inputs are not multiples of {Q.INT6_GROUP} (Q6_K's block)")
-        args.columns.remove(INT6)
+    for name in (INT6, *K_QUANTS):
+        if any(k % Q.K_GROUP for _, k in shapes) and name in args.columns:
+            print(f"{name}: left out, {args.shape}'s inputs are not multiples of {Q.K_GROUP} (a K-quant's block)")
+            args.columns.remove(name)
     args.layers = args.layers or num_layers
     if not cpu_kernels.available():
         raise SystemExit("our CPU kernels are not built here (no compiler, or PAGEDSERVE_CPU_KERNELS=0)")
@@ -97,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     weight_count = sum(n * k for n, k in shapes) * args.layers
     print(
         f"CPU: {cpu_description()}; threads {args.threads}; {args.layers} layers of {args.shape}'s linear "
-        f"shapes; {args.stat} of {args.repeats} runs, ms (GFLOP/s: 2 x rows x weights / time)"
+        f"shapes; {args.stat} of {args.repeats} runs, ms of {args.clock} time (GFLOP/s: 2 x rows x weights / time)"
     )
     print("| rows | " + " | ".join(args.columns) + " |\n|---" + "|---" * len(args.columns) + "|")
     for rows in args.rows:
@@ -108,10 +115,11 @@ def main(argv: list[str] | None = None) -> None:
             run = COLUMNS[name][1]
             return lambda: [run(w, x, xb) for ws in prepared[name] for w in ws]
 
+        clock = time.perf_counter if args.clock == "wall" else time.process_time
         if args.interleave:
-            figures = interleaved_ms([product(name) for name in args.columns], args.repeats, args.stat)
+            figures = interleaved_ms([product(name) for name in args.columns], args.repeats, args.stat, clock)
         else:
-            figures = [best_ms(product(name), args.repeats, args.stat) for name in args.columns]
+            figures = [best_ms(product(name), args.repeats, args.stat, clock) for name in args.columns]
         cells = [f"{ms:.2f} ({2 * rows * weight_count / ms / 1e6:.1f})" for ms in figures]
         print(f"| {rows} | " + " | ".join(cells) + " |", flush=True)
 
@@ -156,6 +164,7 @@ def _run_q5_0(w: tuple, x: dict) -> torch.Tensor:
 
 
 INT6 = "ours int6 (q6_k)"
+K_QUANTS = ("ours q4_k (sub-scales)", "ours q5_k (sub-scales)")
 # name -> (weight (N, K) float32 -> what the product keeps, (kept, x by K, bf16 x by K) -> product)
 COLUMNS = {
     "dense f32": (lambda w: w, lambda w, x, xb: F.linear(x[w.shape[1]], w)),
@@ -179,6 +188,14 @@ COLUMNS = {
         lambda w, x, xb: Q.quantized_linear(x[w[0].in_features], w[0], panels=w[1]),
     ),
     "ours q5_0 (f16 scales)": (_q5_0, lambda w, x, xb: _run_q5_0(w, x)),
+    K_QUANTS[0]: (
+        lambda w: _panels(Q.quantize_k(w, bits=4)),
+        lambda w, x, xb: Q.quantized_linear(x[w[0].in_features], w[0], panels=w[1]),
+    ),
+    K_QUANTS[1]: (
+        lambda w: _panels(Q.quantize_k(w, bits=5)),
+        lambda w, x, xb: Q.quantized_linear(x[w[0].in_features], w[0], panels=w[1]),
+    ),
     INT6: (
         lambda w: _panels(Q.quantize_int6(w)),
         lambda w, x, xb: Q.quantized_linear(x[w[0].in_features], w[0], panels=w[1]),
