@@ -24,7 +24,7 @@ G is the group size along K, a multiple of 32. The layouts hold GGUF's blocks ex
 int4 with G = 32; Q4_K (w = d sc q - dmin mn, 32-wide sub-blocks) is int4 with sub-scales (4.625
 bits a weight), or where it joins other types int4 with G = 32 and d sc, -dmin mn multiplied out
 (exact in float32: 11 by 6 significant bits); Q5_0 (w = d (q - 16)), Q5_1 and Q5_K are int5 the
-same way (Q5_K with sub-scales: 5.5 bits a weight).
+same way (Q5_K with sub-scales: 5.625 bits a weight).
 Q6_K (w = d sc (q - 32), an int8 sc per 16 values, an fp16 d per 256) is int6 with its d as the
 scale (G = 256) and its sc inside the groups' bytes: the file's 6.5625 bits a weight. A dense
 checkpoint is quantized at load by rounding to nearest (`quantize_int8`, `quantize_int4`): int8
