@@ -22,6 +22,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import psutil
 import pytest
 
 from engine.async_engine import AsyncEngine
@@ -113,8 +114,9 @@ def stop_server(proc: subprocess.Popen, output) -> None:
 
 
 def wait_healthy(proc, url: str, timeout: float, output=None) -> None:
-    """Until `python -m server` in `proc` answers 200 on /health; fails if it exits first, with
-    what it printed (`output()`: its log's text, where it writes to a file; else its stdout)."""
+    """Until `python -m server` in `proc` answers 200 on /health; fails if it exits first, or is
+    still starting after `timeout` seconds (then killed), with the end of what it printed
+    (`output()`: its log's text, where it writes to a file; else its stdout)."""
     output = output or (lambda: proc.stdout.read())
     deadline = time.monotonic() + timeout
     while True:
@@ -124,7 +126,12 @@ def wait_healthy(proc, url: str, timeout: float, output=None) -> None:
                 return
         except httpx.TransportError:
             pass
-        assert time.monotonic() < deadline, f"{url} did not become healthy in {timeout}s"
+        if time.monotonic() > deadline:
+            for child in psutil.Process(proc.pid).children(recursive=True):  # its ranks hold the output pipe too
+                child.kill()
+            proc.kill()
+            proc.wait(30)
+            raise AssertionError(f"{url} did not become healthy in {timeout}s; it printed:\n{output()[-4000:]}")
         time.sleep(0.1)
 
 

@@ -484,7 +484,7 @@ def test_a_dead_rank_turns_health_503_and_ends_the_stream_with_an_error_event(ti
 
     proc, url = start_tiny(tiny_model_dir, "--served-model-name", "tiny", "--tensor-parallel-size", "2")
     try:
-        wait_healthy(proc, url, timeout=180)
+        wait_healthy(proc, url, timeout=240)
         rank1 = [
             p
             for p in psutil.Process(proc.pid).children(recursive=True)
