@@ -49,7 +49,15 @@ from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CO
 from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from models.layers.quantization import StoredFormat, QuantizedWeight, pack_int4, pack_int5, pack_int6, with_sub_scales
+from models.layers.quantization import (
+    QuantizedWeight,
+    StoredFormat,
+    pack_int2,
+    pack_int4,
+    pack_int5,
+    pack_int6,
+    with_sub_scales,
+)
 from models.registry import MODEL_REGISTRY
 
 # GGUF `general.architecture` -> the key of transformers' GGUF_CONFIG_MAPPING, and -> the
@@ -121,7 +129,9 @@ _ROPE_FREQS = "rope_freqs.weight"
 # bytes: Q4_K's and Q5_K's uint8 sc and mn behind each 32 values' nibbles (and Q5_K's high bits): 4.625 bits a
 # weight for Q4_K's 4.5, 5.625 for Q5_K's 5.5; Q3_K's and Q6_K's int8 sc (per 16) in int6's groups.
 # Q3_K's q3 in [-4, 3] is int6's q - 32: served as int6, exact, 6.5625 bits a weight for its 3.4375.
+# Q2_K keeps its scale bytes (sc | mn << 4 per 16) behind each 32 values' 2-bit bytes: 2.625 bits, its own.
 EXACT_FORMATS = {
+    GGMLQuantizationType.Q2_K: StoredFormat(2, 256, torch.float16, sub_scales=True),
     GGMLQuantizationType.Q3_K: StoredFormat(6, 256, torch.float16),
     GGMLQuantizationType.Q4_0: StoredFormat(4, 32, torch.float16),
     GGMLQuantizationType.Q4_1: StoredFormat(4, 32, torch.float16),
@@ -467,11 +477,11 @@ class GGUFWeights:
 
 def serving_format(qtype: GGMLQuantizationType) -> StoredFormat | None:
     """The format that a tensor of this type is served in by `--quantization auto` (None: dense).
-    Q4_0/Q4_1/Q4_K (int4), Q5_0/Q5_1/Q5_K (int5: int4 plus a plane of high bits; the K-quants with their
-    sub-scales), Q3_K and Q6_K (int6: int4 plus two planes of high bits and the sub-scales; Q3_K's 3-bit
-    values and 6-bit scales are a subset of Q6_K's) and Q8_0 (int8) are served as stored, every weight the
-    same number (EXACT_FORMATS). Types with no exact mapping are requantized from their dequantized
-    values: 5 bits and more (Q8_1, Q8_K) to int8, fewer (Q2_K, IQ*) to int4."""
+    Q2_K (int2 with its sub-scales), Q4_0/Q4_1/Q4_K (int4), Q5_0/Q5_1/Q5_K (int5: int4 plus a plane of high
+    bits; the K-quants with their sub-scales), Q3_K and Q6_K (int6: int4 plus two planes of high bits and the
+    sub-scales; Q3_K's 3-bit values and 6-bit scales are a subset of Q6_K's) and Q8_0 (int8) are served as
+    stored, every weight the same number (EXACT_FORMATS). Types with no exact mapping are requantized from
+    their dequantized values: 5 bits and more (Q8_1, Q8_K) to int8, fewer (IQ*) to int4."""
     if qtype in EXACT_FORMATS:
         return EXACT_FORMATS[qtype]
     if qtype in _DENSE_TYPES:
@@ -482,7 +492,7 @@ def serving_format(qtype: GGMLQuantizationType) -> StoredFormat | None:
 
 def quantized_weight(data: np.ndarray, qtype: GGMLQuantizationType, rows: int, cols: int) -> QuantizedWeight:
     """Raw GGUF blocks (rows, bytes per row) uint8 of an EXACT_FORMATS tensor -> the same
-    numbers as a QuantizedWeight (Q4_K, Q5_K: d, -dmin and their sc, mn as stored).
+    numbers as a QuantizedWeight (Q2_K, Q4_K, Q5_K: d, -dmin and their sc, mn as stored).
 
         Q8_0  [d f16 | 32 x int8]                          w = d q
         Q4_0  [d f16 | 16 bytes]                           w = d q - 8 d
@@ -493,6 +503,8 @@ def quantized_weight(data: np.ndarray, qtype: GGMLQuantizationType, rows: int, c
         Q5_1  [d f16 | m f16 | qh 4 bytes | 16 bytes]      w = d q + m
         Q5_K  [d f16 | dmin f16 | 12 bytes of (sc, mn) | qh 32 bytes | 128 bytes]
               as Q4_K; sub-block s's bit 4 of value j: bit s of qh[j]
+        Q2_K  [16 bytes sc | mn << 4 | qs 64 bytes | d f16 | dmin f16]
+              16 sub-blocks of 16:                         w = d sc q - dmin mn, q in [0, 3]
         Q6_K  [ql 128 bytes | qh 64 bytes | 16 x int8 sc | d f16]
               16 sub-blocks of 16:                         w = d sc (q - 32)
         Q3_K  [hmask 32 bytes | qs 64 bytes | 12 bytes of 6-bit sc x 16 | d f16]
@@ -542,6 +554,15 @@ def quantized_weight(data: np.ndarray, qtype: GGMLQuantizationType, rows: int, c
         packed = pack_int5(torch.from_numpy(np.ascontiguousarray(values.reshape(rows, cols))))
         packed = with_sub_scales(packed, tensor(sc.reshape(rows, -1)), tensor(mn.reshape(rows, -1)))
         return QuantizedWeight(5, packed, tensor(f16(0)), tensor(-f16(2)), cols, sub_scales=True)
+    if qtype == GGMLQuantizationType.Q2_K:
+        # gguf-py's own unpacking (quants.Q2_K): value 128 h + 32 s + j is bits 2s, 2s + 1 of qs[32 h + j]
+        qs = blocks[..., 16:80].reshape(rows, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(
+            1, 1, 1, 4, 1
+        )
+        values = torch.from_numpy(np.ascontiguousarray((qs & 0x03).reshape(rows, cols)))
+        scale_bytes = blocks[..., :16].reshape(rows, -1, 2)  # (rows, K/32, 2): each group's two sub-blocks
+        packed = with_sub_scales(pack_int2(values), tensor(scale_bytes[..., 0]), tensor(scale_bytes[..., 1]))
+        return QuantizedWeight(2, packed, tensor(f16(80)), tensor(-f16(82)), cols, sub_scales=True)
     if qtype == GGMLQuantizationType.Q6_K:
         # gguf-py's own unpacking (quants.Q6_K): each 128 values take 64 bytes of ql (low nibbles, then
         # high) and 32 of qh (2 bits each of 4 runs of 32).

@@ -106,11 +106,13 @@ def choose_methods(quantization: str, stored: Callable[[str], StoredFormat | Non
         formats = [f for f in found if f is not None]
         if len(formats) < len(found):
             return DENSE  # a merged layer with a dense part stays dense
-        if len(set(formats)) == 1 and formats[0].sub_scales:  # Q4_K or Q5_K parts alone: as stored
+        if len(set(formats)) == 1 and formats[0].sub_scales:  # Q2_K, Q4_K or Q5_K parts alone: as stored
             return method_for(formats[0].bits, formats[0].group_size, in_features, formats[0].scale_dtype, True)
         bits = max(f.bits for f in formats)
-        if bits == 6 and len(set(formats)) > 1:
-            bits = 8  # a Q6_K part with other types (Q4_K q/k, Q6_K v): int8 for all; int6 is Q6_K's alone
+        if (bits == 6 or min(f.bits for f in formats) == 2) and len(set(formats)) > 1:
+            # a Q6_K part with other types (Q4_K q/k, Q6_K v): int8 for all; int6 is Q6_K's alone. A Q2_K part's
+            # mins per 16 fit no group of 32: int8 too, requantized
+            bits = 8
         # The parts kept exactly (4 bits join 5 as the same values) bring their factors' dtype; a K-quant part
         # joins in groups of 32 with its d * sc, -dmin * mn multiplied out, exact in float32 only.
         exact = [f for f in formats if f.bits == bits or (bits == 5 and f.bits == 4)]

@@ -16,6 +16,9 @@ model files never branch on it:
     with          group (int5's 20), then its uint8 sc and mn (6-bit
     sub-scales    values); scales, mins (N, K/G) float16, G = 256 (Q4_K's
                   and Q5_K's d and -dmin)
+    int2 with     qweight (N, K/32 * 10) uint8: 8 bytes of 2-bit values,   w = s sc q + m mn
+    sub-scales    then Q2_K's two scale bytes sc | mn << 4 (values 0..15,  (sc, mn per 16)
+                  16..31); scales, mins (N, K/G) float16, G = 256 (d, -dmin)
     (QuantMethod) scales and mins float32, or float16 where a GGUF stores them so (a sixth
                   fewer bytes to read per 4-bit weight)
 
@@ -25,6 +28,8 @@ int4 with G = 32; Q4_K (w = d sc q - dmin mn, 32-wide sub-blocks) is int4 with s
 bits a weight), or where it joins other types int4 with G = 32 and d sc, -dmin mn multiplied out
 (exact in float32: 11 by 6 significant bits); Q5_0 (w = d (q - 16)), Q5_1 and Q5_K are int5 the
 same way (Q5_K with sub-scales: 5.625 bits a weight).
+Q2_K (w = d sc q - dmin mn, 4-bit sc and mn per 16 values, q in [0, 3]) is int2 with sub-scales: the
+file's 2.625 bits a weight; its per-16 mins fit no group of 32, so beside other types it is int8.
 Q6_K (w = d sc (q - 32), an int8 sc per 16 values, an fp16 d per 256) is int6 with its d as the
 scale (G = 256) and its sc inside the groups' bytes: the file's 6.5625 bits a weight. A dense
 checkpoint is quantized at load by rounding to nearest (`quantize_int8`, `quantize_int4`): int8
@@ -37,6 +42,8 @@ per output channel (G = K), int4 with G = 32 (asymmetric, the min at the group's
     6-bit row layout: [ group 0: its 4-bit 16 bytes, 8 bytes h, int8 sc0, int8 sc1 | group 1: ... ],
         bits 2j, 2j + 1 of h (little-endian) = bits 4, 5 of q[g*32 + j]
     with sub-scales: [ group 0: its 4-bit 16 bytes (or 5-bit 20), uint8 sc, uint8 mn | group 1: ... ]
+    2-bit row layout: [ group 0: 8 bytes, byte j = q[j] | q[8 + j] << 2 | q[16 + j] << 4 | q[24 + j] << 6,
+        then the scale bytes of values 0..15 and 16..31 | group 1: ... ]
 
 On CPU the products run in models/layers/csrc/quant_linear.cpp (integer dot products, the
 activations rounded to int16 per 32 values), over the weights reordered once into panels of
@@ -49,7 +56,8 @@ its first product):
             6 bits: the 4-bit 128 bytes, the high bits in 64 (`_HIGH_BITS6`), then sc0 of the 8
             columns and sc1 of the 8 columns (16 bytes); with sub-scales: the group's bytes as
             without, then sc of the 8 columns and mn of the 8 columns (16 bytes: 144 for 4 bits,
-            176 for 5)
+            176 for 5); 2 bits: the 2-bit 64 bytes, then the 8 columns' first scale bytes and their
+            second (80)
     scales, mins (P, K/G, 8)
 
 `dequantize` + F.linear is the reference that the kernel is tested against and the path
@@ -71,10 +79,10 @@ from models.layers.step_kernels import StepKernels
 BLOCK = 32  # the quantized kernels' unit along K
 PANEL = 8  # output columns per panel of the CPU kernel's weight layout
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
-BITS = (4, 5, 6, 8)
+BITS = (2, 4, 5, 6, 8)
 # stored bytes per 32 values of a row; 6 bits: 16 of nibbles, 8 of high bits, 2 of sub-scales
-_GROUP_BYTES = {4: BLOCK // 2, 5: BLOCK // 2 + BLOCK // 8, 6: BLOCK // 2 + BLOCK // 4 + 2, 8: BLOCK}
-_PANEL_GROUP_BYTES = {bits: PANEL * size for bits, size in _GROUP_BYTES.items()}  # 128, 160, 208, 256
+_GROUP_BYTES = {2: BLOCK // 4, 4: BLOCK // 2, 5: BLOCK // 2 + BLOCK // 8, 6: BLOCK // 2 + BLOCK // 4 + 2, 8: BLOCK}
+_PANEL_GROUP_BYTES = {bits: PANEL * size for bits, size in _GROUP_BYTES.items()}  # 64, 128, 160, 208, 256
 INT6_GROUP = 256  # int6's scale (Q6_K's d) covers 256 values
 K_GROUP = 256  # a K-quant's super-block: its d and dmin cover 256 values
 _SUB_SCALE_BYTES = 2  # a K-quant group's uint8 sub-scale and sub-min, behind its value bytes
@@ -103,13 +111,14 @@ class QuantizedWeight:
     weight: quantization groups run along K, within a row.
     """
 
-    bits: int  # 4, 5, 6 or 8
+    bits: int  # 2 (with sub-scales only), 4, 5, 6 or 8
     qweight: torch.Tensor  # (N, K/2) uint8 | (N, K/32 * 20) uint8 | (N, K/32 * 26) uint8 | (N, K) int8
     scales: torch.Tensor  # (N, K/G) float32 or float16
     mins: torch.Tensor | None  # (N, K/G) like scales, 4 and 5 bits only
     in_features: int
     # 4 and 5 bits (Q4_K, Q5_K as stored): each group's bytes end in its uint8 sc and mn (the 6-bit
-    # sub-scale and sub-min), scales and mins are the super-block's d and -dmin: w = d sc q + (-dmin) mn
+    # sub-scale and sub-min), scales and mins are the super-block's d and -dmin: w = d sc q + (-dmin) mn;
+    # 2 bits (Q2_K): the two bytes are its scale bytes sc | mn << 4 of each 16 values
     sub_scales: bool = False
 
     @property
@@ -142,7 +151,10 @@ class QuantizedWeight:
         """Inputs `part` of every row (a row-parallel rank's share): whole groups only, or any
         32-aligned part of a weight with one scale per row (int8 per channel keeps its scale)."""
         g = self.group_size
-        if self.sub_scales and (part.start % g or part.stop % g) and not (part.start % BLOCK or part.stop % BLOCK):
+        cut = self.sub_scales and (part.start % g or part.stop % g) and not (part.start % BLOCK or part.stop % BLOCK)
+        if cut and self.bits == 2:  # Q2_K's per-16 mins fit no group of 32: int8 requantized
+            return quantize_int8(self.dequantize()[:, part], BLOCK)
+        if cut:
             return self.without_sub_scales().columns(part, name)  # a cut super-block: its groups of 32
         if self.scales.shape[1] == 1 and self.bits == 8 and not (part.start % BLOCK or part.stop % BLOCK):
             return QuantizedWeight(8, self.qweight[:, part], self.scales, None, part.stop - part.start)
@@ -164,6 +176,8 @@ class QuantizedWeight:
         )
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if self.bits == 2:
+            return dequantize_int2(self.qweight, self.scales, self.mins, self.in_features).to(dtype)
         qw = self.without_sub_scales()  # d * sc q + (-dmin) mn: gguf-py's d * sc * q - dmin * mn, bit for bit
         return dequantize(qw.bits, qw.qweight, qw.scales, qw.mins, qw.in_features).to(dtype)
 
@@ -241,6 +255,37 @@ def unpack_int6(qweight: torch.Tensor, in_features: int) -> tuple[torch.Tensor, 
     return q, sc
 
 
+def pack_int2(q: torch.Tensor) -> torch.Tensor:
+    """(N, K) values in [0, 3] -> (N, K/32 * 8) uint8: byte j of a group holds its values j, 8 + j, 16 + j,
+    24 + j at bits 0, 2, 4, 6 (a chunk of a panel then holds both sub-blocks' values, csrc/quant_linear.cpp)."""
+    n, k = q.shape
+    four = q.to(torch.uint8).view(n, k // BLOCK, 4, BLOCK // 4)  # (N, K/32, 4, 8)
+    return (four[..., 0, :] | four[..., 1, :] << 2 | four[..., 2, :] << 4 | four[..., 3, :] << 6).reshape(n, -1)
+
+
+def unpack_int2(qweight: torch.Tensor, in_features: int) -> torch.Tensor:
+    """(N, K/32 * 8) uint8 -> (N, K) uint8 values in [0, 3], the inverse of pack_int2."""
+    n = qweight.shape[0]
+    groups = qweight.reshape(n, in_features // BLOCK, 1, BLOCK // 4) >> _TWO_BIT_SHIFTS.view(4, 1)  # (N, K/32, 4, 8)
+    return (groups & 0x03).reshape(n, in_features)
+
+
+def dequantize_int2(
+    qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, in_features: int
+) -> torch.Tensor:
+    """Q2_K's int2 with sub-scales -> float32 (N, K): (d sc) q + (-dmin mn) per 16 values, gguf-py's
+    d * sc * q - dmin * mn bit for bit (both products exact in float32: 11 by 4 significant bits)."""
+    assert mins is not None
+    n, groups = scales.shape
+    values, lo, hi = split_sub_scales(qweight, 2, in_features)
+    q = unpack_int2(values, in_features).float().view(n, -1, 16)  # (N, K/16, 16)
+    both = torch.stack((lo, hi), dim=-1).reshape(n, -1)  # (N, K/16): sub-block s's byte sc | mn << 4
+    per = in_features // 16 // groups
+    step = scales.float().repeat_interleave(per, dim=1) * (both & 0x0F).float()
+    low = mins.float().repeat_interleave(per, dim=1) * (both >> 4).float()
+    return (q * step.unsqueeze(-1) + low.unsqueeze(-1)).view(n, in_features)
+
+
 def with_sub_scales(qweight: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
     """(N, K/32 * B) stored values and (N, K/32) uint8 sc, mn -> (N, K/32 * (B + 2)): each group's
     B bytes, then its sc and mn."""
@@ -265,6 +310,8 @@ def unpack(bits: int, qweight: torch.Tensor, in_features: int) -> torch.Tensor:
     """The stored integers (N, K): uint8 in [0, 15], [0, 31] or [0, 63] (6 bits), or int8."""
     if bits == 4:
         return unpack_int4(qweight, in_features)
+    if bits == 2:
+        return unpack_int2(split_sub_scales(qweight, 2, in_features)[0], in_features)
     if bits == 6:
         return unpack_int6(qweight, in_features)[0]
     return unpack_int5(qweight, in_features) if bits == 5 else qweight
@@ -412,7 +459,7 @@ def panel_rows(
         packed = with_sub_scales(values.qweight, sub[..., 0], sub[..., 1])
         return QuantizedWeight(bits, packed, values.scales, values.mins, values.in_features, True)
     panel, lane = rows // PANEL, rows % PANEL
-    low = qweight[..., : _PANEL_GROUP_BYTES[4]] if bits in (5, 6) else qweight
+    low = qweight[..., : _PANEL_GROUP_BYTES[4]] if bits in (5, 6) else qweight  # 2 bits: all of it (4 units)
     q = low.reshape(panels, nb, -1, PANEL, 2)[panel, :, :, lane, :].reshape(rows.numel(), nb, -1)  # (R, nb, u*2)
     if bits == 6:
         order = torch.empty(PANEL * BLOCK * 2, dtype=torch.long)
@@ -618,7 +665,8 @@ ROWS_DENSE = RowsDenseMethod()
 class QuantMethod(LinearMethod):
     """Int8 (`bits=8`, symmetric), int4 or int5 (`bits=4`, `bits=5`: scale + min; with `sub_scales`,
     Q4_K's or Q5_K's d and -dmin per group and uint8 sc, mn per 32), int6 (`bits=6`: Q6_K's d per 256
-    and int8 sub-scales per 16) weights in groups along K."""
+    and int8 sub-scales per 16), int2 (`bits=2`, with `sub_scales` only: Q2_K's d, -dmin per group and
+    4-bit sc, mn per 16) weights in groups along K."""
 
     def __init__(
         self,
@@ -629,11 +677,13 @@ class QuantMethod(LinearMethod):
         sub_scales: bool = False,
     ):
         if bits not in BITS:
-            raise ValueError(f"bits must be 4, 5, 6 or 8, got {bits}")
+            raise ValueError(f"bits must be 2, 4, 5, 6 or 8, got {bits}")
         if scale_dtype not in (torch.float32, torch.float16):
             raise ValueError(f"scale_dtype must be float32 or float16, got {scale_dtype}")
-        if sub_scales and (bits not in (4, 5) or group_size is None or group_size % BLOCK):
-            raise ValueError("sub_scales are for 4 or 5 bits in groups of a multiple of 32 (a K-quant's d per 256)")
+        if sub_scales and (bits not in (2, 4, 5) or group_size is None or group_size % BLOCK):
+            raise ValueError("sub_scales are for 2, 4 or 5 bits in groups of a multiple of 32 (a K-quant's d per 256)")
+        if bits == 2 and not sub_scales:
+            raise ValueError("2 bits are Q2_K's, with its sub-scales")
         self.bits = bits
         self.sub_scales = sub_scales  # Q4_K / Q5_K as stored: d, -dmin per group, sc and mn per 32 in the bytes
         self.group_size = group_size  # None: one group per row (int8 per channel)
@@ -646,7 +696,7 @@ class QuantMethod(LinearMethod):
 
     @property
     def has_mins(self) -> bool:
-        return self.bits in (4, 5)
+        return self.bits in (2, 4, 5)
 
     def _groups(self, in_features: int) -> int:
         return in_features // (self.group_size or in_features)
@@ -748,8 +798,9 @@ class QuantMethod(LinearMethod):
             raise RuntimeError(f"tensor {name!r}: the layer's weights are already reordered for the CPU kernel")
         expected = (len(range(*rows.indices(layer.out_features))), layer.in_features)
         _check_shape_of(tuple(weight.shape), expected, name)
-        if isinstance(weight, QuantizedWeight) and weight.sub_scales and not self.sub_scales:
+        if isinstance(weight, QuantizedWeight) and weight.sub_scales and not self.sub_scales and weight.bits != 2:
             # a K-quant part of a layer of other types (or of --quantization int4): exactly, float32 factors
+            # (Q2_K's per-16 mins have no such form: requantized below)
             weight = weight.without_sub_scales()
         if isinstance(weight, QuantizedWeight) and weight.bits == 4 and self.bits == 5:
             # exactly: the same numbers with the high bits 0 (a merged layer of Q4 and Q5 parts)
@@ -785,6 +836,8 @@ class QuantMethod(LinearMethod):
             return quantize_int8(weight, self.group_size)
         if self.bits == 6:
             return quantize_int6(weight, self.group_size or INT6_GROUP)
+        if self.bits == 2:
+            raise ValueError("2 bits hold a Q2_K checkpoint's weights as stored; no dense weight is rounded to them")
         if self.sub_scales:
             return quantize_k(weight, self.group_size or K_GROUP, bits=self.bits)
         return quantize_int4(weight, self.group_size or BLOCK, bits=self.bits)
@@ -823,7 +876,7 @@ def method_for(
         g = group_size or K_GROUP
         if in_features % g == 0:
             return QuantMethod(bits, g, scale_dtype=scale_dtype, sub_scales=True)
-        return method_for(bits, BLOCK, in_features)
+        return method_for(8 if bits == 2 else bits, BLOCK, in_features)  # Q2_K's per-16 mins: int8
     g = group_size if group_size is not None else (None if bits == 8 else INT6_GROUP if bits == 6 else BLOCK)
     if in_features % BLOCK or (g is not None and (g % BLOCK or in_features % g)):
         return DENSE

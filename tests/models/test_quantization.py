@@ -289,7 +289,8 @@ def test_serving_formats_of_gguf_types():
     assert serving_format(T.F32) is None and serving_format(T.F16) is None
     assert serving_format(T.Q6_K) == F(6, 256, f16)  # as stored: d per 256, sc in the groups' bytes
     assert serving_format(T.Q8_K) == F(8, 32, f32)  # requantized wider
-    assert serving_format(T.Q2_K) == F(4, 32, f32)
+    assert serving_format(T.Q2_K) == F(2, 256, f16, sub_scales=True)  # as stored: sc | mn << 4 per 16 in the bytes
+    assert serving_format(T.IQ2_XXS) == F(4, 32, f32)  # requantized
 
 
 def methods(model) -> dict[str, str]:

@@ -1,6 +1,6 @@
 // Weight-only quantized linear layers: y = x W^T (+ bias) with W stored in 4, 5, 6 or 8 bits.
 //
-// Weights come in groups of 32 along K (a GGUF Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q5_K/Q6_K/Q8_0 block, or
+// Weights come in groups of 32 along K (a GGUF Q2_K/Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q5_K/Q6_K/Q8_0 block, or
 // what models/layers/quantization.py makes from a dense checkpoint), each with a float scale
 // and, for asymmetric 4 and 5 bits, a float min:
 //
@@ -13,6 +13,10 @@
 //
 //     w[n, k] = scale[n, k / G] * sc[n, k / 32] * q[n, k] + min[n, k / G] * mn[n, k / 32]
 //               (scale its fp16 d, min its fp16 -dmin, G = 256; sc, mn uint8 in the group's bytes)
+//
+// or Q2_K's, per 16 (2 bits with sub-scales, q in [0, 3], sc and mn 4 bits: below):
+//
+//     w[n, k] = scale[n, k / G] * sc[n, k / 16] * q[n, k] + min[n, k / G] * mn[n, k / 16]
 //
 // Activations are rounded to int16 per 32 values with one float scale, so a group's inner
 // product is an integer dot product:
@@ -76,6 +80,19 @@
 // 5 bits with sub-scales (Q5_K) are the same: the 5-bit group's 160 bytes, then the sc and mn (176 bytes a
 // group, with d and -dmin 5.625 bits a weight where the float32 factors made 7), 5 bits' integer sums and the
 // same float step.
+//
+// 2 bits with sub-scales (Q2_K: w = d sc q - dmin mn per 16 values) are 4 chunks of 16 bytes, lane for lane
+// like the 4-bit ones: byte 2i + t of chunk c holds column i's values 2c + t, 8 + 2c + t, 16 + 2c + t and
+// 24 + 2c + t at bits 0, 2, 4 and 6 (so a chunk widened once gives 4 pairs of values by shifts and masks),
+// then the 8 columns' scale bytes of values 0..15 and those of values 16..31 (sc | mn << 4, the file's own):
+// 80 bytes a group, with d and -dmin (fp16, per 256) 2.625 bits a weight, Q2_K's size. As 6 bits, two
+// integer sums a group (values 0..15 and 16..31), each scaled by d * sc (exact: 11 by 4 significant bits);
+// the min term takes each 16 activations' integer sum s (`Operands::xsum16`, |s| <= 16 * 32767):
+//
+//     acc = fma(float(mn0 * s0 + mn1 * s1) * xscale, -dmin, acc)      (the sum exact: < 2^24)
+//
+// a few ulps from the dequantized weight times x~ (the float32 w = d sc q - dmin mn rounds once per weight),
+// each row's bits its own still. `tile` runs it on every build: no wide tiles, no AVX2 assembly.
 //
 // Determinism: every output element runs the same instruction sequence, group by group in
 // order, whatever tile it falls in, however many rows the step has and whichever thread
@@ -229,6 +246,7 @@ struct Isa {
   static W shl4(W w) { return _mm256_slli_epi16(w, 4); }
   static W shr1(W w) { return _mm256_srli_epi16(w, 1); }
   static W shr2(W w) { return _mm256_srli_epi16(w, 2); }
+  static W low2(W w) { return _mm256_and_si256(w, _mm256_set1_epi16(0x03)); }
   static W bits45(W w) { return _mm256_and_si256(w, _mm256_set1_epi16(0x30)); }
   static W sub32(W w) { return _mm256_sub_epi16(w, _mm256_set1_epi16(32)); }
   static W bor(W a, W b) { return _mm256_or_si256(a, b); }
@@ -289,6 +307,10 @@ struct Isa {
   static F load_u8(const uint8_t* p) {  // 8 uint8 as floats
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }
+  static F load_u4(const uint8_t* p, int shift) {  // 8 uint8's nibbles (shift 0: low, 4: high) as floats
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(b, _mm256_set1_epi32(shift)), _mm256_set1_epi32(0x0F)));
+  }
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static F add(F a, F b) { return _mm256_add_ps(a, b); }
   static F fma(F a, F b, F acc) { return _mm256_fmadd_ps(a, b, acc); }
@@ -316,6 +338,7 @@ struct Isa {  // plain C++: the same lane arithmetic, one lane at a time
   static W shl4(W w) { for (auto& e : w.v) e = static_cast<int16_t>(e << 4); return w; }
   static W shr1(W w) { for (auto& e : w.v) e = static_cast<int16_t>(e >> 1); return w; }
   static W shr2(W w) { for (auto& e : w.v) e = static_cast<int16_t>(e >> 2); return w; }
+  static W low2(W w) { for (auto& e : w.v) e &= 0x03; return w; }
   static W bits45(W w) { for (auto& e : w.v) e &= 0x30; return w; }
   static W sub32(W w) { for (auto& e : w.v) e = static_cast<int16_t>(e - 32); return w; }
   static W bor(W a, W b) { for (int j = 0; j < 2 * kLanes; ++j) a.v[j] |= b.v[j]; return a; }
@@ -340,6 +363,9 @@ struct Isa {  // plain C++: the same lane arithmetic, one lane at a time
     F f; for (int i = 0; i < kLanes; ++i) f.v[i] = static_cast<float>(static_cast<int8_t>(p[i])); return f;
   }
   static F load_u8(const uint8_t* p) { F f; for (int i = 0; i < kLanes; ++i) f.v[i] = static_cast<float>(p[i]); return f; }
+  static F load_u4(const uint8_t* p, int shift) {
+    F f; for (int i = 0; i < kLanes; ++i) f.v[i] = static_cast<float>((p[i] >> shift) & 0x0F); return f;
+  }
   static F mul(F a, F b) { for (int i = 0; i < kLanes; ++i) a.v[i] *= b.v[i]; return a; }
   static F add(F a, F b) { for (int i = 0; i < kLanes; ++i) a.v[i] += b.v[i]; return a; }
   static F fma(F a, F b, F acc) { for (int i = 0; i < kLanes; ++i) acc.v[i] = std::fma(a.v[i], b.v[i], acc.v[i]); return acc; }
@@ -447,6 +473,7 @@ struct Operands {
   // Row m, panel p goes to out + (m - out_row0) * out_stride + (p - out_panel0) * 8: the whole
   // output (0, N, 0), or a task's scratch (quant_linear_silu_mul's gate and up halves).
   int64_t out_row0 = 0, out_stride = 0, out_panel0 = 0;
+  const int32_t* xsum16 = nullptr;  // (M, K/16): the integer sum of each 16 xq (k2K's mins per 16), or nullptr
   float* at(int64_t m, int64_t n0) const { return out + (m - out_row0) * out_stride + n0 - out_panel0 * kLanes; }
 };
 
@@ -473,9 +500,10 @@ __attribute__((always_inline)) inline void store_output(const Operands<S>& op, i
 // for the RP panels; the integer sums live in registers for a group, the float sums too.
 // A panel group's bytes: 4 bits 128, 5 bits 160 (the 4-bit 128, then 32 of high bits), 6 bits 208 (the
 // 4-bit 128, 64 of high bits, 16 of sub-scales), 8 bits 256; with sc and mn behind, 4 bits 144, 5 bits 176.
-// The `Bits` of a format: 4, 5, 6, 8, or 4 and 5 bits with sub-scales (k4K, k5K: Q4_K's and Q5_K's sc and
-// mn behind each group).
+// The `Bits` of a format: 4, 5, 6, 8, or 2, 4 and 5 bits with sub-scales (k4K, k5K: Q4_K's and Q5_K's sc and
+// mn behind each group; k2K: Q2_K's two scale bytes, sc | mn << 4 of each 16 values).
 constexpr int kSubScaled = 0x100;
+constexpr int k2K = 2 | kSubScaled;
 constexpr int k4K = 4 | kSubScaled;
 constexpr int k5K = 5 | kSubScaled;
 constexpr bool four_bit(int bits) { return (bits & 0xFF) == 4; }  // 4 bits' integer loop, with or without
@@ -483,6 +511,7 @@ constexpr bool five_bit(int bits) { return (bits & 0xFF) == 5; }  // 5 bits' int
 constexpr bool k_factors_in(int bits) { return (bits & kSubScaled) != 0; }  // sc and mn in the group's bytes
 constexpr int panel_group_bytes(int bits) {
   return k_factors_in(bits) ? panel_group_bytes(bits & 0xFF) + 2 * kLanes
+         : bits == 2        ? kBlock / 4 * kLanes
          : bits == 4        ? kBlock / 2 * kLanes
          : bits == 5        ? kBlock / 2 * kLanes + kBlock / 8 * kLanes
          : bits == 6        ? kBlock / 2 * kLanes + kBlock / 4 * kLanes + 2 * kLanes
@@ -522,8 +551,8 @@ __attribute__((noinline)) void tile(const Operands<S>& op, int64_t m0, int64_t p
   // A lone row's integer sums in two chains a panel, as wide_tile's kSplit, where the dot is fused
   // (AVX2's madd + add in two chains, each held by Isa::order, measured no faster).
   // 6 bits always hold two sums, a sub-block's each (dots: values 0..15, dots6: 16..31).
-  constexpr bool kSplit = RM == 1 && Isa::kFusedDot && Bits != 6;
-  constexpr int kSums6 = Bits == 6 ? 1 : 0;
+  constexpr bool kSplit = RM == 1 && Isa::kFusedDot && Bits != 6 && Bits != k2K;
+  constexpr int kSums6 = Bits == 6 || Bits == k2K ? 1 : 0;
   for (int64_t g = 0; g < op.nb; ++g) {
     typename Isa::I dots[RM][RP], dots2[RP], dots6[kSums6 ? RM : 1][kSums6 ? RP : 1];
     for (int r = 0; r < RM; ++r)
@@ -606,6 +635,33 @@ __attribute__((noinline)) void tile(const Operands<S>& op, int64_t m0, int64_t p
           }
         }
       }
+    } else if constexpr (Bits == k2K) {
+      // Chunk c's byte 2i + t holds column i's values 2c + t, 8 + 2c + t, 16 + 2c + t, 24 + 2c + t at bits 0, 2,
+      // 4, 6: the first two sub-block 0's (into dots), the last two sub-block 1's (into dots6).
+      for (int c = 0; c < 4; ++c) {
+        typename Isa::W q[4][RP];
+        for (int p = 0; p < RP; ++p) {
+          const typename Isa::W both = Isa::widen_u8(chunks + p * op.panel_bytes + c * 16);
+          q[0][p] = Isa::low2(both);
+          q[1][p] = Isa::low2(Isa::shr2(both));
+          q[2][p] = Isa::low2(Isa::high_nibbles(both));
+          q[3][p] = Isa::shr2(Isa::high_nibbles(both));
+        }
+        for (int r = 0; r < RM; ++r) {
+          const int16_t* x = op.xq + (m0 + r) * op.K + g * kBlock + 2 * c;
+          const int64_t j = g * kBlock / 2 + c;
+          const typename Isa::W x0 = pair(r, x, j), x1 = pair(r, x + 8, j + 4), x2 = pair(r, x + 16, j + 8),
+                                x3 = pair(r, x + 24, j + 12);
+          for (int p = 0; p < RP; ++p) {
+            dots[r][p] = Isa::dot(Isa::dot(dots[r][p], q[0][p], x0), q[1][p], x1);
+            dots6[r][p] = Isa::dot(Isa::dot(dots6[r][p], q[2][p], x2), q[3][p], x3);
+            if constexpr (!Isa::kFusedDot || (RM > 1 && Isa::kRegisters < 32)) {
+              Isa::order(dots[r][p]);
+              Isa::order(dots6[r][p]);
+            }
+          }
+        }
+      }
     } else if constexpr (Bits == 6) {
       // The 4-bit loop with q = nibble | two bits << 4, less 32 (values -32..31). High chunk h (chunks 2h,
       // 2h + 1) widened once; chunk c's bits at 0-1 and 4-5 after j = c - 2h shifts by 2.
@@ -668,6 +724,38 @@ __attribute__((noinline)) void tile(const Operands<S>& op, int64_t m0, int64_t p
     if (op.xmin != nullptr)
       for (int r = 0; r < RM; ++r)
         for (int p = 0; p < RP; ++p) dots[r][p] = Isa::iadd(dots[r][p], op.xmin[(m0 + r) * op.nb + g]);
+    if constexpr (Bits == k2K) {  // two sub-blocks, each d * sc (exact), then -dmin times the mins' integer sum
+      typename Isa::F s0[RP], s1[RP], dm[RP], mn0[RP], mn1[RP];
+      for (int p = 0; p < RP; ++p) {
+        const int64_t at = p * op.scales_per_row * kLanes + sg * kLanes;
+        const typename Isa::F d = Isa::load(scales + at);
+        const uint8_t* k_factors = chunks + p * op.panel_bytes + kKScaleOffset<Bits>;
+        s0[p] = Isa::mul(d, Isa::load_u4(k_factors, 0));
+        s1[p] = Isa::mul(d, Isa::load_u4(k_factors + kLanes, 0));
+        mn0[p] = Isa::load_u4(k_factors, 4);
+        mn1[p] = Isa::load_u4(k_factors + kLanes, 4);
+        dm[p] = Isa::load(mins + at);
+      }
+      for (int r = 0; r < RM; ++r) {
+        const int64_t at = (m0 + r) * op.nb + g;
+        const typename Isa::F xs = Isa::broadcast(op.xscale[at]);
+        const typename Isa::F x0 = Isa::broadcast(static_cast<float>(op.xsum16[2 * at]));
+        const typename Isa::F x1 = Isa::broadcast(static_cast<float>(op.xsum16[2 * at + 1]));
+        for (int p = 0; p < RP; ++p) {
+          // mn0 x0 + mn1 x1 is exact: |each| <= 15 * 16 * 32767 < 2^23
+          const typename Isa::F m = Isa::fma(mn1[p], x1, Isa::mul(mn0[p], x0));
+          typename Isa::F a = Isa::fma(Isa::mul(Isa::to_float(dots[r][p]), xs), s0[p], Isa::load(acc[r][p]));
+          a = Isa::fma(Isa::mul(Isa::to_float(dots6[r][p]), xs), s1[p], a);
+          Isa::store(acc[r][p], Isa::fma(Isa::mul(m, xs), dm[p], a));
+        }
+      }
+      if constexpr (Isa::kRegisters >= 32) __asm__("" : "+m"(acc));
+      if (--left == 0) {
+        ++sg;
+        left = op.groups_per_scale;
+      }
+      continue;
+    }
     if constexpr (kSums6) {  // two sub-blocks a group, each its d * sc (exact), in order
       typename Isa::F s0[RP], s1[RP];
       for (int p = 0; p < RP; ++p) {
@@ -1249,11 +1337,12 @@ void int_qlinear(const Operands<S>& op, float* silu_out = nullptr) {
   // the panels the tasks divide: all of them, or the gate's (each task also takes the same up panels)
   const int64_t panels = (op.N + kLanes - 1) / kLanes / (silu_out != nullptr ? 2 : 1);
   // Every format takes the wide tiles where the build has them (AVX2's assembly is 4 bits only).
-  constexpr bool kWideBits = true;
+  // Q2_K (k2K) takes `tile` on every build, wide tiles off.
+  constexpr bool kWideBits = Bits != k2K;
   // 6 bits hold two integer sums an output and a plane of high bits a panel: with 32 registers, half the
   // panels a tile (a 1 x 6 tile's 12 sums, 6 high planes and 12 widened chunks spilled), still dividing
-  // the tasks' whole tiles below.
-  constexpr bool kHalfTiles = Bits == 6 && Isa::kRegisters >= 32;
+  // the tasks' whole tiles below. k2K's two sums and four widened values a chunk likewise.
+  constexpr bool kHalfTiles = (Bits == 6 || Bits == k2K) && Isa::kRegisters >= 32;
   constexpr int kDecodeTile = kHalfTiles ? kDecodePanels / 2 : kDecodePanels;
   constexpr int kRowsTile = kHalfTiles ? kTilePanels / 2 : kTilePanels;
   const bool wide_enabled = kWideBits && wide_tiles_enabled();  // once, on the calling thread (tasks run on others)
@@ -1449,7 +1538,7 @@ at::Tensor qlinear(
     const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
     const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias, int64_t bits,
     int64_t group_size, int64_t N, double min_per_scale, bool silu_mul) {
-  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, "quant_linear: bits must be 4, 5, 6 or 8");
+  TORCH_CHECK(bits == 2 || bits == 4 || bits == 5 || bits == 6 || bits == 8, "quant_linear: bits must be 2, 4, 5, 6 or 8");
   TORCH_CHECK(!silu_mul || (x.scalar_type() == at::kFloat && N % (2 * kLanes) == 0),
               "quant_linear_silu_mul: x float32, out_features a multiple of 16 ([gate | up])");
   TORCH_CHECK(x.dim() == 2 && qweight.dim() == 3 && scales.dim() == 3, "quant_linear: x 2-D, panelled weights 3-D");
@@ -1458,10 +1547,11 @@ at::Tensor qlinear(
               "quant_linear: K and group_size must be multiples of 32, K of group_size");
   TORCH_CHECK(N > 0 && (N + kLanes - 1) / kLanes == P, "quant_linear: ", P, " panels do not hold ", N, " columns");
   // 4 and 5 bits come in two layouts each, told apart by their groups' bytes: 128 or 160, or 144 or 176 with
-  // Q4_K's or Q5_K's sub-scales.
-  const bool sub_scaled = (bits == 4 && qweight.size(2) == kPanelGroupBytes<k4K>) ||
+  // Q4_K's or Q5_K's sub-scales; 2 bits only with Q2_K's (80).
+  const bool sub_scaled = bits == 2 || (bits == 4 && qweight.size(2) == kPanelGroupBytes<k4K>) ||
                           (bits == 5 && qweight.size(2) == kPanelGroupBytes<k5K>);
-  const int64_t group_bytes = sub_scaled  ? (bits == 4 ? kPanelGroupBytes<k4K> : kPanelGroupBytes<k5K>)
+  const int64_t group_bytes = bits == 2   ? kPanelGroupBytes<k2K>
+                              : sub_scaled ? (bits == 4 ? kPanelGroupBytes<k4K> : kPanelGroupBytes<k5K>)
                               : bits == 4 ? kPanelGroupBytes<4>
                               : bits == 5 ? kPanelGroupBytes<5>
                               : bits == 6 ? kPanelGroupBytes<6>
@@ -1476,9 +1566,9 @@ at::Tensor qlinear(
   TORCH_CHECK(min_per_scale == 0 || ((bits == 4 || bits == 5) && !mins.has_value() && std::fabs(std::frexp(min_per_scale, &exponent)) == 0.5),
               "quant_linear: min_per_scale must be 0, or a power of two for 4 or 5 bits without mins");
   TORCH_CHECK(!sub_scaled || (mins.has_value() && min_per_scale == 0),
-              "quant_linear: 4 or 5 bits with sub-scales take their mins (-dmin) and no min_per_scale");
+              "quant_linear: 2, 4 or 5 bits with sub-scales take their mins (-dmin) and no min_per_scale");
   if (mins.has_value()) {
-    TORCH_CHECK((bits == 4 || bits == 5) && mins->sizes() == scales.sizes() && mins->scalar_type() == scales.scalar_type() &&
+    TORCH_CHECK((bits == 2 || bits == 4 || bits == 5) && mins->sizes() == scales.sizes() && mins->scalar_type() == scales.scalar_type() &&
                 mins->is_contiguous(), "quant_linear: mins must be like scales (4 or 5 bits only)");
   }
   at::Tensor bias_f;
@@ -1522,6 +1612,19 @@ at::Tensor qlinear(
     xmin = xmin_t.data_ptr<int32_t>();
   }
   quantize_activations(xf.data_ptr<float>(), M, K, xq, xscale, xsum, xmin, static_cast<int32_t>(min_per_scale));
+  // Q2_K's mins are per 16 values: each 16 xq's integer sum, for the min term of each sub-block.
+  at::Tensor xsum16_t;
+  if (bits == 2) {
+    xsum16_t = at::empty({M, K / 16}, x.options().dtype(at::kInt));
+    int32_t* const xsum16 = xsum16_t.data_ptr<int32_t>();
+    at::parallel_for(0, M * K / 16, 1024, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        int32_t sum = 0;
+        for (int j = 0; j < 16; ++j) sum += xq[i * 16 + j];
+        xsum16[i] = sum;
+      }
+    });
+  }
   const auto run = [&](auto* sc, auto* mn) {
     using S = std::remove_const_t<std::remove_pointer_t<decltype(sc)>>;
     Operands<S> op{xq, xscale, xsum, xmin, nullptr,
@@ -1531,8 +1634,10 @@ at::Tensor qlinear(
                    M, N, K, nb, qweight.size(1) * qweight.size(2), group_size / kBlock,
                    K / group_size};
     op.out_stride = N;
+    if (bits == 2) op.xsum16 = xsum16_t.data_ptr<int32_t>();
     float* const silu_out = silu_mul ? out.data_ptr<float>() : nullptr;
-    if (sub_scaled && bits == 4) int_qlinear<k4K>(op, silu_out);
+    if (bits == 2) int_qlinear<k2K>(op, silu_out);
+    else if (sub_scaled && bits == 4) int_qlinear<k4K>(op, silu_out);
     else if (sub_scaled) int_qlinear<k5K>(op, silu_out);
     else if (bits == 4) int_qlinear<4>(op, silu_out);
     else if (bits == 5) int_qlinear<5>(op, silu_out);
