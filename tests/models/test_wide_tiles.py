@@ -1,7 +1,7 @@
 """The quantized kernel's 16-lane tiles (AVX-512 VNNI builds: two panels a vector, for a lone row
 and for steps of more) give every row the bits the 8-lane tiles give it alone, for 4, 5, 6 (Q6_K:
-two sub-blocks a group, one pass or two) and 8 bits, Q4_0's folded -8 (Q5_0's -16), Q4_K's and
-Q5_K's sub-scales, float16 and float32 factors, groups of 32 and 64, and every edge (rows and panels
+two sub-blocks a group, one pass or two) and 8 bits, Q4_0's folded -8 (Q5_0's -16), Q4_K's, Q5_K's and
+Q2_K's sub-scales, float16 and float32 factors, groups of 32 and 64, and every edge (rows and panels
 not multiples of the tile, N not a multiple of 8, K past one group). Where the CPU has no
 AVX-512, the same source is built with its 512-bit intrinsics emulated lane by lane
 (csrc/wide_tiles_emulated.cpp); where it has, test_quantization's row-invariance test runs them on
@@ -45,10 +45,16 @@ CHECK = textwrap.dedent(
                                               (5, True, 256, 64, 32, torch.float16), (5, False, 3136, 48, 64, torch.float16),
                                               (6, False, 512, 37, 256, torch.float16), (6, False, 768, 48, 256, torch.float32),
                                               (6, False, 256, 203, 256, torch.float16),
-                                              (4, "k", 768, 37, 256, torch.float16), (5, "k", 512, 203, 256, torch.float16)]:
+                                              (4, "k", 768, 37, 256, torch.float16), (5, "k", 512, 203, 256, torch.float16),
+                                              (2, "k", 768, 37, 256, torch.float16), (2, "k", 512, 203, 256, torch.float16)]:
         gen = torch.Generator().manual_seed(k + n)
         w = torch.randn(n, k, generator=gen)
-        if q4_0 == "k":  # Q4_K's, Q5_K's form: fp16 d and -dmin per 256, sc and mn in the groups' bytes
+        if bits == 2:  # Q2_K's form, from random blocks: fp16 d and -dmin per 256, its scale bytes per 16
+            from tests.models.test_q2_k_as_stored import q2k_blocks
+            from models.gguf import quantized_weight
+            from gguf import GGMLQuantizationType
+            qw, q4_0 = quantized_weight(q2k_blocks(w.numpy()), GGMLQuantizationType.Q2_K, n, k), False
+        elif q4_0 == "k":  # Q4_K's, Q5_K's form: fp16 d and -dmin per 256, sc and mn in the groups' bytes
             qw, q4_0 = Q.quantize_k(w, group, bits=bits), False
         elif bits == 6:
             qw = Q.quantize_int6(w, group)

@@ -92,7 +92,8 @@
 //     acc = fma(float(mn0 * s0 + mn1 * s1) * xscale, -dmin, acc)      (the sum exact: < 2^24)
 //
 // a few ulps from the dequantized weight times x~ (the float32 w = d sc q - dmin mn rounds once per weight),
-// each row's bits its own still. `tile` runs it on every build: no wide tiles, no AVX2 assembly.
+// each row's bits its own still. `tile` runs it on every build, and AVX-512 VNNI's wide tiles (wide_group2);
+// AVX2's assembly is 4 bits only.
 //
 // Determinism: every output element runs the same instruction sequence, group by group in
 // order, whatever tile it falls in, however many rows the step has and whichever thread
@@ -1109,6 +1110,94 @@ __attribute__((always_inline)) inline void wide_group6(const Operands<S>& op, fl
   }
 }
 
+// A 2-bit group (k2K) of RM rows x 2 * RZ panels into the float sums: `tile`'s k2K loop and float step, lane
+// for lane, in passes as wide_group6 (both sub-blocks at once for two rows or fewer; else sub-block 0's sum
+// and float step, then sub-block 1's and the min term). Values are unpacked in bytes, then widened.
+template <int RM, int RZ, typename S>
+__attribute__((always_inline)) inline void wide_group2(const Operands<S>& op, float (&acc)[RM][RZ][2 * kLanes], const uint8_t* chunks,
+                                                       const S* scales, const S* mins, const int16_t* x, int64_t at) {
+  const int64_t pb = op.panel_bytes, fs = op.scales_per_row * kLanes, nb = op.nb;
+  constexpr bool kOnePass = RM <= 2;
+  constexpr int kScales = kPanelGroupBytes<2>;
+  __m512 s0[RZ], s1[RZ], mn0[RZ], mn1[RZ], dm[RZ];
+  for (int z = 0; z < RZ; ++z) {
+    const __m512 d = two_factors(scales + 2 * z * fs, scales + (2 * z + 1) * fs);
+    dm[z] = two_factors(mins + 2 * z * fs, mins + (2 * z + 1) * fs);
+    for (int half = 0; half < 2; ++half) {  // sub-block `half`'s sc | mn << 4 of the two panels' 8 columns
+      const uint8_t* a = chunks + 2 * z * pb + kScales + half * kLanes;
+      const __m128i both = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a)),
+                                              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(a + pb)));
+      const __m128i nibble = _mm_set1_epi8(0x0F);
+      const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(both, nibble)));
+      const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(both, 4), nibble)));
+      (half == 0 ? s0 : s1)[z] = _mm512_mul_ps(d, sc);
+      (half == 0 ? mn0 : mn1)[z] = mn;
+    }
+  }
+  // Pass 0: both sub-blocks (into dots and dots1); 1: the first alone; 2: the second alone, then the mins.
+  const auto pass = [&](auto which) {
+    constexpr int kWhich = decltype(which)::value;
+    constexpr bool kLow = kWhich != 2, kHigh = kWhich != 1;
+    __m512i dots[RM][RZ], dots1[kWhich == 0 ? RM : 1][RZ];
+    for (int r = 0; r < RM; ++r)
+      for (int z = 0; z < RZ; ++z) dots[r][z] = _mm512_setzero_si512();
+    if constexpr (kWhich == 0)
+      for (int r = 0; r < RM; ++r)
+        for (int z = 0; z < RZ; ++z) dots1[r][z] = _mm512_setzero_si512();
+    for (int c = 0; c < 4; ++c) {
+      __m512i q[4][RZ];
+      for (int z = 0; z < RZ; ++z) {
+        const __m256i both = two_chunks(chunks + 2 * z * pb + c * 16, chunks + (2 * z + 1) * pb + c * 16);
+        const __m256i two = _mm256_set1_epi8(0x03);
+        if constexpr (kLow) {
+          q[0][z] = _mm512_cvtepu8_epi16(_mm256_and_si256(both, two));
+          q[1][z] = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(both, 2), two));
+        }
+        if constexpr (kHigh) {
+          q[2][z] = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(both, 4), two));
+          q[3][z] = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(both, 6), two));
+        }
+      }
+      for (int r = 0; r < RM; ++r) {
+        const int16_t* xr = x + r * op.K + 2 * c;
+        for (int z = 0; z < RZ; ++z) {
+          if constexpr (kLow)
+            dots[r][z] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(dots[r][z], q[0][z], pair16(xr)), q[1][z], pair16(xr + 8));
+          if constexpr (kWhich == 0)
+            dots1[r][z] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(dots1[r][z], q[2][z], pair16(xr + 16)), q[3][z], pair16(xr + 24));
+          if constexpr (kWhich == 2)
+            dots[r][z] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(dots[r][z], q[2][z], pair16(xr + 16)), q[3][z], pair16(xr + 24));
+          wide_order(dots[r][z]);
+          if constexpr (kWhich == 0) wide_order(dots1[r][z]);
+        }
+      }
+    }
+    for (int r = 0; r < RM; ++r) {
+      const int64_t row = at + r * nb;
+      const __m512 xs = _mm512_set1_ps(op.xscale[row]);
+      const __m512 x0 = _mm512_set1_ps(static_cast<float>(op.xsum16[2 * row]));
+      const __m512 x1 = _mm512_set1_ps(static_cast<float>(op.xsum16[2 * row + 1]));
+      for (int z = 0; z < RZ; ++z) {
+        __m512 a = _mm512_load_ps(acc[r][z]);
+        a = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dots[r][z]), xs), kWhich == 2 ? s1[z] : s0[z], a);
+        if constexpr (kWhich == 0) a = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dots1[r][z]), xs), s1[z], a);
+        if constexpr (kHigh) {
+          const __m512 m = _mm512_fmadd_ps(mn1[z], x1, _mm512_mul_ps(mn0[z], x0));
+          a = _mm512_fmadd_ps(_mm512_mul_ps(m, xs), dm[z], a);
+        }
+        _mm512_store_ps(acc[r][z], a);
+      }
+    }
+    __asm__("" : "+m"(acc));
+  };
+  if constexpr (kOnePass) {
+    pass(std::integral_constant<int, 0>{});
+  } else {
+    pass(std::integral_constant<int, 1>{});
+    pass(std::integral_constant<int, 2>{});
+  }
+}
+
 // Rows m0 .. m0+RM, panels p0 .. p0+2*RZ: `tile`'s loop with a vector for each two panels. The high-bit
 // planes (5 and 6 bits) are unpacked 32 bytes at a time in 256-bit operations (a 512-bit one costs two
 // on Zen 4), then widened: the same int16 as `tile`'s.
@@ -1163,6 +1252,14 @@ __attribute__((noinline)) void wide_tile(const Operands<S>& op, int64_t m0, int6
       }
     }
     const int16_t* x = x0 + g * kBlock;
+    if constexpr (Bits == k2K) {
+      wide_group2<RM, RZ>(op, acc, chunks, scales + sg * kLanes, mins + sg * kLanes, x, m0 * nb + g);
+      if (--left == 0) {
+        ++sg;
+        left = groups_per_scale;
+      }
+      continue;
+    }
     if constexpr (Bits == 6) {
       wide_group6<RM, RZ>(op, acc, chunks, scales + sg * kLanes, x, xscale + g);
       if (--left == 0) {
@@ -1337,8 +1434,7 @@ void int_qlinear(const Operands<S>& op, float* silu_out = nullptr) {
   // the panels the tasks divide: all of them, or the gate's (each task also takes the same up panels)
   const int64_t panels = (op.N + kLanes - 1) / kLanes / (silu_out != nullptr ? 2 : 1);
   // Every format takes the wide tiles where the build has them (AVX2's assembly is 4 bits only).
-  // Q2_K (k2K) takes `tile` on every build, wide tiles off.
-  constexpr bool kWideBits = Bits != k2K;
+  constexpr bool kWideBits = true;
   // 6 bits hold two integer sums an output and a plane of high bits a panel: with 32 registers, half the
   // panels a tile (a 1 x 6 tile's 12 sums, 6 high planes and 12 widened chunks spilled), still dividing
   // the tasks' whole tiles below. k2K's two sums and four widened values a chunk likewise.
