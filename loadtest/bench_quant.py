@@ -13,7 +13,9 @@ layouts call; fast only with bf16 activations), and ours (models/layers/csrc/qua
 float32 activations rounded to int16 inside) in int4, int5 (float32 scale and min, the form a Q4_K or
 Q5_K part takes beside other types; Q5_0's: float16 scales, min = -16 x scale), int4 and int5 with
 sub-scales (GGUF Q4_K's and Q5_K's form: an fp16 d and -dmin per 256, 6-bit sc and mn per 32), int6
-(GGUF Q6_K's form: an fp16 d per 256, int8 sub-scales per 16) and int8, groups of 32. `--shape qwen2.5-1.5b`: Qwen2.5-1.5B's layers (hidden
+(GGUF Q6_K's form: an fp16 d per 256, int8 sub-scales per 16), int2 with sub-scales (GGUF Q2_K's form: an
+fp16 d and -dmin per 256, 4-bit sc and mn per 16; random blocks, as its time does not depend on the numbers)
+and int8, groups of 32. `--shape qwen2.5-1.5b`: Qwen2.5-1.5B's layers (hidden
 1536, intermediate 8960, 12 heads of 128, 2 KV heads, 28 layers). `--interleave`: the columns
 take turns, one run each a round, so that a shared machine's load falls on all of them alike.
 """
@@ -163,8 +165,21 @@ def _run_q5_0(w: tuple, x: dict) -> torch.Tensor:
     return cpu_kernels.quant_linear(x[qw.in_features], qweight, scales, None, None, 5, Q.BLOCK, qw.shape[0], -16.0)
 
 
+def _q2_k(w: torch.Tensor) -> tuple:
+    """GGUF Q2_K's form, from random blocks (no quantizer rounds to it here), d and dmin a weight's size."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+
+    from models.gguf import quantized_weight
+
+    n, k = w.shape
+    blocks = np.random.default_rng(n * k).integers(0, 256, (n, k // Q.K_GROUP, 84), dtype=np.uint8)
+    blocks[..., 80:84] = np.array([2e-3, 2e-3], dtype=np.float16).view(np.uint8)
+    return _panels(quantized_weight(blocks.reshape(n, -1), GGMLQuantizationType.Q2_K, n, k))
+
+
 INT6 = "ours int6 (q6_k)"
-K_QUANTS = ("ours q4_k (sub-scales)", "ours q5_k (sub-scales)")
+K_QUANTS = ("ours q4_k (sub-scales)", "ours q5_k (sub-scales)", "ours q2_k (sub-scales)")
 # name -> (weight (N, K) float32 -> what the product keeps, (kept, x by K, bf16 x by K) -> product)
 COLUMNS = {
     "dense f32": (lambda w: w, lambda w, x, xb: F.linear(x[w.shape[1]], w)),
@@ -196,6 +211,7 @@ COLUMNS = {
         lambda w: _panels(Q.quantize_k(w, bits=5)),
         lambda w, x, xb: Q.quantized_linear(x[w[0].in_features], w[0], panels=w[1]),
     ),
+    K_QUANTS[2]: (_q2_k, lambda w, x, xb: Q.quantized_linear(x[w[0].in_features], w[0], panels=w[1])),
     INT6: (
         lambda w: _panels(Q.quantize_int6(w)),
         lambda w, x, xb: Q.quantized_linear(x[w[0].in_features], w[0], panels=w[1]),
