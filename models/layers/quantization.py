@@ -266,7 +266,8 @@ def pack_int2(q: torch.Tensor) -> torch.Tensor:
 def unpack_int2(qweight: torch.Tensor, in_features: int) -> torch.Tensor:
     """(N, K/32 * 8) uint8 -> (N, K) uint8 values in [0, 3], the inverse of pack_int2."""
     n = qweight.shape[0]
-    groups = qweight.reshape(n, in_features // BLOCK, 1, BLOCK // 4) >> _TWO_BIT_SHIFTS.view(4, 1)  # (N, K/32, 4, 8)
+    shifts = _TWO_BIT_SHIFTS.to(qweight.device).view(4, 1)  # a device's weights dequantized per call
+    groups = qweight.reshape(n, in_features // BLOCK, 1, BLOCK // 4) >> shifts  # (N, K/32, 4, 8)
     return (groups & 0x03).reshape(n, in_features)
 
 

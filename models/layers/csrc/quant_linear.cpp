@@ -1134,16 +1134,16 @@ __attribute__((always_inline)) inline void wide_group2(const Operands<S>& op, fl
       (half == 0 ? mn0 : mn1)[z] = mn;
     }
   }
-  // Pass 0: both sub-blocks (into dots and dots1); 1: the first alone; 2: the second alone, then the mins.
+  // Pass 0: both sub-blocks (sums[0] and sums[1]); 1: the first alone; 2: the second alone, then the mins.
   const auto pass = [&](auto which) {
     constexpr int kWhich = decltype(which)::value;
     constexpr bool kLow = kWhich != 2, kHigh = kWhich != 1;
-    __m512i dots[RM][RZ], dots1[kWhich == 0 ? RM : 1][RZ];
-    for (int r = 0; r < RM; ++r)
-      for (int z = 0; z < RZ; ++z) dots[r][z] = _mm512_setzero_si512();
-    if constexpr (kWhich == 0)
-      for (int r = 0; r < RM; ++r)
-        for (int z = 0; z < RZ; ++z) dots1[r][z] = _mm512_setzero_si512();
+    __m512i sums[kWhich == 0 ? 2 : 1][RM][RZ];
+    for (auto& part : sums)
+      for (auto& row : part)
+        for (auto& sum : row) sum = _mm512_setzero_si512();
+    auto& dots = sums[0];
+    auto& dots1 = sums[kWhich == 0 ? 1 : 0];
     for (int c = 0; c < 4; ++c) {
       __m512i q[4][RZ];
       for (int z = 0; z < RZ; ++z) {
@@ -1190,12 +1190,8 @@ __attribute__((always_inline)) inline void wide_group2(const Operands<S>& op, fl
     }
     __asm__("" : "+m"(acc));
   };
-  if constexpr (kOnePass) {
-    pass(std::integral_constant<int, 0>{});
-  } else {
-    pass(std::integral_constant<int, 1>{});
-    pass(std::integral_constant<int, 2>{});
-  }
+  if constexpr (kOnePass) pass(std::integral_constant<int, 0>{});
+  else pass(std::integral_constant<int, 1>{}), pass(std::integral_constant<int, 2>{});
 }
 
 // Rows m0 .. m0+RM, panels p0 .. p0+2*RZ: `tile`'s loop with a vector for each two panels. The high-bit
