@@ -179,7 +179,7 @@ def _q2_k(w: torch.Tensor) -> tuple:
 
 
 INT6 = "ours int6 (q6_k)"
-K_QUANTS = ("ours q4_k (sub-scales)", "ours q5_k (sub-scales)", "ours q2_k (sub-scales)")
+K_QUANTS = ("ours q4_k (sub-scales)", "ours q5_k (sub-scales)", "ours q2_k (sub-scales)", "ours iq4_xs (table)")
 # name -> (weight (N, K) float32 -> what the product keeps, (kept, x by K, bf16 x by K) -> product)
 COLUMNS = {
     "dense f32": (lambda w: w, lambda w, x, xb: F.linear(x[w.shape[1]], w)),
@@ -212,6 +212,14 @@ COLUMNS = {
         lambda w, x, xb: Q.quantized_linear(x[w[0].in_features], w[0], panels=w[1]),
     ),
     K_QUANTS[2]: (_q2_k, lambda w, x, xb: Q.quantized_linear(x[w[0].in_features], w[0], panels=w[1])),
+    "ours iq4_nl (table)": (
+        lambda w: _panels(Q.quantize_iq4(w)),
+        lambda w, x, xb: Q.quantized_linear(x[w[0].in_features], w[0], panels=w[1]),
+    ),
+    K_QUANTS[3]: (
+        lambda w: _panels(Q.quantize_iq4(w, Q.K_GROUP, sub_scales=True)),
+        lambda w, x, xb: Q.quantized_linear(x[w[0].in_features], w[0], panels=w[1]),
+    ),
     INT6: (
         lambda w: _panels(Q.quantize_int6(w)),
         lambda w, x, xb: Q.quantized_linear(x[w[0].in_features], w[0], panels=w[1]),

@@ -130,8 +130,12 @@ _ROPE_FREQS = "rope_freqs.weight"
 # weight for Q4_K's 4.5, 5.625 for Q5_K's 5.5; Q3_K's and Q6_K's int8 sc (per 16) in int6's groups.
 # Q3_K's q3 in [-4, 3] is int6's q - 32: served as int6, exact, 6.5625 bits a weight for its 3.4375.
 # Q2_K keeps its scale bytes (sc | mn << 4 per 16) behind each 32 values' 2-bit bytes: 2.625 bits, its own.
+# IQ4_NL and IQ4_XS keep their nibbles as indices into the IQ4 table (int4 through a table): IQ4_NL its fp16 d
+# per 32 (4.5 bits a weight, the file's), IQ4_XS its fp16 d per 256 and ls - 32 as an int8 per 32 (4.3125 for 4.25).
 EXACT_FORMATS = {
     GGMLQuantizationType.Q2_K: StoredFormat(2, 256, torch.float16, sub_scales=True),
+    GGMLQuantizationType.IQ4_NL: StoredFormat(4, 32, torch.float16, table=True),
+    GGMLQuantizationType.IQ4_XS: StoredFormat(4, 256, torch.float16, sub_scales=True, table=True),
     GGMLQuantizationType.Q3_K: StoredFormat(6, 256, torch.float16),
     GGMLQuantizationType.Q4_0: StoredFormat(4, 32, torch.float16),
     GGMLQuantizationType.Q4_1: StoredFormat(4, 32, torch.float16),
@@ -479,9 +483,10 @@ def serving_format(qtype: GGMLQuantizationType) -> StoredFormat | None:
     """The format that a tensor of this type is served in by `--quantization auto` (None: dense).
     Q2_K (int2 with its sub-scales), Q4_0/Q4_1/Q4_K (int4), Q5_0/Q5_1/Q5_K (int5: int4 plus a plane of high
     bits; the K-quants with their sub-scales), Q3_K and Q6_K (int6: int4 plus two planes of high bits and the
-    sub-scales; Q3_K's 3-bit values and 6-bit scales are a subset of Q6_K's) and Q8_0 (int8) are served as
-    stored, every weight the same number (EXACT_FORMATS). Types with no exact mapping are requantized from
-    their dequantized values: 5 bits and more (Q8_1, Q8_K) to int8, fewer (IQ*) to int4."""
+    sub-scales; Q3_K's 3-bit values and 6-bit scales are a subset of Q6_K's), Q8_0 (int8) and IQ4_NL, IQ4_XS
+    (int4 through their table) are served as stored, every weight the same number (EXACT_FORMATS). Types with
+    no exact mapping are requantized from their dequantized values: 5 bits and more (Q8_1, Q8_K) to int8,
+    fewer (the other IQ*) to int4."""
     if qtype in EXACT_FORMATS:
         return EXACT_FORMATS[qtype]
     if qtype in _DENSE_TYPES:
@@ -510,7 +515,10 @@ def quantized_weight(data: np.ndarray, qtype: GGMLQuantizationType, rows: int, c
         Q3_K  [hmask 32 bytes | qs 64 bytes | 12 bytes of 6-bit sc x 16 | d f16]
               16 sub-blocks of 16:                         w = d (sc - 32) q3, q3 in [-4, 3]
               -> int6 with q = q3 + 32 and sub-scale sc - 32
-    Q4_0/Q4_1 pack a block as we do (low nibbles: values 0-15), Q5_0/Q5_1 too with their qh
+        IQ4_NL [d f16 | 16 bytes]                          w = d IQ4[q]
+        IQ4_XS [d f16 | scales_h u16 | scales_l 4 bytes | 128 bytes]
+              8 sub-blocks of 32, 6-bit ls:                w = d (ls - 32) IQ4[q]
+    Q4_0/Q4_1/IQ4_NL/IQ4_XS pack 32 values as we do (low nibbles: values 0-15), Q5_0/Q5_1 too with their qh
     moved behind the nibbles; the K-quants pack two sub-blocks per 32 bytes (low nibbles: the
     first, high: the second) and are repacked.
     """
@@ -531,6 +539,19 @@ def quantized_weight(data: np.ndarray, qtype: GGMLQuantizationType, rows: int, c
         m = (d.astype(np.float32) * -8.0).astype(np.float16) if qtype == GGMLQuantizationType.Q4_0 else f16(2)
         qs = blocks[..., 2:] if qtype == GGMLQuantizationType.Q4_0 else blocks[..., 4:]
         return QuantizedWeight(4, tensor(qs.reshape(rows, cols // 2)), tensor(d), tensor(m), cols)
+    if qtype == GGMLQuantizationType.IQ4_NL:
+        return QuantizedWeight(
+            4, tensor(blocks[..., 2:].reshape(rows, cols // 2)), tensor(f16(0)), None, cols, table=True
+        )
+    if qtype == GGMLQuantizationType.IQ4_XS:
+        # gguf-py's own unpacking (quants.IQ4_XS): sub-block s's ls is nibble s % 2 of scales_l[s // 2], then
+        # bits 2s, 2s + 1 of scales_h as its bits 4, 5
+        high = np.ascontiguousarray(blocks[..., 2:4]).view(np.uint16)  # (rows, sb, 1)
+        high = (high >> np.arange(0, 16, 2, dtype=np.uint16)) & 3  # (rows, sb, 8)
+        low = (blocks[..., 4:8, None] >> np.array([0, 4], dtype=np.uint8)) & 0x0F  # (rows, sb, 4, 2)
+        sc = (low.reshape(rows, -1, 8) | (high.astype(np.uint8) << 4)).astype(np.int8) - np.int8(32)
+        packed = with_sub_scales(tensor(blocks[..., 8:]), tensor(sc.reshape(rows, -1)), None)
+        return QuantizedWeight(4, packed, tensor(f16(0)), None, cols, sub_scales=True, table=True)
     if qtype == GGMLQuantizationType.Q4_K:
         sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(blocks[..., 4:16]).reshape(-1, 12))  # (rows * sb, 8)
         qs = blocks[..., 16:].reshape(rows, -1, 4, 1, 32)  # 4 pairs of sub-blocks of 32 bytes

@@ -278,7 +278,7 @@ class LlamaDecoderLayer(DecoderLayer):
             scales = linear.get_parameter("scales")
             weights += [linear.get_parameter("qweight"), scales, getattr(linear, "mins", None), linear.bias]
             info += [
-                method.bits,
+                method.kernel_bits,
                 linear.in_features // scales.shape[1],
                 linear.out_features,
                 int(getattr(linear, "min_per_scale")),

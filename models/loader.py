@@ -106,8 +106,11 @@ def choose_methods(quantization: str, stored: Callable[[str], StoredFormat | Non
         formats = [f for f in found if f is not None]
         if len(formats) < len(found):
             return DENSE  # a merged layer with a dense part stays dense
-        if len(set(formats)) == 1 and formats[0].sub_scales:  # Q2_K, Q4_K or Q5_K parts alone: as stored
-            return method_for(formats[0].bits, formats[0].group_size, in_features, formats[0].scale_dtype, True)
+        if len(set(formats)) == 1 and (formats[0].sub_scales or formats[0].table):  # Q2_K, K-quant or IQ4 parts alone
+            f = formats[0]
+            return method_for(f.bits, f.group_size, in_features, f.scale_dtype, f.sub_scales, f.table)
+        if all(f.table for f in formats):  # IQ4_XS beside IQ4_NL: both through the table, XS's d * (ls - 32) in float32
+            return method_for(4, 32, in_features, torch.float32, table=True)
         bits = max(f.bits for f in formats)
         if (bits == 6 or min(f.bits for f in formats) == 2) and len(set(formats)) > 1:
             # a Q6_K part with other types (Q4_K q/k, Q6_K v): int8 for all; int6 is Q6_K's alone. A Q2_K part's

@@ -19,6 +19,10 @@ model files never branch on it:
     int2 with     qweight (N, K/32 * 10) uint8: 8 bytes of 2-bit values,   w = s sc q + m mn
     sub-scales    then Q2_K's two scale bytes sc | mn << 4 (values 0..15,  (sc, mn per 16)
                   16..31); scales, mins (N, K/G) float16, G = 256 (d, -dmin)
+    int4 through  qweight as int4's (IQ4_XS: each group's 16 bytes, then   w = s sc IQ4[q]
+    a table       its int8 sc = ls - 32); scales (N, K/G) float16, G = 32
+                  (IQ4_NL's d; sc 1) or 256 (IQ4_XS's d); IQ4 = IQ4_VALUES,
+                  a fixed int8 codebook; no mins
     (QuantMethod) scales and mins float32, or float16 where a GGUF stores them so (a sixth
                   fewer bytes to read per 4-bit weight)
 
@@ -86,21 +90,27 @@ _PANEL_GROUP_BYTES = {bits: PANEL * size for bits, size in _GROUP_BYTES.items()}
 INT6_GROUP = 256  # int6's scale (Q6_K's d) covers 256 values
 K_GROUP = 256  # a K-quant's super-block: its d and dmin cover 256 values
 _SUB_SCALE_BYTES = 2  # a K-quant group's uint8 sub-scale and sub-min, behind its value bytes
+# IQ4_NL's and IQ4_XS's codebook (gguf-py's quants.IQ4_NL.kvalues): w = scale * IQ4_VALUES[q]
+IQ4_VALUES = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=torch.int8)
+TABLE_KIND = 0x200  # quant_linear's `bits` for 4-bit indices into IQ4_VALUES: 4 | TABLE_KIND
 
 
-def group_bytes(bits: int, sub_scales: bool = False) -> int:
-    """A stored row's bytes per 32 values (with `sub_scales`: the group's sc and mn behind them)."""
-    return _GROUP_BYTES[bits] + (_SUB_SCALE_BYTES if sub_scales else 0)
+def group_bytes(bits: int, sub_scales: bool = False, table: bool = False) -> int:
+    """A stored row's bytes per 32 values (with `sub_scales`: the group's sc and mn behind them; through
+    the `table`, IQ4_XS's one int8 sc)."""
+    return _GROUP_BYTES[bits] + ((1 if table else _SUB_SCALE_BYTES) if sub_scales else 0)
 
 
 class StoredFormat(NamedTuple):
     """How a checkpoint tensor is kept: `bits`, the scales' `group_size` and dtype, and for 4 and 5
-    bits whether each group of 32 carries its K-quant sub-scale and sub-min (`sub_scales`)."""
+    bits whether each group of 32 carries its K-quant sub-scale and sub-min (`sub_scales`); for 4 bits
+    whether its values index IQ4_VALUES (`table`: IQ4_NL, IQ4_XS with its int8 sub-scale)."""
 
     bits: int
     group_size: int
     scale_dtype: torch.dtype
     sub_scales: bool = False
+    table: bool = False
 
 
 @dataclass
@@ -120,6 +130,9 @@ class QuantizedWeight:
     # sub-scale and sub-min), scales and mins are the super-block's d and -dmin: w = d sc q + (-dmin) mn;
     # 2 bits (Q2_K): the two bytes are its scale bytes sc | mn << 4 of each 16 values
     sub_scales: bool = False
+    # 4 bits (IQ4_NL, IQ4_XS as stored): q indexes IQ4_VALUES, no mins; with sub_scales each group's 16
+    # bytes end in its int8 ls - 32 (IQ4_XS), scales the fp16 d per 256: w = d (ls - 32) IQ4_VALUES[q]
+    table: bool = False
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -132,7 +145,7 @@ class QuantizedWeight:
     def rows(self, index: torch.Tensor | slice) -> QuantizedWeight:
         mins = None if self.mins is None else self.mins[index]
         return QuantizedWeight(
-            self.bits, self.qweight[index], self.scales[index], mins, self.in_features, self.sub_scales
+            self.bits, self.qweight[index], self.scales[index], mins, self.in_features, self.sub_scales, self.table
         )
 
     def without_sub_scales(self) -> QuantizedWeight:
@@ -140,8 +153,11 @@ class QuantizedWeight:
         (11 by 6 significant bits): the form a K-quant part takes in a layer of other types."""
         if not self.sub_scales:
             return self
-        values, sc, mn = split_sub_scales(self.qweight, self.bits, self.in_features)
+        values, sc, mn = split_sub_scales(self.qweight, self.bits, self.in_features, self.table)
         per_group = self.group_size // BLOCK
+        if self.table:  # IQ4_XS: d * (ls - 32), exact (11 by 5 significant bits), as gguf-py's
+            scales = self.scales.float().repeat_interleave(per_group, dim=1) * sc.view(torch.int8).float()
+            return QuantizedWeight(self.bits, values, scales, None, self.in_features, table=True)
         scales = self.scales.float().repeat_interleave(per_group, dim=1) * sc.float()  # (N, K/32)
         assert self.mins is not None
         mins = self.mins.float().repeat_interleave(per_group, dim=1) * mn.float()
@@ -164,7 +180,7 @@ class QuantizedWeight:
                 f"{part.start}..{part.stop} cuts its quantization groups of {g}; choose a tensor parallel "
                 f"size that divides {self.in_features // g} groups, or load it with --quantization none"
             )
-        size = group_bytes(self.bits, self.sub_scales)  # a row's bytes per 32 values
+        size = group_bytes(self.bits, self.sub_scales, self.table)  # a row's bytes per 32 values
         groups = slice(part.start // g, part.stop // g)
         return QuantizedWeight(
             self.bits,
@@ -173,12 +189,24 @@ class QuantizedWeight:
             None if self.mins is None else self.mins[:, groups],
             part.stop - part.start,
             self.sub_scales,
+            self.table,
         )
+
+    def as_int8(self) -> QuantizedWeight:
+        """A table form's numbers as int8 in groups of 32, exactly: each q through IQ4_VALUES, the scale d
+        (IQ4_XS: d * (ls - 32) in float32). The form an IQ4 part takes in an int8 layer."""
+        plain = self.without_sub_scales()
+        values = IQ4_VALUES[unpack_int4(plain.qweight, plain.in_features).long()]
+        return QuantizedWeight(8, values, plain.scales, None, plain.in_features)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if self.bits == 2:
             return dequantize_int2(self.qweight, self.scales, self.mins, self.in_features).to(dtype)
         qw = self.without_sub_scales()  # d * sc q + (-dmin) mn: gguf-py's d * sc * q - dmin * mn, bit for bit
+        if qw.table:  # gguf-py's (d or d * (ls - 32)) * float(IQ4_VALUES[q]), bit for bit
+            n, groups = qw.scales.shape
+            values = IQ4_VALUES[unpack_int4(qw.qweight, qw.in_features).long()].float().view(n, groups, -1)
+            return (qw.scales.float().unsqueeze(-1) * values).view(n, qw.in_features).to(dtype)
         return dequantize(qw.bits, qw.qweight, qw.scales, qw.mins, qw.in_features).to(dtype)
 
 
@@ -287,24 +315,25 @@ def dequantize_int2(
     return (q * step.unsqueeze(-1) + low.unsqueeze(-1)).view(n, in_features)
 
 
-def with_sub_scales(qweight: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
+def with_sub_scales(qweight: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor | None) -> torch.Tensor:
     """(N, K/32 * B) stored values and (N, K/32) uint8 sc, mn -> (N, K/32 * (B + 2)): each group's
-    B bytes, then its sc and mn."""
+    B bytes, then its sc and mn (no mn: IQ4_XS's sc alone, B + 1)."""
     n, groups = sc.shape
-    parts = (
-        qweight.reshape(n, groups, -1),
-        sc.to(torch.uint8).view(n, groups, 1),
-        mn.to(torch.uint8).view(n, groups, 1),
-    )
+    sc = sc.view(torch.uint8) if sc.dtype == torch.int8 else sc.to(torch.uint8)  # IQ4_XS's int8 as its byte
+    parts = [qweight.reshape(n, groups, -1), sc.view(n, groups, 1)]
+    if mn is not None:
+        parts.append(mn.to(torch.uint8).view(n, groups, 1))
     return torch.cat(parts, dim=-1).reshape(n, -1)
 
 
-def split_sub_scales(qweight: torch.Tensor, bits: int, in_features: int) -> tuple[torch.Tensor, ...]:
-    """The inverse of with_sub_scales: (values (N, K/32 * B), sc (N, K/32), mn (N, K/32))."""
+def split_sub_scales(
+    qweight: torch.Tensor, bits: int, in_features: int, table: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The inverse of with_sub_scales: (values (N, K/32 * B), sc (N, K/32), mn (N, K/32) or None)."""
     n = qweight.shape[0]
-    groups = qweight.reshape(n, in_features // BLOCK, group_bytes(bits, True))
+    groups = qweight.reshape(n, in_features // BLOCK, group_bytes(bits, True, table))
     size = _GROUP_BYTES[bits]
-    return groups[..., :size].reshape(n, -1), groups[..., size], groups[..., size + 1]
+    return groups[..., :size].reshape(n, -1), groups[..., size], None if table else groups[..., size + 1]
 
 
 def unpack(bits: int, qweight: torch.Tensor, in_features: int) -> torch.Tensor:
@@ -408,9 +437,10 @@ def _to_panels(qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.T
     stored = _pad_rows(qw.qweight, padded)
     k_factors = None
     if qw.sub_scales:  # (P, nb, 16): the 8 columns' sc, then their mn, behind the panel group's values
-        stored, sc, mn = split_sub_scales(stored, qw.bits, k)
-        k_factors = torch.stack((sc, mn), dim=-1).view(padded // PANEL, PANEL, nb, 2).permute(0, 2, 3, 1)
-        k_factors = k_factors.reshape(padded // PANEL, nb, 2 * PANEL)
+        stored, sc, mn = split_sub_scales(stored, qw.bits, k, qw.table)
+        both = (sc,) if mn is None else (sc, mn)  # IQ4_XS: (P, nb, 8), the sc alone
+        k_factors = torch.stack(both, dim=-1).view(padded // PANEL, PANEL, nb, len(both)).permute(0, 2, 3, 1)
+        k_factors = k_factors.reshape(padded // PANEL, nb, len(both) * PANEL)
     if qw.bits == 6:
         groups = stored.view(padded, nb, _GROUP_BYTES[6])
         stored = groups[..., : BLOCK // 2].reshape(padded, -1)
@@ -446,9 +476,17 @@ def panel_rows(
     mins: torch.Tensor | None,
     rows: torch.Tensor,
     sub_scales: bool = False,
+    table: bool = False,
 ) -> QuantizedWeight:
     """Rows `rows` (output columns) of panelled weights, back in the stored layout."""
     panels, nb, _ = qweight.shape
+    if sub_scales and table:  # IQ4_XS: the values as IQ4_NL's, then each row's sc from the last 8 bytes
+        own = qweight[rows // PANEL]  # (R, nb, bytes)
+        lane, r = rows % PANEL, torch.arange(rows.numel())
+        values = panel_rows(bits, own[..., :-PANEL], scales[rows // PANEL], None, r * PANEL + lane)
+        sc = own[..., -PANEL:][r, :, lane]  # (R, nb)
+        packed = with_sub_scales(values.qweight, sc, None)
+        return QuantizedWeight(bits, packed, values.scales, None, values.in_features, True, True)
     if sub_scales:  # the values as without, then each row's sc and mn from the panel group's last 16 bytes
         # The rows' own panels first (row i in panel i), so that cutting off the sc and mn copies only those:
         # an embedding lookup reads a few rows of a large table.
@@ -481,7 +519,7 @@ def panel_rows(
     def lanes(factors: torch.Tensor | None) -> torch.Tensor | None:  # (P, S, 8) -> (len(rows), S)
         return None if factors is None else factors[panel, :, lane]
 
-    return QuantizedWeight(bits, q.reshape(rows.numel(), -1), lanes(scales), lanes(mins), nb * BLOCK)
+    return QuantizedWeight(bits, q.reshape(rows.numel(), -1), lanes(scales), lanes(mins), nb * BLOCK, table=table)
 
 
 def quantized_linear(
@@ -490,7 +528,8 @@ def quantized_linear(
     """x W^T (+ bias) on the CPU kernel, from `qw` or its `to_panels(qw)` (tests, benchmarks:
     a model's layers go through QuantMethod)."""
     qweight, scales, mins = panels if panels is not None else to_panels(qw)
-    return cpu_kernels.quant_linear(x, qweight, scales, mins, bias, qw.bits, qw.group_size, qw.shape[0], 0.0)
+    bits = qw.bits | (TABLE_KIND if qw.table else 0)
+    return cpu_kernels.quant_linear(x, qweight, scales, mins, bias, bits, qw.group_size, qw.shape[0], 0.0)
 
 
 def quantize_int8(weight: torch.Tensor, group_size: int | None = None) -> QuantizedWeight:
@@ -537,6 +576,31 @@ def quantize_k(weight: torch.Tensor, group_size: int = K_GROUP, bits: int = 4) -
     values = pack_int4(q) if bits == 4 else pack_int5(q)
     packed = with_sub_scales(values, sc.to(torch.uint8).view(n, -1), mn.to(torch.uint8).view(n, -1))
     return QuantizedWeight(bits, packed, d.contiguous(), (-dmin).contiguous(), k, True)
+
+
+def quantize_iq4(weight: torch.Tensor, group_size: int = BLOCK, sub_scales: bool = False) -> QuantizedWeight:
+    """Round to nearest in IQ4_NL's form (fp16 d per 32, d = the group's largest-|w| value / -127) or with
+    `sub_scales` IQ4_XS's (each 32's step an int8 multiple ls - 32 in [-32, 31] of an fp16 d per
+    `group_size`), then each q the nearest of the table's 16 values times the group's factor."""
+    n, k = weight.shape
+    w = weight.detach().float().view(n, k // group_size, group_size // BLOCK, BLOCK)  # (N, K/G, G/32, 32)
+    peak = w.gather(-1, w.abs().argmax(dim=-1, keepdim=True)).squeeze(-1)  # (N, K/G, G/32)
+    step = peak / -127
+    if sub_scales:
+        d = (step.abs().amax(dim=-1) / 32).half()  # (N, K/G)
+        sc = torch.round(step / torch.where(d == 0, 1.0, d.float()).unsqueeze(-1)).clamp(-32, 31)
+        factor = d.float().unsqueeze(-1) * sc  # exact, as the kernel's
+    else:
+        d = step.half().view(n, -1)
+        factor = d.float().view(step.shape)
+    # the nearest table value to w / factor (|w - f t| = |f| |w / f - t|): between the sorted values' midpoints
+    table = IQ4_VALUES.float()
+    ratio = w / torch.where(factor == 0, 1.0, factor).unsqueeze(-1)
+    q = torch.bucketize(ratio, (table[1:] + table[:-1]) / 2).view(n, k)
+    values = pack_int4(q)
+    if sub_scales:
+        values = with_sub_scales(values, sc.to(torch.int8).view(n, -1), None)
+    return QuantizedWeight(4, values, d.contiguous(), None, k, sub_scales, table=True)
 
 
 def quantize_int6(weight: torch.Tensor, group_size: int = INT6_GROUP) -> QuantizedWeight:
@@ -667,7 +731,8 @@ class QuantMethod(LinearMethod):
     """Int8 (`bits=8`, symmetric), int4 or int5 (`bits=4`, `bits=5`: scale + min; with `sub_scales`,
     Q4_K's or Q5_K's d and -dmin per group and uint8 sc, mn per 32), int6 (`bits=6`: Q6_K's d per 256
     and int8 sub-scales per 16), int2 (`bits=2`, with `sub_scales` only: Q2_K's d, -dmin per group and
-    4-bit sc, mn per 16) weights in groups along K."""
+    4-bit sc, mn per 16) weights in groups along K; `table`: 4 bits indexing IQ4_VALUES, symmetric
+    (IQ4_NL's d per 32; with `sub_scales` IQ4_XS's d per 256 and int8 ls - 32 per 32)."""
 
     def __init__(
         self,
@@ -676,6 +741,7 @@ class QuantMethod(LinearMethod):
         quantize_input: bool = True,
         scale_dtype: torch.dtype = torch.float32,
         sub_scales: bool = False,
+        table: bool = False,
     ):
         if bits not in BITS:
             raise ValueError(f"bits must be 2, 4, 5, 6 or 8, got {bits}")
@@ -685,7 +751,10 @@ class QuantMethod(LinearMethod):
             raise ValueError("sub_scales are for 2, 4 or 5 bits in groups of a multiple of 32 (a K-quant's d per 256)")
         if bits == 2 and not sub_scales:
             raise ValueError("2 bits are Q2_K's, with its sub-scales")
+        if table and bits != 4:
+            raise ValueError("table is for 4 bits (IQ4_NL, IQ4_XS)")
         self.bits = bits
+        self.table = table  # IQ4_NL / IQ4_XS as stored: q indexes IQ4_VALUES, no mins
         self.sub_scales = sub_scales  # Q4_K / Q5_K as stored: d, -dmin per group, sc and mn per 32 in the bytes
         self.group_size = group_size  # None: one group per row (int8 per channel)
         self.scale_dtype = scale_dtype
@@ -693,17 +762,19 @@ class QuantMethod(LinearMethod):
         # (csrc/quant_linear.cpp says why int16, not llama.cpp's int8); else the reference,
         # F.linear over the dequantized weight.
         self.quantize_input = quantize_input
-        self.name = f"int{bits}" + ("-k" if sub_scales else "")
+        self.name = ("iq4" if table else f"int{bits}") + ("-xs" if table and sub_scales else "-k" if sub_scales else "")
+        # quant_linear's `bits`: the table's values are told from int4's by a flag, not by their bytes
+        self.kernel_bits = bits | (TABLE_KIND if table else 0)
 
     @property
     def has_mins(self) -> bool:
-        return self.bits in (2, 4, 5)
+        return self.bits in (2, 4, 5) and not self.table
 
     def _groups(self, in_features: int) -> int:
         return in_features // (self.group_size or in_features)
 
     def create_weights(self, layer, out_features, in_features):
-        cols = in_features // BLOCK * group_bytes(self.bits, self.sub_scales)
+        cols = in_features // BLOCK * group_bytes(self.bits, self.sub_scales, self.table)
         qdtype = torch.int8 if self.bits == 8 else torch.uint8
         layer.qweight = nn.Parameter(torch.empty(out_features, cols, dtype=qdtype), requires_grad=False)
         groups = self._groups(in_features)
@@ -718,8 +789,10 @@ class QuantMethod(LinearMethod):
             mins = layer.scales * layer.min_per_scale  # exact: a power of two
         if getattr(layer, "panelled", False):
             rows = torch.arange(layer.out_features) if rows is None else rows
-            return panel_rows(self.bits, layer.qweight, layer.scales, mins, rows, self.sub_scales)
-        weight = QuantizedWeight(self.bits, layer.qweight, layer.scales, mins, layer.in_features, self.sub_scales)
+            return panel_rows(self.bits, layer.qweight, layer.scales, mins, rows, self.sub_scales, self.table)
+        weight = QuantizedWeight(
+            self.bits, layer.qweight, layer.scales, mins, layer.in_features, self.sub_scales, self.table
+        )
         return weight if rows is None else weight.rows(rows)
 
     def process_weights_after_loading(self, layer) -> bool:
@@ -763,7 +836,7 @@ class QuantMethod(LinearMethod):
                 layer.scales,
                 layer.mins if self.has_mins else None,
                 bias,
-                self.bits,
+                self.kernel_bits,
                 layer.in_features // layer.scales.shape[1],
                 layer.out_features,
                 layer.min_per_scale,
@@ -787,7 +860,7 @@ class QuantMethod(LinearMethod):
                 layer.scales,
                 layer.mins if self.has_mins else None,
                 bias,
-                self.bits,
+                self.kernel_bits,
                 layer.in_features // layer.scales.shape[1],
                 layer.out_features,
                 layer.min_per_scale,
@@ -799,11 +872,19 @@ class QuantMethod(LinearMethod):
             raise RuntimeError(f"tensor {name!r}: the layer's weights are already reordered for the CPU kernel")
         expected = (len(range(*rows.indices(layer.out_features))), layer.in_features)
         _check_shape_of(tuple(weight.shape), expected, name)
-        if isinstance(weight, QuantizedWeight) and weight.sub_scales and not self.sub_scales and weight.bits != 2:
+        if (
+            isinstance(weight, QuantizedWeight)
+            and weight.sub_scales
+            and not self.sub_scales
+            and weight.bits != 2
+            and weight.table == self.table
+        ):
             # a K-quant part of a layer of other types (or of --quantization int4): exactly, float32 factors
             # (Q2_K's per-16 mins have no such form: requantized below)
             weight = weight.without_sub_scales()
-        if isinstance(weight, QuantizedWeight) and weight.bits == 4 and self.bits == 5:
+        if isinstance(weight, QuantizedWeight) and weight.table and self.bits == 8 and self.group_size == BLOCK:
+            weight = weight.as_int8()  # exactly: the table's values are int8's
+        if isinstance(weight, QuantizedWeight) and weight.bits == 4 and self.bits == 5 and not weight.table:
             # exactly: the same numbers with the high bits 0 (a merged layer of Q4 and Q5 parts)
             weight = QuantizedWeight(
                 5,
@@ -827,12 +908,15 @@ class QuantMethod(LinearMethod):
         return (
             weight.bits == self.bits
             and weight.sub_scales == self.sub_scales
+            and weight.table == self.table
             and weight.in_features == in_features
             and weight.scales.shape[1] == self._groups(in_features)
             and (weight.scales.dtype == self.scale_dtype or self.scale_dtype == torch.float32)
         )
 
     def quantize(self, weight: torch.Tensor) -> QuantizedWeight:
+        if self.table:
+            return quantize_iq4(weight, self.group_size or BLOCK, self.sub_scales)
         if self.bits == 8:
             return quantize_int8(weight, self.group_size)
         if self.bits == 6:
@@ -868,16 +952,22 @@ def method_for(
     in_features: int,
     scale_dtype: torch.dtype = torch.float32,
     sub_scales: bool = False,
+    table: bool = False,
 ) -> LinearMethod:
     """The method for a layer of `in_features` inputs: quantized when the format fits, else dense.
-    A K-quant's super-blocks that do not fit (a tensor-parallel share) fall back to its groups of 32."""
+    A K-quant's (IQ4_XS's) super-blocks that do not fit (a tensor-parallel share) fall back to its groups
+    of 32."""
     if bits is None:
         return DENSE
     if sub_scales:
         g = group_size or K_GROUP
         if in_features % g == 0:
-            return QuantMethod(bits, g, scale_dtype=scale_dtype, sub_scales=True)
-        return method_for(8 if bits == 2 else bits, BLOCK, in_features)  # Q2_K's per-16 mins: int8
+            return QuantMethod(bits, g, scale_dtype=scale_dtype, sub_scales=True, table=table)
+        if bits == 2:
+            return method_for(8, BLOCK, in_features)  # Q2_K's per-16 mins: int8
+        return method_for(bits, BLOCK, in_features, table=table)
+    if table:
+        return QuantMethod(bits, BLOCK, scale_dtype=scale_dtype, table=True) if in_features % BLOCK == 0 else DENSE
     g = group_size if group_size is not None else (None if bits == 8 else INT6_GROUP if bits == 6 else BLOCK)
     if in_features % BLOCK or (g is not None and (g % BLOCK or in_features % g)):
         return DENSE

@@ -143,12 +143,15 @@ def test_merged_layers_keep_the_form_alone_and_exact_beside_other_types(kq):
 
 def _layers(kq: KQuant, qw: Q.QuantizedWeight, n: int, k: int) -> tuple[Linear, Linear]:
     """(qw as stored, qw with its factors multiplied out into float32 ones), both with a bias."""
+    stored = Q.QuantMethod(kq.bits, 256, scale_dtype=torch.float16, sub_scales=True)
+    return biased_layers(n, k, ((stored, qw), (Q.QuantMethod(kq.bits, 32), qw.without_sub_scales())))
+
+
+def biased_layers(n: int, k: int, pairs) -> tuple[Linear, Linear]:
+    """Two (k -> n) layers of (method, weight) pairs, with the same random bias."""
     bias = torch.randn(n, generator=torch.Generator().manual_seed(n))
     layers = []
-    for method, weight in (
-        (Q.QuantMethod(kq.bits, 256, scale_dtype=torch.float16, sub_scales=True), qw),
-        (Q.QuantMethod(kq.bits, 32), qw.without_sub_scales()),
-    ):
+    for method, weight in pairs:
         layer = Linear(k, n, bias=True)
         layer.set_quant_method(method)
         layer.load_weight(weight, "w")
@@ -158,29 +161,33 @@ def _layers(kq: KQuant, qw: Q.QuantizedWeight, n: int, k: int) -> tuple[Linear, 
     return layers[0], layers[1]
 
 
-# The check, in this process for the build loaded here and in a subprocess for the others (PAGEDSERVE_CPU_ISA).
+# The check, in this process for the build loaded here and in a subprocess for the others (PAGEDSERVE_CPU_ISA):
+# module.build_failures(name) of the test module named.
 CHECK = """
-import os, sys, torch
+import importlib, os, sys, torch
 sys.path.insert(0, os.getcwd())
-from tests.models.test_k_quants_as_stored import KQUANTS, bit_identity_failures
 from models.layers import cpu_kernels
-failures = bit_identity_failures(KQUANTS[sys.argv[1]])
+failures = importlib.import_module(sys.argv[1]).build_failures(sys.argv[2])
 print("BUILD", cpu_kernels.loaded_target())  # loaded by the first product
 print("FAILURES", failures)
 """
 
 
-def bit_identity_failures(kq: KQuant) -> list:
-    """Cases where the form with sub-scales differs in any bit from the float32-factor one, or a row's result
-    from that row alone: rows 1..70 (every tile shape and edge: decodes, `tile`'s 4-row tiles, AVX2's 4 x 2
-    and sliced 4 x 3 tiles for 4 bits, AVX-512's 6 x 3 and 8 x 2 wide tiles), 1-3 threads, wide tiles on and
-    off, and the fused silu."""
+def build_failures(name: str) -> list:
+    return bit_identity_failures(KQUANTS[name])
+
+
+def bit_identity_failures(kq, blocks=k_blocks, layers=_layers) -> list:
+    """Cases where the form as stored differs in any bit from its reference form (`layers`: here the
+    float32-factor one), or a row's result from that row alone: rows 1..70 (every tile shape and edge:
+    decodes, `tile`'s 4-row tiles, AVX2's 4 x 2 and sliced 4 x 3 tiles for 4 bits, AVX-512's 6 x 3 and 8 x 2
+    wide tiles), 1-3 threads, wide tiles on and off, and the fused silu."""
     failures = []
     threads = torch.get_num_threads()
     try:
         for n, k in ((37, 768), (208, 512), (16, 2304)):
-            qw = quantized_weight(k_blocks(kq.qtype, n, k, seed=k), kq.qtype, n, k)
-            stored, plain = _layers(kq, qw, n, k)
+            qw = quantized_weight(blocks(kq.qtype, n, k, seed=k), kq.qtype, n, k)
+            stored, plain = layers(kq, qw, n, k)
             x = torch.randn(70, k, generator=torch.Generator().manual_seed(k)) * 3
             x[0, 5] = 70.0
             for wide in ("1", "0"):
@@ -218,10 +225,15 @@ def test_product_is_bit_identical_to_the_multiplied_out_form(kq):
 def test_product_is_bit_identical_on_the_other_builds(kq, target):
     """AVX2 (4 bits: its assembly 4 x 3 tiles, the factors made per group, then read as float32 ones; 5 bits:
     `tile`) and the plain C++ build (builds the target where it is not built yet: minutes)."""
+    assert_no_failures_on_build("tests.models.test_k_quants_as_stored", kq.name, target)
+
+
+def assert_no_failures_on_build(module: str, name: str, target: str) -> None:
+    """`module`.build_failures(`name`) is empty on the `target` build, in a subprocess."""
     if target not in {t.name for t in cpu_isa.supported(cpu_isa.read_cpu_flags())}:
         pytest.skip(f"this CPU does not run the {target} build")
     env = {**os.environ, "PAGEDSERVE_CPU_ISA": target}
-    command = [sys.executable, "-c", CHECK, kq.name]
+    command = [sys.executable, "-c", CHECK, module, name]
     out = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"BUILD {target}" in out.stdout, out.stdout + out.stderr[-3000:]

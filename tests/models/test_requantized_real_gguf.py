@@ -4,8 +4,8 @@ the Qwen2.5 Coder 0.5B Q4_K_M file, one a file type: every tensor of a type we s
 transformers' float32 on the same file (test_qwen_gguf's reference, computed here from the file).
 
 Qwen 0.5B's hidden size (896) is no multiple of 256, so llama.cpp stores its 896-column tensors in
-its fallback types (Q2_K, Q3_K -> IQ4_NL; Q4_K -> Q5_0; Q5_K -> Q5_1; Q6_K -> Q8_0): the K-quant
-itself is in the 4864-column `ffn_down` (and the embedding where the type's rules put it there).
+its fallback types (Q2_K, Q3_K -> Q4_0; IQ4_XS -> IQ4_NL; Q4_K -> Q5_0; Q5_K -> Q5_1; Q6_K -> Q8_0): the K-quant
+(or IQ4_XS) itself is in the 4864-column `ffn_down` (and the embedding where the type's rules put it there).
 The requantized files are kept under the cache (~/.cache/pagedserve/requantized/): reruns are cheap.
 """
 
@@ -43,6 +43,8 @@ FILE_TYPES = {
     "Q5_K_M": "Q5_K",
     "Q5_1": "Q5_1",
     "Q6_K": "Q6_K",
+    "IQ4_NL": "IQ4_NL",
+    "IQ4_XS": "IQ4_XS",
 }
 
 
@@ -98,7 +100,13 @@ def served_as_stored(path: Path, loaded) -> tuple[Counter, dict[str, str]]:
             rows = layer.shard_rows(shard)
         qtype, method = tensor.tensor_type, layer.quant_method
         fmt = serving_format(qtype)
-        if qtype not in EXACT_FORMATS or getattr(method, "bits", None) not in (fmt[0], 5 if fmt[0] == 4 else None):
+        # a table type (IQ4_NL, IQ4_XS) is exact only through the table (int4's or int5's values are not its)
+        same_kind = getattr(method, "table", False) == fmt.table
+        if (
+            qtype not in EXACT_FORMATS
+            or not same_kind
+            or getattr(method, "bits", None) not in (fmt[0], 5 if fmt[0] == 4 else None)
+        ):
             requantized[tensor.name] = f"{qtype.name} -> {method.name}"
             continue
         n, k = (int(d) for d in reversed(tensor.shape))

@@ -1,6 +1,6 @@
 // Weight-only quantized linear layers: y = x W^T (+ bias) with W stored in 4, 5, 6 or 8 bits.
 //
-// Weights come in groups of 32 along K (a GGUF Q2_K/Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q5_K/Q6_K/Q8_0 block, or
+// Weights come in groups of 32 along K (a GGUF Q2_K/Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q5_K/Q6_K/Q8_0/IQ4_NL/IQ4_XS block, or
 // what models/layers/quantization.py makes from a dense checkpoint), each with a float scale
 // and, for asymmetric 4 and 5 bits, a float min:
 //
@@ -95,6 +95,14 @@
 // each row's bits its own still. `tile` runs it on every build, and AVX-512 VNNI's wide tiles (wide_group2);
 // AVX2's assembly is 4 bits only.
 //
+// 4 bits through a table (IQ4_NL, IQ4_XS: w = scale * kIQ4Values[q], a fixed non-linear int8 codebook) are
+// the 4-bit group's 8 chunks as they are; widening maps each nibble through the 16-entry table (a byte
+// shuffle, then the sign extension) to int8 values, and the rest is 8 bits' arithmetic: symmetric, no min,
+// |a group's sum| <= 32 * 127 * 32767 < 2^31. IQ4_NL's scale is its fp16 d per 32 (128 bytes a group, 4.5
+// bits a weight, the file's own); IQ4_XS's is its fp16 d per 256 times the group's signed sub-scale ls - 32,
+// an int8 behind the chunks (8 bytes: the 8 columns'; 136 bytes a group, with d 4.3125 bits a weight for the
+// file's 4.25), made d * float(ls - 32) in the float step, exact (11 by 5 significant bits).
+//
 // Determinism: every output element runs the same instruction sequence, group by group in
 // order, whatever tile it falls in, however many rows the step has and whichever thread
 // computes it: the integer dot is exact, and no float sum is ever split. A row's result
@@ -125,6 +133,8 @@ constexpr int64_t kBlock = 32;  // values per quantization block of weights and 
 constexpr int kLanes = 8;       // output columns per panel
 constexpr int kPrefetchGroups = 24;  // how far ahead a tile's stream is prefetched
 constexpr int kBalancedPanels = 24;  // a one-row-block step's panels per task, about
+// IQ4_NL's and IQ4_XS's codebook (ggml's kvalues_iq4nl): 4-bit index -> int8 value.
+alignas(16) constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 // f(0) .. f(n - 1) on the thread team, each task claimed by whichever thread is free next, in order: a thread
 // held up (the event loop shares its core) or given the larger share no longer keeps the other idle for the
@@ -241,6 +251,13 @@ struct Isa {
   static W widen_s8(const uint8_t* p) {
     return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
+  // A 4-bit chunk's low and high nibbles through kIQ4Values (a byte shuffle each), widened with the sign.
+  static void widen_table(const uint8_t* p, W& lo, W& hi) {
+    const __m128i both = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i table = _mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Values)), nibble = _mm_set1_epi8(0x0F);
+    lo = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(table, _mm_and_si128(both, nibble)));
+    hi = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(both, 4), nibble)));
+  }
   static W low_nibbles(W w) { return _mm256_and_si256(w, _mm256_set1_epi16(0x0F)); }
   static W high_nibbles(W w) { return _mm256_srli_epi16(w, 4); }
   static W bit4(W w) { return _mm256_and_si256(w, _mm256_set1_epi16(0x10)); }
@@ -332,6 +349,9 @@ struct Isa {  // plain C++: the same lane arithmetic, one lane at a time
   static W widen_u8(const uint8_t* p) { W w; for (int j = 0; j < 2 * kLanes; ++j) w.v[j] = p[j]; return w; }
   static W widen_s8(const uint8_t* p) {
     W w; for (int j = 0; j < 2 * kLanes; ++j) w.v[j] = static_cast<int8_t>(p[j]); return w;
+  }
+  static void widen_table(const uint8_t* p, W& lo, W& hi) {
+    for (int j = 0; j < 2 * kLanes; ++j) lo.v[j] = kIQ4Values[p[j] & 0x0F], hi.v[j] = kIQ4Values[p[j] >> 4];
   }
   static W low_nibbles(W w) { for (auto& e : w.v) e &= 0x0F; return w; }
   static W high_nibbles(W w) { for (auto& e : w.v) e = static_cast<int16_t>(e >> 4); return w; }
@@ -502,16 +522,22 @@ __attribute__((always_inline)) inline void store_output(const Operands<S>& op, i
 // A panel group's bytes: 4 bits 128, 5 bits 160 (the 4-bit 128, then 32 of high bits), 6 bits 208 (the
 // 4-bit 128, 64 of high bits, 16 of sub-scales), 8 bits 256; with sc and mn behind, 4 bits 144, 5 bits 176.
 // The `Bits` of a format: 4, 5, 6, 8, or 2, 4 and 5 bits with sub-scales (k4K, k5K: Q4_K's and Q5_K's sc and
-// mn behind each group; k2K: Q2_K's two scale bytes, sc | mn << 4 of each 16 values).
+// mn behind each group; k2K: Q2_K's two scale bytes, sc | mn << 4 of each 16 values), or 4 bits through the
+// table (kIQ4NL; kIQ4XS with its ls - 32 behind each group).
 constexpr int kSubScaled = 0x100;
+constexpr int kTable = 0x200;  // 4 bits through kIQ4Values (the op's `bits` argument says so too)
 constexpr int k2K = 2 | kSubScaled;
 constexpr int k4K = 4 | kSubScaled;
 constexpr int k5K = 5 | kSubScaled;
+constexpr int kIQ4NL = 4 | kTable;               // IQ4_NL: the table's values, fp16 d per 32
+constexpr int kIQ4XS = 4 | kTable | kSubScaled;  // IQ4_XS: and an int8 ls - 32 per 32 behind the chunks
 constexpr bool four_bit(int bits) { return (bits & 0xFF) == 4; }  // 4 bits' integer loop, with or without
 constexpr bool five_bit(int bits) { return (bits & 0xFF) == 5; }  // 5 bits' integer loop, with or without
-constexpr bool k_factors_in(int bits) { return (bits & kSubScaled) != 0; }  // sc and mn in the group's bytes
+constexpr bool k_factors_in(int bits) { return (bits & kSubScaled) != 0; }  // sub-scales in the group's bytes
+constexpr bool table_values(int bits) { return (bits & kTable) != 0; }  // nibbles mapped through kIQ4Values
 constexpr int panel_group_bytes(int bits) {
-  return k_factors_in(bits) ? panel_group_bytes(bits & 0xFF) + 2 * kLanes
+  return table_values(bits) ? kBlock / 2 * kLanes + (k_factors_in(bits) ? kLanes : 0)
+         : k_factors_in(bits) ? panel_group_bytes(bits & 0xFF) + 2 * kLanes
          : bits == 2        ? kBlock / 4 * kLanes
          : bits == 4        ? kBlock / 2 * kLanes
          : bits == 5        ? kBlock / 2 * kLanes + kBlock / 8 * kLanes
@@ -522,7 +548,8 @@ template <int Bits>
 constexpr int kPanelGroupBytes = panel_group_bytes(Bits);
 constexpr int kSubScaleOffset = kBlock / 2 * kLanes + kBlock / 4 * kLanes;  // 6 bits: the sub-scales' bytes
 template <int Bits>
-constexpr int kKScaleOffset = kPanelGroupBytes<Bits & 0xFF>;  // k4K, k5K: the 8 columns' sc, then (+ 8) their mn
+constexpr int kKScaleOffset = kPanelGroupBytes<Bits & 0xFF>;  // k4K, k5K: the 8 columns' sc, then (+ 8) their mn;
+                                                               // kIQ4XS: their ls - 32
 
 template <int Bits, int RM, int RP, bool FromXb, typename S>
 __attribute__((noinline)) void tile(const Operands<S>& op, int64_t m0, int64_t p0) {
@@ -588,9 +615,13 @@ __attribute__((noinline)) void tile(const Operands<S>& op, int64_t m0, int64_t p
       for (int c = 0; c < 8; ++c) {
         typename Isa::W lo[RP], hi[RP];
         for (int p = 0; p < RP; ++p) {
-          const typename Isa::W both = Isa::widen_u8(chunks + p * op.panel_bytes + c * 16);
-          lo[p] = Isa::low_nibbles(both);
-          hi[p] = Isa::high_nibbles(both);
+          if constexpr (table_values(Bits)) {
+            Isa::widen_table(chunks + p * op.panel_bytes + c * 16, lo[p], hi[p]);
+          } else {
+            const typename Isa::W both = Isa::widen_u8(chunks + p * op.panel_bytes + c * 16);
+            lo[p] = Isa::low_nibbles(both);
+            hi[p] = Isa::high_nibbles(both);
+          }
         }
         for (int r = 0; r < RM; ++r) {
           const int16_t* x = op.xq + (m0 + r) * op.K + g * kBlock + 2 * c;
@@ -784,7 +815,9 @@ __attribute__((noinline)) void tile(const Operands<S>& op, int64_t m0, int64_t p
       ws[p] = Isa::load(scales + at);
       if (mins != nullptr) mn[p] = Isa::load(mins + at);
       else if (has_min) mn[p] = Isa::mul(ws[p], Isa::broadcast(op.min_per_scale));
-      if constexpr (k_factors_in(Bits)) {  // d * sc and -dmin * mn, exact: the multiplied-out form's numbers
+      if constexpr (Bits == kIQ4XS) {  // d * (ls - 32), exact
+        ws[p] = Isa::mul(ws[p], Isa::load_s8(chunks + p * op.panel_bytes + kKScaleOffset<Bits>));
+      } else if constexpr (k_factors_in(Bits)) {  // d * sc and -dmin * mn, exact: the multiplied-out form's numbers
         const uint8_t* k_factors = chunks + p * op.panel_bytes + kKScaleOffset<Bits>;
         ws[p] = Isa::mul(ws[p], Isa::load_u8(k_factors));
         mn[p] = Isa::mul(mn[p], Isa::load_u8(k_factors + kLanes));
@@ -1268,9 +1301,17 @@ __attribute__((noinline)) void wide_tile(const Operands<S>& op, int64_t m0, int6
       for (int c = 0; c < 8; ++c) {
         __m512i lo[RZ], hi[RZ];
         for (int z = 0; z < RZ; ++z) {
-          const __m512i both = _mm512_cvtepu8_epi16(two_chunks(chunks + 2 * z * pb + c * 16, chunks + (2 * z + 1) * pb + c * 16));
-          lo[z] = _mm512_and_si512(both, _mm512_set1_epi16(0x0F));
-          hi[z] = _mm512_srli_epi16(both, 4);
+          if constexpr (table_values(Bits)) {  // in bytes through the table (both 128-bit halves), then widened
+            const __m256i both = two_chunks(chunks + 2 * z * pb + c * 16, chunks + (2 * z + 1) * pb + c * 16);
+            const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
+            const __m256i nibble = _mm256_set1_epi8(0x0F);
+            lo[z] = _mm512_cvtepi8_epi16(_mm256_shuffle_epi8(table, _mm256_and_si256(both, nibble)));
+            hi[z] = _mm512_cvtepi8_epi16(_mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(both, 4), nibble)));
+          } else {
+            const __m512i both = _mm512_cvtepu8_epi16(two_chunks(chunks + 2 * z * pb + c * 16, chunks + (2 * z + 1) * pb + c * 16));
+            lo[z] = _mm512_and_si512(both, _mm512_set1_epi16(0x0F));
+            hi[z] = _mm512_srli_epi16(both, 4);
+          }
         }
         for (int r = 0; r < RM; ++r) {
           const __m512i xa = pair16(x + r * op.K + 2 * c), xb = pair16(x + r * op.K + 16 + 2 * c);
@@ -1318,6 +1359,10 @@ __attribute__((noinline)) void wide_tile(const Operands<S>& op, int64_t m0, int6
       ws[z] = two_factors(scales + at, scales + at + fs);
       if constexpr (Min == kStoredMins) mn[z] = two_factors(mins + at, mins + at + fs);
       if constexpr (Min == kScaledMins) mn[z] = _mm512_mul_ps(ws[z], _mm512_set1_ps(op.min_per_scale));
+      if constexpr (Bits == kIQ4XS) {  // as `tile`: d * (ls - 32), exact
+        const uint8_t* k_factors = chunks + 2 * z * pb + kKScaleOffset<Bits>;
+        ws[z] = _mm512_mul_ps(ws[z], two_subscales(k_factors, k_factors + pb));
+      }
       if constexpr (k_factors_in(Bits) && Min == kStoredMins) {  // as `tile`: d * sc, -dmin * mn, exact
         const uint8_t* k_factors = chunks + 2 * z * pb + kKScaleOffset<Bits>;
         ws[z] = _mm512_mul_ps(ws[z], two_k_factors(k_factors, k_factors + pb));
@@ -1371,7 +1416,7 @@ void wide_tile_upto(const Operands<S>& op, int64_t m0, int64_t p0, int rm, int r
 
 template <int Bits, int RM, int RZ, typename S>
 void wide_tile_upto(const Operands<S>& op, int64_t m0, int64_t p0, int rm, int rz) {
-  if constexpr (Bits == 8 || Bits == 6) {  // qlinear takes no mins with 6 or 8 bits
+  if constexpr (Bits == 8 || Bits == 6 || table_values(Bits)) {  // qlinear takes no mins with these
     wide_tile_upto<Bits, RM, RZ, kNoMin>(op, m0, p0, rm, rz);
   } else if constexpr (k_factors_in(Bits)) {  // always its -dmin (qlinear checks)
     wide_tile_upto<Bits, RM, RZ, kStoredMins>(op, m0, p0, rm, rz);
@@ -1455,7 +1500,7 @@ void int_qlinear(const Operands<S>& op, float* silu_out = nullptr) {
   // broadcast the pairs at each use, panels outer, are the faster, with the same bits (docs/benchmarks.md);
   // from 8 rows the sliced ones win, and the pre-broadcast tiles were slower than either below 8. At 3 rows
   // the sliced path had no whole 4-row tile and took these already.
-  const bool group_asm = four_bit(Bits) && (op.mins != nullptr || op.xmin != nullptr || op.min_per_scale == 0.f);
+  const bool group_asm = four_bit(Bits) && !table_values(Bits) && (op.mins != nullptr || op.xmin != nullptr || op.min_per_scale == 0.f);
   const bool sliced = group_asm && op.M >= kSlicedMinRows;
   each_use = group_asm && op.M > 2 && !sliced;
   if (sliced) {
@@ -1620,7 +1665,8 @@ void int_qlinear(const Operands<S>& op, float* silu_out = nullptr) {
   }
 }
 
-// x (M, K) float32 or bfloat16; qweight (P, K/32, 128) uint8 (4 bits; 144 with sub-scales), (P, K/32, 160)
+// x (M, K) float32 or bfloat16; qweight (P, K/32, 128) uint8 (4 bits; 144 with sub-scales; bits 4 | 0x200:
+// indices into kIQ4Values, 136 with IQ4_XS's ls - 32, no mins), (P, K/32, 160)
 // uint8 (5 bits; 176 with sub-scales), (P, K/32, 208) uint8 (6 bits) or (P, K/32, 256) int8 (8 bits),
 // P = ceil(N / 8) panels; scales, mins (P, K/group_size, 8) float32 or float16 (6 bits: scales are Q6_K's d,
 // group_size 256; mins only for 4 and 5 bits; or none, and min = scale * min_per_scale, a power of two such
@@ -1630,7 +1676,11 @@ at::Tensor qlinear(
     const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
     const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias, int64_t bits,
     int64_t group_size, int64_t N, double min_per_scale, bool silu_mul) {
-  TORCH_CHECK(bits == 2 || bits == 4 || bits == 5 || bits == 6 || bits == 8, "quant_linear: bits must be 2, 4, 5, 6 or 8");
+  // bits 4 | kTable: 4-bit indices into kIQ4Values (IQ4_NL, IQ4_XS), symmetric.
+  const bool table = bits == kIQ4NL;
+  if (table) bits = 4;
+  TORCH_CHECK(bits == 2 || bits == 4 || bits == 5 || bits == 6 || bits == 8,
+              "quant_linear: bits must be 2, 4, 5, 6, 8 or 4 | 0x200");
   TORCH_CHECK(!silu_mul || (x.scalar_type() == at::kFloat && N % (2 * kLanes) == 0),
               "quant_linear_silu_mul: x float32, out_features a multiple of 16 ([gate | up])");
   TORCH_CHECK(x.dim() == 2 && qweight.dim() == 3 && scales.dim() == 3, "quant_linear: x 2-D, panelled weights 3-D");
@@ -1639,11 +1689,14 @@ at::Tensor qlinear(
               "quant_linear: K and group_size must be multiples of 32, K of group_size");
   TORCH_CHECK(N > 0 && (N + kLanes - 1) / kLanes == P, "quant_linear: ", P, " panels do not hold ", N, " columns");
   // 4 and 5 bits come in two layouts each, told apart by their groups' bytes: 128 or 160, or 144 or 176 with
-  // Q4_K's or Q5_K's sub-scales; 2 bits only with Q2_K's (80).
-  const bool sub_scaled = bits == 2 || (bits == 4 && qweight.size(2) == kPanelGroupBytes<k4K>) ||
+  // Q4_K's or Q5_K's sub-scales; 2 bits only with Q2_K's (80). Through the table: 128, or 136 with IQ4_XS's
+  // ls - 32.
+  const bool sub_scaled = bits == 2 ||
+                          (bits == 4 && qweight.size(2) == (table ? kPanelGroupBytes<kIQ4XS> : kPanelGroupBytes<k4K>)) ||
                           (bits == 5 && qweight.size(2) == kPanelGroupBytes<k5K>);
-  const int64_t group_bytes = bits == 2   ? kPanelGroupBytes<k2K>
-                              : sub_scaled ? (bits == 4 ? kPanelGroupBytes<k4K> : kPanelGroupBytes<k5K>)
+  const int64_t group_bytes = bits == 2     ? kPanelGroupBytes<k2K>
+                              : table       ? (sub_scaled ? kPanelGroupBytes<kIQ4XS> : kPanelGroupBytes<kIQ4NL>)
+                              : sub_scaled  ? (bits == 4 ? kPanelGroupBytes<k4K> : kPanelGroupBytes<k5K>)
                               : bits == 4 ? kPanelGroupBytes<4>
                               : bits == 5 ? kPanelGroupBytes<5>
                               : bits == 6 ? kPanelGroupBytes<6>
@@ -1657,7 +1710,8 @@ at::Tensor qlinear(
   int exponent = 0;
   TORCH_CHECK(min_per_scale == 0 || ((bits == 4 || bits == 5) && !mins.has_value() && std::fabs(std::frexp(min_per_scale, &exponent)) == 0.5),
               "quant_linear: min_per_scale must be 0, or a power of two for 4 or 5 bits without mins");
-  TORCH_CHECK(!sub_scaled || (mins.has_value() && min_per_scale == 0),
+  TORCH_CHECK(!table || (!mins.has_value() && min_per_scale == 0), "quant_linear: 4 bits through the table take no mins");
+  TORCH_CHECK(table || !sub_scaled || (mins.has_value() && min_per_scale == 0),
               "quant_linear: 2, 4 or 5 bits with sub-scales take their mins (-dmin) and no min_per_scale");
   if (mins.has_value()) {
     TORCH_CHECK((bits == 2 || bits == 4 || bits == 5) && mins->sizes() == scales.sizes() && mins->scalar_type() == scales.scalar_type() &&
@@ -1729,6 +1783,8 @@ at::Tensor qlinear(
     if (bits == 2) op.xsum16 = xsum16_t.data_ptr<int32_t>();
     float* const silu_out = silu_mul ? out.data_ptr<float>() : nullptr;
     if (bits == 2) int_qlinear<k2K>(op, silu_out);
+    else if (table && sub_scaled) int_qlinear<kIQ4XS>(op, silu_out);
+    else if (table) int_qlinear<kIQ4NL>(op, silu_out);
     else if (sub_scaled && bits == 4) int_qlinear<k4K>(op, silu_out);
     else if (sub_scaled) int_qlinear<k5K>(op, silu_out);
     else if (bits == 4) int_qlinear<4>(op, silu_out);
