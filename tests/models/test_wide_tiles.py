@@ -1,8 +1,8 @@
 """The quantized kernel's 16-lane tiles (AVX-512 VNNI builds: two panels a vector, for a lone row
 and for steps of more) give every row the bits the 8-lane tiles give it alone, for 4, 5, 6 (Q6_K:
 two sub-blocks a group, one pass or two) and 8 bits, Q4_0's folded -8 (Q5_0's -16), Q4_K's, Q5_K's and
-Q2_K's sub-scales, float16 and float32 factors, groups of 32 and 64, and every edge (rows and panels
-not multiples of the tile, N not a multiple of 8, K past one group). Where the CPU has no
+Q2_K's sub-scales, IQ4_NL's and IQ4_XS's table, float16 and float32 factors, groups of 32 and 64, and
+every edge (rows and panels not multiples of the tile, N not a multiple of 8, K past one group). Where the CPU has no
 AVX-512, the same source is built with its 512-bit intrinsics emulated lane by lane
 (csrc/wide_tiles_emulated.cpp); where it has, test_quantization's row-invariance test runs them on
 the real instructions (rows alone on the 8-lane tiles, PAGEDSERVE_WIDE_TILES=0, against the wide ones)."""
@@ -46,7 +46,8 @@ CHECK = textwrap.dedent(
                                               (6, False, 512, 37, 256, torch.float16), (6, False, 768, 48, 256, torch.float32),
                                               (6, False, 256, 203, 256, torch.float16),
                                               (4, "k", 768, 37, 256, torch.float16), (5, "k", 512, 203, 256, torch.float16),
-                                              (2, "k", 768, 37, 256, torch.float16), (2, "k", 512, 203, 256, torch.float16)]:
+                                              (2, "k", 768, 37, 256, torch.float16), (2, "k", 512, 203, 256, torch.float16),
+                                              (4, "iq4", 576, 37, 32, torch.float16), (4, "iq4", 768, 203, 256, torch.float16)]:
         gen = torch.Generator().manual_seed(k + n)
         w = torch.randn(n, k, generator=gen)
         if bits == 2:  # Q2_K's form, from random blocks: fp16 d and -dmin per 256, its scale bytes per 16
@@ -56,12 +57,14 @@ CHECK = textwrap.dedent(
             qw, q4_0 = quantized_weight(q2k_blocks(w.numpy()), GGMLQuantizationType.Q2_K, n, k), False
         elif q4_0 == "k":  # Q4_K's, Q5_K's form: fp16 d and -dmin per 256, sc and mn in the groups' bytes
             qw, q4_0 = Q.quantize_k(w, group, bits=bits), False
+        elif q4_0 == "iq4":  # IQ4_NL's (group 32), IQ4_XS's (256: ls - 32 in the groups' bytes) table form
+            qw, q4_0 = Q.quantize_iq4(w, group, sub_scales=group > 32), False
         elif bits == 6:
             qw = Q.quantize_int6(w, group)
         else:
             qw = Q.quantize_int8(w, group) if bits == 8 else Q.quantize_int4(w, group, bits=bits)
         mins = None if qw.mins is None else qw.mins.to(factors)
-        qw = Q.QuantizedWeight(qw.bits, qw.qweight, qw.scales.to(factors), mins, k, qw.sub_scales)
+        qw = Q.QuantizedWeight(qw.bits, qw.qweight, qw.scales.to(factors), mins, k, qw.sub_scales, qw.table)
         zero_point = -float(1 << (bits - 1))  # Q4_0's -8, Q5_0's -16
         if q4_0:
             qw = Q.QuantizedWeight(bits, qw.qweight, qw.scales, qw.scales * zero_point, k)
@@ -70,8 +73,9 @@ CHECK = textwrap.dedent(
         bias = torch.randn(n, generator=gen)
         x = torch.randn(300, k, generator=gen) * 3
         x[0, 5] = 70.0
-        case = (bits, "q4_0" if q4_0 else "k" if qw.sub_scales else "", k, n, group, str(factors))
-        f = lambda xs: op(xs, qweight, scales, mins, bias, bits, qw.group_size, n, min_per_scale)
+        case = (bits, "q4_0" if q4_0 else "iq4" if qw.table else "k" if qw.sub_scales else "", k, n, group, str(factors))
+        kind = bits | (Q.TABLE_KIND if qw.table else 0)
+        f = lambda xs: op(xs, qweight, scales, mins, bias, kind, qw.group_size, n, min_per_scale)
         os.environ["PAGEDSERVE_WIDE_TILES"] = "0"  # read at every product
         alone = torch.cat([f(x[i : i + 1]) for i in range(300)])  # the 8-lane tiles
         os.environ["PAGEDSERVE_WIDE_TILES"] = "1"
