@@ -331,7 +331,8 @@ def quant_linear(
 ) -> torch.Tensor:
     """x (M, K) -> (M, N = out_features) in x's dtype, x rounded to int16 per 32 values and W in
     panels of 8 columns (models/layers/quantization.py's `to_panels`); 4 bits without mins:
-    min = scale * min_per_scale (Q4_0's -8), or none."""
+    min = scale * min_per_scale (Q4_0's -8), or none; `bits` 4 | quantization.TABLE_KIND: the nibbles
+    index IQ4_NL's and IQ4_XS's table, no mins."""
     return torch.ops.pagedserve.quant_linear(
         x, qweight, scales, mins, bias, bits, group_size, out_features, min_per_scale
     )
