@@ -25,6 +25,16 @@ def pytest_configure(config) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
 
 
+def pytest_sessionstart(session) -> None:
+    """The CPU kernels for this CPU, built (minutes on a clean machine) before any test runs: else
+    the first tests to need them wait on that build under their own deadlines, servers included.
+    Under pytest-xdist, once, by the controller, before it starts its workers."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        from models.layers import cpu_kernels
+
+        cpu_kernels.available()
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     """Files holding a slow test first: pytest-xdist hands out files in this order, and a long one
     begun last is a tail that one worker runs while the others are idle."""

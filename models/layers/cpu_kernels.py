@@ -5,7 +5,7 @@ query row's keys and values straight out of the paged cache, in an order fixed b
 ~8 and 2; `quant_linear` multiplies by 4- and 8-bit weights with integer dot products, one tiled
 kernel for every step size (models/layers/quantization.py); `rows_matmul` and `sigmoid` give
 DeepSeek's dense products (absorbed attention, router) a row's bits whatever its step. They need a C++ compiler (g++ / clang)
-and ninja; a build takes ~20-60 s once per machine and target and is cached in torch's extensions
+and ninja; a build takes ~2-5 min on two cores once per machine and target and is cached in torch's extensions
 directory ($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions). Without a compiler, or with
 PAGEDSERVE_CPU_KERNELS=0, the callers keep their pure-PyTorch path, which is also the reference
 the tests hold the kernels to.
@@ -25,13 +25,15 @@ that can is loaded, with a warning: any of them is far faster than the PyTorch p
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import logging
 import os
 import shutil
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from unittest import mock
 
@@ -163,24 +165,46 @@ def _why_no_builder(target: str) -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def build_lock(directory: Path) -> Iterator[None]:
+    """One builder at a time in `directory`, under a lock the OS frees when its holder dies.
+
+    torch's builder has a lock of its own, a file it creates and removes when done: a builder
+    killed part way (a deadline, the OOM killer, a pod stopped) leaves it behind, and every later
+    build or load of that target waits on it forever. Taken under this lock, such a file can only
+    be left over, and is removed."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "build.flock", "a") as held:
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.warning("waiting for another process's build of the CPU kernels in %s", directory)
+            fcntl.flock(held, fcntl.LOCK_EX)
+        left_over = directory / "lock"  # torch's FileBaton
+        if left_over.exists():
+            logger.warning("removing %s, left by a build that did not finish", left_over)
+            left_over.unlink(missing_ok=True)
+        yield  # the lock goes with the file's closing
+
+
 def _build_and_load(target: cpu_isa.Target) -> None:
     from torch.utils.cpp_extension import load
 
     directory = build_directory(target.name)
-    directory.mkdir(parents=True, exist_ok=True)
-    if _current_library(target.name) is None:  # a build is coming (else torch only loads it)
-        logger.warning(
-            "building the CPU kernels for %s in %s (once per machine and target, ~30-90 s)", target.name, directory
+    with build_lock(directory):
+        if _current_library(target.name) is None:  # a build is coming (else torch only loads it)
+            logger.warning(
+                "building the CPU kernels for %s in %s (once per machine and target, ~2-5 min)", target.name, directory
+            )
+        load(
+            name=build_name(target.name),
+            sources=[str(source) for source in _SOURCES],
+            extra_cflags=_cflags(target),
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(directory),
+            is_python_module=False,
+            verbose=False,
         )
-    load(
-        name=build_name(target.name),
-        sources=[str(source) for source in _SOURCES],
-        extra_cflags=_cflags(target),
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(directory),
-        is_python_module=False,
-        verbose=False,
-    )
 
 
 def _registered() -> list[str]:

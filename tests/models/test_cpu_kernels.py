@@ -7,6 +7,7 @@ import random
 import shutil
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -353,6 +354,46 @@ def test_a_stale_prebuilt_build_is_not_loaded_without_the_builder(prebuilt_exten
     assert cpu_kernels._current_library(target) == library
     os.utime(library, (0, 0))  # older than the sources
     assert cpu_kernels._current_library(target) is None
+
+
+def test_a_build_killed_part_way_leaves_no_lock_that_stops_the_next(tmp_path):
+    # A builder holds the lock and has made torch's lock file, as torch's builder does; killed
+    # there, it frees the lock, and the next builder removes the file torch would wait on forever.
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time, pathlib\n"
+            "from models.layers import cpu_kernels\n"
+            "with cpu_kernels.build_lock(pathlib.Path(sys.argv[1])):\n"
+            "    (pathlib.Path(sys.argv[1]) / 'lock').touch()\n"
+            "    print('held', flush=True)\n"
+            "    time.sleep(600)\n",
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    )
+    try:
+        assert holder.stdout.readline() == "held\n"
+        entered = threading.Event()
+        waiter = threading.Thread(target=lambda: _enter_build_lock(tmp_path, entered), daemon=True)
+        waiter.start()
+        assert not entered.wait(1.0), "two builders held the lock at once"
+        assert (tmp_path / "lock").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert entered.wait(30), "the lock of a killed builder was not freed"
+    waiter.join(30)
+    assert not (tmp_path / "lock").exists()
+
+
+def _enter_build_lock(directory, entered):
+    with cpu_kernels.build_lock(directory):
+        assert not (directory / "lock").exists()
+        entered.set()
 
 
 def test_a_rows_norm_activation_and_rotation_do_not_depend_on_its_batch_address_or_threads():
