@@ -75,6 +75,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from gguf.quants import IQ4_NL
 from torch import nn
 
 from models.layers import cpu_kernels
@@ -90,8 +91,8 @@ _PANEL_GROUP_BYTES = {bits: PANEL * size for bits, size in _GROUP_BYTES.items()}
 INT6_GROUP = 256  # int6's scale (Q6_K's d) covers 256 values
 K_GROUP = 256  # a K-quant's super-block: its d and dmin cover 256 values
 _SUB_SCALE_BYTES = 2  # a K-quant group's uint8 sub-scale and sub-min, behind its value bytes
-# IQ4_NL's and IQ4_XS's codebook (gguf-py's quants.IQ4_NL.kvalues): w = scale * IQ4_VALUES[q]
-IQ4_VALUES = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=torch.int8)
+# IQ4_NL's and IQ4_XS's codebook, gguf-py's own: w = scale * IQ4_VALUES[q]
+IQ4_VALUES = torch.tensor(IQ4_NL.kvalues, dtype=torch.int8)
 TABLE_KIND = 0x200  # quant_linear's `bits` for 4-bit indices into IQ4_VALUES: 4 | TABLE_KIND
 
 
