@@ -56,7 +56,11 @@ _SOURCES = [
         "lora_ops.cpp",
     )
 ]
-_HEADERS = [Path(__file__).parent / "csrc" / "vec8.h"]  # not compiled alone; a build is stale when one is newer
+# Not compiled alone; a build is stale when one is newer.
+_HEADERS = [
+    Path(__file__).parent / "csrc" / name
+    for name in ("vec8.h", "quant_common.h", "quant_tile.h", "quant_tile_avx2.h", "quant_tile_wide.h")
+]
 _OPS = (
     "paged_attention",
     "rms_norm",

@@ -99,7 +99,7 @@ def test_every_isa_macro_the_kernels_test_is_defined_by_a_target_that_needs_its_
         pytest.skip("no C++ compiler here")
     tested = {
         macro
-        for source in (REPO / "models/layers/csrc").glob("*.cpp")
+        for source in (*(REPO / "models/layers/csrc").glob("*.cpp"), *(REPO / "models/layers/csrc").glob("*.h"))
         for line in source.read_text().splitlines()
         if line.lstrip().startswith("#")
         for macro in re.findall(r"__(?:AVX|F16C|FMA|AMX|SSE)\w*__", line)

@@ -107,7 +107,8 @@ def test_wide_tiles_give_each_row_the_bits_of_the_row_alone_emulated():
     env = {key: value for key, value in os.environ.items() if key != "PAGEDSERVE_WIDE_TILES"}
     repo = Path(__file__).resolve().parents[2]
     csrc = repo / "models/layers/csrc"
-    kernel = hashlib.sha256((csrc / "quant_linear.cpp").read_bytes() + (csrc / "vec8.h").read_bytes()).hexdigest()[:16]
+    sources = [csrc / "quant_linear.cpp", *sorted(csrc.glob("*.h"))]  # the kernel and every header it includes
+    kernel = hashlib.sha256(b"".join(source.read_bytes() for source in sources)).hexdigest()[:16]
     done = subprocess.run(
         [sys.executable, "-c", CHECK, str(HARNESS), kernel],
         cwd=repo,

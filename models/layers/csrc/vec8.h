@@ -132,7 +132,7 @@ inline f32x8 exp8(f32x8 x) {
 // Holds a value where the code put it: an empty asm that "changes" it, so that -ffast-math can
 // neither reassociate a chain through it nor fuse its operation with the next.
 inline void hold(f32x8& v) {
-#if defined(__AVX__)
+#if defined(__AVX2__)  // every build with 256-bit registers is an AVX2 build
   __asm__("" : "+x"(v));
 #else
   __asm__("" : "+m"(v));  // the generic build has no 256-bit registers
