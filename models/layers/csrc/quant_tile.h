@@ -278,13 +278,13 @@ __attribute__((noinline)) void tile(const Operands<S>& op, int64_t m0, int64_t p
         mn[p] = Isa::mul(mn[p], Isa::load_u8(k_factors + kLanes));
       }
     }
-    for (int r = 0; r < RM; ++r) {
+    for (int r = 0; r < RM; ++r) {  // the row's factors first, then one store a sum (as wide_tile)
       const typename Isa::F xs = Isa::broadcast(op.xscale[(m0 + r) * op.nb + g]);
-      for (int p = 0; p < RP; ++p)
-        Isa::store(acc[r][p], Isa::fma(Isa::mul(Isa::to_float(dots[r][p]), xs), ws[p], Isa::load(acc[r][p])));
-      if (has_min) {
-        const typename Isa::F xm = Isa::broadcast(op.xsum[(m0 + r) * op.nb + g]);
-        for (int p = 0; p < RP; ++p) Isa::store(acc[r][p], Isa::fma(xm, mn[p], Isa::load(acc[r][p])));
+      const typename Isa::F xm = has_min ? Isa::broadcast(op.xsum[(m0 + r) * op.nb + g]) : xs;
+      for (int p = 0; p < RP; ++p) {
+        typename Isa::F a = Isa::fma(Isa::mul(Isa::to_float(dots[r][p]), xs), ws[p], Isa::load(acc[r][p]));
+        if (has_min) a = Isa::fma(xm, mn[p], a);
+        Isa::store(acc[r][p], a);
       }
     }
     if constexpr (Isa::kRegisters >= 32) __asm__("" : "+m"(acc));

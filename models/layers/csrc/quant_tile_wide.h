@@ -402,14 +402,15 @@ __attribute__((noinline)) void wide_tile(const Operands<S>& op, int64_t m0, int6
         mn[z] = _mm512_mul_ps(mn[z], two_k_factors(k_factors + kLanes, k_factors + pb + kLanes));
       }
     }
+    // A row's factors read before its sums are stored: a store to acc between them made gcc store each sum
+    // twice (after each fused multiply-add), not knowing that xsum is not acc.
     for (int r = 0; r < RM; ++r) {
       const __m512 xs = _mm512_set1_ps(xscale[r * nb + g]);
-      for (int z = 0; z < RZ; ++z)
-        _mm512_store_ps(acc[r][z], _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dots[r][z]), xs), ws[z],
-                                                   _mm512_load_ps(acc[r][z])));
-      if constexpr (kFloatMin) {
-        const __m512 xm = _mm512_set1_ps(xsum[r * nb + g]);
-        for (int z = 0; z < RZ; ++z) _mm512_store_ps(acc[r][z], _mm512_fmadd_ps(xm, mn[z], _mm512_load_ps(acc[r][z])));
+      const __m512 xm = kFloatMin ? _mm512_set1_ps(xsum[r * nb + g]) : xs;
+      for (int z = 0; z < RZ; ++z) {
+        __m512 a = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dots[r][z]), xs), ws[z], _mm512_load_ps(acc[r][z]));
+        if constexpr (kFloatMin) a = _mm512_fmadd_ps(xm, mn[z], a);
+        _mm512_store_ps(acc[r][z], a);
       }
     }
     __asm__("" : "+m"(acc));
