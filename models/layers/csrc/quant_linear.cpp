@@ -213,7 +213,10 @@ void int_qlinear(const Operands<S>& op, float* silu_out = nullptr) {
   // The panels of the path's whole tiles (below): a task's panels start at a multiple of it, so
   // that only the last task of a row block ends in a narrower tile (which broadcasts at each use).
   // (AVX2's 4 bits: group_4x3 or the pre-broadcast tiles, 3 panels either way; below kSlicedMinRows, 2.)
-  int64_t tile_panels = op.M <= 2 ? kDecodePanels : !wide ? kTilePanels : 2 * (few_wide ? kFewWideVectors : kWideVectors);
+  // 6 bits from 7 rows take 8 x 1 wide tiles in one pass (wide_group6): each chunk and high plane read and
+  // shifted once, where 8 x 2 tiles took two passes (their 32 sums would not fit) and read them twice.
+  constexpr bool kOnePass6 = Bits == 6;
+  int64_t tile_panels = op.M <= 2 ? kDecodePanels : !wide ? kTilePanels : 2 * (few_wide ? kFewWideVectors : kOnePass6 ? 1 : kWideVectors);
   if (op.M > 2 && Isa::kPrebroadcast && four_bit(Bits) && !each_use) tile_panels = kPrebroadcastPanels4;
   int64_t panel_blocks = (panels + block_panels - 1) / block_panels;
   if (row_blocks == 1) {  // one row block (decodes): as many blocks for each thread, of about equal size
@@ -273,6 +276,8 @@ void int_qlinear(const Operands<S>& op, float* silu_out = nullptr) {
       };
       if (few_wide) {
         tiles(std::integral_constant<int, kFewWideRows>{}, std::integral_constant<int, kFewWideVectors>{});
+      } else if constexpr (kOnePass6) {
+        tiles(std::integral_constant<int, kWideRows>{}, std::integral_constant<int, 1>{});
       } else {
         tiles(std::integral_constant<int, kWideRows>{}, std::integral_constant<int, kWideVectors>{});
       }

@@ -101,15 +101,16 @@ MinKind min_kind(const Operands<S>& op) {
 }
 
 // A 6-bit group of RM rows x 2 * RZ panels into the float sums: `tile`'s 6-bit loop and float step, lane for
-// lane. Two rows or fewer (decodes) take both sub-blocks in one pass, two integer sums an output, as `tile`;
-// more rows take the group's first sub-block (values 0..15: the chunks' low nibbles) and its float step,
-// then the second's: one sum an output, so that 6 x 3 and 8 x 2 tiles fit the 32 registers (36 and 32 sums
-// in one pass), each chunk widened twice. The float steps are `tile`'s, in its order.
+// lane. Two rows or fewer (decodes), and the 8 x 1 tiles that the planner gives 6 bits from 7 rows, take both
+// sub-blocks in one pass, two integer sums an output, as `tile`; 6 x 3 tiles (3 to 6 rows) take the group's
+// first sub-block (values 0..15: the chunks' low nibbles) and its float step, then the second's: one sum an
+// output, so that they fit the 32 registers (36 sums in one pass), each chunk and high plane read twice.
+// The float steps are `tile`'s, in its order.
 template <int RM, int RZ, typename S>
 __attribute__((always_inline)) inline void wide_group6(const Operands<S>& op, float (&acc)[RM][RZ][2 * kLanes], const uint8_t* chunks,
                                                        const S* scales, const int16_t* x, const float* xscale) {
   const int64_t pb = op.panel_bytes, fs = op.scales_per_row * kLanes, nb = op.nb;
-  constexpr bool kOnePass = RM <= 2;
+  constexpr bool kOnePass = RM <= 2 || RZ == 1;
   __m512 s0[RZ], s1[RZ];
   for (int z = 0; z < RZ; ++z) {
     const __m512 d = two_factors(scales + 2 * z * fs, scales + (2 * z + 1) * fs);
