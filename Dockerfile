@@ -18,7 +18,7 @@
 # read from /opt/pagedserve/cache as baked in.
 #
 # Any x86-64 CPU: the image holds one build of the CPU kernels per ISA target (generic, avx2,
-# avx2vnni, avx512, avx512vnni; models/layers/cpu_isa.py), whatever CPU built it, and each start
+# avx2vnni, avx512, avx512vnni, avx512amx; models/layers/cpu_isa.py), whatever CPU built it, and each start
 # loads the best one its CPU runs (the log's "CPU kernels target <name>: the CPU has <flags>").
 # PAGEDSERVE_CPU_ISA=<target> picks a lower one.
 #

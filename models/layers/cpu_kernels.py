@@ -59,7 +59,14 @@ _SOURCES = [
 # Not compiled alone; a build is stale when one is newer.
 _HEADERS = [
     Path(__file__).parent / "csrc" / name
-    for name in ("vec8.h", "quant_common.h", "quant_tile.h", "quant_tile_avx2.h", "quant_tile_wide.h")
+    for name in (
+        "vec8.h",
+        "quant_common.h",
+        "quant_tile.h",
+        "quant_tile_avx2.h",
+        "quant_tile_wide.h",
+        "quant_tile_amx.h",
+    )
 ]
 _OPS = (
     "paged_attention",

@@ -38,7 +38,7 @@ def cpuinfo(flags: str, processors: int = 2) -> str:
     [
         ("zen3", "avx2", ["generic"]),
         ("zen4", "avx512vnni", ["avx512", "avx2", "generic"]),  # no avx_vnni: never the avx2vnni build
-        ("sapphire_rapids", "avx512vnni", ["avx512", "avx2vnni", "avx2", "generic"]),
+        ("sapphire_rapids", "avx512amx", ["avx512vnni", "avx512", "avx2vnni", "avx2", "generic"]),
         ("cascade_lake", "avx512vnni", ["avx512", "avx2", "generic"]),
         ("skylake_sp", "avx512", ["avx2", "generic"]),
         ("alder_lake", "avx2vnni", ["avx2", "generic"]),
@@ -66,11 +66,15 @@ def test_a_requested_target_is_used_only_where_the_cpu_runs_it():
     spr = cpu_isa.parse_cpu_flags(cpuinfo(CPUS["sapphire_rapids"]))
     lower = cpu_isa.choose(spr, "avx2")
     assert (lower.target.name, [t.name for t in lower.fallbacks], lower.refused) == ("avx2", ["generic"], None)
-    assert "as requested" in lower.reason and "avx512vnni" in lower.reason
+    assert "as requested" in lower.reason and "avx512amx" in lower.reason
     zen4 = cpu_isa.parse_cpu_flags(cpuinfo(CPUS["zen4"]))
     refused = cpu_isa.choose(zen4, "avx2vnni")  # below its best, but Zen 4 has no AVX-VNNI
     assert refused.target.name == "avx512vnni"
     assert refused.refused == "avx2vnni needs avx_vnni, which this CPU lacks: using avx512vnni"
+    assert (
+        cpu_isa.choose(zen4, "avx512amx").refused
+        == "avx512amx needs amx_tile amx_int8, which this CPU lacks: using avx512vnni"
+    )
     unknown = cpu_isa.choose(zen4, "avx512bf16")
     assert unknown.target.name == "avx512vnni" and "no target 'avx512bf16'" in unknown.refused
     assert cpu_isa.choose(zen4, "generic").fallbacks == ()
@@ -88,6 +92,8 @@ MACRO_FLAGS = {
     "__AVX512VL__": "avx512vl",
     "__AVX512DQ__": "avx512dq",
     "__AVX512VNNI__": "avx512_vnni",
+    "__AMX_TILE__": "amx_tile",
+    "__AMX_INT8__": "amx_int8",
 }
 
 
@@ -118,6 +124,33 @@ def test_every_isa_macro_the_kernels_test_is_defined_by_a_target_that_needs_its_
         assert {MACRO_FLAGS[m] for m in defined} <= set(target.cpu_flags), target.name
         defined_somewhere |= defined
     assert tested <= defined_somewhere  # no path of the kernels is left out of every build
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", [t.name for t in cpu_isa.TARGETS if t.name != "generic"])
+def test_every_target_compiles_the_products_whatever_this_cpu(target):
+    """The quantized products (every tile family a target builds: AVX2's assembly, the wide tiles, AMX's)
+    compile with each target's flags on any machine, so that a CPU unlike CI's gets a build that compiles
+    (only the CPUs that have a target run it)."""
+    from torch.utils.cpp_extension import get_cxx_compiler, include_paths
+
+    compiler = get_cxx_compiler()
+    if shutil.which(compiler) is None:
+        pytest.skip("no C++ compiler here")
+    out = subprocess.run(
+        [
+            compiler,
+            "-fsyntax-only",
+            "-std=c++20",  # as torch's builder
+            *(f"-I{path}" for path in include_paths()),
+            *cpu_kernels._cflags(cpu_isa.target(target)),
+            str(REPO / "models/layers/csrc/quant_linear.cpp"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
 
 
 # ---- loading: a real build of `generic` (it runs on any CPU), made once for the tests below
@@ -198,9 +231,9 @@ def test_a_lower_prebuilt_build_serves_where_the_best_cannot_be_built(generic_bu
     )
     assert out.returncode == 0, out.stderr
     assert "AVAILABLE True generic" in out.stdout and "OPS OK" in out.stdout, out.stderr
-    assert "CPU kernels target avx512vnni: the CPU has avx2 fma f16c avx512f" in out.stderr
+    assert "CPU kernels target avx512amx: the CPU has avx2 fma f16c avx512f" in out.stderr
     warnings = [line for line in out.stderr.splitlines() if line.startswith("WARNING")]
-    assert len(warnings) == 1 and "the generic build instead of avx512vnni" in warnings[0], out.stderr
+    assert len(warnings) == 1 and "the generic build instead of avx512amx" in warnings[0], out.stderr
     assert "prebuilt: " in out.stderr
     assert "is not compatible" not in out.stderr and "Read-only" not in out.stderr
     assert sorted(os.listdir(generic_build)) == [cpu_kernels.build_name("generic")]  # nothing built or written

@@ -311,6 +311,9 @@ struct Operands {
   // output (0, N, 0), or a task's scratch (quant_linear_silu_mul's gate and up halves).
   int64_t out_row0 = 0, out_stride = 0, out_panel0 = 0;
   const int32_t* xsum16 = nullptr;  // (M, K/16): the integer sum of each 16 xq (k2K's mins per 16), or nullptr
+  // (M, K) each: xq's low bytes (unsigned) and high bytes (signed), xq = 256 xhi + xlo, for AMX's int8 tiles; or nullptr
+  const uint8_t* xlo = nullptr;
+  const int8_t* xhi = nullptr;
   float* at(int64_t m, int64_t n0) const { return out + (m - out_row0) * out_stride + n0 - out_panel0 * kLanes; }
 };
 

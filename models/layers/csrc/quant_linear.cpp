@@ -106,7 +106,7 @@
 // The code: quant_common.h holds what every tile family shares (the activations' rounding, `Isa`'s 8 lanes,
 // `Operands`, the formats' `Bits` codes); a tile family is a header, each running the same arithmetic lane for
 // lane: quant_tile.h (`tile`, every build), quant_tile_avx2.h (AVX2's assembly, 4 bits), quant_tile_wide.h
-// (AVX-512 VNNI, two panels a vector). This file is the planner (`int_qlinear`: which tiles over which rows,
+// (AVX-512 VNNI, two panels a vector), quant_tile_amx.h (AMX's int8 tiles, on the int16 activations' two bytes). This file is the planner (`int_qlinear`: which tiles over which rows,
 // panels and threads) and the op. A new format is its `Bits` code and group bytes, its block decoding in each
 // family that takes it (the planner sends the others to `tile`), and its tests.
 //
@@ -126,6 +126,7 @@
 #include "quant_tile.h"
 #include "quant_tile_avx2.h"
 #include "quant_tile_wide.h"
+#include "quant_tile_amx.h"
 
 namespace {
 
@@ -176,7 +177,9 @@ void int_qlinear(const Operands<S>& op, float* silu_out = nullptr) {
   const bool wide_enabled = kWideBits && wide_tiles_enabled();  // once, on the calling thread (tasks run on others)
   const bool wide = kWide && op.M > 2 && wide_enabled;
   const bool few_wide = op.M <= kFewWideRows;  // the wide tiles' shape: 6 x 3 or 8 x 2 (above)
-  const int64_t tile_rows = !wide ? kTileRows : few_wide ? kFewWideRows : kWideRows;
+  // AMX's tiles (quant_tile_amx.h) where qlinear split the rows' bytes for them: row blocks of whole 16s.
+  const bool amx = wide && op.xlo != nullptr;
+  const int64_t tile_rows = amx ? kAmxRows : !wide ? kTileRows : few_wide ? kFewWideRows : kWideRows;
   int64_t block_rows = std::clamp<int64_t>((256 << 10) / (op.K * 2) / tile_rows * tile_rows, tile_rows, 64);
   int64_t block_panels = std::clamp<int64_t>((256 << 10) / op.panel_bytes / 12 * 12, 12, 48);
   bool each_use = false;  // pairs broadcast at each use, not once a task (AVX2's few rows of 4 bits, below)
@@ -217,6 +220,7 @@ void int_qlinear(const Operands<S>& op, float* silu_out = nullptr) {
   // shifted once, where 8 x 2 tiles took two passes (their 32 sums would not fit) and read them twice.
   constexpr bool kOnePass6 = Bits == 6;
   int64_t tile_panels = op.M <= 2 ? kDecodePanels : !wide ? kTilePanels : 2 * (few_wide ? kFewWideVectors : kOnePass6 ? 1 : kWideVectors);
+  if (amx) tile_panels = 4;  // amx_panels' tiles
   if (op.M > 2 && Isa::kPrebroadcast && four_bit(Bits) && !each_use) tile_panels = kPrebroadcastPanels4;
   int64_t panel_blocks = (panels + block_panels - 1) / block_panels;
   if (row_blocks == 1) {  // one row block (decodes): as many blocks for each thread, of about equal size
@@ -261,7 +265,8 @@ void int_qlinear(const Operands<S>& op, float* silu_out = nullptr) {
     }
 #if defined(PAGEDSERVE_HAS_WIDE_TILES)
     if constexpr (kWideBits) if (wide) {  // two panels a vector; a last odd panel on the 8-lane tile
-      const auto tiles = [&](auto rows, auto vectors) {  // RM x RZ wide tiles over the task
+      // RM x RZ wide tiles over rows [m_begin, m_end) x panels [p_begin, p_end)
+      const auto tiles = [&](auto rows, auto vectors, int64_t m_begin, int64_t m_end, int64_t p_begin, int64_t p_end) {
         constexpr int RM = decltype(rows)::value, RZ = decltype(vectors)::value, RP = 2 * RZ;
         for (int64_t p0 = p_begin; p0 < p_end; p0 += RP) {
           const int np = static_cast<int>(std::min<int64_t>(RP, p_end - p0));
@@ -274,13 +279,26 @@ void int_qlinear(const Operands<S>& op, float* silu_out = nullptr) {
           }
         }
       };
-      if (few_wide) {
-        tiles(std::integral_constant<int, kFewWideRows>{}, std::integral_constant<int, kFewWideVectors>{});
-      } else if constexpr (kOnePass6) {
-        tiles(std::integral_constant<int, kWideRows>{}, std::integral_constant<int, 1>{});
-      } else {
-        tiles(std::integral_constant<int, kWideRows>{}, std::integral_constant<int, kWideVectors>{});
+      const auto wide_tiles = [&](int64_t m_begin, int64_t m_end, int64_t p_begin, int64_t p_end) {
+        if (few_wide) {
+          tiles(std::integral_constant<int, kFewWideRows>{}, std::integral_constant<int, kFewWideVectors>{}, m_begin, m_end, p_begin, p_end);
+        } else if constexpr (kOnePass6) {
+          tiles(std::integral_constant<int, kWideRows>{}, std::integral_constant<int, 1>{}, m_begin, m_end, p_begin, p_end);
+        } else {
+          tiles(std::integral_constant<int, kWideRows>{}, std::integral_constant<int, kWideVectors>{}, m_begin, m_end, p_begin, p_end);
+        }
+      };
+#if defined(PAGEDSERVE_HAS_AMX_TILES)
+      if constexpr (amx_format(Bits)) if (amx) {  // whole 16 rows x pairs of panels; the rest on the wide tiles
+        const int64_t row_tiles = (m_end - m_begin) / kAmxRows, m_split = m_begin + row_tiles * kAmxRows;
+        const int64_t p_split = p_begin + (p_end - p_begin) / tile_panels * tile_panels;
+        if (row_tiles > 0 && p_split > p_begin) amx_panels<Bits>(op, m_begin, row_tiles, p_begin, p_split);
+        wide_tiles(m_begin, m_split, p_split, p_end);
+        wide_tiles(m_split, m_end, p_begin, p_end);
+        return;
       }
+#endif
+      wide_tiles(m_begin, m_end, p_begin, p_end);
       return;
     }
 #endif
@@ -454,6 +472,15 @@ at::Tensor qlinear(
     xmin = xmin_t.data_ptr<int32_t>();
   }
   quantize_activations(xf.data_ptr<float>(), M, K, xq, xscale, xsum, xmin, static_cast<int32_t>(min_per_scale));
+  // AMX's tiles take the activations as bytes (quant_tile_amx.h), for the formats and steps they take, where the build
+  // and the OS have them.
+  at::Tensor xbytes_t;
+#if defined(PAGEDSERVE_HAS_AMX_TILES)
+  if (M >= kAmxMinRows && amx_format(bits) && wide_tiles_enabled() && amx_tiles_enabled()) {
+    xbytes_t = at::empty({2, M, K}, x.options().dtype(at::kByte));
+    amx_split_bytes(xq, M * K, xbytes_t.data_ptr<uint8_t>(), reinterpret_cast<int8_t*>(xbytes_t.data_ptr<uint8_t>() + M * K));
+  }
+#endif
   // Q2_K's mins are per 16 values: each 16 xq's integer sum, for the min term of each sub-block.
   at::Tensor xsum16_t;
   if (bits == 2) {
@@ -477,6 +504,10 @@ at::Tensor qlinear(
                    K / group_size};
     op.out_stride = N;
     if (bits == 2) op.xsum16 = xsum16_t.data_ptr<int32_t>();
+    if (xbytes_t.defined()) {
+      op.xlo = xbytes_t.data_ptr<uint8_t>();
+      op.xhi = reinterpret_cast<const int8_t*>(op.xlo + M * K);
+    }
     float* const silu_out = silu_mul ? out.data_ptr<float>() : nullptr;
     if (bits == 2) int_qlinear<k2K>(op, silu_out);
     else if (table && sub_scaled) int_qlinear<kIQ4XS>(op, silu_out);

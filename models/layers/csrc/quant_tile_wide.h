@@ -100,6 +100,66 @@ MinKind min_kind(const Operands<S>& op) {
   return op.min_per_scale != 0.f ? kScaledMins : kNoMin;
 }
 
+// The float factors of group g's 2 * RZ panels (chunks: the group's bytes in the first panel; scales, mins: its
+// scale group's in the first panel): `tile`'s scale and min, lane for lane.
+template <int Bits, MinKind Min, int RZ, typename S>
+__attribute__((always_inline)) inline void wide_factors(const Operands<S>& op, const uint8_t* chunks, const S* scales, const S* mins,
+                                                        __m512 (&ws)[RZ], __m512 (&mn)[RZ]) {
+  const int64_t pb = op.panel_bytes, fs = op.scales_per_row * kLanes;
+  for (int z = 0; z < RZ; ++z) {
+    ws[z] = two_factors(scales + 2 * z * fs, scales + (2 * z + 1) * fs);
+    if constexpr (Min == kStoredMins) mn[z] = two_factors(mins + 2 * z * fs, mins + (2 * z + 1) * fs);
+    if constexpr (Min == kScaledMins) mn[z] = _mm512_mul_ps(ws[z], _mm512_set1_ps(op.min_per_scale));
+    if constexpr (Bits == kIQ4XS) {  // as `tile`: d * (ls - 32), exact
+      const uint8_t* k_factors = chunks + 2 * z * pb + kKScaleOffset<Bits>;
+      ws[z] = _mm512_mul_ps(ws[z], two_subscales(k_factors, k_factors + pb));
+    }
+    if constexpr (k_factors_in(Bits) && Min == kStoredMins) {  // as `tile`: d * sc, -dmin * mn, exact
+      const uint8_t* k_factors = chunks + 2 * z * pb + kKScaleOffset<Bits>;
+      ws[z] = _mm512_mul_ps(ws[z], two_k_factors(k_factors, k_factors + pb));
+      mn[z] = _mm512_mul_ps(mn[z], two_k_factors(k_factors + kLanes, k_factors + pb + kLanes));
+    }
+  }
+}
+
+// `tile`'s float step on 16 lanes: acc += float(dot) * xscale * scale (+ xsum * min).
+template <MinKind Min>
+__attribute__((always_inline)) inline void wide_float_step(float* acc, __m512i dot, __m512 xs, __m512 ws, __m512 xm, __m512 mn) {
+  __m512 a = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), xs), ws, _mm512_load_ps(acc));
+  if constexpr (Min == kStoredMins || Min == kScaledMins) a = _mm512_fmadd_ps(xm, mn, a);
+  _mm512_store_ps(acc, a);
+}
+
+// Row m's float sums of panels p, p + 1 (16 lanes), plus the bias, into the output.
+template <typename S>
+inline void wide_store(const Operands<S>& op, int64_t m, int64_t p, const float* sums) {
+  const int64_t n0 = p * kLanes;
+  float* dst = op.at(m, n0);
+  __m512 y = _mm512_load_ps(sums);
+  if (n0 + 2 * kLanes <= op.N) {
+    if (op.bias != nullptr) y = _mm512_add_ps(y, _mm512_loadu_ps(op.bias + n0));
+    _mm512_storeu_ps(dst, y);
+  } else {  // panel p + 1 is the last, N not a multiple of 8: lanes past N are padding
+    alignas(64) float lanes[2 * kLanes], bias[2 * kLanes] = {};
+    if (op.bias != nullptr) std::copy(op.bias + n0, op.bias + op.N, bias);
+    _mm512_store_ps(lanes, _mm512_add_ps(y, _mm512_load_ps(bias)));
+    std::copy(lanes, lanes + (op.N - n0), dst);
+  }
+}
+
+// Two panels' Q6_K factors of a group: d * sc for its values 0..15 (s0) and 16..31 (s1), as `tile`.
+template <int RZ, typename S>
+__attribute__((always_inline)) inline void wide_subscales6(const Operands<S>& op, const uint8_t* chunks, const S* scales,
+                                                           __m512 (&s0)[RZ], __m512 (&s1)[RZ]) {
+  const int64_t pb = op.panel_bytes, fs = op.scales_per_row * kLanes;
+  for (int z = 0; z < RZ; ++z) {
+    const __m512 d = two_factors(scales + 2 * z * fs, scales + (2 * z + 1) * fs);
+    s0[z] = _mm512_mul_ps(d, two_subscales(chunks + 2 * z * pb + kSubScaleOffset, chunks + (2 * z + 1) * pb + kSubScaleOffset));
+    s1[z] = _mm512_mul_ps(d, two_subscales(chunks + 2 * z * pb + kSubScaleOffset + kLanes,
+                                           chunks + (2 * z + 1) * pb + kSubScaleOffset + kLanes));
+  }
+}
+
 // A 6-bit group of RM rows x 2 * RZ panels into the float sums: `tile`'s 6-bit loop and float step, lane for
 // lane. Two rows or fewer (decodes), and the 8 x 1 tiles that the planner gives 6 bits from 7 rows, take both
 // sub-blocks in one pass, two integer sums an output, as `tile`; 6 x 3 tiles (3 to 6 rows) take the group's
@@ -109,15 +169,10 @@ MinKind min_kind(const Operands<S>& op) {
 template <int RM, int RZ, typename S>
 __attribute__((always_inline)) inline void wide_group6(const Operands<S>& op, float (&acc)[RM][RZ][2 * kLanes], const uint8_t* chunks,
                                                        const S* scales, const int16_t* x, const float* xscale) {
-  const int64_t pb = op.panel_bytes, fs = op.scales_per_row * kLanes, nb = op.nb;
+  const int64_t pb = op.panel_bytes, nb = op.nb;
   constexpr bool kOnePass = RM <= 2 || RZ == 1;
   __m512 s0[RZ], s1[RZ];
-  for (int z = 0; z < RZ; ++z) {
-    const __m512 d = two_factors(scales + 2 * z * fs, scales + (2 * z + 1) * fs);
-    s0[z] = _mm512_mul_ps(d, two_subscales(chunks + 2 * z * pb + kSubScaleOffset, chunks + (2 * z + 1) * pb + kSubScaleOffset));
-    s1[z] = _mm512_mul_ps(d, two_subscales(chunks + 2 * z * pb + kSubScaleOffset + kLanes,
-                                           chunks + (2 * z + 1) * pb + kSubScaleOffset + kLanes));
-  }
+  wide_subscales6<RZ>(op, chunks, scales, s0, s1);
   // Pass 0: both sub-blocks (into dots and dots6); 1: the first alone; 2: the second alone.
   const auto pass = [&](auto which) {
     constexpr int kWhich = decltype(which)::value;
@@ -388,31 +443,13 @@ __attribute__((noinline)) void wide_tile(const Operands<S>& op, int64_t m0, int6
     if constexpr (kSplit)
       for (int z = 0; z < RZ; ++z) dots[0][z] = _mm512_add_epi32(dots[0][z], dots2[z]);
     __m512 ws[RZ], mn[RZ];
-    for (int z = 0; z < RZ; ++z) {
-      const int64_t at = 2 * z * fs + sg * kLanes;
-      ws[z] = two_factors(scales + at, scales + at + fs);
-      if constexpr (Min == kStoredMins) mn[z] = two_factors(mins + at, mins + at + fs);
-      if constexpr (Min == kScaledMins) mn[z] = _mm512_mul_ps(ws[z], _mm512_set1_ps(op.min_per_scale));
-      if constexpr (Bits == kIQ4XS) {  // as `tile`: d * (ls - 32), exact
-        const uint8_t* k_factors = chunks + 2 * z * pb + kKScaleOffset<Bits>;
-        ws[z] = _mm512_mul_ps(ws[z], two_subscales(k_factors, k_factors + pb));
-      }
-      if constexpr (k_factors_in(Bits) && Min == kStoredMins) {  // as `tile`: d * sc, -dmin * mn, exact
-        const uint8_t* k_factors = chunks + 2 * z * pb + kKScaleOffset<Bits>;
-        ws[z] = _mm512_mul_ps(ws[z], two_k_factors(k_factors, k_factors + pb));
-        mn[z] = _mm512_mul_ps(mn[z], two_k_factors(k_factors + kLanes, k_factors + pb + kLanes));
-      }
-    }
+    wide_factors<Bits, Min, RZ>(op, chunks, scales + sg * kLanes, Min == kStoredMins ? mins + sg * kLanes : nullptr, ws, mn);
     // A row's factors read before its sums are stored: a store to acc between them made gcc store each sum
     // twice (after each fused multiply-add), not knowing that xsum is not acc.
     for (int r = 0; r < RM; ++r) {
       const __m512 xs = _mm512_set1_ps(xscale[r * nb + g]);
       const __m512 xm = kFloatMin ? _mm512_set1_ps(xsum[r * nb + g]) : xs;
-      for (int z = 0; z < RZ; ++z) {
-        __m512 a = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dots[r][z]), xs), ws[z], _mm512_load_ps(acc[r][z]));
-        if constexpr (kFloatMin) a = _mm512_fmadd_ps(xm, mn[z], a);
-        _mm512_store_ps(acc[r][z], a);
-      }
+      for (int z = 0; z < RZ; ++z) wide_float_step<Min>(acc[r][z], dots[r][z], xs, ws[z], xm, mn[z]);
     }
     __asm__("" : "+m"(acc));
     if (--left == 0) {
@@ -420,22 +457,8 @@ __attribute__((noinline)) void wide_tile(const Operands<S>& op, int64_t m0, int6
       left = groups_per_scale;
     }
   }
-  for (int r = 0; r < RM; ++r) {
-    for (int z = 0; z < RZ; ++z) {
-      const int64_t n0 = (p0 + 2 * z) * kLanes;
-      float* dst = op.at(m0 + r, n0);
-      __m512 y = _mm512_load_ps(acc[r][z]);
-      if (n0 + 2 * kLanes <= op.N) {
-        if (op.bias != nullptr) y = _mm512_add_ps(y, _mm512_loadu_ps(op.bias + n0));
-        _mm512_storeu_ps(dst, y);
-      } else {  // panel p0 + 2z + 1 is the last, N not a multiple of 8: lanes past N are padding
-        alignas(64) float lanes[2 * kLanes], bias[2 * kLanes] = {};
-        if (op.bias != nullptr) std::copy(op.bias + n0, op.bias + op.N, bias);
-        _mm512_store_ps(lanes, _mm512_add_ps(y, _mm512_load_ps(bias)));
-        std::copy(lanes, lanes + (op.N - n0), dst);
-      }
-    }
-  }
+  for (int r = 0; r < RM; ++r)
+    for (int z = 0; z < RZ; ++z) wide_store(op, m0 + r, p0 + 2 * z, acc[r][z]);
 }
 
 template <int Bits, int RM, int RZ, MinKind Min, typename S>
@@ -449,20 +472,26 @@ void wide_tile_upto(const Operands<S>& op, int64_t m0, int64_t p0, int rm, int r
   wide_tile<Bits, RM, RZ, Min>(op, m0, p0);
 }
 
-template <int Bits, int RM, int RZ, typename S>
-void wide_tile_upto(const Operands<S>& op, int64_t m0, int64_t p0, int rm, int rz) {
+// f(std::integral_constant<MinKind, the product's kind>{}): a tile's min step as a template argument.
+template <int Bits, typename S, typename F>
+void with_min_kind(const Operands<S>& op, const F& f) {
   if constexpr (Bits == 8 || Bits == 6 || table_values(Bits)) {  // qlinear takes no mins with these
-    wide_tile_upto<Bits, RM, RZ, kNoMin>(op, m0, p0, rm, rz);
+    f(std::integral_constant<MinKind, kNoMin>{});
   } else if constexpr (k_factors_in(Bits)) {  // always its -dmin (qlinear checks)
-    wide_tile_upto<Bits, RM, RZ, kStoredMins>(op, m0, p0, rm, rz);
+    f(std::integral_constant<MinKind, kStoredMins>{});
   } else {
     switch (min_kind(op)) {
-      case kNoMin: return wide_tile_upto<Bits, RM, RZ, kNoMin>(op, m0, p0, rm, rz);
-      case kFoldedMin: return wide_tile_upto<Bits, RM, RZ, kFoldedMin>(op, m0, p0, rm, rz);
-      case kStoredMins: return wide_tile_upto<Bits, RM, RZ, kStoredMins>(op, m0, p0, rm, rz);
-      case kScaledMins: return wide_tile_upto<Bits, RM, RZ, kScaledMins>(op, m0, p0, rm, rz);
+      case kNoMin: return f(std::integral_constant<MinKind, kNoMin>{});
+      case kFoldedMin: return f(std::integral_constant<MinKind, kFoldedMin>{});
+      case kStoredMins: return f(std::integral_constant<MinKind, kStoredMins>{});
+      case kScaledMins: return f(std::integral_constant<MinKind, kScaledMins>{});
     }
   }
+}
+
+template <int Bits, int RM, int RZ, typename S>
+void wide_tile_upto(const Operands<S>& op, int64_t m0, int64_t p0, int rm, int rz) {
+  with_min_kind<Bits>(op, [&](auto min) { wide_tile_upto<Bits, RM, RZ, decltype(min)::value>(op, m0, p0, rm, rz); });
 }
 #else
 constexpr bool kWide = false;
