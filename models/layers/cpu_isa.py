@@ -10,7 +10,7 @@ all and each CPU loads the best it supports. A compiler needs no such CPU to tar
     avx2vnni     + avx_vnni                                   Alder Lake (no AVX-512)
     avx512       avx2 fma f16c + avx512f/bw/vl/dq             Skylake-SP
     avx512vnni   + avx512_vnni                                Cascade Lake, Zen 4
-    avx512amx    + amx_tile amx_int8                          Sapphire Rapids, Granite Rapids
+    avx512amx    + avx512vbmi amx_tile amx_int8               Sapphire Rapids, Granite Rapids
 
 The best target for a CPU is the last one whose flags it has all of. The rungs are not
 nested: avx512 does not need avx_vnni (Zen 4 lacks it), so the targets a CPU can fall back
@@ -51,8 +51,8 @@ TARGETS = (
     # The AMX tiles also need the OS's leave (quant_tile_amx.h asks for it): refused, this build runs avx512vnni's paths.
     Target(
         "avx512amx",
-        _AVX512 + ("avx512_vnni", "amx_tile", "amx_int8"),
-        _AVX512_CFLAGS + ("-mavx512vnni", "-mamx-tile", "-mamx-int8"),
+        _AVX512 + ("avx512_vnni", "avx512vbmi", "amx_tile", "amx_int8"),
+        _AVX512_CFLAGS + ("-mavx512vnni", "-mavx512vbmi", "-mamx-tile", "-mamx-int8"),
     ),
 )
 _BY_NAME = {target.name: target for target in TARGETS}

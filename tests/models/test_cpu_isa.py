@@ -19,8 +19,8 @@ _AVX512 = "avx512f avx512cd avx512bw avx512vl avx512dq"
 # /proc/cpuinfo `flags` of the CPUs we meet (trimmed to what matters, plus a few neighbours).
 CPUS = {
     "zen3": "fpu sse2 pni ssse3 sse4_1 sse4_2 popcnt avx fma f16c avx2 bmi2 sha_ni",
-    "zen4": f"sse4_2 avx fma f16c avx2 {_AVX512} avx512_vnni avx512_bf16 avx512_vbmi gfni",
-    "sapphire_rapids": f"sse4_2 avx fma f16c avx2 avx_vnni {_AVX512} avx512_vnni avx512_bf16 amx_tile amx_int8",
+    "zen4": f"sse4_2 avx fma f16c avx2 {_AVX512} avx512_vnni avx512_bf16 avx512vbmi gfni",
+    "sapphire_rapids": f"sse4_2 avx fma f16c avx2 avx_vnni {_AVX512} avx512_vnni avx512_bf16 avx512vbmi amx_tile amx_int8",
     "cascade_lake": f"sse4_2 avx fma f16c avx2 {_AVX512} avx512_vnni",  # the Xeon: no BF16, no AMX
     "skylake_sp": f"sse4_2 avx fma f16c avx2 {_AVX512}",
     "alder_lake": "sse4_2 avx fma f16c avx2 avx_vnni",
@@ -92,6 +92,7 @@ MACRO_FLAGS = {
     "__AVX512VL__": "avx512vl",
     "__AVX512DQ__": "avx512dq",
     "__AVX512VNNI__": "avx512_vnni",
+    "__AVX512VBMI__": "avx512vbmi",
     "__AMX_TILE__": "amx_tile",
     "__AMX_INT8__": "amx_int8",
 }

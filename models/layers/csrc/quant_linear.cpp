@@ -476,7 +476,7 @@ at::Tensor qlinear(
   // and the OS have them.
   at::Tensor xbytes_t;
 #if defined(PAGEDSERVE_HAS_AMX_TILES)
-  if (M >= kAmxMinRows && amx_format(bits) && wide_tiles_enabled() && amx_tiles_enabled()) {
+  if (amx_format(bits) && M >= amx_min_rows(bits) && wide_tiles_enabled() && amx_tiles_enabled()) {
     xbytes_t = at::empty({2, M, K}, x.options().dtype(at::kByte));
     amx_split_bytes(xq, M * K, xbytes_t.data_ptr<uint8_t>(), reinterpret_cast<int8_t*>(xbytes_t.data_ptr<uint8_t>() + M * K));
   }

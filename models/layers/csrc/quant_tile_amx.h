@@ -1,5 +1,6 @@
-// AMX's tile family (Sapphire Rapids and later; the `avx512amx` build): steps of 32 rows or more on the
-// int8 tile multiplier, for the formats of one integer sum a group (not Q2_K's or Q6_K's). Elsewhere only stand-ins.
+// AMX's tile family (Sapphire Rapids and later; the `avx512amx` build): steps of 16 rows or more (8 and 5
+// bits: 32) on the int8 tile multiplier, for the formats of one integer sum a group (not Q2_K's or Q6_K's).
+// Elsewhere only stand-ins.
 //
 // AMX multiplies bytes, and the activations are int16: each xq is split exactly as 256 xhi + xlo (xhi its
 // signed high byte, xlo its unsigned low byte, Operands::xlo / xhi), and a group's integer dot is
@@ -15,17 +16,16 @@
 
 #include "quant_tile_wide.h"
 
-#if defined(PAGEDSERVE_HAS_WIDE_TILES) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#if defined(PAGEDSERVE_HAS_WIDE_TILES) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512VBMI__)
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
 
 namespace {
 
-#if defined(PAGEDSERVE_HAS_WIDE_TILES) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#if defined(PAGEDSERVE_HAS_WIDE_TILES) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512VBMI__)
 #define PAGEDSERVE_HAS_AMX_TILES 1
 constexpr int kAmxRows = 16;
-constexpr int kAmxMinRows = 32;  // at 16 rows a group's decoding served one tile: no faster than the wide tiles
 
 // Linux gives a process the tiles' register state only when it asks (ARCH_REQ_XCOMP_PERM for XTILEDATA),
 // and refuses where the kernel or the hypervisor has not enabled it: exactly where a tile instruction
@@ -43,6 +43,9 @@ inline bool amx_tiles_enabled() {
 // Q2_K's and Q6_K's two sums a group (sub-blocks of 16) would take four C tiles for 16 columns, twice the stores
 // of the sums: Q6_K's ran no faster than the wide tiles. A `Bits` code, or quant_linear's bits.
 constexpr bool amx_format(int bits) { return (bits & 0xFF) != 2 && (bits & 0xFF) != 6; }
+// From how many rows a format's steps take the tiles: 4 bits' groups are a byte permutation and a mask each,
+// paid back from one 16-row tile; 8 and 5 bits (two permutations, or the high bits' unpacking) from two.
+constexpr int amx_min_rows(int bits) { return (bits & 0xFF) == 4 ? kAmxRows : 2 * kAmxRows; }
 
 // The tile registers' shapes (palette 1): C tiles 0-3 (16 rows of 16 int32), A tiles 4-5 (16 rows of a group's
 // 32 bytes), B tiles 6-7 (a group's 32 values of 16 columns, 4 a row).
@@ -61,31 +64,52 @@ inline void amx_configure() {
   _tile_loadconfig(&config);
 }
 
-// A group's values of two panels (a: the first's group bytes, b: the second's) as int8: lo[c] values 2c, 2c + 1
-// and hi[c] values 16 + 2c, 16 + 2c + 1, byte 2i + t of each 128-bit half column i's value (the half: the
-// panel). The wide tiles' bytes before they widen them.
-template <int Bits>
-__attribute__((always_inline)) inline void amx_values(const uint8_t* a, const uint8_t* b, __m256i (&lo)[8], __m256i (&hi)[8]) {
-  const __m256i nibble = _mm256_set1_epi8(0x0F);
-  if constexpr (Bits == 8) {
-    for (int c = 0; c < 8; ++c) {
-      lo[c] = two_chunks(a + c * 16, b + c * 16);
-      hi[c] = two_chunks(a + (8 + c) * 16, b + (8 + c) * 16);
+// vpermb's order from a group's chunks c, c + 1 of two panels (32 bytes each, the first panel's then the
+// second's; column i's values 2c + t at byte 2i + t of chunk c) to a B-tile row: values 2c .. 2c + 3 of the 16
+// columns, 4 bytes a column, the first panel's 8 then the second's (the wide tiles' lane order).
+struct AmxRowOrder {
+  alignas(64) uint8_t index[64] = {};
+  constexpr AmxRowOrder() {
+    for (int o = 0; o < 64; ++o) {
+      const int column = o / 4, value = o % 4;
+      index[o] = static_cast<uint8_t>(column / 8 * 32 + value / 2 * 16 + 2 * (column % 8) + value % 2);
     }
+  }
+};
+constexpr AmxRowOrder kAmxRowOrder{};
+
+// A group of two panels (a, b: their group bytes) as B-tile rows of int8: row j values 4j .. 4j + 3 of the 16
+// columns. 8 bits and 4 bits take one byte permutation for each two chunks (4 bits: both nibbles' rows, the
+// low nibbles values 0..15, the high ones 16..31); 5 bits unpack their high bits as the wide tiles do, then
+// interleave.
+template <int Bits>
+__attribute__((always_inline)) inline void amx_weights(const uint8_t* a, const uint8_t* b, int8_t (*rows)[64]) {
+  const __m512i order = _mm512_load_si512(kAmxRowOrder.index);
+  const auto chunk_pair = [&](int c) {  // chunks c, c + 1 of both panels, in row order
+    const __m256i first = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + c * 16));
+    const __m256i second = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + c * 16));
+    return _mm512_permutexvar_epi8(order, _mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1));
+  };
+  if constexpr (Bits == 8) {
+    for (int j = 0; j < 8; ++j) _mm512_store_si512(rows[j], chunk_pair(2 * j));
   } else if constexpr (four_bit(Bits)) {
-    for (int c = 0; c < 8; ++c) {
-      const __m256i both = two_chunks(a + c * 16, b + c * 16);
-      lo[c] = _mm256_and_si256(both, nibble);
-      hi[c] = _mm256_and_si256(_mm256_srli_epi16(both, 4), nibble);
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    for (int j = 0; j < 4; ++j) {
+      const __m512i both = chunk_pair(2 * j);
+      __m512i lo = _mm512_and_si512(both, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(both, 4), nibble);
       if constexpr (table_values(Bits)) {
-        const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
-        lo[c] = _mm256_shuffle_epi8(table, lo[c]);
-        hi[c] = _mm256_shuffle_epi8(table, hi[c]);
+        const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
+        lo = _mm512_shuffle_epi8(table, lo);
+        hi = _mm512_shuffle_epi8(table, hi);
       }
+      _mm512_store_si512(rows[j], lo);
+      _mm512_store_si512(rows[4 + j], hi);
     }
   } else {
     static_assert(five_bit(Bits));
-    const __m256i bit4 = _mm256_set1_epi8(0x10);
+    // values 2c, 2c + 1 (lo) and 16 + 2c, 17 + 2c (hi) of the 8 chunks as the wide tiles' bytes before widening
+    const __m256i nibble = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
+    __m256i lo[8], hi[8];
     for (int h = 0; h < 2; ++h) {
       __m256i high = two_chunks(a + 128 + h * 16, b + 128 + h * 16);
       for (int j = 0; j < 4; ++j) {
@@ -96,14 +120,16 @@ __attribute__((always_inline)) inline void amx_values(const uint8_t* a, const ui
         high = _mm256_srli_epi16(high, 1);
       }
     }
+    // The 16-bit interleave of chunks c, c + 1 gives each 128-bit half 4 columns; the lane shuffle orders them.
+    const auto row = [](__m256i u, __m256i v) {
+      const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_unpacklo_epi16(u, v)), _mm256_unpackhi_epi16(u, v), 1);
+      return _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));
+    };
+    for (int j = 0; j < 4; ++j) {
+      _mm512_store_si512(rows[j], row(lo[2 * j], lo[2 * j + 1]));
+      _mm512_store_si512(rows[4 + j], row(hi[2 * j], hi[2 * j + 1]));
+    }
   }
-}
-
-// A B-tile row: values 4j .. 4j + 3 of the 16 columns, from u (values 4j, 4j + 1) and v (4j + 2, 4j + 3) as
-// amx_values makes them. The 16-bit interleave gives each 128-bit half 4 columns; the lane shuffle orders them.
-inline __m512i amx_b_row(__m256i u, __m256i v) {
-  const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_unpacklo_epi16(u, v)), _mm256_unpackhi_epi16(u, v), 1);
-  return _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));
 }
 
 // Rows m0 .. m0 + 16 * row_tiles, panels p0 .. p0 + 4, over all of K, on the tiles amx_configure() set up.
@@ -129,14 +155,7 @@ __attribute__((noinline)) void amx_tiles(const Operands<S>& op, int64_t m0, int6
     if (g + kPrefetchGroups < nb)
       for (int p = 0; p < RP; ++p)
         for (int line = 0; line < kGroupBytes; line += 64) Isa::prefetch(chunks + p * pb + kPrefetchGroups * kGroupBytes + line);
-    for (int z = 0; z < RZ; ++z) {
-      __m256i lo[8], hi[8];
-      amx_values<Bits>(chunks + 2 * z * pb, chunks + (2 * z + 1) * pb, lo, hi);
-      for (int j = 0; j < 4; ++j) {
-        _mm512_store_si512(weights[z][j], amx_b_row(lo[2 * j], lo[2 * j + 1]));
-        _mm512_store_si512(weights[z][4 + j], amx_b_row(hi[2 * j], hi[2 * j + 1]));
-      }
-    }
+    for (int z = 0; z < RZ; ++z) amx_weights<Bits>(chunks + 2 * z * pb, chunks + (2 * z + 1) * pb, weights[z]);
     __m512 ws[RZ], mn[RZ];
     wide_factors<Bits, Min, RZ>(op, chunks, scales + sg * kLanes, Min == kStoredMins ? mins + sg * kLanes : nullptr, ws, mn);
     _tile_loadd(6, weights[0][0], 64);
@@ -198,7 +217,6 @@ inline void amx_split_bytes(const int16_t* xq, int64_t n, uint8_t* lo, int8_t* h
 }
 #else
 constexpr int kAmxRows = 16;
-constexpr int kAmxMinRows = 32;
 inline bool amx_tiles_enabled() { return false; }
 constexpr bool amx_format(int) { return false; }
 #endif
