@@ -27,7 +27,7 @@ Environment: `PAGEDSERVE_API_KEY` (the same as `--api-key`), `PAGEDSERVE_CACHE` 
 models are kept, default `~/.cache/pagedserve`), `HF_HUB_OFFLINE=1` (hub ids from the local cache
 only), `PAGEDSERVE_CPU_ISA=<target>` (pick a CPU kernel build, [Design](design.md#how-a-kernel-is-chosen)),
 `PAGEDSERVE_HUGEPAGES=0` (no huge-page arena), `PAGEDSERVE_WIDE_TILES=0` (8-lane tiles on AVX-512
-builds).
+builds), `PAGEDSERVE_AMX_TILES=0` (no AMX tiles on the `avx512amx` build; the same bits either way).
 """
 
 
