@@ -106,8 +106,8 @@
 // The code: quant_common.h holds what every tile family shares (the activations' rounding, `Isa`'s 8 lanes,
 // `Operands`, the formats' `Bits` codes); a tile family is a header, each running the same arithmetic lane for
 // lane: quant_tile.h (`tile`, every build), quant_tile_avx2.h (AVX2's assembly, 4 bits), quant_tile_wide.h
-// (AVX-512 VNNI, two panels a vector), quant_tile_amx.h (AMX's int8 tiles, on the int16 activations' two bytes). This file is the planner (`int_qlinear`: which tiles over which rows,
-// panels and threads) and the op. A new format is its `Bits` code and group bytes, its block decoding in each
+// (AVX-512 VNNI, two panels a vector), quant_tile_amx.h (AMX's int8 tiles, on the int16 activations' two
+// bytes). This file is the planner (`int_qlinear`: which tiles over which rows, panels and threads) and the op. A new format is its `Bits` code and group bytes, its block decoding in each
 // family that takes it (the planner sends the others to `tile`), and its tests.
 //
 // Determinism: every output element runs the same instruction sequence, group by group in
@@ -220,8 +220,8 @@ void int_qlinear(const Operands<S>& op, float* silu_out = nullptr) {
   // shifted once, where 8 x 2 tiles took two passes (their 32 sums would not fit) and read them twice.
   constexpr bool kOnePass6 = Bits == 6;
   int64_t tile_panels = op.M <= 2 ? kDecodePanels : !wide ? kTilePanels : 2 * (few_wide ? kFewWideVectors : kOnePass6 ? 1 : kWideVectors);
-  if (amx) tile_panels = 4;  // amx_panels' tiles
   if (op.M > 2 && Isa::kPrebroadcast && four_bit(Bits) && !each_use) tile_panels = kPrebroadcastPanels4;
+  if (amx) tile_panels = kAmxPanels;  // amx_panels' tiles
   int64_t panel_blocks = (panels + block_panels - 1) / block_panels;
   if (row_blocks == 1) {  // one row block (decodes): as many blocks for each thread, of about equal size
     // Tiles of more than 2 rows broadcast each K slice's pairs once a task (sliced_tiles_4x3,
@@ -291,7 +291,7 @@ void int_qlinear(const Operands<S>& op, float* silu_out = nullptr) {
 #if defined(PAGEDSERVE_HAS_AMX_TILES)
       if constexpr (amx_format(Bits)) if (amx) {  // whole 16 rows x pairs of panels; the rest on the wide tiles
         const int64_t row_tiles = (m_end - m_begin) / kAmxRows, m_split = m_begin + row_tiles * kAmxRows;
-        const int64_t p_split = p_begin + (p_end - p_begin) / tile_panels * tile_panels;
+        const int64_t p_split = p_begin + (p_end - p_begin) / kAmxPanels * kAmxPanels;
         if (row_tiles > 0 && p_split > p_begin) amx_panels<Bits>(op, m_begin, row_tiles, p_begin, p_split);
         wide_tiles(m_begin, m_split, p_split, p_end);
         wide_tiles(m_split, m_end, p_begin, p_end);

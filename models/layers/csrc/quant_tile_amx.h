@@ -26,6 +26,7 @@ namespace {
 #if defined(PAGEDSERVE_HAS_WIDE_TILES) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512VBMI__)
 #define PAGEDSERVE_HAS_AMX_TILES 1
 constexpr int kAmxRows = 16;
+constexpr int kAmxPanels = 4;  // a tile's panels: two pairs
 
 // Linux gives a process the tiles' register state only when it asks (ARCH_REQ_XCOMP_PERM for XTILEDATA),
 // and refuses where the kernel or the hypervisor has not enabled it: exactly where a tile instruction
@@ -201,7 +202,7 @@ template <int Bits, typename S>
 void amx_panels(const Operands<S>& op, int64_t m0, int64_t row_tiles, int64_t p_begin, int64_t p_end) {
   amx_configure();
   with_min_kind<Bits>(op, [&](auto min) {
-    for (int64_t p0 = p_begin; p0 < p_end; p0 += 4) amx_tiles<Bits, decltype(min)::value>(op, m0, row_tiles, p0);
+    for (int64_t p0 = p_begin; p0 < p_end; p0 += kAmxPanels) amx_tiles<Bits, decltype(min)::value>(op, m0, row_tiles, p0);
   });
   _tile_release();
 }
@@ -217,6 +218,7 @@ inline void amx_split_bytes(const int16_t* xq, int64_t n, uint8_t* lo, int8_t* h
 }
 #else
 constexpr int kAmxRows = 16;
+constexpr int kAmxPanels = 4;  // a tile's panels: two pairs
 inline bool amx_tiles_enabled() { return false; }
 constexpr bool amx_format(int) { return false; }
 #endif
