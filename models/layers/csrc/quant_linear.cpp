@@ -139,11 +139,14 @@ constexpr int kTilePanels = Isa::kRegisters >= 32 ? 4 : 2;
 // chunks a panel, keep 2.
 constexpr int kPrebroadcastPanels4 = 3;
 constexpr int kDecodePanels = Isa::kRegisters >= 32 ? 6 : 3;
+constexpr int64_t kSpanBytes = 1 << 20;  // a span's activations (int_qlinear, below): about a core's L2
 
 // The block loop around the micro-kernel. Tasks are blocks of panels x blocks of rows (a row
 // block kept small enough to stay in L2, a panel block's weights in L2), claimed in order, so
 // the threads walk the row blocks under one panel block together and its weights come from
-// memory once.
+// memory once a span: the row blocks of about kSpanBytes of activations, whose blocks stay in L2
+// while each panel block's weights pass (a 2048-row step's 8 MB at K = 2048 came from L3 or memory
+// again for each panel block: docs/benchmarks.md).
 // silu(gate) * up over a row's n columns, in float32: elementwise.cpp's silu_and_mul, the same
 // silu8 (vec8.h), then the product.
 inline void silu_mul_row(const float* gate, const float* up, float* out, int64_t n) {
@@ -352,11 +355,15 @@ void int_qlinear(const Operands<S>& op, float* silu_out = nullptr) {
       }
     }
   };
+  // The row blocks of a span (above): its activations as int16, and AMX's bytes.
+  const int64_t span_blocks = std::max<int64_t>(1, kSpanBytes / (block_rows * op.K * (amx ? 4 : 2)));
   const auto run_task = [&](int64_t task) {
-    const int64_t pb = task / row_blocks;
+    const int64_t span = task / (panel_blocks * span_blocks), first = span * span_blocks;
+    const int64_t in_span = std::min(span_blocks, row_blocks - first), rest = task - span * panel_blocks * span_blocks;
+    const int64_t pb = rest / in_span;
     const int64_t p_begin = pb * whole_tiles / panel_blocks * tile_panels;
     const int64_t p_end = std::min(panels, (pb + 1) * whole_tiles / panel_blocks * tile_panels);
-    const int64_t m_begin = task % row_blocks * block_rows, m_end = std::min(op.M, m_begin + block_rows);
+    const int64_t m_begin = (first + rest % in_span) * block_rows, m_end = std::min(op.M, m_begin + block_rows);
     if (silu_out == nullptr) return compute(op, m_begin, m_end, p_begin, p_end, p_end);
     const int64_t width = (p_end - p_begin) * kLanes;  // the task's columns of gate, and of up
     thread_local std::vector<float> storage;
