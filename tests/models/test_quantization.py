@@ -214,8 +214,10 @@ def test_a_rows_product_is_bit_identical_whatever_the_step_size_and_threads(bits
     tail of groups (18 * 32) cover the kernel's edges; Q4_0 (its -8 folded into the integer
     sums) and a K past what AVX2 builds pre-broadcast (3136: 4 x 2 tiles that broadcast at each
     use, where K = 576 takes the 4 x 3 assembly tiles) too; 203 columns give a task several whole
-    tiles for each 4 rows of a step (AVX2 runs them slice by slice of K, every 4 rows in each). Int6
-    (Q6_K: two integer sums a group, its d per 256 groups of 8) on the same edges."""
+    tiles for each 4 rows of a step (AVX2 runs them slice by slice of K, every 4 rows in each), and at
+    K = 3136 a step of 256 rows (with AMX's bytes, 143 too) has several spans of row blocks (the tasks walk one span's
+    activations under every panel block, then the next). Int6 (Q6_K: two integer sums a group, its d
+    per 256 groups of 8) on the same edges."""
     needs_kernel()
     variant, bits = bits, ZERO_POINTS.get(bits, (bits,))[0]
     qw = random_quantized(bits, n, k, group)
