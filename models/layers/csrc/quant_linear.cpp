@@ -141,12 +141,6 @@ constexpr int kPrebroadcastPanels4 = 3;
 constexpr int kDecodePanels = Isa::kRegisters >= 32 ? 6 : 3;
 constexpr int64_t kSpanBytes = 1 << 20;  // a span's activations (int_qlinear, below): about a core's L2
 
-// The block loop around the micro-kernel. Tasks are blocks of panels x blocks of rows (a row
-// block kept small enough to stay in L2, a panel block's weights in L2), claimed in order, so
-// the threads walk the row blocks under one panel block together and its weights come from
-// memory once a span: the row blocks of about kSpanBytes of activations, whose blocks stay in L2
-// while each panel block's weights pass (a 2048-row step's 8 MB at K = 2048 came from L3 or memory
-// again for each panel block: docs/benchmarks.md).
 // silu(gate) * up over a row's n columns, in float32: elementwise.cpp's silu_and_mul, the same
 // silu8 (vec8.h), then the product.
 inline void silu_mul_row(const float* gate, const float* up, float* out, int64_t n) {
@@ -161,6 +155,13 @@ inline void silu_mul_row(const float* gate, const float* up, float* out, int64_t
   }
 }
 
+// The block loop around the micro-kernel. Tasks are blocks of panels x blocks of rows (a row
+// block kept small enough to stay in L2, a panel block's weights in L2), claimed in order, so
+// the threads walk the row blocks under one panel block together and its weights come from
+// memory once a span: the row blocks of about kSpanBytes of activations, whose blocks stay in L2
+// while each panel block's weights pass (a 2048-row step's 8 MB at K = 2048 came from L3 or memory
+// again for each panel block: docs/benchmarks.md).
+//
 // With `silu_out`: N = 2I is [gate | up] (I a multiple of 8) and the result is silu(gate) * up,
 // (M, I) at silu_out: each task takes its gate panels and the up panels I / 8 further, into a
 // scratch of its own (in L2), and writes only the product. The (M, 2I) output that silu_and_mul
