@@ -1,12 +1,16 @@
 """Paged attention on this CPU, per layer: a prompt, a chunk after cached tokens, a batch of decodes.
 
     python -m loadtest.bench_attention [--tokens 512] [--threads 2] [--clock cpu] [--pytorch]
+                                       [--decodes 64] [--kv-dtype float32] [--layers 1]
 
 SmolLM2's attention shapes (135M: 9 query / 3 KV heads, 360M: 15 / 5, 1.7B: 32 / 32, head dim
 64), random keys and values in a float32 cache of 16-token blocks, each case timed as the best
 of `--repeats` runs of `models.layers.attention.paged_attention` (K/V write included). Cases:
 one fresh prompt of `--tokens` tokens; the second half of that prompt as a chunk after its
-first half, cached; 64 decodes of 128-256 cached tokens. For scale, `linear` is the same
+first half, cached; `--decodes` decodes of 128-256 cached tokens. `--kv-dtype float16` holds the
+cache as a 16-bit model's; `--layers N` gives each case N caches of its own, run in turn and timed
+per layer, so that a decode's keys come from memory as they do in a forward (one cache of a few MB
+stays in the last-level cache from one run to the next). For scale, `linear` is the same
 layer's float32 projections (qkv, o, gate_up, down) for the prompt's rows. `--pytorch` runs
 the eager paths (what serves without our kernels) instead of the C++ kernel. On a shared machine
 `--threads 1 --clock cpu` measures this process's CPU time, which other processes' load inflates
@@ -47,10 +51,15 @@ def best_ms(fn: Callable[[], object], repeats: int, clock: Callable[[], float] =
 
 
 def attention_case(
-    shape: tuple[int, ...], query_lens: list[int], seq_lens: list[int], gen: torch.Generator
-) -> Callable[[], torch.Tensor]:
-    """A closure running one step's paged_attention: sequence i has query_lens[i] new tokens
-    at the end of its seq_lens[i]; its earlier tokens sit in the cache already."""
+    shape: tuple[int, ...],
+    query_lens: list[int],
+    seq_lens: list[int],
+    gen: torch.Generator,
+    kv_dtype: torch.dtype = torch.float32,
+    layers: int = 1,
+) -> Callable[[], list[torch.Tensor]]:
+    """A closure running one step's paged_attention on each of `layers` caches: sequence i has
+    query_lens[i] new tokens at the end of its seq_lens[i]; its earlier tokens sit in the cache already."""
     num_heads, num_kv_heads, head_dim = shape[:3]
     tables: list[list[int]] = []
     next_block = 0
@@ -58,12 +67,15 @@ def attention_case(
         used = -(-n // BLOCK_SIZE)
         tables.append(list(range(next_block, next_block + used)))
         next_block += used
-    cache = torch.randn(next_block, BLOCK_SIZE, 2, num_kv_heads, head_dim, generator=gen)
+    caches = [
+        torch.randn(next_block, BLOCK_SIZE, 2, num_kv_heads, head_dim, generator=gen).to(kv_dtype)
+        for _ in range(layers)
+    ]
     meta = AttentionMetadata.build(query_lens, seq_lens, tables, BLOCK_SIZE)
     tokens = sum(query_lens)
     q = torch.randn(tokens, num_heads, head_dim, generator=gen)
     k, v = torch.randn(2, tokens, num_kv_heads, head_dim, generator=gen)
-    return lambda: paged_attention(q, k, v, cache, meta, head_dim**-0.5)
+    return lambda: [paged_attention(q, k, v, cache, meta, head_dim**-0.5) for cache in caches]
 
 
 def linear_case(
@@ -90,6 +102,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="cpu: process CPU time")
     p.add_argument("--pytorch", action="store_true", help="the eager PyTorch paths, not our kernel")
+    p.add_argument("--decodes", type=int, default=64)
+    p.add_argument("--kv-dtype", choices=("float32", "float16", "bfloat16"), default="float32")
+    p.add_argument("--layers", type=int, default=1, help="caches a case runs on in turn (timed per layer)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.pytorch:
@@ -98,23 +113,24 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("our CPU kernels are not built here (no compiler, or PAGEDSERVE_CPU_KERNELS=0)")
     gen = torch.Generator().manual_seed(0)
     n, half = args.tokens, args.tokens // 2
-    decode_lens = torch.randint(128, 257, (64,), generator=gen).tolist()
+    decode_lens = torch.randint(128, 257, (args.decodes,), generator=gen).tolist()
+    kv_dtype, layers = getattr(torch, args.kv_dtype), args.layers
     print(
         f"{cpu_description()}, {args.threads} threads, {'eager PyTorch' if args.pytorch else 'C++ kernel'}; "
-        f"ms per layer, best of {args.repeats} ({args.clock} clock)"
+        f"ms per layer, best of {args.repeats} ({args.clock} clock); {args.kv_dtype} cache, {layers} layer(s)"
     )
-    print(f"| shape | prompt {n} | chunk {n - half} after {half} | 64 decodes | linear, {n} rows |")
+    print(f"| shape | prompt {n} | chunk {n - half} after {half} | {args.decodes} decodes | linear, {n} rows |")
     print("|---|---|---|---|---|")
     with torch.inference_mode():
         for name, shape in SHAPES.items():
             cases = [
-                attention_case(shape, [n], [n], gen),
-                attention_case(shape, [n - half], [n], gen),
-                attention_case(shape, [1] * 64, decode_lens, gen),
-                linear_case(shape, n, gen),
+                attention_case(shape, [n], [n], gen, kv_dtype, layers),
+                attention_case(shape, [n - half], [n], gen, kv_dtype, layers),
+                attention_case(shape, [1] * args.decodes, decode_lens, gen, kv_dtype, layers),
             ]
             clock = time.process_time if args.clock == "cpu" else time.perf_counter
-            times = [best_ms(case, args.repeats, clock) for case in cases]
+            times = [best_ms(case, args.repeats, clock) / layers for case in cases]
+            times.append(best_ms(linear_case(shape, n, gen), args.repeats, clock))
             print(f"| {name} ({shape[0]}/{shape[1]} x {shape[2]}) | " + " | ".join(f"{t:.2f}" for t in times) + " |")
 
 
