@@ -1,4 +1,4 @@
-"""loadtest.bench_attention runs every case on each of its caches, in the cache's dtype, and prints its table."""
+"""loadtest.bench_attention runs every case on each of its layers' caches and prints its table."""
 
 import pytest
 import torch
@@ -7,7 +7,7 @@ from loadtest import bench_attention
 from models.layers import cpu_kernels
 
 
-def test_a_case_runs_on_every_layer_cache_in_its_dtype():
+def test_a_case_runs_on_every_layer_cache():
     gen = torch.Generator().manual_seed(0)
     run = bench_attention.attention_case((4, 2, 8), [1, 1], [5, 20], gen, torch.float16, layers=3)
     outs = run()
